@@ -1,0 +1,357 @@
+"""K3Config: one validated dataclass describing a K3-style model, with named presets.
+
+Every mechanism is a switch, so that two runs can differ in exactly one of them:
+
+- which layers are MLA (``full_attn_layers``, 1-based as in Hugging Face configs); the rest are KDA
+- KDA decay-gate form (``kda_gate``: "lower_bound" as in K3, "softplus" as in Kimi Linear)
+- KDA output gate (``kda_output_gate``: "full" rank or "low_rank")
+- MLA output gate (``mla_output_gate``)
+- residual mode (``residual``: "block_attnres", "full_attnres", "scale_bias", "plain")
+- FFN activation (``hidden_act``: "situ" or "swiglu")
+- MoE (``num_experts`` = 0 disables it; ``routed_expert_hidden_size`` = None is plain, non-latent MoE)
+- balancing (``balancing``: "sign", "quantile", "aux_loss", "none")
+- density tiers (``layer_width_multipliers``: one factor per layer on that layer's FFN/expert widths)
+
+``K3Config.from_hf_dict`` reads the ``config.json`` of Kimi K3 (``text_config`` inside a
+``kimi_k3`` wrapper) and of Kimi Linear, with their real field names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KDA_GATES = ("lower_bound", "softplus")
+KDA_OUTPUT_GATES = ("full", "low_rank")
+RESIDUAL_MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
+ACTIVATIONS = ("situ", "swiglu")
+BALANCING = ("sign", "quantile", "aux_loss", "none")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or inconsistent."""
+
+
+@dataclass
+class K3Config:
+    # ---- trunk
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 1_048_576
+    # MLA layers, 1-based (HF convention); every other layer is KDA
+    full_attn_layers: list[int] = field(default_factory=lambda: [4])
+
+    # ---- KDA
+    kda_num_heads: int = 2
+    kda_head_dim: int = 16
+    kda_conv_size: int = 4
+    kda_gate: str = "lower_bound"
+    kda_gate_lower_bound: float = -5.0
+    kda_output_gate: str = "full"
+    kda_chunk_size: int = 64
+
+    # ---- gated MLA (NoPE)
+    num_attention_heads: int = 2
+    q_lora_rank: int | None = 24
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    mla_output_gate: bool = True
+    mla_norm_eps: float = 1e-6
+
+    # ---- FFN
+    hidden_act: str = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    intermediate_size: int = 128  # dense FFN width (first_k_dense_replace layers, or all when no MoE)
+
+    # ---- MoE
+    num_experts: int = 8  # 0: dense FFN in every layer
+    num_experts_per_token: int = 2
+    num_shared_experts: int = 1
+    moe_intermediate_size: int = 32
+    routed_expert_hidden_size: int | None = 32  # LatentMoE latent width; None: plain MoE
+    latent_moe_use_norm: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 1
+    balancing: str = "sign"
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 1e-2
+
+    # ---- residual
+    residual: str = "block_attnres"
+    attn_res_block_size: int = 2
+
+    # ---- density tiers: per-layer multiplier on FFN / expert widths (None: all 1)
+    layer_width_multipliers: list[float] | None = None
+
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        self.full_attn_layers = sorted(int(i) for i in self.full_attn_layers)
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        choices = {
+            "kda_gate": KDA_GATES,
+            "kda_output_gate": KDA_OUTPUT_GATES,
+            "residual": RESIDUAL_MODES,
+            "hidden_act": ACTIVATIONS,
+            "balancing": BALANCING,
+        }
+        for key, allowed in choices.items():
+            value = getattr(self, key)
+            need(value in allowed, f"{key}={value!r} is not one of {allowed}")
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "kda_num_heads", "kda_head_dim",
+                    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                    "intermediate_size", "kda_conv_size", "kda_chunk_size"):
+            need(int(getattr(self, key)) > 0, f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim must be >= 0")
+        n = self.num_hidden_layers
+        bad = [i for i in self.full_attn_layers if not 1 <= i <= n]
+        need(not bad, f"full_attn_layers {bad} outside 1..{n} (the list is 1-based)")
+        need(len(set(self.full_attn_layers)) == len(self.full_attn_layers), "full_attn_layers has duplicates")
+        need(self.kda_gate_lower_bound < 0, "kda_gate_lower_bound must be negative")
+        if self.num_experts:
+            need(self.num_experts >= 1, "num_experts must be >= 0")
+            need(1 <= self.num_experts_per_token <= self.num_experts,
+                 f"num_experts_per_token={self.num_experts_per_token} must be in 1..num_experts")
+            need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive")
+            need(self.num_shared_experts >= 0, "num_shared_experts must be >= 0")
+            if self.routed_expert_hidden_size is not None:
+                need(self.routed_expert_hidden_size > 0, "routed_expert_hidden_size must be positive or None")
+            need(0 <= self.first_k_dense_replace <= n, "first_k_dense_replace must be within 0..num_hidden_layers")
+        need(self.attn_res_block_size >= 1, "attn_res_block_size must be >= 1")
+        if self.layer_width_multipliers is not None:
+            need(len(self.layer_width_multipliers) == n,
+                 f"layer_width_multipliers has {len(self.layer_width_multipliers)} entries, expected {n}")
+            need(all(m > 0 for m in self.layer_width_multipliers), "layer_width_multipliers must be positive")
+
+    # ------------------------------------------------------------------ layer map
+    def is_mla_layer(self, layer_idx: int) -> bool:
+        """layer_idx is 0-based; full_attn_layers is 1-based."""
+        return (layer_idx + 1) in self.full_attn_layers
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.num_experts > 0 and layer_idx >= self.first_k_dense_replace
+
+    def layer_types(self) -> list[str]:
+        return ["MLA" if self.is_mla_layer(i) else "KDA" for i in range(self.num_hidden_layers)]
+
+    def width_multiplier(self, layer_idx: int) -> float:
+        return 1.0 if self.layer_width_multipliers is None else float(self.layer_width_multipliers[layer_idx])
+
+    def scaled_width(self, width: int, layer_idx: int) -> int:
+        """A width after the layer's density-tier multiplier, rounded to a multiple of 8 (at least 8)."""
+        m = self.width_multiplier(layer_idx)
+        if m == 1.0:
+            return width
+        return max(8, int(round(width * m / 8)) * 8)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def is_latent_moe(self) -> bool:
+        return self.num_experts > 0 and self.routed_expert_hidden_size is not None
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> K3Config:
+        """Build from our own dict or from a Hugging Face Kimi K3 / Kimi Linear config.json dict."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        hf_markers = ("text_config", "linear_attn_config")
+        if data.get("model_type") in ("kimi_k3", "kimi_linear") or any(m in data for m in hf_markers):
+            return cls.from_hf_dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # pragma: no cover - dataclass signature errors
+            raise ConfigError(str(exc)) from exc
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any]) -> K3Config:
+        """Read a Hugging Face ``config.json`` of Kimi K3 or Kimi Linear (their real field names)."""
+        text = data.get("text_config", data)
+        lac = text.get("linear_attn_config") or {}
+        n_layers = int(text["num_hidden_layers"])
+        full = lac.get("full_attn_layers")
+        if full is None:
+            kda = set(lac.get("kda_layers", []))
+            full = [i for i in range(1, n_layers + 1) if i not in kda]
+        act = text.get("hidden_act", "silu")
+        lower_bound = lac.get("gate_lower_bound")
+        latent = text.get("routed_expert_hidden_size")
+        num_experts = int(text.get("num_experts") or text.get("n_routed_experts") or 0)
+        kw = dict(
+            name=str(data.get("_name_or_path") or text.get("model_type", "hf")),
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=int(text["hidden_size"]),
+            num_hidden_layers=n_layers,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", False))),
+            initializer_range=float(text.get("initializer_range", 0.02)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 1_048_576)),
+            full_attn_layers=list(full),
+            kda_num_heads=int(lac.get("num_heads", text.get("num_attention_heads"))),
+            kda_head_dim=int(lac.get("head_dim", 128)),
+            kda_conv_size=int(lac.get("short_conv_kernel_size", 4)),
+            kda_gate="lower_bound" if lower_bound is not None else "softplus",
+            kda_gate_lower_bound=float(lower_bound) if lower_bound is not None else -5.0,
+            kda_output_gate="full" if lac.get("use_full_rank_gate", False) else "low_rank",
+            num_attention_heads=int(text["num_attention_heads"]),
+            q_lora_rank=text.get("q_lora_rank"),
+            kv_lora_rank=int(text.get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(text.get("qk_nope_head_dim", 128)),
+            qk_rope_head_dim=int(text.get("qk_rope_head_dim", 64)),
+            v_head_dim=int(text.get("v_head_dim", 128)),
+            mla_output_gate=bool(text.get("mla_use_output_gate", False)),
+            hidden_act="situ" if act == "situ" else "swiglu",
+            situ_beta=float(text.get("activation_situ_beta", 4.0)),
+            situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
+            intermediate_size=int(text.get("intermediate_size", 4 * int(text["hidden_size"]))),
+            num_experts=num_experts,
+            num_experts_per_token=int(text.get("num_experts_per_token") or text.get("num_experts_per_tok") or 1),
+            num_shared_experts=int(text.get("num_shared_experts") or text.get("n_shared_experts") or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 1),
+            routed_expert_hidden_size=int(latent) if latent else None,
+            latent_moe_use_norm=bool(text.get("latent_moe_use_norm", latent is not None)),
+            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=int(text.get("first_k_dense_replace", 0)),
+            balancing="sign",
+            residual="block_attnres" if text.get("attn_res_block_size") else "plain",
+            attn_res_block_size=int(text.get("attn_res_block_size") or 12),
+        )
+        return cls(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> K3Config:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def replace(self, **changes: Any) -> K3Config:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> K3Config:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[name]().replace(**overrides) if overrides else PRESETS[name]()
+
+
+def _every_fourth(n_layers: int, last_two: bool = False) -> list[int]:
+    layers = list(range(4, n_layers + 1, 4))
+    if last_two and n_layers not in layers:
+        layers.append(n_layers)
+    return layers
+
+
+def _nano() -> K3Config:
+    return K3Config(name="k3-nano")
+
+
+def _mini() -> K3Config:
+    # Trainable on a 2-core CPU: 8 layers, MLA every 4th, Block AttnRes over blocks of 2 layers.
+    return K3Config(
+        name="k3-mini", vocab_size=256, hidden_size=128, num_hidden_layers=8,
+        full_attn_layers=[4, 8],
+        kda_num_heads=4, kda_head_dim=32,
+        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=384,
+        num_experts=16, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=64,
+        routed_expert_hidden_size=64, first_k_dense_replace=1,
+        residual="block_attnres", attn_res_block_size=2,
+    )
+
+
+def _small() -> K3Config:
+    return K3Config(
+        name="k3-small", vocab_size=32768, hidden_size=768, num_hidden_layers=12,
+        full_attn_layers=[4, 8, 12],
+        kda_num_heads=6, kda_head_dim=128,
+        num_attention_heads=6, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=128,
+        intermediate_size=3072,
+        num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=384,
+        routed_expert_hidden_size=384, first_k_dense_replace=1,
+        residual="block_attnres", attn_res_block_size=3,
+    )
+
+
+def _kimi_linear_48b() -> K3Config:
+    return K3Config(
+        name="kimi-linear-48b", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
+        full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+        kda_num_heads=32, kda_head_dim=128, kda_gate="softplus", kda_output_gate="low_rank",
+        num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_output_gate=False,
+        hidden_act="swiglu", intermediate_size=9216,
+        num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
+        routed_expert_hidden_size=None, routed_scaling_factor=2.446, first_k_dense_replace=1,
+        residual="plain",
+    )
+
+
+def _kimi_k3() -> K3Config:
+    return K3Config(
+        name="kimi-k3", vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
+        full_attn_layers=_every_fourth(93, last_two=True),
+        kda_num_heads=96, kda_head_dim=128, kda_gate="lower_bound", kda_gate_lower_bound=-5.0,
+        kda_output_gate="full",
+        num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_output_gate=True,
+        hidden_act="situ", intermediate_size=33792,
+        num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
+        routed_expert_hidden_size=3584, routed_scaling_factor=1.0, first_k_dense_replace=1,
+        residual="block_attnres", attn_res_block_size=12,
+    )
+
+
+def _k3_large() -> K3Config:
+    # The K3 architecture (every mechanism, same head dims and ratios) scaled to about 60B parameters,
+    # which is about 120 GB in bf16 and so fits one 141 GB GPU with room for activations.
+    return _kimi_k3().replace(
+        name="k3-large", hidden_size=4096, num_hidden_layers=32,
+        full_attn_layers=_every_fourth(32),
+        kda_num_heads=32, num_attention_heads=32, q_lora_rank=1024,
+        intermediate_size=16384,
+        num_experts=128, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=2048,
+        routed_expert_hidden_size=2048, attn_res_block_size=8,
+    )
+
+
+PRESETS = {
+    "k3-nano": _nano,
+    "k3-mini": _mini,
+    "k3-small": _small,
+    "kimi-linear-48b": _kimi_linear_48b,
+    "k3-large": _k3_large,
+    "kimi-k3": _kimi_k3,
+}

@@ -1,0 +1,163 @@
+"""Kimi Delta Attention layer (Kimi Linear report, arXiv 2510.26692; K3 variant).
+
+    q, k, v = SiLU(ShortConv_4(W x))                   each with its own depthwise causal conv
+    q, k    = L2Norm(q), L2Norm(k)                     per head
+    beta    = sigmoid(W_b x)                           one write strength per head
+    z       = W_fb W_fa x                              low-rank decay input, per head-channel
+    g       = lb * sigmoid(exp(A_log) * (z + dt_bias))       K3 ("lower_bound") form, g in (lb, 0)
+    g       = -exp(A_log) * softplus(z + dt_bias)            Kimi Linear ("softplus") form
+    o       = KDA(q, k, v, g, beta)                    delta rule with per-channel decay exp(g)
+    out     = W_o (RMSNorm_head(o) * sigmoid(W_g x))   gated RMSNorm; W_g full or low rank
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import trace as _trace
+from ..config import K3Config
+from ..ops.kda import kda_chunk, kda_recurrent
+from .norm import RMSNorm
+
+
+@dataclass
+class KDACache:
+    """Decoding state of one KDA layer: constant size, whatever the length."""
+
+    conv_state: torch.Tensor | None = None  # [B, 3*H*d, kernel-1] last inputs of the q, k, v convs
+    recurrent_state: torch.Tensor | None = None  # [B, H, d, d] fp32
+    seen_tokens: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.recurrent_state) if t is not None)
+
+
+class ShortConvolution(nn.Conv1d):
+    """Causal depthwise conv over time (kernel 4, no bias) followed by SiLU."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False, padding=0)
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, C]; tail: the previous kernel-1 inputs [B, C, kernel-1] (zeros at the start)."""
+        xt = x.transpose(1, 2)
+        pad = self.kernel_size[0] - 1
+        if tail is None:
+            tail = xt.new_zeros(xt.shape[0], xt.shape[1], pad)
+        full = torch.cat([tail.to(xt.dtype), xt], dim=-1)
+        y = F.conv1d(full, self.weight, groups=self.groups)
+        new_tail = full[..., full.shape[-1] - pad:] if pad else full[..., :0]
+        return F.silu(y).transpose(1, 2), new_tail
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, H, d = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        self.num_heads, self.head_dim = H, d
+        self.q_proj = nn.Linear(D, H * d, bias=False)
+        self.k_proj = nn.Linear(D, H * d, bias=False)
+        self.v_proj = nn.Linear(D, H * d, bias=False)
+        self.q_conv1d = ShortConvolution(H * d, config.kda_conv_size)
+        self.k_conv1d = ShortConvolution(H * d, config.kda_conv_size)
+        self.v_conv1d = ShortConvolution(H * d, config.kda_conv_size)
+        self.f_a_proj = nn.Linear(D, d, bias=False)
+        self.f_b_proj = nn.Linear(d, H * d, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * d))
+        if config.kda_output_gate == "full":
+            self.g_proj = nn.Linear(D, H * d, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, d, bias=False)
+            self.g_b_proj = nn.Linear(d, H * d, bias=False)
+        self.o_norm = RMSNorm(d, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * d, D, bias=False)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        # A in [1, 16] and dt in [1e-3, 1e-1] (inverse-softplus for dt_bias), as in Mamba/GDN/KDA.
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.o_norm.weight.fill_(1.0)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g = log alpha, [B, T, H, d] fp32."""
+        B, T, _ = x.shape
+        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        z = z.view(B, T, self.num_heads, self.head_dim)
+        A = self.A_log.float().exp().view(1, 1, -1, 1)
+        if self.config.kda_gate == "lower_bound":
+            return self.config.kda_gate_lower_bound * torch.sigmoid(A * z)
+        return -A * F.softplus(z)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.kda_output_gate == "full":
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        tails = (None, None, None)
+        if cache is not None and cache.conv_state is not None:
+            tails = cache.conv_state.chunk(3, dim=1)
+        q, tq = self.q_conv1d(self.q_proj(x), tails[0])
+        k, tk = self.k_conv1d(self.k_proj(x), tails[1])
+        v, tv = self.v_conv1d(self.v_proj(x), tails[2])
+        q = F.normalize(q.float().view(B, T, H, d), dim=-1, eps=1e-6)
+        k = F.normalize(k.float().view(B, T, H, d), dim=-1, eps=1e-6)
+        v = v.view(B, T, H, d)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = self.decay(x)
+
+        initial = cache.recurrent_state if cache is not None else None
+        rec = _trace.current()
+        want_states = rec is not None and rec.wants("kda")
+        if T == 1 and cache is not None:
+            o, state = kda_recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True)
+        else:
+            o, state = kda_chunk(q, k, v, g, beta, initial_state=initial,
+                                 output_final_state=cache is not None or want_states,
+                                 chunk_size=self.config.kda_chunk_size)
+        if cache is not None:
+            cache.conv_state = torch.cat([tq, tk, tv], dim=1).detach()
+            cache.recurrent_state = state.detach()
+            cache.seen_tokens += T
+
+        o = self.o_norm(o.view(B, T, H, d))
+        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, d).float()).to(o.dtype)
+        out = self.o_proj((o * gate).reshape(B, T, H * d))
+
+        if want_states:
+            self._record(rec, q, k, v, g, beta, gate, state)
+        return out
+
+    @torch.no_grad()
+    def _record(self, rec, q, k, v, g, beta, gate, final_state) -> None:
+        i = self.layer_idx
+        rec.put_tokens(f"kda.{i}.g", g, ("batch", "token", "head", "channel"))
+        rec.put_tokens(f"kda.{i}.beta", beta, ("batch", "token", "head"))
+        rec.put_tokens(f"kda.{i}.gate", gate.float().mean(-1), ("batch", "token", "head"))
+        rec.put(f"kda.{i}.final_state", final_state[: rec.max_batch], ("batch", "head", "key", "value"))
+        # State norm over time, at chunk ends: rerun the recorded prefix chunk by chunk (cheap, bounded).
+        qs, ks, vs, gs, bs = (rec.clip(t) for t in (q, k, v, g, beta))
+        step = self.config.kda_chunk_size
+        state, norms, steps = None, [], []
+        for start in range(0, qs.shape[1], step):
+            sl = slice(start, start + step)
+            _, state = kda_chunk(qs[:, sl], ks[:, sl], vs[:, sl].float(), gs[:, sl], bs[:, sl],
+                                 initial_state=state, output_final_state=True, chunk_size=step)
+            norms.append(state.flatten(-2).norm(dim=-1))
+            steps.append(min(start + step, qs.shape[1]))
+        if norms:
+            rec.put(f"kda.{i}.state_norm", torch.stack(norms, 1), ("batch", "step", "head"))
+            rec.put(f"kda.{i}.state_steps", torch.tensor(steps), ("step",))

@@ -1,0 +1,112 @@
+"""Gated Multi-head Latent Attention with no positional encoding (DeepSeek-V2 MLA; K3 gate).
+
+    q        = W_qb RMSNorm(W_qa x)                    (or W_q x without a q LoRA)
+    c, k_r   = split(W_kva x)                          latent (kv_lora) + shared rope-part key
+    k_n, v   = split(W_kvb RMSNorm(c))                 per head
+    A        = softmax([q_n, q_r] [k_n, k_r]^T / sqrt(d_nope + d_rope) + causal) v
+    out      = W_o (A * sigmoid(W_g x))                the K3 output gate (optional)
+
+No rotary embedding is applied anywhere (NoPE); the "rope" part is just extra key/query width.
+The decode cache stores only c and k_r per token (kv_lora + rope numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import trace as _trace
+from ..config import K3Config
+from .norm import RMSNorm
+
+
+@dataclass
+class MLACache:
+    """Decoding state of one MLA layer: the compressed latent of every past token."""
+
+    latent: torch.Tensor | None = None  # [B, T, kv_lora + rope]
+
+    @property
+    def seen_tokens(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def nbytes(self) -> int:
+        return 0 if self.latent is None else self.latent.numel() * self.latent.element_size()
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.nope, self.rope, self.vdim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora = config.kv_lora_rank
+        qk = self.nope + self.rope
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, config.mla_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, H * (self.nope + self.vdim), bias=False)
+        if config.mla_output_gate:
+            self.g_proj = nn.Linear(D, H * self.vdim, bias=False)
+        self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
+        self.scale = qk ** -0.5
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.config.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)  # [B, H, T, qk]
+
+        latent = self.kv_a_proj_with_mqa(x)  # [B, T, kv_lora + rope]
+        past = 0
+        if cache is not None:
+            past = cache.seen_tokens
+            latent = latent if cache.latent is None else torch.cat([cache.latent, latent], dim=1)
+            cache.latent = latent.detach()
+        S = latent.shape[1]
+        c, k_rope = latent.split([self.kv_lora, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, S, H, self.nope + self.vdim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(B, H, S, self.rope)], dim=-1)
+
+        rec = _trace.current()
+        want_probs = rec is not None and rec.wants("attn_probs") and past == 0
+        if want_probs:
+            attn_out, probs = self._attention_with_probs(q, k, v, past)
+            n = min(T, rec.max_attn_len)
+            rec.put(f"mla.{self.layer_idx}.attn", probs[: rec.max_batch, :, :n, :n],
+                    ("batch", "head", "query", "key"))
+        elif past == 0:
+            attn_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            # Decoding: query t (absolute past + t) sees keys 0..past+t.
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            attn_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        attn_out = attn_out.transpose(1, 2)  # [B, T, H, v]
+        if self.config.mla_output_gate:
+            gate = torch.sigmoid(self.g_proj(x).view(B, T, H, self.vdim).float()).to(attn_out.dtype)
+            attn_out = attn_out * gate
+            if rec is not None and rec.wants("mla"):
+                rec.put_tokens(f"mla.{self.layer_idx}.gate", gate.float().mean(-1), ("batch", "token", "head"))
+        return self.o_proj(attn_out.reshape(B, T, H * self.vdim))
+
+    def _attention_with_probs(self, q, k, v, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Explicit softmax attention (fp32) for recording the probabilities."""
+        T, S = q.shape[2], k.shape[2]
+        scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        return (probs @ v.float()).to(v.dtype), probs

@@ -1,0 +1,40 @@
+"""Attention over depth (AttnRes), the functional core.
+
+    mix(v_0..v_n; w, norm_w) = sum_i p_i v_i,   p = softmax_i( <w, norm_w * RMSNorm(v_i)> )
+
+The softmax runs over the source axis in fp32 with no 1/sqrt(D) factor; the raw sources are
+mixed, not their normalised keys. A zero pseudo-query w gives the uniform average.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm(x; w, eps) = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def attnres_mix(
+    query: torch.Tensor,
+    sources: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float = 1e-5,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-weighted mix of depth sources.
+
+    query: [D] pseudo-query; sources: [N, ..., D] stacked on the first axis; norm_weight: [D].
+    Returns the mix [..., D] (dtype of sources) and, when ``return_weights``, p: [N, ...] (fp32).
+    """
+    src32 = sources.float()
+    keys = src32 * torch.rsqrt(src32.pow(2).mean(-1, keepdim=True) + eps)
+    logits = keys @ (query.float() * norm_weight.float())  # [N, ...]
+    p = torch.softmax(logits, dim=0)
+    mixed = (p.unsqueeze(-1) * src32).sum(0).to(sources.dtype)
+    return (mixed, p) if return_weights else mixed
