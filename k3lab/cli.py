@@ -1,0 +1,153 @@
+"""The ``k3lab`` command: one entry point wiring the same functions the app uses.
+
+    k3lab app [RUN ...]        open the Streamlit app (default: the shipped sample checkpoints)
+    k3lab train ...            train a config (see k3lab train --help)
+    k3lab report RUN [RUN2]    headless HTML report with every figure and its data
+    k3lab inspect RUN          config, parameter counts, layer map, headline numbers
+    k3lab generate RUN         sample text from a checkpoint
+    k3lab presets              list the named configurations and their sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = REPO_ROOT / "sample_checkpoints"
+
+COMMANDS = {
+    "app": "open the Streamlit app",
+    "train": "train a K3 config (byte-level, Shakespeare by default)",
+    "report": "write a headless HTML report for one or two runs",
+    "inspect": "print config, parameter counts, layer map and headline numbers",
+    "generate": "generate text from a checkpoint",
+    "presets": "list the named configurations",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: k3lab COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:10s} {text}" for name, text in COMMANDS.items()]
+    lines += ["", "Run `k3lab COMMAND --help` for the options of a command."]
+    return "\n".join(lines)
+
+
+def cmd_app(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="k3lab app", description="Open the k3lab Streamlit app.")
+    parser.add_argument("runs", nargs="*", help="checkpoint folders to preload (default: sample_checkpoints/*)")
+    parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    parser.add_argument("--headless", action="store_true", help="do not try to open a browser")
+    args = parser.parse_args(argv)
+    main_py = Path(__file__).resolve().parent.parent / "app" / "main.py"
+    if not main_py.is_file():
+        print(f"k3lab app: cannot find the app at {main_py}", file=sys.stderr)
+        return 2
+    for run in args.runs:
+        if not Path(run).is_dir():
+            print(f"k3lab app: {run} is not a checkpoint folder", file=sys.stderr)
+            return 2
+    env = dict(os.environ)
+    if args.runs:
+        env["K3LAB_RUNS"] = os.pathsep.join(str(Path(r).resolve()) for r in args.runs)
+    cmd = [sys.executable, "-m", "streamlit", "run", str(main_py), "--server.port", str(args.port),
+           "--browser.gatherUsageStats", "false"]
+    if args.headless:
+        cmd += ["--server.headless", "true"]
+    print(f"k3lab app: serving on http://localhost:{args.port}")
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="k3lab generate", description="Generate text from a checkpoint.")
+    parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors)")
+    parser.add_argument("--prompt", default="ROMEO:\n", help="prompt text (default: 'ROMEO:\\n')")
+    parser.add_argument("--tokens", type=int, default=200, help="new tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from k3core.checkpoint import CheckpointError
+    from k3core.data import ByteTokenizer
+    from k3core.model import K3ForCausalLM
+
+    try:
+        model = K3ForCausalLM.from_pretrained(args.run)
+    except CheckpointError as exc:
+        print(f"k3lab generate: {exc}", file=sys.stderr)
+        return 2
+    if model.config.vocab_size != 256:
+        print("k3lab generate: only byte-level (vocab 256) checkpoints can be prompted with text", file=sys.stderr)
+        return 2
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode(args.prompt) or [10]])
+    gen = torch.Generator().manual_seed(args.seed)
+    out = model.generate(ids, max_new_tokens=args.tokens, temperature=max(args.temperature, 1e-6),
+                         do_sample=args.temperature > 0, top_k=args.top_k, generator=gen)
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_presets(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
+    from k3core.config import PRESETS
+    from k3core.model import K3ForCausalLM
+
+    print(f"{'preset':18s} {'layers':>6s} {'width':>6s} {'total':>12s} {'active':>12s}  layout")
+    for name in PRESETS:
+        model = K3ForCausalLM.from_config(name, device="meta")
+        cfg = model.config
+        layout = "".join("M" if t == "MLA" else "k" for t in cfg.layer_types())
+        if len(layout) > 40:
+            layout = layout[:37] + "..."
+        print(f"{name:18s} {cfg.num_hidden_layers:6d} {cfg.hidden_size:6d} "
+              f"{_human(model.num_parameters()):>12s} {_human(model.num_parameters(active=True)):>12s}  {layout}")
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "app":
+        return cmd_app(rest)
+    if command == "generate":
+        return cmd_generate(rest)
+    if command == "presets":
+        return cmd_presets(rest)
+    if command == "train":
+        from k3core.train import main as train_main
+
+        return train_main(rest)
+    if command == "report":
+        from analysis.report import main as report_main
+
+        return report_main(rest)
+    if command == "inspect":
+        from analysis.inspect import main as inspect_main
+
+        return inspect_main(rest)
+    print(f"k3lab: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
