@@ -1,0 +1,1 @@
+"""The k3lab Streamlit app: ``streamlit run app/main.py`` (or ``k3lab app``)."""

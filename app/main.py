@@ -1,0 +1,53 @@
+"""k3lab: the Streamlit app. Run with ``k3lab app [RUN ...]`` or ``streamlit run app/main.py``.
+
+Checkpoint folders to preload come from the ``K3LAB_RUNS`` environment variable (os.pathsep-joined);
+the shipped ``sample_checkpoints/*`` and uploaded checkpoints are always offered too. The sidebar holds
+the inputs every page shares (run, text, max tokens, device, dtype, options); pages are thin: they pick
+inputs, call ``analysis`` / ``k3core``, show figures and offer exports.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import streamlit as st  # noqa: E402
+
+from app import widgets  # noqa: E402
+
+PAGES_DIR = Path(__file__).resolve().parent / "pages"
+
+st.set_page_config(page_title="k3lab", page_icon=":material/biotech:", layout="wide", initial_sidebar_state="expanded")
+
+
+def _page(name: str, title: str, icon: str, default: bool = False):
+    return st.Page(str(PAGES_DIR / f"{name}.py"), title=title, icon=icon, default=default, url_path=name)
+
+
+PAGES = {
+    "Model": [
+        _page("overview", "Overview", ":material/home:", default=True),
+    ],
+    "Mechanisms": [
+        _page("density", "KDA & density", ":material/memory:"),
+        _page("attnres", "AttnRes", ":material/layers:"),
+        _page("moe", "LatentMoE", ":material/hub:"),
+        _page("degradation", "Degradation", ":material/monitor_heart:"),
+    ],
+    "Runs": [
+        _page("compare", "Compare", ":material/compare:"),
+        _page("history", "Training history", ":material/show_chart:"),
+    ],
+    "Tools": [
+        _page("generate", "Generate", ":material/edit_note:"),
+        _page("upload", "Upload", ":material/upload_file:"),
+    ],
+}
+
+navigation = st.navigation(PAGES)
+widgets.sidebar()
+navigation.run()

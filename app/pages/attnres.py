@@ -1,0 +1,11 @@
+"""AttnRes: depth-softmax weights per site, pseudo-query norms, scale/bias residuals, hidden-state growth."""
+
+from app import widgets
+
+widgets.section_page(
+    "attnres",
+    "AttnRes",
+    "Attention over depth instead of a plain residual: which earlier blocks each sub-layer reads from, how "
+    "peaked those depth weights are, the learned scale/bias of the scale-bias residual, and how the hidden "
+    "state's RMS grows with depth.",
+)

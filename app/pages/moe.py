@@ -1,0 +1,11 @@
+"""LatentMoE: expert load, imbalance, weight by rank, co-activation, latent routing, router biases."""
+
+from app import widgets
+
+widgets.section_page(
+    "moe",
+    "LatentMoE",
+    "Routed experts working in a narrower latent width: how evenly tokens spread over experts (MaxVio, CV, "
+    "entropy, dead experts), the weight of each routing rank, which experts fire together, the latent "
+    "vectors coloured by expert, and the selection biases.",
+)
