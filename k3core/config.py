@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,7 +98,8 @@ class K3Config:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        self.full_attn_layers = sorted(int(i) for i in self.full_attn_layers)
+        _check_field_types(self)
+        self.full_attn_layers = sorted(self.full_attn_layers)
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -120,11 +123,20 @@ class K3Config:
                     "intermediate_size", "kda_conv_size", "kda_chunk_size"):
             need(int(getattr(self, key)) > 0, f"{key} must be a positive integer, got {getattr(self, key)!r}")
         need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim must be >= 0")
+        need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank must be positive or None, "
+             f"got {self.q_lora_rank!r}")
+        for key in ("rms_norm_eps", "mla_norm_eps", "situ_beta", "situ_linear_beta", "routed_scaling_factor"):
+            need(math.isfinite(getattr(self, key)) and getattr(self, key) > 0,
+                 f"{key} must be a finite positive number, got {getattr(self, key)!r}")
+        for key in ("initializer_range", "bias_update_rate", "aux_loss_coef"):
+            need(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0,
+                 f"{key} must be a finite number >= 0, got {getattr(self, key)!r}")
         n = self.num_hidden_layers
         bad = [i for i in self.full_attn_layers if not 1 <= i <= n]
         need(not bad, f"full_attn_layers {bad} outside 1..{n} (the list is 1-based)")
         need(len(set(self.full_attn_layers)) == len(self.full_attn_layers), "full_attn_layers has duplicates")
-        need(self.kda_gate_lower_bound < 0, "kda_gate_lower_bound must be negative")
+        need(math.isfinite(self.kda_gate_lower_bound) and self.kda_gate_lower_bound < 0,
+             f"kda_gate_lower_bound must be a finite negative number, got {self.kda_gate_lower_bound!r}")
         if self.num_experts:
             need(self.num_experts >= 1, "num_experts must be >= 0")
             need(1 <= self.num_experts_per_token <= self.num_experts,
@@ -138,7 +150,8 @@ class K3Config:
         if self.layer_width_multipliers is not None:
             need(len(self.layer_width_multipliers) == n,
                  f"layer_width_multipliers has {len(self.layer_width_multipliers)} entries, expected {n}")
-            need(all(m > 0 for m in self.layer_width_multipliers), "layer_width_multipliers must be positive")
+            need(all(math.isfinite(m) and m > 0 for m in self.layer_width_multipliers),
+                 "layer_width_multipliers must be finite and positive")
 
     # ------------------------------------------------------------------ layer map
     def is_mla_layer(self, layer_idx: int) -> bool:
@@ -193,14 +206,28 @@ class K3Config:
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> K3Config:
         """Read a Hugging Face ``config.json`` of Kimi K3 or Kimi Linear (their real field names)."""
+        try:
+            return cls._from_hf_dict(data)
+        except KeyError as exc:
+            raise ConfigError(f"Hugging Face config is missing the field {exc}") from exc
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"Hugging Face config has an invalid value: {exc}") from exc
+
+    @classmethod
+    def _from_hf_dict(cls, data: dict[str, Any]) -> K3Config:
         text = data.get("text_config", data)
+        if not isinstance(text, dict):
+            raise ConfigError(f"text_config must be a JSON object, got {type(text).__name__}")
         lac = text.get("linear_attn_config") or {}
         n_layers = int(text["num_hidden_layers"])
         full = lac.get("full_attn_layers")
         if full is None:
             kda = set(lac.get("kda_layers", []))
             full = [i for i in range(1, n_layers + 1) if i not in kda]
-        act = text.get("hidden_act", "silu")
+        # Kimi K3 text configs may omit hidden_act and only carry the SiTU parameters.
+        act = text.get("hidden_act", "situ" if "activation_situ_beta" in text else "silu")
         lower_bound = lac.get("gate_lower_bound")
         latent = text.get("routed_expert_hidden_size")
         num_experts = int(text.get("num_experts") or text.get("n_routed_experts") or 0)
@@ -263,6 +290,34 @@ class K3Config:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return PRESETS[name]().replace(**overrides) if overrides else PRESETS[name]()
+
+
+def _type_ok(value: Any, annotation: str) -> bool:
+    """Does ``value`` fit a field annotation such as "int", "float", "int | None" or "list[float] | None"?"""
+    for alt in (a.strip() for a in annotation.split("|")):
+        if alt == "None" and value is None:
+            return True
+        if alt == "bool" and isinstance(value, bool):
+            return True
+        if alt == "str" and isinstance(value, str):
+            return True
+        if alt == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return True
+        if alt == "float" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return True
+        if alt.startswith("list[") and isinstance(value, (list, tuple)):
+            inner = alt[len("list["):-1]
+            if all(_type_ok(v, inner) for v in value):
+                return True
+    return False
+
+
+def _check_field_types(config: K3Config) -> None:
+    """Raise ConfigError naming the first field whose value does not match its declared type."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not _type_ok(value, str(f.type)):
+            raise ConfigError(f"{f.name} must be of type {f.type}, got {value!r} ({type(value).__name__})")
 
 
 def _every_fourth(n_layers: int, last_two: bool = False) -> list[int]:
