@@ -8,11 +8,23 @@
     y       = W_up RMSNorm(y)                         after combining (LatentMoE only)
     out     = y + SharedExperts(x)                    full width, n_shared * m wide
 
-Experts are stored stacked ([E, m, L] tensors) so dispatch is a sort plus one matmul chain per
-active expert; their state-dict keys are the published per-expert ``experts.E.w1/w2/w3.weight``.
+Experts are stored stacked ([E, m, L] tensors); their state-dict keys are the published per-expert
+``experts.E.w1/w2/w3.weight``. Dispatch (``StackedExperts.forward``) sorts the N*k (token, expert)
+assignments by expert so that each expert's tokens are contiguous, then either
+
+- ``"sorted_loop"``: one matmul chain per active expert (any device, any dtype), or
+- ``"grouped_mm"``: three grouped matrix multiplies over all experts at once (``torch.nn.functional.
+  grouped_mm`` / ``torch._grouped_mm``), used automatically for bf16 on CUDA GPUs of compute
+  capability >= 8.0 once a one-off self-test (forward and backward against the loop) has passed;
+  any failure falls back to the sorted loop.
+
+``forward_masked_loop`` is the slow, obviously right reference (every expert, a boolean mask).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +34,57 @@ from .. import trace as _trace
 from ..config import K3Config
 from .ffn import GatedMLP, activation
 from .norm import RMSNorm
+
+DISPATCH_BACKENDS = ("auto", "sorted_loop", "grouped_mm")
+
+
+def _grouped_mm_op():
+    """torch's grouped GEMM (``F.grouped_mm``, or the older private ``torch._grouped_mm``), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _run_grouped_mm(z: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rows of z grouped by expert (group e ends at offs[e]) times W_e^T: w [E, out, in] -> [rows, out]."""
+    return _grouped_mm_op()(z, w.transpose(-2, -1), offs=offs)
+
+
+@functools.cache
+def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
+    """One-off self-test on (device, dtype): grouped GEMM forward and backward match per-expert matmuls.
+
+    Includes an expert with no tokens. Any exception (unsupported GPU, dtype, layout) means False.
+    """
+    if _grouped_mm_op() is None:
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        counts = [5, 0, 11, 16]
+        z = torch.randn(sum(counts), 32, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(len(counts), 16, 32, generator=gen).to(device, dtype).requires_grad_()
+        offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        out = _run_grouped_mm(z, offs, w)
+        out.float().square().sum().backward()
+        gz, gw = z.grad.float(), w.grad.float()
+        z.grad = w.grad = None
+        ref = torch.cat([F.linear(part, w[e]) for e, part in enumerate(z.split(counts))])
+        ref.float().square().sum().backward()
+        tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        return all(
+            torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * float(b.float().abs().max()))
+            for a, b in ((out, ref), (gz, z.grad), (gw, w.grad))
+        )
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return False
+
+
+def grouped_mm_available(z: torch.Tensor) -> bool:
+    """Whether ``dispatch="auto"`` uses grouped GEMM for z: bf16 on a CUDA GPU with capability >= 8.0
+    whose self-test passed (see :func:`_grouped_mm_works`)."""
+    if not z.is_cuda or z.dtype != torch.bfloat16 or _grouped_mm_op() is None:
+        return False
+    if torch.cuda.get_device_capability(z.device) < (8, 0):
+        return False
+    return _grouped_mm_works(str(z.device), z.dtype)
 
 
 class Router(nn.Module):
@@ -52,27 +115,61 @@ class StackedExperts(nn.Module):
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
         return F.linear(activation(self.config, F.linear(z, self.w1[e]), F.linear(z, self.w3[e])), self.w2[e])
 
-    def forward(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Grouped dispatch. z [N, L]; experts, weights [N, k]. Returns sum_j w_j Expert_j(z) [N, L].
+    def forward(
+        self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, backend: str = "auto"
+    ) -> torch.Tensor:
+        """Grouped dispatch. z [N, L]; experts, weights [N, k]. Returns y = sum_j w_j Expert_j(z) [N, L].
 
-        Assignments are sorted by expert so each active expert runs once on a contiguous batch.
+        The N*k assignments are sorted by expert (stable, so within an expert tokens keep their order);
+        each expert then runs once on its contiguous rows, the outputs are scaled by their routing
+        weights and scattered back with index_add (summing a token's k contributions).
+        ``backend``: "auto" (grouped GEMM where :func:`grouped_mm_available`, else the sorted loop),
+        "sorted_loop", or "grouped_mm" (forced; on CPU torch supports its forward only).
         """
+        if backend not in DISPATCH_BACKENDS:
+            raise ValueError(f"backend must be one of {DISPATCH_BACKENDS}, got {backend!r}")
+        if z.dim() != 2 or experts.shape != weights.shape or experts.shape[0] != z.shape[0]:
+            raise ValueError(
+                f"expected z [N, L], experts and weights [N, k]; got {tuple(z.shape)}, "
+                f"{tuple(experts.shape)}, {tuple(weights.shape)}"
+            )
         N, k = experts.shape
+        if N == 0:
+            return torch.zeros_like(z)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         grouped = z.index_select(0, token_of)
-        outputs = []
-        start = 0
+        use_mm = backend == "grouped_mm" or (backend == "auto" and grouped_mm_available(z))
+        out = None
+        if use_mm:
+            try:
+                out = self._experts_grouped_mm(grouped, counts)
+            except Exception as exc:  # noqa: BLE001 - e.g. a layout this GPU's kernel rejects
+                if backend == "grouped_mm":
+                    raise
+                warnings.warn(f"grouped_mm dispatch failed ({exc}); using the sorted loop", stacklevel=2)
+        if out is None:
+            out = self._experts_sorted_loop(grouped, counts.tolist())
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(z).index_add_(0, token_of, out.to(z.dtype))
+
+    def _experts_sorted_loop(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows sorted by expert, counts[e] rows for expert e: one matmul chain per active expert."""
+        outputs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                outputs.append(self.expert(e, grouped[start:start + n]))
+                outputs.append(self.expert(e, grouped[start : start + n]))
                 start += n
-        if not outputs:
-            return torch.zeros_like(z)
-        out = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(-1).to(z.dtype)
-        return torch.zeros_like(z).index_add_(0, token_of, out)
+        return torch.cat(outputs)
+
+    def _experts_grouped_mm(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same with three grouped GEMMs (gate, up, down) over all experts; no host sync."""
+        offs = counts.cumsum(0).to(torch.int32)
+        gate = _run_grouped_mm(grouped, offs, self.w1)
+        up = _run_grouped_mm(grouped, offs, self.w3)
+        return _run_grouped_mm(activation(self.config, gate, up), offs, self.w2)
 
     def forward_masked_loop(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference dispatch: every expert, a boolean mask over tokens (slow, obviously right)."""
@@ -93,8 +190,9 @@ class StackedExperts(nn.Module):
             for e in range(self.num_experts):
                 destination[f"{prefix}{e}.{name}.weight"] = param[e]
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         expected = set()
         for name in self.WEIGHTS:
             param = getattr(self, name)
@@ -106,8 +204,10 @@ class StackedExperts(nn.Module):
                     continue
                 value = state_dict[key]
                 if tuple(value.shape) != tuple(param.shape[1:]):
-                    error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
-                                      f"the shape in current model is {tuple(param.shape[1:])}.")
+                    error_msgs.append(
+                        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                        f"the shape in current model is {tuple(param.shape[1:])}."
+                    )
                     continue
                 with torch.no_grad():
                     param[e].copy_(value)
@@ -149,12 +249,17 @@ class LatentMoE(nn.Module):
         return scores, chosen.gather(1, order), weights
 
     def forward(self, x: torch.Tensor, dispatch: str = "grouped") -> torch.Tensor:
+        """x [B, T, D]. ``dispatch``: "grouped" (auto backend), "sorted_loop", "grouped_mm" or "masked"."""
+        if dispatch not in ("grouped", "sorted_loop", "grouped_mm", "masked"):
+            raise ValueError(f"dispatch must be 'grouped', 'sorted_loop', 'grouped_mm' or 'masked', got {dispatch!r}")
         B, T, D = x.shape
         flat = x.reshape(-1, D)
         scores, experts, weights = self.route(flat)
         z = self.routed_expert_down_proj(flat) if self.latent else flat
-        run = self.experts if dispatch == "grouped" else self.experts.forward_masked_loop
-        y = run(z, experts, weights)
+        if dispatch == "masked":
+            y = self.experts.forward_masked_loop(z, experts, weights)
+        else:
+            y = self.experts(z, experts, weights, backend="auto" if dispatch == "grouped" else dispatch)
         if self.latent:
             if self.config.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
