@@ -1,0 +1,392 @@
+"""Figures for KDA layer density (analysis.density, analysis.importance): allocated vs measured, per depth.
+
+Options read from ``ctx.options``: ``seq_len`` (tokens; default 131072) for FLOPs and the cache readout,
+``dtype_bytes`` (default 2, bf16) for the MLA latent and KDA conv tails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from analysis import density as dn
+from analysis.importance import sublayer_importance
+from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
+from analysis.views import AnalysisContext, NotApplicable, View
+
+DEFAULT_SEQ_LEN = 131072
+
+
+def _seq_len(ctx: AnalysisContext) -> int:
+    T = int(ctx.options.get("seq_len", DEFAULT_SEQ_LEN))
+    if T < 1:
+        raise ValueError(f"seq_len must be >= 1, got {T}")
+    return T
+
+
+def _dtype_bytes(ctx: AnalysisContext) -> int:
+    return int(ctx.options.get("dtype_bytes", 2))
+
+
+def _fmt_tokens(T: int) -> str:
+    if T >= 2**20 and T % 2**20 == 0:
+        return f"{T // 2**20}M"
+    if T >= 1024 and T % 1024 == 0:
+        return f"{T // 1024}K"
+    return str(T)
+
+
+def _layer_bars(
+    fig: go.Figure, layers: pd.DataFrame, column: str, row: int, hover_name: str, fmt: str, show_legend: bool
+) -> None:
+    """One bar trace per layer type (so the legend explains the colours), hover naming the layer."""
+    for ltype, g in layers.groupby("layer_type", sort=False):
+        fig.add_trace(
+            go.Bar(
+                x=g["layer"],
+                y=g[column],
+                name=ltype,
+                legendgroup=ltype,
+                showlegend=show_legend,
+                marker_color=LAYER_TYPE_COLORS.get(ltype, "#7f7f7f"),
+                customdata=np.stack([g["layer_type"], g["ffn_kind"], g["width_multiplier"]], axis=-1),
+                hovertemplate=(
+                    "layer %{x} (%{customdata[0]} + %{customdata[1]}, width x%{customdata[2]})<br>"
+                    f"{hover_name} = %{{y:{fmt}}}<extra></extra>"
+                ),
+            ),
+            row=row,
+            col=1,
+        )
+
+
+def _decoder_rows(alloc: pd.DataFrame) -> pd.DataFrame:
+    return alloc[alloc["part"].str.startswith("L")]
+
+
+# ----------------------------------------------------------------------------- allocated
+
+
+def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Params / active params, FLOPs per token and cache bytes per decoder layer, from the config."""
+    T = _seq_len(ctx)
+    alloc = dn.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
+    layers = _decoder_rows(alloc)
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        subplot_titles=(
+            "active parameters per token (outline: all parameters)",
+            f"FLOPs per token at T = {_fmt_tokens(T)} (prefill average)",
+            f"decode cache per sequence at T = {_fmt_tokens(T)}",
+        ),
+    )
+    fig.add_trace(
+        go.Bar(
+            x=layers["layer"],
+            y=layers["params"],
+            name="all parameters",
+            showlegend=True,
+            marker={"color": "rgba(0,0,0,0)", "line": {"color": "#444", "width": 1}},
+            hovertemplate="layer %{x}<br>all parameters = %{y:,.0f}<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    _layer_bars(fig, layers, "active_params", 1, "active parameters", ",.0f", True)
+    _layer_bars(fig, layers, "flops", 2, "FLOPs/token", ".3s", False)
+    _layer_bars(fig, layers, "cache_bytes", 3, "cache bytes", ",.0f", False)
+    fig.update_layout(barmode="overlay")
+    fig.update_yaxes(title_text="parameters", row=1, col=1)
+    fig.update_yaxes(title_text="FLOPs / token", row=2, col=1)
+    fig.update_yaxes(title_text="bytes", type="log", row=3, col=1)
+    fig.update_xaxes(title_text="decoder layer (0-based)", dtick=1 if len(layers) <= 40 else None, row=3, col=1)
+    apply_style(fig, f"Allocated density per layer — {ctx.label}", height=720)
+    return fig, alloc
+
+
+def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Decode cache per sequence vs length, KDA (flat) vs MLA (linear), log-log, with a readout at seq_len."""
+    T = _seq_len(ctx)
+    lengths = sorted(set(dn.DEFAULT_LENGTHS) | {T})
+    table = dn.cache_bytes_by_length(ctx.config, lengths, dtype_bytes=_dtype_bytes(ctx))
+    fig = go.Figure()
+    styles = {"KDA": LAYER_TYPE_COLORS["KDA"], "MLA": LAYER_TYPE_COLORS["MLA"], "total": "#222222"}
+    for ltype, g in table.groupby("layer_type", sort=False):
+        n = int(g["n_layers"].iloc[0])
+        if n == 0:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=g["seq_len"],
+                y=g["bytes"],
+                mode="lines+markers",
+                name=f"{ltype} ({n} layers)",
+                line={"color": styles[ltype], "dash": "dash" if ltype == "total" else "solid"},
+                customdata=np.stack([g["bytes"].map(dn.human_bytes)], axis=-1),
+                hovertemplate=f"{ltype}<br>T = %{{x:,}} tokens<br>cache = %{{customdata[0]}}<extra></extra>",
+            )
+        )
+    at = table[table["seq_len"] == T].set_index("layer_type")["bytes"]
+    readout = ", ".join(f"{k} {dn.human_bytes(v)}" for k, v in at.items() if v > 0)
+    fig.add_vline(x=T, line={"color": "#888", "dash": "dot"})
+    fig.add_annotation(
+        x=np.log10(T),
+        y=1.0,
+        yref="paper",
+        text=f"T = {_fmt_tokens(T)}: {readout}",
+        showarrow=False,
+        xanchor="right" if T > 2**15 else "left",
+        yanchor="bottom",
+        font={"size": 11},
+    )
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    apply_style(
+        fig, f"Decode cache per sequence vs length — {ctx.label}", "sequence length T (tokens)", "cache (bytes)"
+    )
+    return fig, table
+
+
+# ----------------------------------------------------------------------------- allocated vs measured
+
+
+def _importance(ctx: AnalysisContext) -> pd.DataFrame:
+    if ctx.model is None or ctx.input_ids is None:
+        raise NotApplicable("importance needs the model and the token batch (ctx.model, ctx.input_ids)")
+    return sublayer_importance(ctx.model, ctx.input_ids)
+
+
+def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Shared depth axis: active params and FLOPs (bars by layer type) over measured importance (lines)."""
+    T = _seq_len(ctx)
+    alloc = dn.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
+    imp = _importance(ctx)
+    table = dn.allocated_vs_measured(alloc, imp, dn.kda_layer_summary(ctx.trace))
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        subplot_titles=(
+            "active parameters per token",
+            f"FLOPs per token at T = {_fmt_tokens(T)}",
+            "measured importance: loss increase when the sub-layer output is zeroed",
+        ),
+    )
+    _layer_bars(fig, table, "active_params", 1, "active parameters", ",.0f", True)
+    _layer_bars(fig, table, "flops", 2, "FLOPs/token", ".3s", False)
+    lines = [
+        ("ablation_attn", "ablation, mixer", RUN_COLORS[0], "solid"),
+        ("ablation_ffn", "ablation, FFN", RUN_COLORS[1], "solid"),
+        ("gxa_attn", "grad x act (1st order), mixer", RUN_COLORS[0], "dot"),
+        ("gxa_ffn", "grad x act (1st order), FFN", RUN_COLORS[1], "dot"),
+    ]
+    for col, name, color, dash in lines:
+        if col in table:
+            fig.add_trace(
+                go.Scatter(
+                    x=table["layer"],
+                    y=table[col],
+                    mode="lines+markers",
+                    name=name,
+                    line={"color": color, "dash": dash},
+                    customdata=table[["layer_type"]].to_numpy(),
+                    hovertemplate=f"layer %{{x}} (%{{customdata[0]}})<br>{name}: Δloss = %{{y:.4g}} nats"
+                    "<extra></extra>",
+                ),
+                row=3,
+                col=1,
+            )
+    fig.add_hline(y=0, line={"color": "#999", "width": 1}, row=3, col=1)
+    fig.update_yaxes(title_text="parameters", row=1, col=1)
+    fig.update_yaxes(title_text="FLOPs / token", row=2, col=1)
+    fig.update_yaxes(title_text="Δ loss (nats)", row=3, col=1)
+    fig.update_xaxes(title_text="decoder layer (0-based)", dtick=1 if len(table) <= 40 else None, row=3, col=1)
+    apply_style(fig, f"Allocated vs measured density per layer — {ctx.label}", height=760)
+    return fig, table
+
+
+# ----------------------------------------------------------------------------- KDA memory
+
+
+def _require_kda(ctx: AnalysisContext) -> None:
+    if not any(f"kda.{i}.g" in ctx.trace for i in ctx.trace.layer_indices("kda")):
+        raise NotApplicable("no KDA data in this trace (no KDA layers, or recorded without 'kda')")
+
+
+def _box_from_quantiles(
+    fig: go.Figure,
+    x: list[str],
+    q: dict[str, np.ndarray],
+    name: str,
+    color: str,
+    hover: list[str],
+    row: int | None = None,
+) -> None:
+    trace = go.Box(
+        x=x,
+        q1=q["q1"],
+        median=q["median"],
+        q3=q["q3"],
+        lowerfence=q["lo"],
+        upperfence=q["hi"],
+        name=name,
+        marker_color=color,
+        boxpoints=False,
+        hovertext=hover,
+        hoverinfo="text+y",
+    )
+    if row is None:
+        fig.add_trace(trace)
+    else:
+        fig.add_trace(trace, row=row, col=1)
+
+
+def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Per KDA layer/head: spread over key channels of the memory horizon 1/(1 - exp(mean_t g)), and the
+    share of decays near the lower bound (g < 0.9 * lower_bound)."""
+    _require_kda(ctx)
+    chan = dn.kda_channel_decay(ctx.trace)
+    stats = dn.kda_decay_stats(ctx.trace)
+    cap = float(ctx.config.max_position_embeddings)
+    names = ("lo", "q1", "median", "q3", "hi")
+    rows = []
+    for (layer, head), g in chan.groupby(["layer", "head"]):
+        hz = dn.horizon_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
+        rows.append(dict(layer=layer, head=head, **{f"channel_horizon_{k}": v for k, v in zip(names, hz)}))
+    table = stats.merge(pd.DataFrame(rows), on=["layer", "head"])
+    shown = {k: np.minimum(table[f"channel_horizon_{k}"].to_numpy(), cap) for k in names}
+    x = [f"L{r.layer} h{r.head}" for r in table.itertuples()]
+    hover = [
+        f"layer {r.layer}, head {r.head}<br>median horizon over channels {r.channel_horizon_median:.3g} tokens"
+        for r in table.itertuples()
+    ]
+    lower_bound = ctx.config.kda_gate == "lower_bound"
+    fig = make_subplots(
+        rows=2 if lower_bound else 1,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        row_heights=[0.7, 0.3] if lower_bound else None,
+    )
+    _box_from_quantiles(fig, x, shown, "horizon over key channels", LAYER_TYPE_COLORS["KDA"], hover, row=1)
+    fig.update_yaxes(type="log", title_text=f"memory horizon (tokens, capped at {_fmt_tokens(int(cap))})", row=1, col=1)
+    if lower_bound:
+        lb = ctx.config.kda_gate_lower_bound
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=table["frac_near_lb"],
+                name=f"share g < {dn.NEAR_LOWER_BOUND:g} x ({lb:g})",
+                marker_color="#555",
+                hovertemplate="%{x}<br>share near lower bound = %{y:.3f}<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+        fig.update_yaxes(title_text="share near bound", range=[0, 1], row=2, col=1)
+    fig.update_xaxes(title_text="KDA layer, head", row=2 if lower_bound else 1, col=1)
+    apply_style(fig, f"KDA decay: memory horizon 1/(1 - α) per layer/head — {ctx.label}", height=560)
+    return fig, table
+
+
+def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Per KDA layer/head: the write strength beta over tokens (box: min, p10, median, p90, max)."""
+    _require_kda(ctx)
+    table = dn.kda_beta_stats(ctx.trace)
+    x = [f"L{r.layer} h{r.head}" for r in table.itertuples()]
+    hover = [f"layer {r.layer}, head {r.head}<br>mean β {r.mean:.3f} (std {r.std:.3f})" for r in table.itertuples()]
+    fig = go.Figure()
+    _box_from_quantiles(
+        fig,
+        x,
+        {"lo": table["min"], "q1": table["p10"], "median": table["median"], "q3": table["p90"], "hi": table["max"]},
+        "β over tokens (box: p10-p90)",
+        LAYER_TYPE_COLORS["KDA"],
+        hover,
+    )
+    fig.update_yaxes(range=[0, 1])
+    apply_style(fig, f"KDA write strength β per layer/head — {ctx.label}", "KDA layer, head", "β (0..1)")
+    return fig, table
+
+
+def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """||S||_F of each KDA head's state at chunk ends, over token position."""
+    _require_kda(ctx)
+    table = dn.kda_state_norms(ctx.trace)
+    if table.empty:
+        raise NotApplicable("trace has no kda.*.state_norm arrays")
+    fig = go.Figure()
+    layers = sorted(table["layer"].unique())
+    for li, layer in enumerate(layers):
+        for head, g in table[table["layer"] == layer].groupby("head"):
+            fig.add_trace(
+                go.Scatter(
+                    x=g["token"],
+                    y=g["state_norm"],
+                    mode="lines+markers",
+                    name=f"L{layer} h{head}",
+                    legendgroup=f"L{layer}",
+                    line={
+                        "color": RUN_COLORS[li % len(RUN_COLORS)],
+                        "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4],
+                    },
+                    hovertemplate=f"layer {layer}, head {head}<br>token %{{x}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
+                )
+            )
+    apply_style(
+        fig, f"KDA state norm over time — {ctx.label}", "token position (end of chunk)", "state Frobenius norm ‖S‖_F"
+    )
+    return fig, table
+
+
+VIEWS: list[View] = [
+    View(
+        "density_allocation",
+        "Allocated density per layer",
+        "density",
+        build_allocation,
+        description="Parameters, active parameters, FLOPs per token and cache bytes per layer, from the config.",
+    ),
+    View(
+        "density_cache_vs_length",
+        "Cache vs sequence length",
+        "density",
+        build_cache_vs_length,
+        description="Decode cache per sequence from 1K to 1M tokens: KDA state is flat, MLA latent grows linearly.",
+    ),
+    View(
+        "density_allocated_vs_measured",
+        "Allocated vs measured density",
+        "density",
+        build_allocated_vs_measured,
+        needs_model=True,
+        description="Allocation bars on the same depth axis as ablation and gradient x activation importance.",
+    ),
+    View(
+        "kda_decay",
+        "KDA decay and memory horizon",
+        "density",
+        build_kda_decay,
+        description="Memory horizon 1/(1-α) over key channels per KDA head; share of decays near the lower bound.",
+    ),
+    View(
+        "kda_beta",
+        "KDA write strength β",
+        "density",
+        build_kda_beta,
+        description="Distribution of the delta-rule write strength β per KDA head.",
+    ),
+    View(
+        "kda_state_norm",
+        "KDA state norm over time",
+        "density",
+        build_kda_state_norm,
+        description="Frobenius norm of each KDA head's state at chunk ends.",
+    ),
+]
