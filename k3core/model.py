@@ -135,6 +135,8 @@ class K3Model(nn.Module):
         """Final hidden states after the last RMSNorm, [B, T, D]."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         rec = _trace.current()
@@ -227,6 +229,8 @@ class K3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.lm_head.weight.is_meta:
+            return  # shapes only (device="meta"): no values to initialise; after to_empty(), call this again
         std = self.config.initializer_range
         out_std = std / math.sqrt(2 * self.config.num_hidden_layers)
         for name, module in self.named_modules():
@@ -281,12 +285,19 @@ class K3ForCausalLM(nn.Module):
                 targets: torch.Tensor | None = None, cache: K3Cache | None = None) -> K3Output:
         """``labels``: Hugging Face style (same positions as input_ids, shifted here);
         ``targets``: already aligned with input_ids (nanoGPT style). -100 is ignored in both."""
+        for name, t in (("labels", labels), ("targets", targets)):
+            if t is not None and tuple(t.shape) != tuple(input_ids.shape):
+                raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, "
+                                 f"got {tuple(t.shape)}")
         hidden = self.model(input_ids, cache=cache)
         logits = self.lm_head(hidden)
         if labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         loss = aux = None
         if targets is not None:
+            live = targets[targets != -100]
+            if live.numel() and (int(live.min()) < 0 or int(live.max()) >= self.config.vocab_size):
+                raise ValueError(f"labels/targets must lie in 0..{self.config.vocab_size - 1} (or be -100)")
             nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                   reduction="none").view_as(targets)
             valid = targets != -100
