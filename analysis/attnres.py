@@ -1,0 +1,255 @@
+"""AttnRes diagnostics: depth-softmax weights per site, learned scale/bias per depth, residual growth.
+
+Sites are "i.attn", "i.mlp" (decoder layer i, 0-based) and "output" (the final mix). A site mixes
+n sources; in Block AttnRes source j is the bank entry j (0 = the token embedding, j >= 1 = block j)
+and the last source is the running partial sum, so source positions line up across sites; in Full
+AttnRes source j is the embedding (0) or an earlier sub-layer output. Weights are taken from the
+trace arrays ``attnres.<site>`` [batch, token, source], names from ``meta["attnres_sources"]``.
+
+Normalised entropy of a distribution p over n sources: -sum p log p / log n (0 log 0 = 0); it is 1 for
+the uniform mix and 0 for a one-hot mix. A site with a single source (n = 1) has nothing to choose
+between: its normalised entropy is defined as 0.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from k3core.config import K3Config
+from k3core.trace import Trace
+
+_SITE = re.compile(r"^attnres\.(\d+\.(?:attn|mlp)|output)$")
+
+
+def normalised_entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
+    """-sum p log p / log n over ``axis`` (n = its length); 0 where n = 1. p must be non-negative."""
+    p = np.asarray(p, dtype=np.float64)
+    if np.any(p < 0):
+        raise ValueError("probabilities must be non-negative")
+    n = p.shape[axis]
+    if n < 1:
+        raise ValueError("empty distribution")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    h = -plogp.sum(axis=axis)
+    if n == 1:
+        return np.zeros_like(h)
+    return h / np.log(n)
+
+
+def site_order(site: str, num_layers: int | None = None) -> tuple[int, int]:
+    """Sort key: (layer, 0 for attn / 1 for mlp); the output site sorts last."""
+    if site == "output":
+        return (num_layers if num_layers is not None else 10**9, 0)
+    layer, side = site.split(".")
+    return (int(layer), 0 if side == "attn" else 1)
+
+
+def sites(trace: Trace) -> list[str]:
+    """AttnRes sites recorded in the trace, in depth order."""
+    found = [m.group(1) for name in trace.arrays if (m := _SITE.match(name))]
+    return sorted(found, key=site_order)
+
+
+def _site_parts(site: str, num_layers: int) -> tuple[int, str]:
+    if site == "output":
+        return num_layers, "output"
+    layer, side = site.split(".")
+    return int(layer), side
+
+
+def _source_names(trace: Trace, site: str, n: int) -> list[str]:
+    names = trace.meta.get("attnres_sources", {}).get(site)
+    if names is None or len(names) != n:
+        return [f"source {j}" for j in range(n)]
+    return list(names)
+
+
+def _num_layers(trace: Trace) -> int:
+    return int(trace.config.get("num_hidden_layers", len(trace.meta.get("layer_types", [])) or 0))
+
+
+def depth_weights(trace: Trace) -> pd.DataFrame:
+    """Sites x sources map: mean depth weight p over batch and tokens (tidy).
+
+    Columns: site, layer (num_layers for the output mix), side ("attn" | "mlp" | "output"), order
+    (row position), source (position j), source_name (as recorded), source_label (name without
+    "(partial)", shared across sites), n_sources, weight.
+    """
+    L = _num_layers(trace)
+    rows = []
+    for order, site in enumerate(sites(trace)):
+        p = np.asarray(trace[f"attnres.{site}"], dtype=np.float64)  # [B, T, n]
+        n = p.shape[-1]
+        mean = p.reshape(-1, n).mean(0)
+        names = _source_names(trace, site, n)
+        layer, side = _site_parts(site, L)
+        for j in range(n):
+            rows.append(
+                dict(
+                    site=site,
+                    layer=layer,
+                    side=side,
+                    order=order,
+                    source=j,
+                    source_name=names[j],
+                    source_label=names[j].replace(" (partial)", ""),
+                    n_sources=n,
+                    weight=mean[j],
+                )
+            )
+    return pd.DataFrame(
+        rows, columns=["site", "layer", "side", "order", "source", "source_name", "source_label", "n_sources", "weight"]
+    )
+
+
+def weight_matrix(weights: pd.DataFrame) -> tuple[np.ndarray, list[str], list[str]]:
+    """(matrix [sites, max sources] with NaN where a site has fewer sources, site names, source labels)."""
+    site_names = list(dict.fromkeys(weights.sort_values("order")["site"]))
+    n = int(weights["source"].max()) + 1 if len(weights) else 0
+    mat = np.full((len(site_names), n), np.nan)
+    labels = [f"source {j}" for j in range(n)]
+    idx = {s: r for r, s in enumerate(site_names)}
+    for row in weights.itertuples():
+        mat[idx[row.site], row.source] = row.weight
+        if not row.source_name.endswith("(partial)"):
+            labels[row.source] = row.source_label
+    return mat, site_names, labels
+
+
+def site_stats(trace: Trace) -> pd.DataFrame:
+    """Per site, from the depth weights p [batch, token, n]:
+
+    - entropy: normalised entropy of the token-averaged p (the heatmap row);
+    - token_entropy: mean over tokens of each token's normalised entropy (how sharp single mixes are);
+    - max_weight: max_j of the token-averaged p; argmax: its source position;
+    - embedding_weight: token-averaged p_0 (the embedding, the "depth sink");
+    - recent_weight: token-averaged p of the last source (the running partial sum);
+    - query_norm: ||w|| of the site's pseudo-query (0 at init: uniform mix), NaN if not recorded.
+    """
+    L = _num_layers(trace)
+    rows = []
+    for order, site in enumerate(sites(trace)):
+        p = np.asarray(trace[f"attnres.{site}"], dtype=np.float64)
+        n = p.shape[-1]
+        flat = p.reshape(-1, n)
+        mean = flat.mean(0)
+        layer, side = _site_parts(site, L)
+        qn = trace.get(f"attnres.{site}_query_norm")
+        rows.append(
+            dict(
+                site=site,
+                layer=layer,
+                side=side,
+                order=order,
+                n_sources=n,
+                entropy=float(normalised_entropy(mean)),
+                token_entropy=float(normalised_entropy(flat).mean()),
+                max_weight=float(mean.max()),
+                argmax=int(mean.argmax()),
+                embedding_weight=float(mean[0]),
+                recent_weight=float(mean[-1]),
+                query_norm=float(qn) if qn is not None else np.nan,
+            )
+        )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "site",
+            "layer",
+            "side",
+            "order",
+            "n_sources",
+            "entropy",
+            "token_entropy",
+            "max_weight",
+            "argmax",
+            "embedding_weight",
+            "recent_weight",
+            "query_norm",
+        ],
+    )
+
+
+def query_norms(trace: Trace) -> pd.DataFrame:
+    """Pseudo-query norm ||w|| per site (columns: site, layer, side, order, query_norm)."""
+    stats = site_stats(trace)
+    return stats[["site", "layer", "side", "order", "query_norm"]].dropna(subset=["query_norm"]).reset_index(drop=True)
+
+
+def scale_bias_stats(trace: Trace, config: K3Config | None = None) -> pd.DataFrame:
+    """Scale/bias residual mode: per layer and site ("attn" | "mlp") the learned scale and bias.
+
+    Columns: layer, side, scale_mean, scale_std (population std over channels), scale_min, scale_max,
+    bias_mean, bias_std, scale_init (``k3core.model.scale_bias_init``; needs ``config``), bias_init (0).
+    """
+    from k3core.model import scale_bias_init
+
+    layers = sorted({int(n.split(".")[1]) for n in trace.names("residual.") if n.split(".")[1].isdigit()})
+    rows = []
+    for i in layers:
+        for side in ("attn", "mlp"):
+            scale = trace.get(f"residual.{i}.{side}_scale")
+            bias = trace.get(f"residual.{i}.{side}_bias")
+            if scale is None or bias is None:
+                continue
+            scale, bias = np.asarray(scale, dtype=np.float64), np.asarray(bias, dtype=np.float64)
+            rows.append(
+                dict(
+                    layer=i,
+                    side=side,
+                    scale_mean=scale.mean(),
+                    scale_std=scale.std(),
+                    scale_min=scale.min(),
+                    scale_max=scale.max(),
+                    bias_mean=bias.mean(),
+                    bias_std=bias.std(),
+                    scale_init=scale_bias_init(config, i) if config is not None else np.nan,
+                    bias_init=0.0,
+                )
+            )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "layer",
+            "side",
+            "scale_mean",
+            "scale_std",
+            "scale_min",
+            "scale_max",
+            "bias_mean",
+            "bias_std",
+            "scale_init",
+            "bias_init",
+        ],
+    )
+
+
+def hidden_rms_by_depth(trace: Trace) -> pd.DataFrame:
+    """RMS sqrt(mean_c h^2) of the hidden state entering each layer (depth 0..L-1) and of the final
+    state (depth L, before the last RMSNorm), over batch and tokens: mean, median, p10, p90, max.
+
+    Columns: depth, label ("L<i> in" | "final"), mean, median, p10, p90, max.
+    """
+    if "hidden_rms" not in trace:
+        return pd.DataFrame(columns=["depth", "label", "mean", "median", "p10", "p90", "max"])
+    rms = np.asarray(trace["hidden_rms"], dtype=np.float64)  # [depth, B, T]
+    D = rms.shape[0]
+    rows = []
+    for k in range(D):
+        r = rms[k].ravel()
+        rows.append(
+            dict(
+                depth=k,
+                label="final" if k == D - 1 else f"L{k} in",
+                mean=r.mean(),
+                median=np.median(r),
+                p10=np.quantile(r, 0.1),
+                p90=np.quantile(r, 0.9),
+                max=r.max(),
+            )
+        )
+    return pd.DataFrame(rows)
