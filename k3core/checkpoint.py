@@ -106,6 +106,35 @@ def load_config(path: str | Path) -> K3Config:
         raise CheckpointError(f"{cfg_path}: invalid config: {exc}") from exc
 
 
+def _header_data_end(file: Path, header: object) -> int:
+    """Check the structure of a parsed safetensors header; return the end offset of its data section.
+
+    A header is a JSON object mapping each tensor name to {"dtype": str, "shape": [int, ...],
+    "data_offsets": [begin, end]} with 0 <= begin <= end (plus an optional "__metadata__" entry).
+    """
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                              f"expected an object of tensor entries)")
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        ok = (
+            isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str)
+            and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        )
+        if not ok:
+            raise CheckpointError(f"{file}: corrupt safetensors header: entry {key!r} is not "
+                                  f"{{dtype, shape, data_offsets}} ({str(entry)[:120]})")
+        end = max(end, offsets[1])
+    return end
+
+
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
@@ -125,7 +154,7 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file}: corrupt safetensors header ({exc})") from exc
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    end = _header_data_end(file, header)
     if 8 + n + end > size:
         raise CheckpointError(f"{file}: truncated: the header describes {8 + n + end} bytes but the file has {size}")
     try:
@@ -190,9 +219,13 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _adapt_published_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
-    """The real K3 checkpoint pads A_log to 128 entries with zeros after the live heads."""
+    """The real K3 checkpoint pads A_log to 128 entries with zeros after the live heads; Kimi Linear
+    ships A_log as [1, 1, H, 1]. Both become our [H]."""
     for key, value in tensors.items():
         want = expected.get(key)
+        if key.endswith("self_attn.A_log") and want is not None and value.dim() > 1 \
+                and value.numel() == want.numel():
+            tensors[key] = value = value.reshape(want)
         if key.endswith("self_attn.A_log") and want is not None and value.dim() == 1 and value.shape[0] > want[0]:
             if torch.count_nonzero(value[want[0]:]) == 0:
                 tensors[key] = value[: want[0]]
