@@ -1,0 +1,398 @@
+"""Figures for LatentMoE (analysis.moe): load heatmap, imbalance, weight by rank, co-activation,
+next-token reuse, latent PCA and router bias.
+
+Per-layer figures (co-activation, latent PCA) show one MoE layer at a time with a layer dropdown;
+``ctx.options["layer"]`` picks a single layer (default: all, up to a size budget).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from analysis import moe as mo
+from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.views import AnalysisContext, NotApplicable, View
+
+COACT_CELL_BUDGET = 1_000_000  # E * E * layers shown in one co-activation figure
+PCA_POINT_BUDGET = 200_000
+
+
+def _require_moe(ctx: AnalysisContext) -> list[int]:
+    layers = mo.moe_layers(ctx.trace)
+    if not layers:
+        why = (
+            "the run has no MoE layers (num_experts=0)"
+            if not ctx.config.num_experts
+            else "the trace was recorded without 'moe'"
+        )
+        raise NotApplicable(f"no MoE routing data: {why}")
+    return layers
+
+
+def _pick_layers(ctx: AnalysisContext, layers: list[int], cost_per_layer: int, budget: int) -> list[int]:
+    if "layer" in ctx.options and ctx.options["layer"] is not None:
+        layer = int(ctx.options["layer"])
+        if layer not in layers:
+            raise NotApplicable(f"layer {layer} has no MoE data; MoE layers: {layers}")
+        return [layer]
+    n = max(1, budget // max(cost_per_layer, 1))
+    if n >= len(layers):
+        return layers
+    idx = np.unique(np.linspace(0, len(layers) - 1, n).round().astype(int))
+    return [layers[i] for i in idx]
+
+
+def _layer_dropdown(fig: go.Figure, layers: list[int], traces_per_layer: list[int], titles: list[str]) -> None:
+    """Show one layer's traces at a time; a dropdown switches layers (first layer visible)."""
+    if len(layers) <= 1:
+        return
+    total = sum(traces_per_layer)
+    buttons, start = [], 0
+    for layer, n, title in zip(layers, traces_per_layer, titles):
+        vis = [False] * total
+        vis[start : start + n] = [True] * n
+        buttons.append(
+            {"label": f"layer {layer}", "method": "update", "args": [{"visible": vis}, {"title.text": title}]}
+        )
+        start += n
+    fig.update_layout(
+        updatemenus=[
+            {
+                "buttons": buttons,
+                "x": 1.0,
+                "xanchor": "right",
+                "y": 1.16,
+                "yanchor": "top",
+                "direction": "down",
+                "showactive": True,
+            }
+        ]
+    )
+
+
+def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Layers x experts heatmap of each expert's share of its layer's assignments (whole batch)."""
+    _require_moe(ctx)
+    table = mo.expert_load(ctx.trace)
+    share = table.pivot(index="layer", columns="expert", values="share").sort_index()
+    count = table.pivot(index="layer", columns="expert", values="count").sort_index()
+    E = share.shape[1]
+    fig = go.Figure(
+        go.Heatmap(
+            z=share.to_numpy(),
+            x=list(share.columns),
+            y=[f"L{i}" for i in share.index],
+            colorscale=SEQUENTIAL,
+            zmin=0,
+            customdata=count.to_numpy(),
+            colorbar={"title": {"text": "share of layer"}},
+            hovertemplate="layer %{y}, expert %{x}<br>share %{z:.2%} (%{customdata} assignments)<extra></extra>",
+        )
+    )
+    fig.update_yaxes(autorange="reversed")
+    apply_style(
+        fig,
+        f"Expert load per layer (uniform = {1 / E:.2%}) — {ctx.label}",
+        "expert",
+        "MoE layer",
+        height=max(300, 90 + 24 * len(share)),
+    )
+    return fig, table
+
+
+def build_imbalance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Per MoE layer: MaxVio, CV, normalised entropy and dead experts."""
+    _require_moe(ctx)
+    table = mo.imbalance_table(ctx.trace)
+    panels = [
+        ("max_vio", "MaxVio = max c / mean c - 1"),
+        ("cv", "CV = std c / mean c"),
+        ("entropy", "normalised entropy (1 = balanced)"),
+        ("dead", "dead experts (c = 0)"),
+    ]
+    fig = make_subplots(
+        rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05, subplot_titles=[t for _, t in panels]
+    )
+    custom = table[["min_over_mean", "experts", "total"]].to_numpy()
+    for row, (col, name) in enumerate(panels, start=1):
+        fig.add_trace(
+            go.Bar(
+                x=table["layer"],
+                y=table[col],
+                name=name,
+                marker_color=RUN_COLORS[row - 1],
+                showlegend=False,
+                customdata=custom,
+                hovertemplate=f"layer %{{x}}<br>{name}: %{{y:.4g}}<br>min/mean %{{customdata[0]:.3f}}, "
+                "%{customdata[1]} experts, %{customdata[2]} assignments<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+        fig.update_yaxes(title_text=col.replace("_", " "), row=row, col=1)
+    fig.update_yaxes(range=[0, 1.02], row=3, col=1)
+    fig.update_xaxes(title_text="MoE layer (0-based)", dtick=1 if len(table) <= 40 else None, row=len(panels), col=1)
+    apply_style(fig, f"Expert load imbalance per layer — {ctx.label}", height=720)
+    return fig, table
+
+
+def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Mean routing weight of the 1st..k-th chosen expert, one line per MoE layer."""
+    _require_moe(ctx)
+    table = mo.weight_by_rank(ctx.trace)
+    if table.empty:
+        raise NotApplicable("trace has no moe.*.weights arrays")
+    fig = go.Figure()
+    layers = sorted(table["layer"].unique())
+    for li, layer in enumerate(layers):
+        g = table[table["layer"] == layer]
+        fig.add_trace(
+            go.Scatter(
+                x=g["rank"],
+                y=g["mean_weight"],
+                mode="lines+markers",
+                name=f"layer {layer}",
+                line={"color": RUN_COLORS[li % len(RUN_COLORS)]},
+                error_y={"type": "data", "array": g["std_weight"], "visible": len(layers) <= 4},
+                hovertemplate=f"layer {layer}, rank %{{x}}<br>mean weight %{{y:.4f}}<extra></extra>",
+            )
+        )
+    fig.update_xaxes(dtick=1)
+    apply_style(
+        fig,
+        f"Routing weight by rank — {ctx.label}",
+        "rank of chosen expert (1 = largest weight)",
+        "mean routing weight",
+    )
+    return fig, table
+
+
+def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Expert co-activation: share of tokens choosing both i and j (diagonal: tokens choosing i), per layer."""
+    layers = _require_moe(ctx)
+    layers = [i for i in layers if f"moe.{i}.experts" in ctx.trace]
+    if not layers:
+        raise NotApplicable("trace has no moe.*.experts arrays")
+    E = mo._num_experts(ctx.trace, layers[0])
+    shown = _pick_layers(ctx, layers, E * E, COACT_CELL_BUDGET)
+    table = mo.coactivation_table(ctx.trace, shown)
+    fig = go.Figure()
+    titles = []
+    for n, layer in enumerate(shown):
+        g = table[table["layer"] == layer]
+        rate = g.pivot(index="expert_i", columns="expert_j", values="rate").to_numpy().copy()
+        count = g.pivot(index="expert_i", columns="expert_j", values="count").to_numpy()
+        off = rate.copy()
+        np.fill_diagonal(off, np.nan)  # the diagonal (own frequency) would swamp the colour scale
+        fig.add_trace(
+            go.Heatmap(
+                z=off,
+                x=list(range(E)),
+                y=list(range(E)),
+                colorscale=SEQUENTIAL,
+                zmin=0,
+                visible=n == 0,
+                customdata=np.stack([count, np.broadcast_to(np.diag(count), count.shape)], axis=-1),
+                colorbar={"title": {"text": "share of tokens"}},
+                hovertemplate=(
+                    f"layer {layer}<br>experts %{{y}} and %{{x}}: %{{z:.2%}} of tokens "
+                    "(%{customdata[0]} tokens; expert %{y} chosen by %{customdata[1]})<extra></extra>"
+                ),
+            )
+        )
+        titles.append(f"Expert co-activation, layer {layer} (diagonal blank) — {ctx.label}")
+    fig.update_yaxes(autorange="reversed")
+    apply_style(fig, titles[0], "expert j", "expert i", height=520)
+    _layer_dropdown(fig, shown, [1] * len(shown), titles)
+    return fig, table
+
+
+def build_reuse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Next-token expert reuse per MoE layer, against the chance level k / E."""
+    _require_moe(ctx)
+    table = mo.reuse_table(ctx.trace)
+    if table.empty:
+        raise NotApplicable("trace has no moe.*.experts arrays")
+    fig = go.Figure()
+    fig.add_trace(
+        go.Bar(
+            x=table["layer"],
+            y=table["reuse"],
+            name="reuse",
+            marker_color=RUN_COLORS[2],
+            customdata=table[["k", "experts"]].to_numpy(),
+            hovertemplate="layer %{x}<br>reuse %{y:.3f} (k = %{customdata[0]} of %{customdata[1]})<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=table["layer"],
+            y=table["chance"],
+            mode="lines+markers",
+            name="chance k/E",
+            line={"color": "#777", "dash": "dash"},
+            hovertemplate="layer %{x}<br>chance k/E = %{y:.3f}<extra></extra>",
+        )
+    )
+    fig.update_yaxes(range=[0, 1.02])
+    fig.update_xaxes(dtick=1 if len(table) <= 40 else None)
+    apply_style(
+        fig,
+        f"Next-token expert reuse — {ctx.label}",
+        "MoE layer (0-based)",
+        "share of token t's experts chosen again at t+1",
+    )
+    return fig, table
+
+
+def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """2-D PCA of the routed-expert inputs z per token, coloured by top-1 expert (one layer at a time)."""
+    layers = _require_moe(ctx)
+    layers = [i for i in layers if f"moe.{i}.latent" in ctx.trace]
+    if not layers:
+        raise NotApplicable("trace has no moe.*.latent arrays (record with 'latent')")
+    n_tok = int(np.prod(ctx.trace[f"moe.{layers[0]}.latent"].shape[:2]))
+    shown = _pick_layers(ctx, layers, n_tok, PCA_POINT_BUDGET)
+    E = mo._num_experts(ctx.trace, shown[0])
+    palette = qualitative.Dark24 if E <= 24 else None
+    what = "latent z = W_down x" if ctx.config.is_latent_moe else "router input x (plain MoE)"
+    fig = go.Figure()
+    frames, counts, titles = [], [], []
+    for n, layer in enumerate(shown):
+        df, ratio = mo.latent_pca(ctx.trace, layer)
+        df = df.assign(pc1_ratio=ratio[0], pc2_ratio=ratio[1])
+        frames.append(df)
+        hover = (
+            "layer " + str(layer) + ", token %{customdata[0]} (id %{customdata[1]})<br>top-1 expert "
+            "%{customdata[2]} (weight %{customdata[3]:.3f})<extra></extra>"
+        )
+        before = len(fig.data)
+        if palette is not None:
+            for e, g in df.groupby("top1_expert"):
+                fig.add_trace(
+                    go.Scatter(
+                        x=g["pc1"],
+                        y=g["pc2"],
+                        mode="markers",
+                        name=f"expert {e}",
+                        visible=n == 0,
+                        marker={"size": 5, "color": palette[int(e) % len(palette)], "opacity": 0.75},
+                        customdata=g[["token", "token_id", "top1_expert", "top1_weight"]].to_numpy(),
+                        hovertemplate=hover,
+                        legendgroup=f"e{e}",
+                    )
+                )
+        else:
+            fig.add_trace(
+                go.Scatter(
+                    x=df["pc1"],
+                    y=df["pc2"],
+                    mode="markers",
+                    name=f"layer {layer}",
+                    visible=n == 0,
+                    marker={
+                        "size": 4,
+                        "color": df["top1_expert"],
+                        "colorscale": SEQUENTIAL,
+                        "showscale": True,
+                        "colorbar": {"title": {"text": "top-1 expert"}},
+                        "opacity": 0.75,
+                    },
+                    customdata=df[["token", "token_id", "top1_expert", "top1_weight"]].to_numpy(),
+                    hovertemplate=hover,
+                )
+            )
+        counts.append(len(fig.data) - before)
+        titles.append(
+            f"MoE {what}, layer {layer}: PCA (PC1 {ratio[0]:.0%}, PC2 {ratio[1]:.0%} of variance) — {ctx.label}"
+        )
+    apply_style(fig, titles[0], "PC1", "PC2", height=520)
+    _layer_dropdown(fig, shown, counts, titles)
+    return fig, pd.concat(frames, ignore_index=True)
+
+
+def build_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Distribution of the router selection bias e_bias over experts, per MoE layer."""
+    _require_moe(ctx)
+    table = mo.router_bias(ctx.trace)
+    if table.empty:
+        raise NotApplicable("trace has no moe.*.bias arrays")
+    stats = mo.router_bias_stats(ctx.trace).set_index("layer")
+    fig = go.Figure()
+    for layer, g in table.groupby("layer"):
+        r = stats.loc[layer, "load_corr"]
+        fig.add_trace(
+            go.Box(
+                y=g["bias"],
+                name=f"L{layer}",
+                marker_color=RUN_COLORS[0],
+                boxpoints="all",
+                jitter=0.4,
+                pointpos=0,
+                marker={"size": 3},
+                customdata=g[["expert"]].to_numpy(),
+                showlegend=False,
+                hovertemplate=f"layer {layer}, expert %{{customdata[0]}}<br>e_bias = %{{y:.4g}}"
+                f"<br>corr(bias, load) = {r:.2f}<extra></extra>",
+            )
+        )
+    apply_style(fig, f"Router selection bias e_bias per layer — {ctx.label}", "MoE layer", "e_bias")
+    table = table.merge(stats.reset_index().rename(columns=lambda c: c if c == "layer" else f"layer_{c}"), on="layer")
+    return fig, table
+
+
+VIEWS: list[View] = [
+    View(
+        "moe_load_heatmap",
+        "Expert load heatmap",
+        "moe",
+        build_load_heatmap,
+        description="Share of each layer's assignments per expert, layers x experts.",
+    ),
+    View(
+        "moe_imbalance",
+        "Expert load imbalance",
+        "moe",
+        build_imbalance,
+        description="MaxVio, CV, normalised entropy and dead experts per MoE layer.",
+    ),
+    View(
+        "moe_weight_by_rank",
+        "Routing weight by rank",
+        "moe",
+        build_weight_by_rank,
+        description="Mean routing weight of the 1st..k-th chosen expert.",
+    ),
+    View(
+        "moe_coactivation",
+        "Expert co-activation",
+        "moe",
+        build_coactivation,
+        description="How often two experts are chosen for the same token, per layer.",
+    ),
+    View(
+        "moe_reuse",
+        "Next-token expert reuse",
+        "moe",
+        build_reuse,
+        description="Share of a token's experts also chosen for the next token, against chance k/E.",
+    ),
+    View(
+        "moe_latent_pca",
+        "Latent routing PCA",
+        "moe",
+        build_latent_pca,
+        description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
+    ),
+    View(
+        "moe_bias",
+        "Router bias distribution",
+        "moe",
+        build_bias,
+        description="Selection bias e_bias per expert, per MoE layer.",
+    ),
+]
