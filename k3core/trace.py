@@ -28,12 +28,13 @@ Array names (``i`` is a 0-based layer index; every array carries its axis names 
     mla.i.gate               [batch, token, head]               output-gate mean (gated MLA)
     attnres.i.attn|mlp       [batch, token, source]             depth weights at each site
     attnres.output           [batch, token, source]
-    attnres.i.attn_query_norm, ...                              pseudo-query norms (meta)
+    attnres.i.attn_query_norm|mlp_query_norm  []                 pseudo-query norms (scalars)
+    attnres.output_query_norm  []
     residual.i.attn_scale|attn_bias|mlp_scale|mlp_bias [hidden] scale/bias residual mode
     moe.i.scores             [batch, token, expert]             sigmoid router scores
     moe.i.experts            [batch, token, rank]               chosen experts (by weight rank)
     moe.i.weights            [batch, token, rank]               their routing weights
-    moe.i.latent             [batch, token, latent]             z = W_down x (LatentMoE)
+    moe.i.latent             [batch, token, latent]             z = W_down x (LatentMoE; x itself for plain MoE)
     moe.i.load               [expert]                           assignments over the whole batch
     moe.i.bias               [expert]                           selection bias e_bias
 """
@@ -42,6 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zipfile
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,11 +132,15 @@ class Trace:
             with np.load(path, allow_pickle=False) as data:
                 header = json.loads(bytes(data["__header__"]).decode())
                 arrays = {k[2:]: data[k] for k in data.files if k.startswith("a/")}
-        except (OSError, ValueError, KeyError, json.JSONDecodeError, EOFError) as exc:
-            raise TraceError(f"{path}: not a readable k3lab trace ({exc})") from exc
-        if header.get("format") != "k3lab-trace/1":
-            raise TraceError(f"{path}: unknown trace format {header.get('format')!r}")
-        return cls(arrays=arrays, axes={k: tuple(v) for k, v in header["axes"].items()}, meta=header["meta"])
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            raise TraceError(f"{path}: not a readable k3lab trace ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(header, dict) or header.get("format") != "k3lab-trace/1":
+            fmt = header.get("format") if isinstance(header, dict) else None
+            raise TraceError(f"{path}: unknown trace format {fmt!r}")
+        axes, meta = header.get("axes"), header.get("meta")
+        if not isinstance(axes, dict) or not isinstance(meta, dict) or set(axes) != set(arrays):
+            raise TraceError(f"{path}: corrupt trace header (axes do not match the stored arrays)")
+        return cls(arrays=arrays, axes={k: tuple(v) for k, v in axes.items()}, meta=meta)
 
 
 class Recorder:
