@@ -67,6 +67,17 @@ def _check_shapes(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, 
     return B, T, H, K, HV, V
 
 
+# exp() of arguments below about -87 gives fp32 subnormals or 0, which takes a slow path on CPU
+# (10-40x slower).  Decay exponents are clamped here first: exp(-60) ~ 9e-27, so the change is
+# far below fp32 resolution for any O(1) quantity it multiplies.
+_EXP_FLOOR = -60.0
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for a log-decay x <= 0, with x clamped at _EXP_FLOOR (error < exp(-60))."""
+    return torch.exp(x.clamp_min(_EXP_FLOOR))
+
+
 def _expand_heads(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
     """Repeat q/k heads so they line up with the value heads (no-op when HV == H)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
@@ -195,97 +206,116 @@ def kda_recurrent(
 
 
 @functools.cache
-def _dyadic_layout(C: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where each entry of a strictly lower C x C matrix lives in the dyadic block list.
+def _dyadic_index(C: int) -> tuple[int, ...]:
+    """Flat gather map that assembles the C x C matrix A_qk from its dyadic blocks.
 
     The strictly lower triangle of a C x C matrix (C a power of two) is tiled exactly once by
     the blocks "right half x left half" of every dyadic interval: for block size s in
-    C/2, C/4, ..., 1 and parent p in range(C // (2s)), rows p*2s + s + i and columns p*2s + j
-    (0 <= i, j < s).  Entry (r, j), r > j, belongs to the level s = 2**floor(log2(r ^ j)).
+    1, 2, ..., C/2 and parent p in range(C // (2s)), rows p*2s + s + i by columns p*2s + j
+    (0 <= i, j < s).  Entry (r, j), r > j, belongs to level s = 2**floor(log2(r ^ j)).
 
-    Returns two flat index maps of length C*C into ``[0, diag (C), level blocks...]``:
-    the first for the strictly lower matrix (diagonal -> 0), the second including the diagonal.
-    Slot 0 is a zero.
+    :func:`_intra_chunk` stores the values as ``[0, diag (C), level 1, level 2, ...]`` with level
+    s a flattened [P, s, s] block tensor.  The returned map (length C*C, row-major) gathers the
+    matrix from that vector; index 0 is the zero slot (upper triangle).
     """
     offsets = {}
-    pos = 1 + C  # slot 0 = zero, slots 1..C = diagonal
-    s = C // 2
-    while s >= 1:
+    pos = 1 + C
+    s = 1
+    while s < C:
         offsets[s] = pos
         pos += (C // (2 * s)) * s * s
-        s //= 2
-    strict, incl = [], []
+        s *= 2
+    index = []
     for r in range(C):
         for j in range(C):
             if j > r:
-                strict.append(0)
-                incl.append(0)
+                index.append(0)
             elif j == r:
-                strict.append(0)
-                incl.append(1 + r)
+                index.append(1 + r)
             else:
                 s = 1 << ((r ^ j).bit_length() - 1)
                 p, i, jj = r // (2 * s), r % s, j % s
-                idx = offsets[s] + p * s * s + i * s + jj
-                strict.append(idx)
-                incl.append(idx)
-    return tuple(strict), tuple(incl)
+                index.append(offsets[s] + (p * s + i) * s + jj)
+    return tuple(index)
 
 
-def _suffix_sum(x: torch.Tensor) -> torch.Tensor:
-    """Exclusive reverse cumulative sum along dim -2: out[j] = x[j+1] + ... + x[-1] (0 at the end).
+def _intra_chunk(
+    qk: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything inside a chunk that does not depend on the incoming state.
 
-    Summed directly from the end (no "total minus prefix" cancellation), so when the result is
-    small it is accurate even if the whole sum is large.
+    Args:
+        qk: [..., C, 2, K] queries (index 0) and keys (index 1) of each chunk.
+        alpha: [..., C, K] per-step decays exp(g) in (0, 1].
+        beta: [..., C] write strengths.
+
+    With G_r = g_1 + ... + g_r (within the chunk) returns ``(A_qk, T_inv, Gamma, Gamma_to_end)``::
+
+        A_qk[r, j] = sum_c q[r, c] k[j, c] exp(G[r, c] - G[j, c])   for j <= r, else 0
+        A_kk[r, j] = sum_c k[r, c] k[j, c] exp(G[r, c] - G[j, c])   for j <  r, else 0
+        T_inv = (I + Diag(beta) A_kk)^{-1}    (unit lower triangular; A_kk itself is not formed)
+        Gamma[r] = exp(G[r]),   Gamma_to_end[j] = exp(G[C] - G[j])
+
+    Overflow: the naive factorisation exp(G_r) * exp(-G_j) overflows (exp(-G_j) reaches e^320
+    at g = -5).  Instead exp(G_r - G_j), j < r, is split at a reference index m, j <= m < r,
+    as exp(G_r - G_m) * exp(G_m - G_j): two factors <= 1.  The dyadic tiling of the lower
+    triangle (see :func:`_dyadic_index`) provides such an m for every block "right half x left
+    half" of a dyadic interval (the last row of its left half), so each level s = 1, 2, ..., C/2
+    is one batched matmul of decayed rows by decayed columns (~C^2 K / 2 multiply-adds per chunk
+    over all levels).  The factors are prefix / suffix products of alpha built bottom-up over
+    the same tree: one exp per token and channel, each factor a product of at most
+    log2(C) + 1 terms, so it stays accurate to a few ulps however large the cumulative decay.
+
+    The inverse follows the same tree: inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]],
+    where at level s the block B is exactly that level's k-row block of Diag(beta) A_kk.
     """
-    rev = x.flip(-2).cumsum(-2).flip(-2)
-    return torch.cat([rev[..., 1:, :], torch.zeros_like(rev[..., :1, :])], dim=-2)
-
-
-def _intra_chunk_scores(qs: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decay-weighted q.k and k.k scores inside each chunk, without any exp of a positive number.
-
-    qs, k: [..., C, K]; g: [..., C, K] per-step log-decays (<= 0) of each chunk.  With
-    G_r = g_1 + ... + g_r, returns ``(Aqk, Akk)``, both [..., C, C]::
-
-        Aqk[r, j] = sum_c qs[r, c] k[j, c] exp(G[r, c] - G[j, c])   for j <= r, else 0
-        Akk[r, j] = sum_c  k[r, c] k[j, c] exp(G[r, c] - G[j, c])   for j <  r, else 0
-
-    exp(G_r - G_j) is split at a reference index m with j <= m < r:
-    exp(G_r - G_j) = exp(G_r - G_m) * exp(G_m - G_j), both factors <= 1.  Using the dyadic
-    tiling of the lower triangle (see :func:`_dyadic_layout`), every block "right half x left
-    half" has such an m (the last row of its left half), so each block is one batched matmul of
-    safely-decayed rows by safely-decayed columns.  Cost ~ C^2 K / 2 multiply-adds per chunk.
-
-    The two exponents are summed locally from g (a prefix sum over the right half, a suffix sum
-    over the left half) rather than as differences of chunk-wide prefix sums, which would lose
-    precision to cancellation once the cumulative decay is large (hundreds, at g = -5 per step).
-    """
-    C = g.shape[-2]
-    lead = g.shape[:-2]
-    q_vals, k_vals = [(qs * k).sum(-1)], [torch.zeros_like(k[..., 0])]
-    s = C // 2
-    while s >= 1:
+    C, K = alpha.shape[-2:]
+    lead = alpha.shape[:-2]
+    pre = alpha  # at level s: inclusive prefix products of alpha within each s-block
+    suf = torch.ones_like(alpha)  # at level s: exclusive suffix products within each s-block
+    q_vals = [alpha.new_zeros(*lead, 1), (qk[..., 0, :] * qk[..., 1, :]).sum(-1)]
+    inv = alpha.new_ones(*lead, C, 1, 1)  # inverses of the 1 x 1 diagonal blocks
+    s = 1
+    while s < C:
         P = C // (2 * s)
-        gb = g.unflatten(-2, (P, 2, s))  # [..., P, 2, s, K]
-        qb = qs.unflatten(-2, (P, 2, s))
-        kb = k.unflatten(-2, (P, 2, s))
-        col = kb[..., 0, :, :] * torch.exp(_suffix_sum(gb[..., 0, :, :]))  # exp(G_m - G_j) k_j
-        row_decay = torch.exp(gb[..., 1, :, :].cumsum(-2))  # exp(G_r - G_m)
-        rows = torch.cat([qb[..., 1, :, :] * row_decay, kb[..., 1, :, :] * row_decay], dim=-2)  # [..., P, 2s, K]
-        blk = torch.matmul(rows, col.transpose(-1, -2))  # [..., P, 2s, s]
-        q_vals.append(blk[..., :s, :].reshape(*lead, P * s * s))
-        k_vals.append(blk[..., s:, :].reshape(*lead, P * s * s))
-        s //= 2
-    zero = g.new_zeros(*lead, 1)
-    q_vals = torch.cat([zero, *q_vals], dim=-1)
-    k_vals = torch.cat([zero, *k_vals], dim=-1)
-    strict, incl = _dyadic_layout(C)
-    strict_idx = torch.tensor(strict, device=g.device)
-    incl_idx = torch.tensor(incl, device=g.device)
-    Aqk = q_vals.index_select(-1, incl_idx).unflatten(-1, (C, C))
-    Akk = k_vals.index_select(-1, strict_idx).unflatten(-1, (C, C))
-    return Aqk, Akk
+        pre_b = pre.view(*lead, P, 2, s, K)
+        suf_b = suf.view(*lead, P, 2, s, K)
+        qk_b = qk.view(*lead, P, 2, s, 2, K)
+        # rows r of the right half decayed back to m: exp(G_r - G_m) = pre_b[..., 1, :, :]
+        rows = qk_b[..., 1, :, :, :] * pre_b[..., 1, :, :].unsqueeze(-2)  # [..., P, s, 2, K]
+        # keys j of the left half decayed forward to m: exp(G_m - G_j) = suf_b[..., 0, :, :]
+        cols = qk_b[..., 0, :, 1, :] * suf_b[..., 0, :, :]  # [..., P, s, K]
+        blk = torch.matmul(rows.view(*lead, P, 2 * s, K), cols.transpose(-1, -2))
+        blk = blk.view(*lead, P, s, 2, s)  # [..., parent, row i, q|k, column j]
+        q_vals.append(blk[..., 0, :].reshape(*lead, P * s * s))
+        # Inverse of the 2s x 2s diagonal blocks from the s x s ones.
+        off = beta.view(*lead, P, 2, s, 1)[..., 1, :, :] * blk[..., 1, :]  # Diag(beta) A_kk block
+        inv_b = inv.view(*lead, P, 2, s, s)
+        a_inv, d_inv = inv_b[..., 0, :, :], inv_b[..., 1, :, :]
+        x = torch.matmul(torch.matmul(d_inv, off), a_inv).neg_()
+        inv = torch.cat(
+            [torch.cat([a_inv, torch.zeros_like(a_inv)], dim=-1), torch.cat([x, d_inv], dim=-1)], dim=-2
+        )  # [..., P, 2s, 2s]
+        # Move to blocks of size 2s: the left half's suffix products take in the right half's
+        # total, the right half's prefix products the left half's total.
+        ones = torch.ones_like(pre_b[..., 0, -1:, :])
+        suf = (suf_b * torch.stack([pre_b[..., 1, -1:, :], ones], dim=-3)).view_as(suf)
+        pre = (pre_b * torch.stack([ones, pre_b[..., 0, -1:, :]], dim=-3)).view_as(pre)
+        s *= 2
+    index = torch.tensor(_dyadic_index(C), device=alpha.device)
+    A_qk = torch.cat(q_vals, dim=-1).index_select(-1, index).view(*lead, C, C)
+    return A_qk, inv.view(*lead, C, C), pre, suf
+
+
+def _to_chunks(x: torch.Tensor, dt: torch.dtype, T_pad: int) -> torch.Tensor:
+    """[B, T, h, ...] -> new [B, h, T_pad, ...] buffer in dtype dt, zero-padded at the end of time."""
+    x = x.transpose(1, 2)
+    out = x.new_empty(x.shape[0], x.shape[1], T_pad, *x.shape[3:], dtype=dt)
+    T = x.shape[2]
+    out[:, :, :T].copy_(x)
+    if T_pad > T:
+        out[:, :, T:].zero_()
+    return out
 
 
 def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
@@ -295,61 +325,48 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     if C < 1 or C & (C - 1):
         raise ValueError(f"chunk_size must be a power of two, got {C}")
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
-    groups = HV // H
     N = max(1, math.ceil(T / C))
-    pad = N * C - T
+    T_pad = N * C
     BH = B * HV
 
-    def prep(x: torch.Tensor, expand: bool) -> torch.Tensor:
-        # [B, T, h, D] -> [B*HV, N, C, D] in the compute dtype; padded tokens are zeros, which
-        # (k = 0, beta = 0, g = 0) leave the state untouched.
-        x = x.to(dt)
-        if expand:
-            x = _expand_heads(x, groups, 2)
-        x = x.transpose(1, 2)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.reshape(BH, N, C, x.shape[-1])
+    # Chunked copies [B*HV, N, C, ...].  Padded tokens (k = 0, beta = 0, g = 0) leave the state as is.
+    qk = _to_chunks(torch.stack([q, k], dim=-2), dt, T_pad)  # [B, H, T_pad, 2, K]
+    qk = _expand_heads(qk, HV // H, 1).view(BH, N, C, 2, K)
+    vc = _to_chunks(v, dt, T_pad).view(BH, N, C, V)
+    gc = _to_chunks(g, dt, T_pad).view(BH, N, C, K)
+    bc = _to_chunks(beta, dt, T_pad).view(BH, N, C)
 
-    qs = prep(q, True) * scale
-    kc = prep(k, True)
-    vc = prep(v, False)
-    gc = prep(g, False)
-    bc = prep(beta.unsqueeze(-1), False)  # [BH, N, C, 1]
+    # Intra-chunk scores and UT transform; Gamma = exp(G), Gamma_to_end = exp(G_C - G), G = cumsum(g).
+    Aqk, t_inv, gamma, gamma_to_end = _intra_chunk(qk, _decay(gc), bc)
+    # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
+    t_beta = t_inv * bc.unsqueeze(-2)
+    qk_g = qk * gamma.unsqueeze(-2)  # Gamma * q, Gamma * k
+    U = torch.matmul(t_beta, vc)
+    W = torch.matmul(t_beta, qk_g[..., 1, :])
 
-    G = gc.cumsum(-2)  # within-chunk cumulative log-decay G_r, <= 0 and non-increasing
-    G_to_end = _suffix_sum(gc)  # G_C - G_r, <= 0
-
-    # Intra-chunk scores (masked and overflow-free, see _intra_chunk_scores).
-    Aqk, Akk = _intra_chunk_scores(qs, kc, gc)
-
-    # UT transform: (I + diag(beta) Akk) [U | W] = diag(beta) [V | exp(G) * K].
-    rhs = torch.cat([bc * vc, bc * (torch.exp(G) * kc)], dim=-1)
-    sol = torch.linalg.solve_triangular(bc * Akk, rhs, upper=False, unitriangular=True)
-    U, W = sol.split([V, K], dim=-1)
-
-    # Chunk transition S_next = (Diag(gamma) - Kd^T W) S + Kd^T U.
-    k_dec = kc * torch.exp(G_to_end)  # keys decayed to the end of the chunk
-    k_dec_t = k_dec.transpose(-1, -2)
-    trans = torch.diag_embed(torch.exp(G[..., -1, :])) - torch.matmul(k_dec_t, W)  # [BH, N, K, K]
-    inject = torch.matmul(k_dec_t, U)  # [BH, N, K, V]
+    # Chunk transition S_next = (Diag(gamma_C) - K_dec^T W) S + K_dec^T U.
+    k_dec_t = (qk[..., 1, :] * gamma_to_end).transpose(-1, -2)  # keys decayed to the chunk end
+    trans = torch.matmul(k_dec_t, W).neg_()
+    trans.diagonal(dim1=-2, dim2=-1).add_(gamma[..., -1, :])
+    inject = torch.matmul(k_dec_t, U)
 
     if initial_state is None:
-        state = torch.zeros(BH, K, V, dtype=dt, device=v.device)
+        state = vc.new_zeros(BH, K, V)
     else:
         state = initial_state.to(dt).reshape(BH, K, V)
     states = []
     for n in range(N):
         states.append(state)
         state = torch.baddbmm(inject[:, n], trans[:, n], state)
-    S_in = torch.stack(states, dim=1)  # state entering each chunk: [BH, N, K, V]
+    S_in = torch.stack(states, dim=1).view(BH * N, K, V)  # state entering each chunk
 
     # Outputs: inter-chunk part from the entering state, intra-chunk part through Aqk.
-    delta = U - torch.matmul(W, S_in)  # beta * (v - prediction) per token
-    o = torch.matmul(qs * torch.exp(G), S_in) + torch.matmul(Aqk, delta)  # [BH, N, C, V]
+    delta = torch.baddbmm(U.view(BH * N, C, V), W.view(BH * N, C, K), S_in, alpha=-1)  # beta (v - pred)
+    o = torch.bmm(qk_g[..., 0, :].reshape(BH * N, C, K), S_in)
+    o = torch.baddbmm(o, Aqk.reshape(BH * N, C, C), delta, beta=scale, alpha=scale)
 
-    o = o.reshape(B, HV, N * C, V)[:, :, :T].transpose(1, 2).to(v.dtype)
-    final = state.reshape(B, HV, K, V) if output_final_state else None
+    o = o.view(B, HV, T_pad, V)[:, :, :T].transpose(1, 2).to(v.dtype).contiguous()
+    final = state.view(B, HV, K, V) if output_final_state else None
     return o, final
 
 
