@@ -137,6 +137,8 @@ class K3Model(nn.Module):
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids has no tokens (shape [batch, 0])")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         rec = _trace.current()

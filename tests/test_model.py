@@ -592,6 +592,7 @@ def test_labels_and_targets_agree_and_ignore_minus_100():
         (torch.tensor([[-1, 3]]), None, "0..255"),
         (torch.tensor([1, 2, 3]), None, "batch, tokens"),
         (torch.tensor([[1.0, 2.0]]), None, "integer"),
+        (torch.zeros(2, 0, dtype=torch.long), None, "no tokens"),
         (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2]]), "shape"),
         (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 300]]), "labels"),
     ],
