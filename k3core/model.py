@@ -255,6 +255,13 @@ class K3ForCausalLM(nn.Module):
                 nn.init.normal_(module.experts.w1, 0.0, std)
                 nn.init.normal_(module.experts.w3, 0.0, std)
                 nn.init.normal_(module.experts.w2, 0.0, out_std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, K3DecoderLayer) and self.config.residual == "scale_bias":
+                init = scale_bias_init(self.config, module.layer_idx)
+                for site in ("self_attention_res", "mlp_res"):
+                    getattr(module, f"{site}_scale").fill_(init)
+                    getattr(module, f"{site}_bias").zero_()
 
     # -------------------------------------------------------------- construction / IO
     @classmethod

@@ -617,6 +617,28 @@ def test_parameter_counts():
     assert tied.num_parameters() == total - 256 * 64
 
 
+@pytest.mark.parametrize("residual", ["block_attnres", "scale_bias"])
+def test_meta_build_then_to_empty_and_reset_gives_a_fresh_model(residual):
+    """device="meta" skips initialisation; to_empty() + reset_parameters() initialises every tensor."""
+    reference = nano_model(residual=residual)
+    model = K3ForCausalLM.from_config(nano_config(residual=residual), device="meta")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+        for b in model.buffers():
+            b.fill_(float("nan"))
+    model.reset_parameters()
+    for (name, p), ref in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.isfinite(p).all(), name
+        if "norm" in name or "res_proj" in name or "_res_" in name or "e_score" in name:
+            assert torch.equal(p, ref), name  # deterministic initial values
+        elif p.numel() >= 256:  # random init: same spread as a fresh model
+            assert abs(p.float().std().item() - ref.float().std().item()) <= 0.2 * ref.float().std().item(), name
+    ids = torch.randint(0, 256, (1, 4))
+    assert torch.isfinite(model.eval()(ids, labels=ids).loss)
+
+
 def test_decoder_layer_accessors():
     model = nano_model()
     layers = model.model.layers
