@@ -1,0 +1,251 @@
+"""Exporting figures and their data: PNG and SVG (kaleido + the system Chromium), offline HTML, CSV, JSON.
+
+    results = export_figure(fig, df, "out/", "moe_load")      # {"png": Path, ..., "svg": "message"}
+    export_many([(fig, df, "a"), (fig2, df2, "b")], "out/")   # static images in one browser session
+
+Static images need a Chromium/Chrome binary (kaleido >= 1 drives a headless browser). When none is
+found, PNG/SVG entries hold a message saying so (``ExportUnavailable`` explains why) and the HTML, CSV
+and JSON files are still written. HTML files embed plotly.js inline, so they open offline.
+
+Starting the browser costs seconds, so ``export_many`` renders every static image of a batch in one
+kaleido session instead of one session per image.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+
+FORMATS = ("png", "svg", "html", "csv", "json")
+STATIC_FORMATS = ("png", "svg")
+CHROMIUM_CANDIDATES = (
+    "/usr/bin/chromium",
+    "/usr/bin/chromium-browser",
+    "/usr/bin/google-chrome",
+    "/usr/bin/google-chrome-stable",
+)
+DEFAULT_SCALE = 2  # PNG pixel density (2 = sharp in print and on high-DPI screens)
+
+
+class ExportUnavailable(RuntimeError):
+    """A requested export format cannot be produced here (the message says why and what to install)."""
+
+
+def find_chromium() -> str | None:
+    """Path of a Chromium/Chrome binary for kaleido: $BROWSER_PATH, the usual system paths, then $PATH."""
+    env = os.environ.get("BROWSER_PATH")
+    if env and Path(env).is_file():
+        return env
+    for path in CHROMIUM_CANDIDATES:
+        if Path(path).is_file() and os.access(path, os.X_OK):
+            return path
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def require_static_export() -> str:
+    """The browser path for static export, or raise ExportUnavailable with what to do."""
+    try:
+        import kaleido  # noqa: F401
+    except ImportError as exc:
+        raise ExportUnavailable("PNG/SVG export needs the 'kaleido' package (pip install kaleido>=1)") from exc
+    path = find_chromium()
+    if path is None:
+        raise ExportUnavailable(
+            "PNG/SVG export needs Chromium, which kaleido drives headless: none found at "
+            f"{', '.join(CHROMIUM_CANDIDATES[:2])} or on PATH (install it, e.g. "
+            "`apt-get install chromium`, or set BROWSER_PATH); HTML, CSV and JSON exports "
+            "still work"
+        )
+    return path
+
+
+def static_export_available() -> tuple[bool, str]:
+    """(True, browser path) or (False, the reason)."""
+    try:
+        return True, require_static_export()
+    except ExportUnavailable as exc:
+        return False, str(exc)
+
+
+# ----------------------------------------------------------------------------- data and HTML
+def _json_value(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if hasattr(v, "item"):
+        return _json_value(v.item())
+    return v
+
+
+def data_records(df: pd.DataFrame) -> list[dict]:
+    """Rows of a table as JSON-able dicts (NaN -> null, inf -> "inf")."""
+    return [{str(k): _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+
+
+def write_csv(df: pd.DataFrame, path: str | Path) -> Path:
+    path = Path(path)
+    df.to_csv(path, index=False)
+    return path
+
+
+def write_json(df: pd.DataFrame, path: str | Path, meta: dict | None = None) -> Path:
+    """``{"columns": [...], "keys": [...], "rows": [{...}, ...], **meta}`` (keys from df.attrs when set)."""
+    path = Path(path)
+    payload = {
+        **(meta or {}),
+        "columns": [str(c) for c in df.columns],
+        "keys": list(df.attrs.get("keys", [])),
+        "rows": data_records(df),
+    }
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return path
+
+
+def write_html(fig: go.Figure, path: str | Path) -> Path:
+    """A standalone HTML page with plotly.js inline (no CDN: it opens offline)."""
+    path = Path(path)
+    fig.write_html(str(path), include_plotlyjs=True, full_html=True, config={"displaylogo": False})
+    return path
+
+
+# ----------------------------------------------------------------------------- static images
+def _size(fig: go.Figure) -> tuple[int, int]:
+    """Image size: the layout's width/height, else ``layout.meta["export_width"]`` (wide side-by-side figures),
+    else 1000 x 450 px."""
+    meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
+    width = fig.layout.width or meta.get("export_width") or 1000
+    height = fig.layout.height or 450
+    return int(width), int(height)
+
+
+def write_static_batch(
+    jobs: Sequence[tuple[go.Figure, Path]], scale: float = DEFAULT_SCALE, browser_path: str | None = None
+) -> dict[Path, Path | str]:
+    """Render every (figure, path) in one kaleido browser session; the format comes from the suffix.
+
+    Returns {path: path} for written files and {path: error message} for failures. Raises
+    ExportUnavailable when no browser or kaleido is available."""
+    if not jobs:
+        return {}
+    browser_path = browser_path or require_static_export()
+    import kaleido
+
+    items = []
+    for fig, path in jobs:
+        path = Path(path)
+        path.unlink(missing_ok=True)
+        width, height = _size(fig)
+        fmt = path.suffix.lstrip(".")
+        opts = {"format": fmt, "width": width, "height": height, "scale": scale if fmt == "png" else 1}
+        items.append({"fig": fig, "path": path, "opts": opts})
+    try:
+        errors = kaleido.write_fig_from_object_sync(items, kopts={"mathjax": False, "path": browser_path})
+    except Exception as exc:  # noqa: BLE001 - any browser failure becomes a message, never a crash
+        return {Path(p): f"static export failed: {type(exc).__name__}: {exc}" for _, p in jobs}
+    detail = "; ".join(f"{type(e).__name__}: {e}" for e in (errors or ()))[:300]
+    out: dict[Path, Path | str] = {}
+    for _, path in jobs:
+        path = Path(path)
+        ok = path.is_file() and path.stat().st_size > 0
+        out[path] = path if ok else f"static export failed for {path.name}" + (f" ({detail})" if detail else "")
+    return out
+
+
+# ----------------------------------------------------------------------------- one or many figures
+def _check_formats(formats: Iterable[str]) -> tuple[str, ...]:
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown export format(s) {unknown}; choose from {FORMATS}")
+    return formats
+
+
+def _safe_stem(stem: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(stem)).strip("._")
+    if not cleaned:
+        raise ValueError(f"invalid file stem {stem!r}")
+    return cleaned
+
+
+def export_many(
+    items: Sequence[tuple[go.Figure, pd.DataFrame | None, str]],
+    out_dir: str | Path,
+    formats: Iterable[str] = FORMATS,
+    scale: float = DEFAULT_SCALE,
+    meta: dict[str, dict] | None = None,
+) -> dict[str, dict[str, Path | str]]:
+    """Export several (figure, table, stem) at once: {stem: {format: Path or message}}.
+
+    HTML/CSV/JSON are written per item; PNG/SVG for all items in one kaleido session. A table of None
+    skips CSV/JSON for that item (with a message)."""
+    formats = _check_formats(formats)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Path | str]] = {}
+    jobs: list[tuple[go.Figure, Path]] = []
+    owners: dict[Path, tuple[str, str]] = {}
+    for fig, df, stem in items:
+        stem = _safe_stem(stem)
+        res = results.setdefault(stem, {})
+        for fmt in formats:
+            path = out_dir / f"{stem}.{fmt}"
+            try:
+                if fmt == "html":
+                    res[fmt] = write_html(fig, path)
+                elif fmt in ("csv", "json"):
+                    if df is None:
+                        res[fmt] = "no data table for this figure"
+                    elif fmt == "csv":
+                        res[fmt] = write_csv(df, path)
+                    else:
+                        res[fmt] = write_json(df, path, (meta or {}).get(stem))
+                else:
+                    jobs.append((fig, path))
+                    owners[path] = (stem, fmt)
+            except OSError as exc:
+                res[fmt] = f"could not write {path}: {exc}"
+    if jobs:
+        try:
+            written = write_static_batch(jobs, scale=scale)
+        except ExportUnavailable as exc:
+            written = {path: str(exc) for _, path in jobs}
+        for path, value in written.items():
+            stem, fmt = owners[path]
+            results[stem][fmt] = value
+    return results
+
+
+def export_figure(
+    fig: go.Figure,
+    df: pd.DataFrame | None,
+    out_dir: str | Path,
+    stem: str,
+    formats: Iterable[str] = FORMATS,
+    scale: float = DEFAULT_SCALE,
+) -> dict[str, Path | str]:
+    """Export one figure and its table: {format: written Path, or a message saying why not}.
+
+    PNG/SVG need Chromium (see ``static_export_available``); without it their entries are the
+    ExportUnavailable message and the other formats are still written."""
+    return export_many([(fig, df, stem)], out_dir, formats, scale=scale)[_safe_stem(stem)]
+
+
+def failures(results: dict) -> dict[str, str]:
+    """The messages of an export_figure / export_many result ({'stem.fmt' or 'fmt': message})."""
+    out = {}
+    for key, value in results.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in failures(value).items()})
+        elif isinstance(value, str):
+            out[key] = value
+    return out

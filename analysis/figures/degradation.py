@@ -1,0 +1,373 @@
+"""Figures for the attention degradation diagnostics (analysis.degradation): one View per figure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from analysis import degradation as dg
+from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.views import AnalysisContext, NotApplicable, View
+
+
+def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
+    try:
+        return fn(ctx.trace)
+    except dg.MissingTraceData as exc:
+        raise NotApplicable(str(exc)) from exc
+
+
+def _layer_type(ctx: AnalysisContext, layer: int) -> str:
+    return ctx.config.layer_types()[layer] if layer < ctx.config.num_hidden_layers else "?"
+
+
+def _heatmap(
+    df: pd.DataFrame,
+    value: str,
+    row_label: str,
+    title: str,
+    colorbar: str,
+    zmin: float | None = None,
+    zmax: float | None = None,
+    fmt: str = ".2f",
+) -> go.Figure:
+    table = df.pivot(index="layer", columns="head", values=value).sort_index()
+    fig = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=[f"H{h}" for h in table.columns],
+            y=[f"{row_label} {i}" for i in table.index],
+            colorscale=SEQUENTIAL,
+            zmin=zmin,
+            zmax=zmax,
+            colorbar={"title": {"text": colorbar}},
+            texttemplate=f"%{{z:{fmt}}}",
+            hovertemplate="%{y} %{x}<br>" + colorbar + " = %{z:.4f}<extra></extra>",
+        )
+    )
+    fig.update_yaxes(autorange="reversed")
+    return apply_style(fig, title, "head", "layer", height=max(260, 80 + 45 * len(table)))
+
+
+# ----------------------------------------------------------------------------- MLA attention
+def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.attention_entropy_table, ctx)
+    fig = _heatmap(
+        df,
+        "entropy_norm",
+        "MLA L",
+        "MLA attention entropy, causal-normalised (1 = uniform, 0 = one key)",
+        "H / log(i+1)",
+        zmin=0.0,
+        zmax=1.0,
+    )
+    return fig, df
+
+
+def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.entropy_by_position_table, ctx)
+    mean = df.groupby(["layer", "query"], as_index=False)["entropy_norm"].mean()
+    fig = go.Figure()
+    for n, (layer, part) in enumerate(mean.groupby("layer")):
+        fig.add_trace(
+            go.Scatter(
+                x=part["query"],
+                y=part["entropy_norm"],
+                mode="lines",
+                name=f"MLA layer {layer}",
+                line={"color": RUN_COLORS[n % len(RUN_COLORS)]},
+            )
+        )
+    fig.update_yaxes(range=[0, 1.05])
+    apply_style(
+        fig,
+        "MLA attention entropy by query position (mean over heads)",
+        "query position (token)",
+        "normalised entropy H / log(i+1)",
+    )
+    return fig, df
+
+
+def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.attention_sink_table, ctx)
+    rate = dg.sink_rate(df["first_token_mass"].to_numpy())
+    labels = [f"L{r.layer} H{r.head}" for r in df.itertuples()]
+    fig = go.Figure(
+        go.Bar(
+            x=labels,
+            y=df["first_token_mass"],
+            marker={"color": np.where(df["is_sink"], "#d62728", "#1f77b4")},
+            hovertemplate="%{x}<br>first-token mass %{y:.3f}<extra></extra>",
+            name="first-token mass",
+        )
+    )
+    fig.add_hline(
+        y=dg.SINK_THRESHOLD,
+        line_dash="dash",
+        line_color="#444",
+        annotation_text=f"sink threshold {dg.SINK_THRESHOLD}",
+        annotation_position="top left",
+    )
+    fig.update_yaxes(range=[0, 1.0])
+    apply_style(
+        fig,
+        f"Attention sink: first-token mass per MLA head (sink rate {rate:.0%})",
+        "MLA layer / head",
+        "mean attention on token 0",
+    )
+    return fig, df
+
+
+def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.attention_received_table, ctx)
+    df = df.assign(row=[f"L{r.layer} H{r.head}" for r in df.itertuples()])
+    table = df.pivot(index="row", columns="key", values="received")
+    table = table.loc[list(dict.fromkeys(df["row"]))]
+    fig = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=table.columns.tolist(),
+            y=table.index.tolist(),
+            colorscale=SEQUENTIAL,
+            zmin=0.0,
+            colorbar={"title": {"text": "received"}},
+            hovertemplate="%{y}, key %{x}<br>mean attention received %{z:.4f}<extra></extra>",
+        )
+    )
+    fig.update_yaxes(autorange="reversed")
+    apply_style(
+        fig,
+        "Attention received per key position (mean over the queries that see it)",
+        "key position (token)",
+        "MLA layer / head",
+        height=max(280, 80 + 28 * len(table)),
+    )
+    return fig, df
+
+
+def build_mla_gate(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.mla_gate_table, ctx)
+    fig = _heatmap(df, "gate_mean", "MLA L", "MLA output gate: mean sigmoid(W_g x) per head", "gate", 0.0, 1.0)
+    return fig, df
+
+
+# ----------------------------------------------------------------------------- hidden states
+def build_rank_collapse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.rank_collapse_table, ctx)
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        subplot_titles=("rank-collapse ratio r", "effective rank (centred)", "token uniformity (mean cosine)"),
+        horizontal_spacing=0.08,
+    )
+    for col, (value, colour) in enumerate(
+        (("ratio", "#1f77b4"), ("effective_rank", "#2ca02c"), ("token_cosine", "#d62728")), start=1
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=df["depth_label"],
+                y=df[value],
+                mode="lines+markers",
+                name=value,
+                line={"color": colour},
+                showlegend=False,
+            ),
+            row=1,
+            col=col,
+        )
+    fig.update_yaxes(rangemode="tozero")
+    apply_style(
+        fig, "Rank collapse over depth: ||X - 1 mean(X)||_F / ||X||_F, effective rank, token cosine", height=380
+    )
+    fig.update_xaxes(title_text="depth (state entering layer)")
+    return fig, df
+
+
+def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.layer_redundancy_table, ctx)
+    if df.empty:
+        raise NotApplicable("a single depth state: no layer to compare")
+    x = [f"L{r.layer} {r.layer_type}" for r in df.itertuples()]
+    colours = [LAYER_TYPE_COLORS.get(t, "#7f7f7f") for t in df["layer_type"]]
+    fig = go.Figure()
+    fig.add_trace(
+        go.Bar(
+            x=x,
+            y=df["block_influence"],
+            name="Block Influence 1 - cos",
+            marker={"color": colours},
+            hovertemplate="%{x}<br>BI %{y:.4f}<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=df["cka"], name="linear CKA(in, out)", mode="lines+markers", yaxis="y2", line={"color": "#444"}
+        )
+    )
+    fig.update_layout(
+        yaxis2={
+            "title": {"text": "linear CKA"},
+            "overlaying": "y",
+            "side": "right",
+            "range": [0, 1.05],
+            "showgrid": False,
+        }
+    )
+    apply_style(
+        fig,
+        "Layer redundancy: Block Influence (bars, by layer type) and CKA between input and output",
+        "layer",
+        "Block Influence (1 - mean cosine)",
+    )
+    return fig, df
+
+
+def build_massive_activations(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.massive_activation_table, ctx)
+    top = df[df["rank"] == 0]
+    hover = [
+        f"max |h| = {r.abs_value:.3g} at token {r.token}, channel {r.channel}<br>median |h| = {r.median_abs:.3g}"
+        for r in top.itertuples()
+    ]
+    fig = go.Figure()
+    fig.add_trace(
+        go.Scatter(
+            x=top["depth_label"],
+            y=top["abs_value"],
+            name="max |h|",
+            mode="lines+markers",
+            hovertext=hover,
+            hoverinfo="text",
+        )
+    )
+    fig.add_trace(go.Scatter(x=top["depth_label"], y=top["median_abs"], name="median |h|", mode="lines+markers"))
+    fig.add_trace(
+        go.Scatter(
+            x=top["depth_label"],
+            y=top["max_median_ratio"],
+            name="max / median",
+            mode="lines+markers",
+            line={"dash": "dot"},
+        )
+    )
+    fig.update_yaxes(type="log")
+    apply_style(
+        fig,
+        "Massive activations: largest |h| per depth, median and their ratio (hover: token, channel)",
+        "depth (state entering layer)",
+        "|h| (log scale)",
+    )
+    return fig, df
+
+
+# ----------------------------------------------------------------------------- KDA
+def build_kda_state_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.kda_state_table, ctx)
+    d = int(df["state_dim"].max())
+    fig = _heatmap(
+        df,
+        "state_effective_rank",
+        "KDA L",
+        f"KDA final state S: effective rank per head (of at most {d}); no attention matrix for KDA",
+        "eff. rank",
+        0.0,
+        float(d),
+        fmt=".1f",
+    )
+    return fig, df
+
+
+def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(dg.kda_state_norm_table, ctx)
+    fig = go.Figure()
+    layers = list(df["layer"].unique())
+    for (layer, head), part in df.groupby(["layer", "head"]):
+        colour = RUN_COLORS[layers.index(layer) % len(RUN_COLORS)]
+        fig.add_trace(
+            go.Scatter(
+                x=part["position"],
+                y=part["state_norm"],
+                mode="lines+markers",
+                name=f"L{layer} H{head}",
+                legendgroup=f"L{layer}",
+                line={"color": colour},
+            )
+        )
+    apply_style(fig, "KDA state Frobenius norm ||S||_F over time (chunk ends)", "position (tokens)", "||S||_F")
+    return fig, df
+
+
+VIEWS: list[View] = [
+    View(
+        "degradation_entropy",
+        "MLA attention entropy",
+        "degradation",
+        build_entropy_heatmap,
+        description="Causal-normalised attention entropy per MLA layer and head (Zhai et al. 2023).",
+    ),
+    View(
+        "degradation_entropy_position",
+        "Entropy by query position",
+        "degradation",
+        build_entropy_by_position,
+        description="Normalised entropy of each query row, mean over heads.",
+    ),
+    View(
+        "degradation_sink",
+        "Attention sink",
+        "degradation",
+        build_sink_mass,
+        description="First-token sink mass per head and the sink rate (share above 0.3; Gu et al. 2024).",
+    ),
+    View(
+        "degradation_sink_profile",
+        "Attention received per key",
+        "degradation",
+        build_sink_profile,
+        description="Mean attention each key position receives from the queries that can see it.",
+    ),
+    View(
+        "degradation_mla_gate",
+        "MLA output gate",
+        "degradation",
+        build_mla_gate,
+        description="Mean sigmoid output-gate value of gated MLA, per layer and head.",
+    ),
+    View(
+        "degradation_rank_collapse",
+        "Rank collapse",
+        "degradation",
+        build_rank_collapse,
+        description="Rank-collapse ratio (Dong et al. 2021), effective rank and token uniformity over depth.",
+    ),
+    View(
+        "degradation_redundancy",
+        "Layer redundancy",
+        "degradation",
+        build_layer_redundancy,
+        description="Block Influence (ShortGPT) and linear CKA (Kornblith 2019) between each layer's input/output.",
+    ),
+    View(
+        "degradation_massive",
+        "Massive activations",
+        "degradation",
+        build_massive_activations,
+        description="Largest |h| per depth, its (token, channel), and max/median (Sun et al. 2024).",
+    ),
+    View(
+        "degradation_kda_state_rank",
+        "KDA state rank",
+        "degradation",
+        build_kda_state_rank,
+        description="Effective rank of the final KDA state per head (the KDA counterpart of attention entropy).",
+    ),
+    View(
+        "degradation_kda_state_norm",
+        "KDA state norm",
+        "degradation",
+        build_kda_state_norm,
+        description="Frobenius norm of the KDA state over the sequence.",
+    ),
+]

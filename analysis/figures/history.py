@@ -1,0 +1,174 @@
+"""Training-history figures from metrics.json (analysis.history), several runs overlaid.
+
+A view draws ``ctx.metrics`` (labelled ``ctx.label``) plus any runs in
+``ctx.options["overlay_metrics"]`` ({label: metrics dict}), each in its own colour.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from analysis import history as hist
+from analysis.style import RUN_COLORS, apply_style
+from analysis.views import AnalysisContext, NotApplicable, View
+
+
+def runs_metrics(ctx: AnalysisContext) -> dict[str, dict]:
+    """{label: metrics} for this context's run and its overlays (runs without metrics are left out)."""
+    runs = {}
+    if ctx.metrics:
+        runs[ctx.label] = ctx.metrics
+    for label, metrics in (ctx.options.get("overlay_metrics") or {}).items():
+        if metrics and label not in runs:
+            runs[label] = metrics
+    if not runs:
+        raise NotApplicable("no training history: the run has no metrics.json")
+    return runs
+
+
+def _x_axis(df: pd.DataFrame) -> tuple[str, str]:
+    if "tokens" in df and len(df) and df["tokens"].notna().all():
+        return "tokens", "tokens seen"
+    return "step", "training step"
+
+
+def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
+    """Train loss, validation bits/byte (or loss) and MQAR accuracy over training, one colour per run."""
+    df = pd.concat([hist.curves_table(m, label) for label, m in runs.items()], ignore_index=True)
+    if df.empty:
+        raise NotApplicable("metrics.json has no loss, validation or MQAR curves")
+    curves = [c for c in ("train loss", "val bits/byte", "val loss", "MQAR accuracy") if c in set(df["curve"])]
+    x, x_title = _x_axis(df)
+    fig = make_subplots(rows=1, cols=len(curves), subplot_titles=curves, horizontal_spacing=0.08)
+    for n, (label, part) in enumerate(df.groupby("run", sort=False)):
+        colour = RUN_COLORS[n % len(RUN_COLORS)]
+        for col, curve in enumerate(curves, start=1):
+            c = part[part["curve"] == curve]
+            if c.empty:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=c[x],
+                    y=c["value"],
+                    mode="lines+markers" if len(c) < 30 else "lines",
+                    name=label,
+                    legendgroup=label,
+                    showlegend=col == 1,
+                    line={"color": colour},
+                ),
+                row=1,
+                col=col,
+            )
+    apply_style(fig, "Training curves", height=380)
+    fig.update_xaxes(title_text=x_title)
+    return fig, df
+
+
+def history_moe_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
+    """MoE MaxVio and CV over training: mean over MoE layers (solid) and worst layer (dotted) per run."""
+    df = pd.concat([hist.moe_balance_table(m, label) for label, m in runs.items()], ignore_index=True)
+    if df.empty:
+        raise NotApplicable("metrics.json has no MoE load statistics (MaxVio / CV)")
+    stats = [s for s in ("MaxVio", "CV") if s in set(df["stat"])]
+    fig = make_subplots(rows=1, cols=len(stats), subplot_titles=[f"{s} (mean and max over layers)" for s in stats])
+    for n, (label, part) in enumerate(df.groupby("run", sort=False)):
+        colour = RUN_COLORS[n % len(RUN_COLORS)]
+        for col, stat in enumerate(stats, start=1):
+            agg = part[part["stat"] == stat].groupby("step")["value"].agg(["mean", "max"]).reset_index()
+            fig.add_trace(
+                go.Scatter(
+                    x=agg["step"],
+                    y=agg["mean"],
+                    mode="lines",
+                    name=f"{label} mean",
+                    legendgroup=label,
+                    showlegend=col == 1,
+                    line={"color": colour},
+                ),
+                row=1,
+                col=col,
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=agg["step"],
+                    y=agg["max"],
+                    mode="lines",
+                    name=f"{label} max",
+                    legendgroup=label,
+                    showlegend=col == 1,
+                    line={"color": colour, "dash": "dot"},
+                ),
+                row=1,
+                col=col,
+            )
+    apply_style(fig, "MoE load balance over training", height=380)
+    fig.update_xaxes(title_text="training step")
+    return fig, df
+
+
+def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
+    """Every AttnRes summary logged in metrics.json over training (mean over sites), one panel per metric."""
+    df = pd.concat([hist.attnres_history_table(m, label) for label, m in runs.items()], ignore_index=True)
+    if df.empty:
+        raise NotApplicable("metrics.json has no AttnRes summaries (attnres.*)")
+    metrics = list(dict.fromkeys(df["metric"]))[:6]
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    for n, (label, part) in enumerate(df.groupby("run", sort=False)):
+        colour = RUN_COLORS[n % len(RUN_COLORS)]
+        for col, metric in enumerate(metrics, start=1):
+            agg = part[part["metric"] == metric].groupby("step", as_index=False)["value"].mean()
+            fig.add_trace(
+                go.Scatter(
+                    x=agg["step"],
+                    y=agg["value"],
+                    mode="lines",
+                    name=label,
+                    legendgroup=label,
+                    showlegend=col == 1,
+                    line={"color": colour},
+                ),
+                row=1,
+                col=col,
+            )
+    apply_style(fig, "AttnRes over training (mean over sites)", height=380)
+    fig.update_xaxes(title_text="training step")
+    return fig, df
+
+
+def build_curves(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    return history_curves_figure(runs_metrics(ctx))
+
+
+def build_moe(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    return history_moe_figure(runs_metrics(ctx))
+
+
+def build_attnres(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    return history_attnres_figure(runs_metrics(ctx))
+
+
+VIEWS: list[View] = [
+    View(
+        "history_curves",
+        "Training curves",
+        "history",
+        build_curves,
+        description="Train loss, validation bits/byte and MQAR accuracy over training (metrics.json).",
+    ),
+    View(
+        "history_moe",
+        "MoE balance over training",
+        "history",
+        build_moe,
+        description="MaxVio and CV of the expert load over training steps.",
+    ),
+    View(
+        "history_attnres",
+        "AttnRes over training",
+        "history",
+        build_attnres,
+        description="AttnRes summaries (embedding weight, entropy, ...) logged during training.",
+    ),
+]

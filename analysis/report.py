@@ -1,0 +1,468 @@
+"""Headless report: every view of one run (or a comparison of two) in one offline HTML file, plus data files.
+
+    k3lab report RUN [RUN2] [--text FILE | --sample NAME] --out DIR [--no-static] [--max-tokens N]
+
+Writes into DIR:
+
+- ``report.html``: one self-contained page (plotly.js inline once, no network needed) with the run's
+  config and model card, the input, the headline table, and every view of ``analysis.views.all_views()``
+  (views that do not apply are listed with the reason);
+- ``figures/<view>.{csv,json}`` and, unless ``--no-static`` or when Chromium is missing, ``.png``/``.svg``;
+  for two runs ``<view>__side.*`` (side by side, shared axes) and ``<view>__diff.*`` (A - B);
+- ``headline.json``: the headline numbers of each run (and the delta A - B for two runs).
+
+Exit codes: 0 success, 1 the report was written but some view failed unexpectedly, 2 bad input
+(unreadable checkpoint, missing text file, unknown sample, a non byte-level model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+
+SECTION_TITLES = {
+    "density": "KDA layer density allocation",
+    "attnres": "AttnRes depth mixing",
+    "moe": "LatentMoE expert load and routing",
+    "degradation": "Attention degradation diagnostics",
+    "history": "Training history",
+}
+
+
+@dataclass
+class Entry:
+    """One figure of the report (or the note of a view that did not apply / failed)."""
+
+    key: str
+    title: str
+    section: str
+    description: str = ""
+    figure: go.Figure | None = None
+    table: pd.DataFrame | None = None
+    note: str | None = None  # NotApplicable reason
+    error: str | None = None  # unexpected failure
+    files: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------- argument handling
+def build_parser() -> argparse.ArgumentParser:
+    from analysis.runs import DEFAULT_MAX_TOKENS, SAMPLES
+
+    p = argparse.ArgumentParser(
+        prog="k3lab report",
+        description="Write a headless HTML report (every figure, "
+        "its data, headline numbers) for one run, or a comparison of two runs.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="checkpoint folder(s): one run, or two to compare")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", metavar="FILE", help="UTF-8 text file to run the model on")
+    src.add_argument(
+        "--sample",
+        metavar="NAME",
+        choices=SAMPLES,
+        help=f"built-in input: {', '.join(SAMPLES)} (default: held-out Shakespeare)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
+    p.add_argument("--no-static", action="store_true", help="skip PNG/SVG export (no browser start; fastest)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"tokens of the input to trace (default {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--views",
+        metavar="LIST",
+        help="comma-separated view keys or sections to include (default: every view of analysis.views.all_views())",
+    )
+    p.add_argument(
+        "--skip-model-views",
+        action="store_true",
+        help="skip views that rerun the model (importance by ablation / gradients: the slow ones)",
+    )
+    p.add_argument("--save-trace", action="store_true", help="also write each run's trace (.npz)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _labels(runs) -> list[str]:
+    names = [r.label for r in runs]
+    if len(runs) == 2 and names[0] == names[1]:
+        names = [f"A: {names[0]}", f"B: {names[1]}"]
+    return names
+
+
+# ----------------------------------------------------------------------------- building
+def select_views(views, wanted: str | None = None, skip_model_views: bool = False) -> list:
+    """Views whose key or section is in the comma-separated ``wanted`` (all when None), optionally without the
+    ones that need the model."""
+    if wanted:
+        names = {w.strip() for w in wanted.split(",") if w.strip()}
+        views = [v for v in views if v.key in names or v.section in names]
+    if skip_model_views:
+        views = [v for v in views if not v.needs_model]
+    return views
+
+
+def build_single(views, ctx, progress) -> list[Entry]:
+    from analysis.views import NotApplicable
+
+    entries = []
+    for view in views:
+        entry = Entry(view.key, view.title, view.section, view.description)
+        t0 = time.perf_counter()
+        try:
+            entry.figure, entry.table = view.build(ctx)
+        except NotApplicable as exc:
+            entry.note = str(exc) or "not applicable"
+        except Exception as exc:  # noqa: BLE001 - one broken view must not lose the whole report
+            entry.error = f"{type(exc).__name__}: {exc}"
+        entry.seconds = time.perf_counter() - t0
+        entries.append(entry)
+        progress.update(1)
+    return entries
+
+
+def build_comparison(views, a, b, progress) -> list[Entry]:
+    """Per view: side by side (history views: one overlaid figure) and, where tables align, A - B."""
+    from analysis.compare import build_both, difference_view, side_by_side
+    from analysis.views import NotApplicable
+
+    entries = []
+    for view in views:
+        t0 = time.perf_counter()
+        if view.section == "history":
+            entry = Entry(view.key, view.title, view.section, view.description)
+            try:
+                entry.figure, entry.table = view.build(a)
+            except NotApplicable as exc:
+                entry.note = str(exc)
+            except Exception as exc:  # noqa: BLE001
+                entry.error = f"{type(exc).__name__}: {exc}"
+            entry.seconds = time.perf_counter() - t0
+            entries.append(entry)
+            progress.update(1)
+            continue
+        side = Entry(f"{view.key}__side", view.title, view.section, view.description)
+        built = None
+        try:
+            built = build_both(view, a, b)
+            side.figure, side.table = side_by_side(view, a, b, built=built)
+        except NotApplicable as exc:
+            side.note = str(exc)
+        except Exception as exc:  # noqa: BLE001
+            side.error = f"{type(exc).__name__}: {exc}"
+        entries.append(side)
+        if side.figure is not None:
+            diff = Entry(
+                f"{view.key}__diff",
+                f"{view.title}: difference A - B",
+                view.section,
+                "Where both runs' tables align row for row: A - B on a diverging scale centred at 0.",
+            )
+            try:
+                diff.figure, diff.table = difference_view(view, a, b, built=built)
+                entries.append(diff)
+            except NotApplicable as exc:
+                side.note = f"no difference view: {exc}"
+            except Exception as exc:  # noqa: BLE001
+                diff.error = f"{type(exc).__name__}: {exc}"
+                entries.append(diff)
+        side.seconds = time.perf_counter() - t0
+        progress.update(1)
+    return entries
+
+
+# ----------------------------------------------------------------------------- HTML
+_CSS = """
+body{font-family:Inter,Helvetica,Arial,sans-serif;margin:0 auto;max-width:1500px;padding:16px 28px;color:#222}
+h1{font-size:26px;margin-bottom:4px} h2{border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:36px}
+h3{margin:28px 0 4px} .desc{color:#555;margin:2px 0 8px} .note{color:#8a6d3b} .err{color:#b00020}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
+th{background:#f5f5f5} td.l,th.l{text-align:left} .files a{margin-right:8px;font-size:12px}
+pre{background:#f7f7f7;padding:8px;overflow:auto;max-height:320px;font-size:12px}
+.grid{display:flex;gap:32px;flex-wrap:wrap} nav a{margin-right:14px}
+"""
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        if math.isinf(v):
+            return "∞" if v > 0 else "-∞"
+        return f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def _kv_table(items: dict[str, Any]) -> str:
+    rows = "".join(
+        f"<tr><th class='l'>{html.escape(str(k))}</th><td class='l'>{_fmt(v)}</td></tr>" for k, v in items.items()
+    )
+    return f"<table>{rows}</table>"
+
+
+def _headline_html(headlines: list[dict], labels: list[str]) -> str:
+    from analysis.compare import HEADLINE_LABELS, headline_table
+
+    if len(headlines) == 2:
+        df = headline_table(headlines[0], headlines[1])
+        head = (
+            f"<tr><th class='l'>metric</th><th>{html.escape(labels[0])}</th><th>{html.escape(labels[1])}</th>"
+            f"<th>delta (A - B)</th></tr>"
+        )
+        rows = "".join(
+            f"<tr><td class='l'>{html.escape(r.description)}</td><td>{_fmt(r.a)}</td><td>{_fmt(r.b)}</td>"
+            f"<td>{_fmt(r.delta)}</td></tr>"
+            for r in df.itertuples()
+        )
+        return f"<table id='headline'>{head}{rows}</table>"
+    h = headlines[0]
+    rows = "".join(
+        f"<tr><td class='l'>{html.escape(HEADLINE_LABELS.get(k, k))}</td><td>{_fmt(v)}</td></tr>"
+        for k, v in h.items()
+        if k != "label"
+    )
+    return f"<table id='headline'><tr><th class='l'>metric</th><th>{html.escape(labels[0])}</th></tr>{rows}</table>"
+
+
+def _figure_div(fig: go.Figure, div_id: str) -> str:
+    import plotly.io as pio
+
+    return pio.to_html(
+        fig, include_plotlyjs=False, full_html=False, div_id=div_id, config={"displaylogo": False, "responsive": True}
+    )
+
+
+def _run_block(run, label: str) -> str:
+    from analysis.inspect import config_summary
+
+    card = {k: v for k, v in run.card.items() if k not in ("card_text", "notes", "training")}
+    parts = [
+        f"<div><h3>{html.escape(label)}</h3><p class='desc'>{html.escape(str(run.path))}<br>"
+        f"fingerprint {html.escape(run.fingerprint[:16])}</p>",
+        "<h4>Model card</h4>",
+        _kv_table(card),
+    ]
+    if run.card.get("training"):
+        parts += ["<h4>Training (metrics.json)</h4>", _kv_table(run.card["training"])]
+    parts += ["<h4>Config</h4>", _kv_table(config_summary(run.config))]
+    parts += [
+        "<details><summary>full config.json</summary><pre>"
+        f"{html.escape(json.dumps(run.config.to_dict(), indent=1))}</pre></details>"
+    ]
+    if run.card.get("card_text"):
+        parts.append(
+            f"<details><summary>model card (README)</summary><pre>{html.escape(run.card['card_text'])}</pre></details>"
+        )
+    for note in run.card.get("notes", []):
+        parts.append(f"<p class='note'>{html.escape(note)}</p>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def render_html(entries: list[Entry], runs, labels, headlines, sample, timings: dict[str, float]) -> str:
+    """The whole report as one HTML string (plotly.js inline once)."""
+    from plotly.offline import get_plotlyjs
+
+    title = "k3lab report: " + " vs ".join(labels)
+    body = [
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p class='desc'>generated {time.strftime('%Y-%m-%d %H:%M:%S')}; input: "
+        f"{html.escape(sample.description or sample.name)} ({sample.input_ids.shape[1]} tokens)</p>",
+    ]
+    sections = list(dict.fromkeys(e.section for e in entries))
+    body.append(
+        "<nav>"
+        + "".join(
+            f"<a href='#sec-{s}'>{html.escape(SECTION_TITLES.get(s, s))}</a>" for s in ["runs", "headline"] + sections
+        )
+        + "</nav>"
+    )
+    body.append(
+        "<h2 id='sec-runs'>Runs</h2><div class='grid'>"
+        + "".join(_run_block(r, lab) for r, lab in zip(runs, labels))
+        + "</div>"
+    )
+    if sample.text:
+        body.append(f"<details><summary>input text</summary><pre>{html.escape(sample.text)}</pre></details>")
+    body.append("<h2 id='sec-headline'>Headline numbers</h2>" + _headline_html(headlines, labels))
+    for section in sections:
+        body.append(f"<h2 id='sec-{section}'>{html.escape(SECTION_TITLES.get(section, section))}</h2>")
+        for e in (e for e in entries if e.section == section):
+            body.append(f"<section id='view-{e.key}'><h3>{html.escape(e.title)}</h3>")
+            if e.description:
+                body.append(f"<p class='desc'>{html.escape(e.description)}</p>")
+            if e.figure is not None:
+                body.append(_figure_div(e.figure, f"fig-{e.key}"))
+                links = [
+                    f"<a href='figures/{html.escape(Path(p).name)}'>{fmt}</a>"
+                    for fmt, p in e.files.items()
+                    if isinstance(p, Path)
+                ]
+                if links:
+                    body.append("<p class='files'>data and images: " + "".join(links) + "</p>")
+            if e.note:
+                body.append(f"<p class='note'>Not shown: {html.escape(e.note)}</p>")
+            if e.error:
+                body.append(f"<p class='err'>Failed: {html.escape(e.error)}</p>")
+            body.append("</section>")
+    body.append("<hr><p class='desc'>timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()) + "</p>")
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style>"
+        f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>" + "\n".join(body) + "</body></html>\n"
+    )
+
+
+# ----------------------------------------------------------------------------- main
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="k3lab report", unit="step", disable=quiet, file=sys.stderr, leave=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.runs) > 2:
+        print("k3lab report: give one run, or two runs to compare", file=sys.stderr)
+        return 2
+    if args.max_tokens < 2:
+        print("k3lab report: --max-tokens must be at least 2", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    out = Path(args.out)
+
+    from analysis import runs as runs_mod
+    from analysis.compare import headline_numbers, headline_table
+    from analysis.export import export_many, static_export_available
+    from analysis.views import all_views
+    from k3core.checkpoint import CheckpointError
+
+    views = select_views(all_views(), args.views, args.skip_model_views)
+    n_static = 0 if args.no_static else 1
+    progress = _progress(len(args.runs) * 2 + len(views) + 2 + n_static, args.quiet)
+    try:
+        runs = []
+        for path in args.runs:
+            runs.append(runs_mod.load_run(path))
+            progress.update(1)
+        timings["load"] = time.perf_counter() - t_start
+        labels = _labels(runs)
+        cfg = runs[0].config
+        if args.text:
+            text_path = Path(args.text)
+            if not text_path.is_file():
+                raise ValueError(f"{text_path}: no such text file")
+            sample = runs_mod.text_input(
+                text_path.read_text(encoding="utf-8", errors="replace"), cfg, args.max_tokens, name=text_path.name
+            )
+        else:
+            sample = runs_mod.sample_input(args.sample or runs_mod.DEFAULT_SAMPLE, cfg, args.max_tokens)
+        for run in runs[1:]:
+            if run.config.vocab_size != cfg.vocab_size:
+                raise ValueError(
+                    f"the runs have different vocabularies ({cfg.vocab_size} vs "
+                    f"{run.config.vocab_size}); they cannot read the same input"
+                )
+        t0 = time.perf_counter()
+        contexts = []
+        for run, label in zip(runs, labels):
+            contexts.append(runs_mod.trace_run(run, sample, what="all", label=label))
+            progress.update(1)
+        timings["trace"] = time.perf_counter() - t0
+    except (CheckpointError, ValueError, OSError) as exc:
+        progress.close()
+        print(f"k3lab report: {exc}", file=sys.stderr)
+        return 2
+
+    t0 = time.perf_counter()
+    if len(contexts) == 2:
+        contexts[0].options["overlay_metrics"] = {labels[1]: runs[1].metrics}
+        entries = build_comparison(views, contexts[0], contexts[1], progress)
+    else:
+        entries = build_single(views, contexts[0], progress)
+    headlines = [headline_numbers(c) for c in contexts]
+    progress.update(1)
+    timings["views"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    formats = ("csv", "json") if args.no_static else ("csv", "json", "png", "svg")
+    static_note = None
+    if not args.no_static:
+        ok, why = static_export_available()
+        if not ok:
+            formats, static_note = ("csv", "json"), why
+    shown = [e for e in entries if e.figure is not None]
+    meta = {e.key: {"view": e.key, "title": e.title, "section": e.section, "runs": labels} for e in shown}
+    results = export_many([(e.figure, e.table, e.key) for e in shown], out / "figures", formats, meta=meta)
+    for e in shown:
+        e.files = results.get(e.key, {})
+    progress.update(n_static)
+    timings["files"] = time.perf_counter() - t0
+
+    headline_json = {
+        "runs": headlines,
+        "input": {"name": sample.name, "description": sample.description, "tokens": int(sample.input_ids.shape[1])},
+        "checkpoints": [
+            {"label": lab, "path": str(r.path), "fingerprint": r.fingerprint} for r, lab in zip(runs, labels)
+        ],
+    }
+    if len(headlines) == 2:
+        table = headline_table(headlines[0], headlines[1])
+        headline_json["delta_a_minus_b"] = dict(zip(table["metric"], table["delta"]))
+    (out / "headline.json").write_text(json.dumps(_json_safe(headline_json), indent=1) + "\n")
+    if args.save_trace:
+        for ctx, tag in zip(contexts, "AB"):
+            ctx.trace.save(out / f"trace_{tag}.npz")
+
+    timings["total"] = time.perf_counter() - t_start
+    (out / "report.html").write_text(render_html(entries, runs, labels, headlines, sample, timings), encoding="utf-8")
+    progress.update(1)
+    progress.close()
+
+    failed = [e for e in entries if e.error]
+    skipped = [e for e in entries if e.note and e.figure is None]
+    export_problems = {f"{e.key}.{fmt}": v for e in shown for fmt, v in e.files.items() if isinstance(v, str)}
+    print(
+        f"k3lab report: wrote {out / 'report.html'} ({len(shown)} figures, {len(skipped)} not applicable, "
+        f"{len(failed)} failed) in {time.perf_counter() - t_start:.1f} s"
+    )
+    for e in skipped:
+        print(f"  skipped {e.key}: {e.note}")
+    if static_note:
+        print(f"  no PNG/SVG: {static_note}")
+    elif export_problems:
+        first = next(iter(export_problems.items()))
+        print(f"  {len(export_problems)} export(s) failed, e.g. {first[0]}: {first[1]}")
+    for e in failed:
+        print(f"  FAILED {e.key}: {e.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

