@@ -83,10 +83,19 @@ class KimiDeltaAttention(nn.Module):
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
-        # A in [1, 16] and dt in [1e-3, 1e-1] (inverse-softplus for dt_bias), as in Mamba/GDN/KDA.
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        # Per-channel decay rates -g spread log-uniformly over [1e-3, 1e-1] at z = 0, i.e. memory
+        # horizons 1/(1 - alpha) of roughly 10 to 1000 tokens.
+        rate = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+        if self.config.kda_gate == "softplus":
+            # Mamba / GDN / Kimi Linear: A in [1, 16], dt_bias = softplus^-1(rate) (A scales it further).
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            self.dt_bias.copy_(rate + torch.log(-torch.expm1(-rate)))
+        else:
+            # Lower-bound form g = lb * sigmoid(A (z + dt_bias)): with A = 1, dt_bias = logit(rate / |lb|).
+            # (Mamba's dt init here would put sigmoid(A * dt_bias) near 1e-40: no forgetting at all.)
+            self.A_log.zero_()
+            frac = rate / abs(self.config.kda_gate_lower_bound)
+            self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))
         self.o_norm.weight.fill_(1.0)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
