@@ -408,27 +408,29 @@ def kda_decay_stats(trace: Trace, near: float = NEAR_LOWER_BOUND) -> pd.DataFram
     )
 
 
-def kda_beta_stats(trace: Trace) -> pd.DataFrame:
-    """Per KDA layer and head: write strength beta over tokens (mean, std, p10, median, p90, min, max)."""
+def kda_beta_stats(trace: Trace, by: str = "head") -> pd.DataFrame:
+    """Write strength beta over tokens per KDA layer and head (``by="head"``) or per layer with all heads
+    pooled (``by="layer"``): mean, std, p10, median, p90, min, max."""
+    if by not in ("head", "layer"):
+        raise ValueError(f"by must be 'head' or 'layer', got {by!r}")
     rows = []
     for i in _kda_layers(trace):
         beta = np.asarray(trace[f"kda.{i}.beta"], dtype=np.float64)  # [B, T, H]
-        for h in range(beta.shape[-1]):
-            b = beta[..., h].ravel()
-            rows.append(
-                dict(
-                    layer=i,
-                    head=h,
-                    mean=b.mean(),
-                    std=b.std(),
-                    p10=np.quantile(b, 0.1),
-                    median=np.median(b),
-                    p90=np.quantile(b, 0.9),
-                    min=b.min(),
-                    max=b.max(),
-                )
+        groups = [(h, beta[..., h].ravel()) for h in range(beta.shape[-1])] if by == "head" else [(None, beta.ravel())]
+        for h, b in groups:
+            row = dict(layer=i, head=h) if by == "head" else dict(layer=i)
+            row.update(
+                mean=b.mean(),
+                std=b.std(),
+                p10=np.quantile(b, 0.1),
+                median=np.median(b),
+                p90=np.quantile(b, 0.9),
+                min=b.min(),
+                max=b.max(),
             )
-    return pd.DataFrame(rows, columns=["layer", "head", "mean", "std", "p10", "median", "p90", "min", "max"])
+            rows.append(row)
+    cols = ["layer", "head"] if by == "head" else ["layer"]
+    return pd.DataFrame(rows, columns=cols + ["mean", "std", "p10", "median", "p90", "min", "max"])
 
 
 def kda_state_norms(trace: Trace) -> pd.DataFrame:

@@ -73,7 +73,8 @@ VARIANTS = [
 @pytest.mark.parametrize("preset,overrides", VARIANTS)
 def test_parameter_counts_match_the_model_per_layer_and_in_total(preset, overrides):
     cfg = K3Config.from_preset(preset, **overrides)
-    model = K3ForCausalLM.from_config(cfg, device="meta")
+    small = cfg.hidden_size <= 512  # build the small ones for real, the published sizes on the meta device
+    model = K3ForCausalLM.from_config(cfg, device="cpu" if small else "meta")
     alloc = dn.layer_allocation(cfg)
     layers = alloc[alloc["part"].str.startswith("L")]
     assert list(layers["params"]) == [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
@@ -260,8 +261,6 @@ def test_gradient_x_activation_zero_for_a_silent_sublayer_and_first_order_close_
     assert gxa.loc[(2, "attn"), "importance"] == 0.0 and gxa.loc[(2, "attn"), "gxa_abs"] == 0.0
     est, exact = gxa.loc[(1, "attn"), "taylor_ablation"], abl.loc[(1, "attn"), "importance"]
     assert exact != 0 and est == pytest.approx(exact, rel=0.2)
-    both = im.sublayer_importance(model, ids)
-    assert set(both["method"]) == {"ablation", "gxa"} and len(both) == 2 * 2 * 4
 
 
 def test_importance_rejects_bad_input():
@@ -292,6 +291,9 @@ def test_every_density_view_builds_on_a_real_k3_nano_trace(nano_run):
         if view.key == "density_allocated_vs_measured":
             assert view.needs_model
             assert {"ablation_attn", "ablation_ffn", "gxa_attn", "gxa_ffn", "horizon_median"} <= set(df.columns)
+            # both estimates share a scale and sign: gxa columns hold the first-order ablation estimate -gxa
+            # (the FFN outputs of a fresh model are small, so the first-order estimate is close)
+            assert np.allclose(df["gxa_ffn"], df["ablation_ffn"], rtol=0.3, atol=5e-5)
             assert list(df["layer"]) == [0, 1, 2, 3]
         if view.key == "density_cache_vs_length":
             assert 8192 in set(df["seq_len"])
@@ -313,3 +315,20 @@ def test_density_views_without_model_or_kda_are_not_applicable(nano_run):
         with pytest.raises(NotApplicable):
             view[key].build(ctx2)
     _check_view(view["density_allocation"], ctx2)
+
+
+def test_kda_views_pool_heads_per_layer_when_there_are_many(nano_run, monkeypatch):
+    model, ids, trace = nano_run
+    monkeypatch.setattr(fd, "MAX_HEAD_BOXES", 1)
+    monkeypatch.setattr(fd, "MAX_HEAD_LINES", 1)
+    ctx = AnalysisContext(trace=trace, config=model.config)
+    view = {v.key: v for v in fd.VIEWS}
+    _, decay = _check_view(view["kda_decay"], ctx)
+    _, beta = _check_view(view["kda_beta"], ctx)
+    fig, _ = _check_view(view["kda_state_norm"], ctx)
+    assert list(decay["layer"]) == [0, 1, 2] and list(beta["layer"]) == [0, 1, 2]
+    assert len(fig.data) == 3  # one mean line per KDA layer
+    pooled = dn.kda_beta_stats(trace, by="layer").set_index("layer")
+    assert pooled.loc[1, "mean"] == pytest.approx(float(trace["kda.1.beta"].mean()), rel=1e-6)
+    with pytest.raises(ValueError):
+        dn.kda_beta_stats(trace, by="token")

@@ -115,6 +115,7 @@ def build_query_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             )
         )
     fig.update_xaxes(categoryorder="array", categoryarray=[_site_label(s) for s in table["site"]])
+    fig.update_layout(barmode="overlay")  # one bar per site: no side-by-side offsets
     apply_style(
         fig,
         f"AttnRes pseudo-query norm per site — {ctx.label}",
@@ -202,6 +203,7 @@ def build_hidden_rms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             x=np.concatenate([x, x[::-1]]),
             y=np.concatenate([table["p90"], table["p10"][::-1]]),
             fill="toself",
+            mode="lines",
             fillcolor="rgba(31,119,180,0.18)",
             line={"width": 0},
             name="p10-p90 of tokens",

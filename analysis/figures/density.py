@@ -47,6 +47,7 @@ def _layer_bars(
             go.Bar(
                 x=g["layer"],
                 y=g[column],
+                width=0.8,  # explicit: plotly would size each trace's bars from its own x spacing
                 name=ltype,
                 legendgroup=ltype,
                 showlegend=show_legend,
@@ -89,6 +90,7 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         go.Bar(
             x=layers["layer"],
             y=layers["params"],
+            width=0.8,
             name="all parameters",
             showlegend=True,
             marker={"color": "rgba(0,0,0,0)", "line": {"color": "#444", "width": 1}},
@@ -247,23 +249,44 @@ def _box_from_quantiles(
         fig.add_trace(trace, row=row, col=1)
 
 
+MAX_HEAD_BOXES = 64  # above this many KDA (layer, head) pairs, distributions are pooled per layer
+MAX_HEAD_LINES = 24
+
+
+def _group_label(layer: int, head: int | None) -> str:
+    return f"L{layer}" if head is None else f"L{layer} h{head}"
+
+
 def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Per KDA layer/head: spread over key channels of the memory horizon 1/(1 - exp(mean_t g)), and the
-    share of decays near the lower bound (g < 0.9 * lower_bound)."""
+    """Per KDA layer/head (pooled per layer when there are many heads): spread over key channels of the
+    memory horizon 1/(1 - exp(mean_t g)), and the share of decays near the lower bound (g < 0.9 lb)."""
     _require_kda(ctx)
     chan = dn.kda_channel_decay(ctx.trace)
     stats = dn.kda_decay_stats(ctx.trace)
+    per_head = len(stats) <= MAX_HEAD_BOXES
+    keys = ["layer", "head"] if per_head else ["layer"]
+    if not per_head:
+        stats = stats.groupby("layer", as_index=False).agg(
+            g_mean=("g_mean", "mean"),
+            alpha_mean=("alpha_mean", "mean"),
+            horizon_median=("horizon_median", "median"),
+            frac_near_lb=("frac_near_lb", "mean"),
+        )
     cap = float(ctx.config.max_position_embeddings)
     names = ("lo", "q1", "median", "q3", "hi")
     rows = []
-    for (layer, head), g in chan.groupby(["layer", "head"]):
+    for key, g in chan.groupby(keys):
+        key = key if isinstance(key, tuple) else (key,)
         hz = dn.horizon_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
-        rows.append(dict(layer=layer, head=head, **{f"channel_horizon_{k}": v for k, v in zip(names, hz)}))
-    table = stats.merge(pd.DataFrame(rows), on=["layer", "head"])
+        rows.append({**dict(zip(keys, key)), **{f"channel_horizon_{k}": v for k, v in zip(names, hz)}})
+    table = stats.merge(pd.DataFrame(rows), on=keys)
     shown = {k: np.minimum(table[f"channel_horizon_{k}"].to_numpy(), cap) for k in names}
-    x = [f"L{r.layer} h{r.head}" for r in table.itertuples()]
+    heads = table["head"] if per_head else [None] * len(table)
+    x = [_group_label(layer, head) for layer, head in zip(table["layer"], heads)]
+    what = "layer/head" if per_head else "layer (all heads pooled)"
     hover = [
-        f"layer {r.layer}, head {r.head}<br>median horizon over channels {r.channel_horizon_median:.3g} tokens"
+        f"layer {r.layer}, {f'head {r.head}' if per_head else 'all heads'}<br>"
+        f"median horizon over channels {r.channel_horizon_median:.3g} tokens"
         for r in table.itertuples()
     ]
     lower_bound = ctx.config.kda_gate == "lower_bound"
@@ -290,17 +313,23 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             col=1,
         )
         fig.update_yaxes(title_text="share near bound", range=[0, 1], row=2, col=1)
-    fig.update_xaxes(title_text="KDA layer, head", row=2 if lower_bound else 1, col=1)
-    apply_style(fig, f"KDA decay: memory horizon 1/(1 - α) per layer/head — {ctx.label}", height=560)
+    fig.update_xaxes(title_text=f"KDA {what}", row=2 if lower_bound else 1, col=1)
+    apply_style(fig, f"KDA decay: memory horizon 1/(1 - α) per {what} — {ctx.label}", height=560)
     return fig, table
 
 
 def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Per KDA layer/head: the write strength beta over tokens (box: min, p10, median, p90, max)."""
+    """Per KDA layer/head (pooled per layer when there are many heads): the write strength beta over
+    tokens (box: min, p10, median, p90, max)."""
     _require_kda(ctx)
     table = dn.kda_beta_stats(ctx.trace)
-    x = [f"L{r.layer} h{r.head}" for r in table.itertuples()]
-    hover = [f"layer {r.layer}, head {r.head}<br>mean β {r.mean:.3f} (std {r.std:.3f})" for r in table.itertuples()]
+    per_head = len(table) <= MAX_HEAD_BOXES
+    if not per_head:
+        table = dn.kda_beta_stats(ctx.trace, by="layer")
+    heads = table["head"] if per_head else [None] * len(table)
+    x = [_group_label(layer, head) for layer, head in zip(table["layer"], heads)]
+    hover = [f"{label}<br>mean β {r.mean:.3f} (std {r.std:.3f})" for label, r in zip(x, table.itertuples())]
+    what = "layer/head" if per_head else "layer (all heads pooled)"
     fig = go.Figure()
     _box_from_quantiles(
         fig,
@@ -311,20 +340,39 @@ def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         hover,
     )
     fig.update_yaxes(range=[0, 1])
-    apply_style(fig, f"KDA write strength β per layer/head — {ctx.label}", "KDA layer, head", "β (0..1)")
+    apply_style(fig, f"KDA write strength β per {what} — {ctx.label}", f"KDA {what}", "β (0..1)")
     return fig, table
 
 
 def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """||S||_F of each KDA head's state at chunk ends, over token position."""
+    """||S||_F of each KDA head's state at chunk ends, over token position (mean over heads per layer,
+    with the heads' min-max in the hover, when there are many heads)."""
     _require_kda(ctx)
     table = dn.kda_state_norms(ctx.trace)
     if table.empty:
         raise NotApplicable("trace has no kda.*.state_norm arrays")
     fig = go.Figure()
     layers = sorted(table["layer"].unique())
+    per_head = len(table.drop_duplicates(["layer", "head"])) <= MAX_HEAD_LINES
     for li, layer in enumerate(layers):
-        for head, g in table[table["layer"] == layer].groupby("head"):
+        color = RUN_COLORS[li % len(RUN_COLORS)]
+        sub = table[table["layer"] == layer]
+        if not per_head:
+            g = sub.groupby("token")["state_norm"].agg(["mean", "min", "max"]).reset_index()
+            fig.add_trace(
+                go.Scatter(
+                    x=g["token"],
+                    y=g["mean"],
+                    mode="lines+markers",
+                    name=f"L{layer}",
+                    line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[(li // len(RUN_COLORS)) % 4]},
+                    customdata=g[["min", "max"]].to_numpy(),
+                    hovertemplate=f"layer {layer}, mean over heads<br>token %{{x}}<br>‖S‖_F = %{{y:.4g}} "
+                    "(heads %{customdata[0]:.4g}..%{customdata[1]:.4g})<extra></extra>",
+                )
+            )
+            continue
+        for head, g in sub.groupby("head"):
             fig.add_trace(
                 go.Scatter(
                     x=g["token"],
@@ -332,16 +380,19 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     mode="lines+markers",
                     name=f"L{layer} h{head}",
                     legendgroup=f"L{layer}",
-                    line={
-                        "color": RUN_COLORS[li % len(RUN_COLORS)],
-                        "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4],
-                    },
+                    line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4]},
                     hovertemplate=f"layer {layer}, head {head}<br>token %{{x}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
                 )
             )
+    what = "per layer/head" if per_head else "per layer (mean over heads)"
     apply_style(
-        fig, f"KDA state norm over time — {ctx.label}", "token position (end of chunk)", "state Frobenius norm ‖S‖_F"
+        fig,
+        f"KDA state norm over time, {what} — {ctx.label}",
+        "token position (end of chunk)",
+        "state Frobenius norm ‖S‖_F",
     )
+    if not per_head or len(fig.data) > 8:  # many entries: legend as a column on the right
+        fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table
 
 

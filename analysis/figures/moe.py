@@ -134,6 +134,7 @@ def build_imbalance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             col=1,
         )
         fig.update_yaxes(title_text=col.replace("_", " "), row=row, col=1)
+    fig.update_yaxes(rangemode="nonnegative")
     fig.update_yaxes(range=[0, 1.02], row=3, col=1)
     fig.update_xaxes(title_text="MoE layer (0-based)", dtick=1 if len(table) <= 40 else None, row=len(panels), col=1)
     apply_style(fig, f"Expert load imbalance per layer — {ctx.label}", height=720)
@@ -278,7 +279,7 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                         x=g["pc1"],
                         y=g["pc2"],
                         mode="markers",
-                        name=f"expert {e}",
+                        name=f"{e}",
                         visible=n == 0,
                         marker={"size": 5, "color": palette[int(e) % len(palette)], "opacity": 0.75},
                         customdata=g[["token", "token_id", "top1_expert", "top1_weight"]].to_numpy(),
@@ -311,6 +312,17 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             f"MoE {what}, layer {layer}: PCA (PC1 {ratio[0]:.0%}, PC2 {ratio[1]:.0%} of variance) — {ctx.label}"
         )
     apply_style(fig, titles[0], "PC1", "PC2", height=520)
+    if palette is not None:  # one legend entry per expert: a column on the right, clear of the title
+        fig.update_layout(
+            legend={
+                "orientation": "v",
+                "x": 1.02,
+                "xanchor": "left",
+                "y": 1.0,
+                "yanchor": "top",
+                "title": {"text": "top-1 expert"},
+            }
+        )
     _layer_dropdown(fig, shown, counts, titles)
     return fig, pd.concat(frames, ignore_index=True)
 
