@@ -19,7 +19,8 @@ import streamlit as st  # noqa: E402
 
 from app import widgets  # noqa: E402
 
-PAGES_DIR = Path(__file__).resolve().parent / "pages"
+# Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
+PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
 
 st.set_page_config(page_title="k3lab", page_icon=":material/biotech:", layout="wide", initial_sidebar_state="expanded")
 

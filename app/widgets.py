@@ -10,7 +10,6 @@ import functools
 import inspect
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -98,17 +97,17 @@ def sidebar() -> Inputs:
         c1, c2 = st.columns(2)
         device = c1.selectbox("Device", _device_choices(), key="k3lab_device")
         dtype = c2.selectbox("dtype", _dtype_choices(device), key="k3lab_dtype")
+        ss.setdefault("k3lab_seq_len", state.SEQ_LEN_DEFAULT)
+        ss.setdefault("k3lab_record_attn", True)
         seq_len = st.select_slider(
             "Sequence length for memory views",
             options=list(state.SEQ_LENS),
-            value=state.SEQ_LEN_DEFAULT,
             key="k3lab_seq_len",
             format_func=human_tokens,
             help="The length at which cache memory and FLOPs per token are computed (density views).",
         )
         record_attn = st.checkbox(
             "Record MLA attention probabilities",
-            value=True,
             key="k3lab_record_attn",
             help=f"Needed for entropy and sink views; quadratic in length, recorded for at "
             f"most {state.MAX_ATTN_LEN} positions.",
@@ -142,11 +141,11 @@ def text_choice(
         "MQAR is a synthetic associative-recall sequence (loss on the answers only).",
     )
     if max_tokens is None:
+        st.session_state.setdefault(f"{prefix}_max_tokens", state.MAX_TOKENS_DEFAULT)
         max_tokens = st.number_input(
             "Max tokens",
             min_value=2,
             max_value=state.MAX_TOKENS_CAP,
-            value=state.MAX_TOKENS_DEFAULT,
             step=128,
             key=f"{prefix}_max_tokens",
             help=f"Longer texts are cut to their first N tokens (bytes); at most {state.MAX_TOKENS_CAP:,}.",
@@ -258,32 +257,11 @@ def show_figure(fig, key: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def static_export_status() -> tuple[bool, str]:
-    """(available, message) for PNG/SVG export, which needs Chromium (through kaleido)."""
-    try:
-        from analysis import export as ex
+    """(available, reason) for PNG/SVG export, which needs Chromium (analysis.export.static_export_available)."""
+    from analysis.export import static_export_available
 
-        for name in ("static_export_available", "chromium_available", "static_export_status"):
-            fn = getattr(ex, name, None)
-            if callable(fn):
-                got = fn()
-                if isinstance(got, tuple):
-                    return bool(got[0]), str(got[1])
-                return bool(got), "" if got else "PNG/SVG export needs Chromium, which was not found."
-    except ImportError:
-        pass
-    for candidate in (
-        os.environ.get("BROWSER_PATH"),
-        shutil.which("chromium"),
-        shutil.which("chromium-browser"),
-        shutil.which("google-chrome"),
-        "/usr/bin/chromium",
-    ):
-        if candidate and Path(candidate).is_file():
-            return True, ""
-    return False, (
-        "PNG and SVG export need Chromium, which is not installed (`apt-get install chromium`, or "
-        "run `./k3lab.sh app`, which installs it). HTML, CSV and JSON exports work without it."
-    )
+    ok, message = static_export_available()
+    return bool(ok), "" if ok else str(message)
 
 
 def figure_bytes(fig, df, stem: str, fmt: str) -> bytes:
@@ -292,12 +270,10 @@ def figure_bytes(fig, df, stem: str, fmt: str) -> bytes:
 
     with tempfile.TemporaryDirectory(prefix="k3lab-export-") as tmp:
         written = export_figure(fig, df, tmp, stem, [fmt])
-        path = written.get(fmt) if isinstance(written, dict) else None
-        if path is None:
-            path = Path(tmp) / f"{stem}.{fmt}"
-        if isinstance(path, (list, tuple)):
-            path = path[0]
-        return Path(path).read_bytes()
+        result = written.get(fmt)
+        if not isinstance(result, Path):
+            raise RuntimeError(str(result) if result is not None else f"{fmt} was not written")
+        return result.read_bytes()
 
 
 def export_buttons(fig, df, stem: str, key: str) -> None:
@@ -417,31 +393,6 @@ def layer_badges(cfg) -> str:
         moe = "·moe" if cfg.is_moe_layer(i) else ""
         parts.append(f":{colour}-background[{i}&nbsp;{kind}{moe}]")
     return " ".join(parts)
-
-
-def layer_table(cfg, model) -> Any:
-    """One row per layer: attention type, feed-forward type, width multiplier, parameters."""
-    try:
-        from analysis.inspect import layer_map
-
-        return layer_map(model)
-    except ImportError:
-        pass
-    import pandas as pd
-
-    rows = []
-    for i, layer in enumerate(model.model.layers):
-        ffn = ("LatentMoE" if cfg.is_latent_moe else "MoE") if cfg.is_moe_layer(i) else "dense FFN"
-        rows.append(
-            {
-                "layer": i,
-                "attention": cfg.layer_types()[i],
-                "feed-forward": ffn,
-                "width x": cfg.width_multiplier(i),
-                "parameters": sum(p.numel() for p in layer.parameters()),
-            }
-        )
-    return pd.DataFrame(rows)
 
 
 KEY_HEADLINES = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from analysis.inspect import config_summary, layer_map, parameter_breakdown
 from app import state, widgets
 from app.state import InputError
 from k3core.checkpoint import CheckpointError
@@ -50,16 +51,31 @@ else:
     widgets.run_line(loaded)
     widgets.headline_metrics(loaded)
 
-# ------------------------------------------------------------------- layer map + config
+# ------------------------------------------------------------------- layer map, parameters, config
+st.markdown("#### Layer map")
+st.markdown(widgets.layer_badges(cfg))
 left, right = st.columns([3, 2])
 with left:
-    st.markdown("#### Layer map")
-    st.markdown(widgets.layer_badges(cfg))
-    st.dataframe(widgets.layer_table(cfg, model), hide_index=True, **widgets.DATAFRAME_KW)
+    st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **widgets.DATAFRAME_KW)
+    st.markdown("#### Parameters by component")
+    breakdown = parameter_breakdown(model)
+    st.dataframe(
+        pd.DataFrame(
+            [{"component": k, "total": v["total"], "active per token": v["active"]} for k, v in breakdown.items()]
+        ),
+        hide_index=True,
+        **widgets.DATAFRAME_KW,
+    )
 with right:
     st.markdown("#### Configuration")
-    summary = pd.DataFrame({"setting": list(cfg.to_dict()), "value": [str(v) for v in cfg.to_dict().values()]})
-    st.dataframe(summary, hide_index=True, height=420, **widgets.DATAFRAME_KW)
+    summary = config_summary(cfg)
+    st.dataframe(
+        pd.DataFrame({"setting": list(summary), "value": [str(v) for v in summary.values()]}),
+        hide_index=True,
+        **widgets.DATAFRAME_KW,
+    )
+    with st.expander("Every config field"):
+        st.json(cfg.to_dict(), expanded=True)
 
 # ------------------------------------------------------------------- model card
 card = state.run_card(run)
