@@ -1,0 +1,1 @@
+"""k3lab benchmark suite: ``python -m benchmarks [--quick]`` (see benchmarks/README.md)."""

@@ -1,0 +1,3 @@
+from .run_all import main
+
+main()
