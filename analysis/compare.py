@@ -392,7 +392,7 @@ def combine_side_by_side(
     traces_b = [copy.copy(t) for t in db.get("data", [])]
     _share_colours(traces_a, traces_b)
 
-    skip = ("annotations", "shapes", "title", "template", "height", "width", "meta")
+    skip = ("annotations", "shapes", "title", "height", "width", "meta")
     layout = {k: copy.deepcopy(v) for k, v in la.items() if not _AXIS_RE.match(k) and k not in skip}
     _place_axes(la, layout, ids_a, offset_a, LEFT_DOMAIN, None)
     _place_axes(lb, layout, ids_b, offset_b, RIGHT_DOMAIN, ids_a)
@@ -402,6 +402,11 @@ def combine_side_by_side(
     layout["shapes"] = _place_refs(la.get("shapes"), offset_a, LEFT_DOMAIN, ("x0", "x1")) + _place_refs(
         lb.get("shapes"), offset_b, RIGHT_DOMAIN, ("x0", "x1")
     )
+    titles = [(la.get("title") or {}).get("text") or "", (lb.get("title") or {}).get("text") or ""]
+    if titles[0] != titles[1]:  # per-run numbers in the titles (e.g. a sink rate): keep them under the labels
+        label_a, label_b = (
+            f"{lab}<br><span style='font-size:11px'>{t}</span>" for lab, t in zip((label_a, label_b), titles)
+        )
     for text, domain in ((label_a, LEFT_DOMAIN), (label_b, RIGHT_DOMAIN)):
         layout["annotations"].append(
             {
@@ -419,7 +424,8 @@ def combine_side_by_side(
         )
     src_title = (la.get("title") or {}).get("text", "")
     layout["title"] = {"text": title or src_title, "x": 0.0, "xanchor": "left"}
-    layout["margin"] = {**layout.get("margin", {}), "t": max(110, (layout.get("margin") or {}).get("t", 60) + 50)}
+    top = max(110, (layout.get("margin") or {}).get("t", 60) + 50) + (20 if titles[0] != titles[1] else 0)
+    layout["margin"] = {**layout.get("margin", {}), "t": top}
     layout["height"] = max(la.get("height") or 420, lb.get("height") or 420) + 40
     layout["meta"] = {"export_width": 1600}
 
@@ -435,9 +441,12 @@ def combine_side_by_side(
             tr.setdefault("legendgroup", tr["name"])
             if tr["name"] in names_a:
                 tr["showlegend"] = False
-    out = go.Figure({"data": traces_a + traces_b, "layout": layout})
-    out.layout.template = fig_a.layout.template
-    return out
+    # Both inputs are valid figures and only references/ranges changed: skip plotly's (slow) re-validation of
+    # the data and the template where this plotly version allows it.
+    try:
+        return go.Figure({"data": traces_a + traces_b, "layout": layout}, _validate=False)
+    except TypeError:  # pragma: no cover - a plotly without the private flag
+        return go.Figure({"data": traces_a + traces_b, "layout": layout})
 
 
 Built = tuple[go.Figure, pd.DataFrame] | NotApplicable

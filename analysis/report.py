@@ -452,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         f"k3lab report: wrote {out / 'report.html'} ({len(shown)} figures, {len(skipped)} not applicable, "
         f"{len(failed)} failed) in {time.perf_counter() - t_start:.1f} s"
     )
+    slow = sorted(entries, key=lambda e: -e.seconds)[:3]
+    print(
+        "  slowest views: "
+        + ", ".join(f"{e.key} {e.seconds:.1f} s" for e in slow)
+        + "; stages: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+    )
     for e in skipped:
         print(f"  skipped {e.key}: {e.note}")
     if static_note:

@@ -206,6 +206,12 @@ def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
             x=x, y=df["cka"], name="linear CKA(in, out)", mode="lines+markers", yaxis="y2", line={"color": "#444"}
         )
     )
+    apply_style(
+        fig,
+        "Layer redundancy: Block Influence (bars, by layer type) and CKA between input and output",
+        "layer",
+        "Block Influence (1 - mean cosine)",
+    )
     fig.update_layout(
         yaxis2={
             "title": {"text": "linear CKA"},
@@ -213,13 +219,10 @@ def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
             "side": "right",
             "range": [0, 1.05],
             "showgrid": False,
+            "tickmode": "linear",
+            "tick0": 0,
+            "dtick": 0.2,
         }
-    )
-    apply_style(
-        fig,
-        "Layer redundancy: Block Influence (bars, by layer type) and CKA between input and output",
-        "layer",
-        "Block Influence (1 - mean cosine)",
     )
     return fig, df
 

@@ -1,0 +1,77 @@
+"""Figure export: offline HTML, CSV and JSON always; PNG/SVG with Chromium, else a clear message."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from analysis import export
+
+
+def small_figure() -> tuple[go.Figure, pd.DataFrame]:
+    df = pd.DataFrame({"layer": [0, 1, 2], "value": [0.5, float("nan"), float("inf")], "kind": ["KDA", "KDA", "MLA"]})
+    df.attrs["keys"] = ["layer"]
+    fig = go.Figure(go.Bar(x=df["layer"], y=[0.5, 0.1, 0.9], name="value"))
+    fig.update_layout(title="test figure", width=400, height=300)
+    return fig, df
+
+
+def test_html_csv_json_are_written_and_html_is_offline(tmp_path):
+    fig, df = small_figure()
+    res = export.export_figure(fig, df, tmp_path / "out", "my figure/1", formats=("html", "csv", "json"))
+    assert set(res) == {"html", "csv", "json"}
+    assert all(p.is_file() for p in res.values())
+    assert res["html"].name == "my_figure_1.html"
+    page = res["html"].read_text()
+    assert "Plotly.newPlot" in page and len(page) > 1_000_000  # plotly.js is inline
+    assert not re.search(r"<script[^>]+src=", page)  # nothing fetched from a CDN
+    back = pd.read_csv(res["csv"])
+    assert list(back.columns) == ["layer", "value", "kind"] and back["value"].isna().iloc[1]
+    data = json.loads(res["json"].read_text())
+    assert data["keys"] == ["layer"] and data["columns"] == ["layer", "value", "kind"]
+    assert data["rows"][1]["value"] is None and data["rows"][2]["value"] == "inf"
+
+
+def test_missing_chromium_gives_a_message_and_other_formats_still_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "find_chromium", lambda: None)
+    ok, why = export.static_export_available()
+    assert not ok and "Chromium" in why
+    with pytest.raises(export.ExportUnavailable, match="Chromium"):
+        export.require_static_export()
+    fig, df = small_figure()
+    res = export.export_figure(fig, df, tmp_path, "fig")
+    for fmt in ("png", "svg"):
+        assert isinstance(res[fmt], str) and "Chromium" in res[fmt]
+        assert not (tmp_path / f"fig.{fmt}").exists()
+    for fmt in ("html", "csv", "json"):
+        assert res[fmt].is_file()
+    assert set(export.failures(res)) == {"png", "svg"}
+
+
+def test_bad_requests_are_rejected(tmp_path):
+    fig, df = small_figure()
+    with pytest.raises(ValueError, match="unknown export format"):
+        export.export_figure(fig, df, tmp_path, "x", formats=("pdf",))
+    with pytest.raises(ValueError, match="stem"):
+        export.export_figure(fig, df, tmp_path, "..", formats=("csv",))
+    res = export.export_figure(fig, None, tmp_path, "nodata", formats=("csv", "json"))
+    assert all(isinstance(v, str) for v in res.values())
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_static_export_batch_in_one_browser_session(tmp_path):
+    ok, why = export.static_export_available()
+    if not ok:
+        pytest.skip(why)
+    items = [(*small_figure(), "a"), (go.Figure(go.Heatmap(z=[[1, 2], [3, 4]])), None, "b")]
+    res = export.export_many(items, tmp_path, formats=("png", "svg"))
+    assert not export.failures(res), export.failures(res)
+    png = res["a"]["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[16:20], "big") == 400 * export.DEFAULT_SCALE  # width x scale
+    assert "<svg" in res["b"]["svg"].read_text()[:500]
