@@ -87,6 +87,13 @@ def next_token(
 # --------------------------------------------------------------------------------------------
 
 
+def _last_logits(model, ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
+    """Logits [B, V] of the last position only (the LM head is not run over the whole prompt)."""
+    if hasattr(model, "model") and hasattr(model, "lm_head"):
+        return model.lm_head(model.model(ids, cache=cache)[:, -1])
+    return model(ids, cache=cache).logits[:, -1]
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -135,7 +142,7 @@ def generate(
     try:
         out = [input_ids]
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        logits = model(input_ids, cache=cache).logits[:, -1]
+        logits = _last_logits(model, input_ids, cache)
         for step in range(max_new_tokens):
             tok = next_token(logits, do_sample, temperature, top_k, top_p, generator)
             if eos_token_id is not None:
@@ -146,7 +153,7 @@ def generate(
                 stream(tok)
             if (eos_token_id is not None and bool(finished.all())) or step + 1 == max_new_tokens:
                 break
-            logits = model(tok.unsqueeze(1), cache=cache).logits[:, -1]
+            logits = _last_logits(model, tok.unsqueeze(1), cache)
     finally:
         model.train(was_training)
     return torch.cat(out, dim=1)
