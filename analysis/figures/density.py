@@ -104,7 +104,7 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     _layer_bars(fig, layers, "cache_bytes", 3, "cache bytes", ",.0f", False)
     fig.update_layout(barmode="overlay")
     fig.update_yaxes(title_text="parameters", row=1, col=1)
-    fig.update_yaxes(title_text="FLOPs / token", row=2, col=1)
+    fig.update_yaxes(title_text="FLOPs / token", type="log", row=2, col=1)
     fig.update_yaxes(title_text="bytes", type="log", row=3, col=1)
     fig.update_xaxes(title_text="decoder layer (0-based)", dtick=1 if len(layers) <= 40 else None, row=3, col=1)
     apply_style(fig, f"Allocated density per layer — {ctx.label}", height=720)
@@ -206,10 +206,12 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
             )
     fig.add_hline(y=0, line={"color": "#999", "width": 1}, row=3, col=1)
     fig.update_yaxes(title_text="parameters", row=1, col=1)
-    fig.update_yaxes(title_text="FLOPs / token", row=2, col=1)
+    fig.update_yaxes(title_text="FLOPs / token", type="log", row=2, col=1)
     fig.update_yaxes(title_text="Δ loss (nats)", row=3, col=1)
     fig.update_xaxes(title_text="decoder layer (0-based)", dtick=1 if len(table) <= 40 else None, row=3, col=1)
     apply_style(fig, f"Allocated vs measured density per layer — {ctx.label}", height=760)
+    # seven legend entries would run into the title: a column on the right instead
+    fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table
 
 
