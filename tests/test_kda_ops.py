@@ -324,3 +324,27 @@ def test_chunk_gradients_match_recurrent(dtype, g_mode, tol):
             assert torch.isfinite(a).all(), name
             err = rel_rms(a, b)
             assert err <= tol, f"d{name} (C={chunk_size}): rel RMS {err:.2e}"
+
+
+def test_chunk_autograd_after_inference_mode():
+    """Cached helpers created under inference_mode must not poison a later autograd call."""
+    q, k, v, g, beta = make_inputs(1, 40, 2, 8, 8, seed=11)
+    with torch.inference_mode():
+        kda_chunk(q, k, v, g, beta, chunk_size=8, backend="torch")
+    v = v.clone().requires_grad_()
+    o, _ = kda_chunk(q, k, v, g, beta, chunk_size=8, backend="torch")
+    o.sum().backward()
+    assert v.grad is not None and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("C", [1, 2, 8, 64])
+def test_dyadic_tiling_covers_lower_triangle_once(C):
+    """Every entry of the C x C lower triangle is read from exactly one stored slot."""
+    from k3core.ops.kda import _dyadic_index
+
+    index = torch.tensor(_dyadic_index(C)).view(C, C)
+    upper = torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1)
+    assert (index[upper] == 0).all()
+    lower = index[~upper]
+    assert (lower > 0).all()
+    assert lower.unique().numel() == lower.numel() == C * (C + 1) // 2

@@ -72,6 +72,9 @@ def _check_shapes(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, 
 # far below fp32 resolution for any O(1) quantity it multiplies.
 _EXP_FLOOR = -60.0
 
+# Chunks are processed in groups of about this many floats per [group, C, K] temporary.
+_GROUP_ELEMENTS = 1 << 18
+
 
 def _decay(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for a log-decay x <= 0, with x clamped at _EXP_FLOOR (error < exp(-60))."""
@@ -239,15 +242,22 @@ def _dyadic_index(C: int) -> tuple[int, ...]:
     return tuple(index)
 
 
+@functools.lru_cache(maxsize=16)
+def _dyadic_index_tensor(C: int, device: torch.device) -> torch.Tensor:
+    # A normal tensor even when first asked for under inference_mode (autograd saves it later).
+    with torch.inference_mode(False):
+        return torch.tensor(_dyadic_index(C), device=device)
+
+
 def _intra_chunk(
-    qk: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything inside a chunk that does not depend on the incoming state.
 
     Args:
-        qk: [..., C, 2, K] queries (index 0) and keys (index 1) of each chunk.
-        alpha: [..., C, K] per-step decays exp(g) in (0, 1].
-        beta: [..., C] write strengths.
+        q, k: [Z, C, K] queries and keys of Z chunks of C tokens.
+        alpha: [Z, C, K] per-step decays exp(g) in (0, 1].
+        beta: [Z, C] write strengths.
 
     With G_r = g_1 + ... + g_r (within the chunk) returns ``(A_qk, T_inv, Gamma, Gamma_to_end)``::
 
@@ -267,44 +277,47 @@ def _intra_chunk(
     log2(C) + 1 terms, so it stays accurate to a few ulps however large the cumulative decay.
 
     The inverse follows the same tree: inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]],
-    where at level s the block B is exactly that level's k-row block of Diag(beta) A_kk.
+    where at level s the block B is exactly that level's block of Diag(beta) A_kk.
     """
-    C, K = alpha.shape[-2:]
-    lead = alpha.shape[:-2]
-    pre = alpha  # at level s: inclusive prefix products of alpha within each s-block
-    suf = torch.ones_like(alpha)  # at level s: exclusive suffix products within each s-block
-    q_vals = [alpha.new_zeros(*lead, 1), (qk[..., 0, :] * qk[..., 1, :]).sum(-1)]
-    inv = alpha.new_ones(*lead, C, 1, 1)  # inverses of the 1 x 1 diagonal blocks
+    Z, C, K = alpha.shape
+    # Without autograd the running products can be updated in place (saves a copy per level).
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, alpha, beta)))
+    pre = alpha.clone() if inplace else alpha  # at level s: inclusive prefix products in s-blocks
+    suf = torch.ones_like(alpha)  # at level s: exclusive suffix products within s-blocks
+    q_vals = [alpha.new_zeros(Z, 1), (q * k).sum(-1)]
+    inv = alpha.new_ones(Z, C, 1, 1)  # inverses of the 1 x 1 diagonal blocks
     s = 1
     while s < C:
         P = C // (2 * s)
-        pre_b = pre.view(*lead, P, 2, s, K)
-        suf_b = suf.view(*lead, P, 2, s, K)
-        qk_b = qk.view(*lead, P, 2, s, 2, K)
-        # rows r of the right half decayed back to m: exp(G_r - G_m) = pre_b[..., 1, :, :]
-        rows = qk_b[..., 1, :, :, :] * pre_b[..., 1, :, :].unsqueeze(-2)  # [..., P, s, 2, K]
-        # keys j of the left half decayed forward to m: exp(G_m - G_j) = suf_b[..., 0, :, :]
-        cols = qk_b[..., 0, :, 1, :] * suf_b[..., 0, :, :]  # [..., P, s, K]
-        blk = torch.matmul(rows.view(*lead, P, 2 * s, K), cols.transpose(-1, -2))
-        blk = blk.view(*lead, P, s, 2, s)  # [..., parent, row i, q|k, column j]
-        q_vals.append(blk[..., 0, :].reshape(*lead, P * s * s))
-        # Inverse of the 2s x 2s diagonal blocks from the s x s ones.
-        off = beta.view(*lead, P, 2, s, 1)[..., 1, :, :] * blk[..., 1, :]  # Diag(beta) A_kk block
-        inv_b = inv.view(*lead, P, 2, s, s)
-        a_inv, d_inv = inv_b[..., 0, :, :], inv_b[..., 1, :, :]
+        pre_b = pre.view(Z, P, 2, s, K)
+        suf_b = suf.view(Z, P, 2, s, K)
+        q_b = q.view(Z, P, 2, s, K)
+        k_b = k.view(Z, P, 2, s, K)
+        # rows r of the right half decayed back to m: exp(G_r - G_m) = pre_b[:, :, 1]
+        row_decay = pre_b[:, :, 1]
+        # keys j of the left half decayed forward to m: exp(G_m - G_j) = suf_b[:, :, 0]
+        cols_t = (k_b[:, :, 0] * suf_b[:, :, 0]).transpose(-1, -2)  # [Z, P, K, s]
+        blk_q = torch.matmul(q_b[:, :, 1] * row_decay, cols_t)  # [Z, P, s, s]
+        blk_k = torch.matmul(k_b[:, :, 1] * row_decay, cols_t)
+        q_vals.append(blk_q.reshape(Z, P * s * s))
+        # Inverse of the 2s x 2s diagonal blocks of I + Diag(beta) A_kk from the s x s ones.
+        off = beta.view(Z, P, 2, s, 1)[:, :, 1] * blk_k
+        inv_b = inv.view(Z, P, 2, s, s)
+        a_inv, d_inv = inv_b[:, :, 0], inv_b[:, :, 1]
         x = torch.matmul(torch.matmul(d_inv, off), a_inv).neg_()
-        inv = torch.cat(
-            [torch.cat([a_inv, torch.zeros_like(a_inv)], dim=-1), torch.cat([x, d_inv], dim=-1)], dim=-2
-        )  # [..., P, 2s, 2s]
+        inv = torch.cat([torch.cat([a_inv, torch.zeros_like(a_inv)], dim=-1), torch.cat([x, d_inv], dim=-1)], dim=-2)
         # Move to blocks of size 2s: the left half's suffix products take in the right half's
         # total, the right half's prefix products the left half's total.
-        ones = torch.ones_like(pre_b[..., 0, -1:, :])
-        suf = (suf_b * torch.stack([pre_b[..., 1, -1:, :], ones], dim=-3)).view_as(suf)
-        pre = (pre_b * torch.stack([ones, pre_b[..., 0, -1:, :]], dim=-3)).view_as(pre)
+        left_total, right_total = pre_b[:, :, 0, -1:], pre_b[:, :, 1, -1:]
+        if inplace:
+            suf_b[:, :, 0] *= right_total
+            pre_b[:, :, 1] *= left_total
+        else:
+            suf = torch.stack([suf_b[:, :, 0] * right_total, suf_b[:, :, 1]], dim=2).view(Z, C, K)
+            pre = torch.stack([pre_b[:, :, 0], pre_b[:, :, 1] * left_total], dim=2).view(Z, C, K)
         s *= 2
-    index = torch.tensor(_dyadic_index(C), device=alpha.device)
-    A_qk = torch.cat(q_vals, dim=-1).index_select(-1, index).view(*lead, C, C)
-    return A_qk, inv.view(*lead, C, C), pre, suf
+    A_qk = torch.cat(q_vals, dim=-1).index_select(-1, _dyadic_index_tensor(C, alpha.device)).view(Z, C, C)
+    return A_qk, inv.view(Z, C, C), pre, suf
 
 
 def _to_chunks(x: torch.Tensor, dt: torch.dtype, T_pad: int) -> torch.Tensor:
@@ -328,43 +341,58 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     N = max(1, math.ceil(T / C))
     T_pad = N * C
     BH = B * HV
+    Z = BH * N  # number of chunks over batch and heads
 
-    # Chunked copies [B*HV, N, C, ...].  Padded tokens (k = 0, beta = 0, g = 0) leave the state as is.
-    qk = _to_chunks(torch.stack([q, k], dim=-2), dt, T_pad)  # [B, H, T_pad, 2, K]
-    qk = _expand_heads(qk, HV // H, 1).view(BH, N, C, 2, K)
-    vc = _to_chunks(v, dt, T_pad).view(BH, N, C, V)
-    gc = _to_chunks(g, dt, T_pad).view(BH, N, C, K)
-    bc = _to_chunks(beta, dt, T_pad).view(BH, N, C)
+    # Chunked copies [Z, C, D], chunk z = (b * HV + h) * N + n.  Padded tokens (k = 0, beta = 0,
+    # g = 0) leave the state as it is.
+    qc = _expand_heads(_to_chunks(q, dt, T_pad), HV // H, 1).view(Z, C, K)
+    kc = _expand_heads(_to_chunks(k, dt, T_pad), HV // H, 1).view(Z, C, K)
+    vc = _to_chunks(v, dt, T_pad).view(Z, C, V)
+    gc = _to_chunks(g, dt, T_pad).view(Z, C, K)
+    bc = _to_chunks(beta, dt, T_pad).view(Z, C)
 
-    # Intra-chunk scores and UT transform; Gamma = exp(G), Gamma_to_end = exp(G_C - G), G = cumsum(g).
-    Aqk, t_inv, gamma, gamma_to_end = _intra_chunk(qk, _decay(gc), bc)
-    # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
-    t_beta = t_inv * bc.unsqueeze(-2)
-    qk_g = qk * gamma.unsqueeze(-2)  # Gamma * q, Gamma * k
-    U = torch.matmul(t_beta, vc)
-    W = torch.matmul(t_beta, qk_g[..., 1, :])
+    # Per-chunk work, independent across chunks, done for groups of chunks at a time so that the
+    # temporaries stay cache-sized (about _GROUP_ELEMENTS floats per [group, C, K] tensor).
+    group = max(1, _GROUP_ELEMENTS // (C * max(K, V)))
+    parts = []
+    for z0 in range(0, Z, group):
+        sl = slice(z0, z0 + group)
+        q_z, k_z, b_z = qc[sl], kc[sl], bc[sl]
+        # Intra-chunk scores and UT transform; Gamma = exp(G), Gamma_to_end = exp(G_C - G).
+        A_qk, t_inv, gamma, gamma_to_end = _intra_chunk(q_z, k_z, _decay(gc[sl]), b_z)
+        # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
+        t_beta = t_inv * b_z.unsqueeze(-2)
+        parts.append(
+            (
+                torch.bmm(t_beta, vc[sl]),  # U
+                torch.bmm(t_beta, k_z * gamma),  # W
+                (k_z * gamma_to_end).transpose(-1, -2),  # K_dec^T: keys decayed to the chunk end
+                gamma[:, -1, :].unsqueeze(-1),  # decay over the whole chunk
+                q_z * gamma,  # Gamma * Q
+                A_qk,
+            )
+        )
+    U, W, k_dec_t, gamma_end, q_dec, A_qk = (torch.cat(x) if len(parts) > 1 else x[0] for x in zip(*parts))
+    U, W = U.view(BH, N, C, V), W.view(BH, N, C, K)
+    k_dec_t, gamma_end = k_dec_t.reshape(BH, N, K, C), gamma_end.view(BH, N, K, 1)
 
-    # Chunk transition S_next = (Diag(gamma_C) - K_dec^T W) S + K_dec^T U.
-    k_dec_t = (qk[..., 1, :] * gamma_to_end).transpose(-1, -2)  # keys decayed to the chunk end
-    trans = torch.matmul(k_dec_t, W).neg_()
-    trans.diagonal(dim1=-2, dim2=-1).add_(gamma[..., -1, :])
-    inject = torch.matmul(k_dec_t, U)
-
+    # State passing, one chunk at a time:  D = U - W S  (= beta (v - prediction) per token),
+    # S_next = Diag(gamma_end) S + K_dec^T D.
     if initial_state is None:
         state = vc.new_zeros(BH, K, V)
     else:
         state = initial_state.to(dt).reshape(BH, K, V)
-    states = []
+    states, deltas = [], []
     for n in range(N):
         states.append(state)
-        state = torch.baddbmm(inject[:, n], trans[:, n], state)
-    S_in = torch.stack(states, dim=1).view(BH * N, K, V)  # state entering each chunk
+        delta = torch.baddbmm(U[:, n], W[:, n], state, alpha=-1)
+        deltas.append(delta)
+        state = torch.baddbmm(state * gamma_end[:, n], k_dec_t[:, n], delta)
+    S_in = torch.stack(states, dim=1).view(Z, K, V)  # state entering each chunk
+    D = torch.stack(deltas, dim=1).view(Z, C, V)
 
-    # Outputs: inter-chunk part from the entering state, intra-chunk part through Aqk.
-    delta = torch.baddbmm(U.view(BH * N, C, V), W.view(BH * N, C, K), S_in, alpha=-1)  # beta (v - pred)
-    o = torch.bmm(qk_g[..., 0, :].reshape(BH * N, C, K), S_in)
-    o = torch.baddbmm(o, Aqk.reshape(BH * N, C, C), delta, beta=scale, alpha=scale)
-
+    # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
+    o = torch.baddbmm(torch.bmm(q_dec, S_in), A_qk, D, beta=scale, alpha=scale)
     o = o.view(B, HV, T_pad, V)[:, :, :T].transpose(1, 2).to(v.dtype).contiguous()
     final = state.view(B, HV, K, V) if output_final_state else None
     return o, final
@@ -405,16 +433,18 @@ def kda_chunk(
     with ``A_kk[r, j] = k_r^T Diag(exp(G_r - G_j)) k_j``.  So with the unit lower-triangular
     ``M = I + Diag(beta) A_kk`` (the UT transform / WY representation)::
 
-        U = M^{-1} Diag(beta) V,   W = M^{-1} Diag(beta) (Gamma * K),   D = U - W S_0
-        O = (Gamma * Q s) S_0 + A_qk D,     A_qk[r, j] = s q_r^T Diag(exp(G_r - G_j)) k_j, j <= r
-        S_C = (Diag(Gamma_C) - K_dec^T W) S_0 + K_dec^T U,   K_dec[j] = exp(G_C - G_j) * k_j
+        U = M^{-1} Diag(beta) V,   W = M^{-1} Diag(beta) (Gamma * K)       (per chunk, no state)
+        D = U - W S_0                                                     (the rows d_r)
+        S_C = Diag(Gamma_C) S_0 + K_dec^T D,   K_dec[j] = exp(G_C - G_j) * k_j
+        O = s ((Gamma * Q) S_0 + A_qk D),     A_qk[r, j] = q_r^T Diag(exp(G_r - G_j)) k_j, j <= r
 
-    Everything except the last line is computed for all chunks at once (batched matmuls and one
-    batched triangular solve); a loop over chunks then carries the state with one
-    ``baddbmm`` per chunk, and the outputs are formed afterwards from the stored states.
-    Every exponent is <= 0 (``exp(G_r - G_j)`` is split at an intermediate index, see
-    :func:`_intra_chunk_scores`), so arbitrarily strong decay (e.g. g = -5 on every step)
-    cannot overflow.  Differentiable through autograd.
+    U, W, K_dec and A_qk are computed for all chunks at once with batched matmuls (in groups of
+    chunks sized to stay in cache); M^{-1} comes from a batched dyadic block inversion.  A loop
+    over chunks then carries the state (two ``baddbmm`` per chunk), and O is formed afterwards
+    from the stored per-chunk states.  No exponent is ever positive: ``exp(G_r - G_j)`` is split
+    at an intermediate index and built from products of per-step decays (see
+    :func:`_intra_chunk`), so arbitrarily strong decay (g = -5 on every step, or far below)
+    cannot overflow.  Differentiable through autograd (gradients match :func:`kda_recurrent`).
 
     Args:
         q, k: [B, T, H, K] (L2-normalised); v: [B, T, HV, V]; g: [B, T, HV, K] log-decay (<= 0);
