@@ -27,7 +27,8 @@ def moe_layers(trace: Trace) -> list[int]:
     return [i for i in trace.layer_indices("moe") if f"moe.{i}.load" in trace or f"moe.{i}.experts" in trace]
 
 
-def _num_experts(trace: Trace, layer: int) -> int:
+def num_experts_of(trace: Trace, layer: int) -> int:
+    """E for a MoE layer: the length of its load vector, else the trace's config."""
     if f"moe.{layer}.load" in trace:
         return int(np.asarray(trace[f"moe.{layer}.load"]).shape[0])
     n = trace.config.get("num_experts")
@@ -84,7 +85,7 @@ def expert_load(trace: Trace) -> pd.DataFrame:
         if f"moe.{i}.load" in trace:
             c = np.asarray(trace[f"moe.{i}.load"], dtype=np.int64)
         else:
-            c = load_counts(trace[f"moe.{i}.experts"], _num_experts(trace, i))
+            c = load_counts(trace[f"moe.{i}.experts"], num_experts_of(trace, i))
         total = c.sum()
         frames.append(
             pd.DataFrame(
@@ -169,7 +170,7 @@ def reuse_table(trace: Trace) -> pd.DataFrame:
         e = trace.get(f"moe.{i}.experts")
         if e is None:
             continue
-        k, E = np.asarray(e).shape[-1], _num_experts(trace, i)
+        k, E = np.asarray(e).shape[-1], num_experts_of(trace, i)
         rows.append(dict(layer=i, reuse=next_token_reuse(e), chance=k / E, k=k, experts=E))
     return pd.DataFrame(rows, columns=["layer", "reuse", "chance", "k", "experts"])
 
@@ -184,7 +185,7 @@ def coactivation_table(trace: Trace, layers: list[int] | None = None) -> pd.Data
         e = trace.get(f"moe.{i}.experts")
         if e is None:
             continue
-        E = _num_experts(trace, i)
+        E = num_experts_of(trace, i)
         C = coactivation(e, E)
         n_tok = int(np.prod(np.asarray(e).shape[:-1]))
         frames.append(

@@ -178,7 +178,7 @@ def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     layers = [i for i in layers if f"moe.{i}.experts" in ctx.trace]
     if not layers:
         raise NotApplicable("trace has no moe.*.experts arrays")
-    E = mo._num_experts(ctx.trace, layers[0])
+    E = mo.num_experts_of(ctx.trace, layers[0])
     shown = _pick_layers(ctx, layers, E * E, COACT_CELL_BUDGET)
     table = mo.coactivation_table(ctx.trace, shown)
     fig = go.Figure()
@@ -258,7 +258,7 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         raise NotApplicable("trace has no moe.*.latent arrays (record with 'latent')")
     n_tok = int(np.prod(ctx.trace[f"moe.{layers[0]}.latent"].shape[:2]))
     shown = _pick_layers(ctx, layers, n_tok, PCA_POINT_BUDGET)
-    E = mo._num_experts(ctx.trace, shown[0])
+    E = mo.num_experts_of(ctx.trace, shown[0])
     palette = qualitative.Dark24 if E <= 24 else None
     what = "latent z = W_down x" if ctx.config.is_latent_moe else "router input x (plain MoE)"
     fig = go.Figure()
