@@ -143,6 +143,9 @@ def model_card(model, metrics: dict | None = None, card_text: str | None = None)
         from analysis.history import final_numbers
 
         card["training"] = final_numbers(metrics)
+        for key in ("status", "run_name", "code_version"):
+            if isinstance(metrics.get(key), str):
+                card[f"training_{key}"] = metrics[key]
     if card_text:
         card["card_text"] = card_text
     return card

@@ -35,32 +35,34 @@ def _x_axis(df: pd.DataFrame) -> tuple[str, str]:
 
 
 def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
-    """Train loss, validation bits/byte (or loss) and MQAR accuracy over training, one colour per run."""
+    """Train loss, bits/byte (val solid, train dotted), validation loss and MQAR accuracy over training,
+    one colour per run."""
     df = pd.concat([hist.curves_table(m, label) for label, m in runs.items()], ignore_index=True)
     if df.empty:
         raise NotApplicable("metrics.json has no loss, validation or MQAR curves")
-    curves = [c for c in ("train loss", "val bits/byte", "val loss", "MQAR accuracy") if c in set(df["curve"])]
+    panels = [p for p in dict.fromkeys(panel for _, _, panel in hist.CURVES) if p in set(df["panel"])]
+    if "bits per byte" in panels and "val loss" in panels:
+        panels.remove("val loss")  # the same numbers in another unit
     x, x_title = _x_axis(df)
-    fig = make_subplots(rows=1, cols=len(curves), subplot_titles=curves, horizontal_spacing=0.08)
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=panels, horizontal_spacing=0.08)
     for n, (label, part) in enumerate(df.groupby("run", sort=False)):
         colour = RUN_COLORS[n % len(RUN_COLORS)]
-        for col, curve in enumerate(curves, start=1):
-            c = part[part["curve"] == curve]
-            if c.empty:
-                continue
-            fig.add_trace(
-                go.Scatter(
-                    x=c[x],
-                    y=c["value"],
-                    mode="lines+markers" if len(c) < 30 else "lines",
-                    name=label,
-                    legendgroup=label,
-                    showlegend=col == 1,
-                    line={"color": colour},
-                ),
-                row=1,
-                col=col,
-            )
+        for col, panel in enumerate(panels, start=1):
+            for curve, c in part[part["panel"] == panel].groupby("curve", sort=False):
+                dotted = curve.startswith("train") and panel == "bits per byte"
+                fig.add_trace(
+                    go.Scatter(
+                        x=c[x],
+                        y=c["value"],
+                        mode="lines+markers" if len(c) < 30 else "lines",
+                        name=label if not dotted else f"{label} (train)",
+                        legendgroup=label,
+                        showlegend=col == 1 or dotted,
+                        line={"color": colour, "dash": "dot" if dotted else None},
+                    ),
+                    row=1,
+                    col=col,
+                )
     apply_style(fig, "Training curves", height=380)
     fig.update_xaxes(title_text=x_title)
     return fig, df
@@ -109,10 +111,11 @@ def history_moe_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
-    """Every AttnRes summary logged in metrics.json over training (mean over sites), one panel per metric."""
+    """AttnRes summaries over training (embedding weight, max weight, mix entropy, pseudo-query norm, or the
+    scale/bias means), mean over sites, one panel per metric."""
     df = pd.concat([hist.attnres_history_table(m, label) for label, m in runs.items()], ignore_index=True)
     if df.empty:
-        raise NotApplicable("metrics.json has no AttnRes summaries (attnres.*)")
+        raise NotApplicable("metrics.json has no AttnRes summaries (history.attnres)")
     metrics = list(dict.fromkeys(df["metric"]))[:6]
     fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
     for n, (label, part) in enumerate(df.groupby("run", sort=False)):
@@ -123,7 +126,7 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
                 go.Scatter(
                     x=agg["step"],
                     y=agg["value"],
-                    mode="lines",
+                    mode="lines+markers" if len(agg) < 30 else "lines",
                     name=label,
                     legendgroup=label,
                     showlegend=col == 1,
