@@ -83,25 +83,29 @@ def moe_load_stats(load: np.ndarray) -> dict[str, float]:
 
 
 def _moe_stats(trace) -> list[dict[str, float]]:
-    try:  # prefer the MoE module's definition when it exists
-        from analysis import moe as moe_mod
-
-        fn = getattr(moe_mod, "load_balance_stats", None) or getattr(moe_mod, "load_stats", None)
+    """Per MoE layer load statistics: analysis.moe.load_imbalance when available (the MoE view's own
+    definition), else ``moe_load_stats`` (the same formulas)."""
+    try:
+        from analysis.moe import load_imbalance
     except ImportError:
-        fn = None
+        load_imbalance = None
     stats = []
     for i in trace.layer_indices("moe"):
         load = trace.get(f"moe.{i}.load")
         if load is None:
             continue
         s = moe_load_stats(load)
-        if fn is not None:
+        if load_imbalance is not None:
             try:
-                ext = fn(load)
-                if isinstance(ext, dict):
-                    s.update({k: float(v) for k, v in ext.items() if k in s})
-            except Exception:  # noqa: BLE001 - fall back to the local definition
-                pass
+                ext = load_imbalance(np.asarray(load))
+                s.update(
+                    maxvio=float(ext["max_vio"]),
+                    cv=float(ext["cv"]),
+                    entropy_norm=float(ext["entropy"]),
+                    dead=float(ext["dead"]),
+                )
+            except (KeyError, TypeError, ValueError):
+                pass  # a changed API: keep the local definition
         stats.append(s)
     return stats
 
