@@ -320,14 +320,23 @@ def _intra_chunk(
     return A_qk, inv.view(Z, C, C), pre, suf
 
 
-def _to_chunks(x: torch.Tensor, dt: torch.dtype, T_pad: int) -> torch.Tensor:
-    """[B, T, h, ...] -> new [B, h, T_pad, ...] buffer in dtype dt, zero-padded at the end of time."""
-    x = x.transpose(1, 2)
-    out = x.new_empty(x.shape[0], x.shape[1], T_pad, *x.shape[3:], dtype=dt)
-    T = x.shape[2]
-    out[:, :, :T].copy_(x)
-    if T_pad > T:
-        out[:, :, T:].zero_()
+def _to_chunks(x: torch.Tensor, dt: torch.dtype, C: int) -> torch.Tensor:
+    """[B, T, h, ...] -> new time-major buffer [N, B, h, C, ...] in dtype dt (N = ceil(T / C)).
+
+    The tail of the last chunk is zero-filled.
+    """
+    B, T, h = x.shape[:3]
+    rest = x.shape[3:]
+    N = max(1, math.ceil(T / C))
+    out = x.new_empty(N, B, h, C, *rest, dtype=dt)
+    dims = (1, 0, 3, 2, *range(4, 4 + len(rest)))
+    out_bt = out.permute(dims)  # [B, N, C, h, ...] view
+    full = T // C
+    if full:
+        out_bt[:, :full].copy_(x[:, : full * C].reshape(B, full, C, h, *rest))
+    if full < N:
+        out_bt[:, full, : T - full * C].copy_(x[:, full * C :])
+        out_bt[:, full, T - full * C :].zero_()
     return out
 
 
@@ -339,61 +348,57 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         raise ValueError(f"chunk_size must be a power of two, got {C}")
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     N = max(1, math.ceil(T / C))
-    T_pad = N * C
     BH = B * HV
-    Z = BH * N  # number of chunks over batch and heads
 
-    # Chunked copies [Z, C, D], chunk z = (b * HV + h) * N + n.  Padded tokens (k = 0, beta = 0,
-    # g = 0) leave the state as it is.
-    qc = _expand_heads(_to_chunks(q, dt, T_pad), HV // H, 1).view(Z, C, K)
-    kc = _expand_heads(_to_chunks(k, dt, T_pad), HV // H, 1).view(Z, C, K)
-    vc = _to_chunks(v, dt, T_pad).view(Z, C, V)
-    gc = _to_chunks(g, dt, T_pad).view(Z, C, K)
-    bc = _to_chunks(beta, dt, T_pad).view(Z, C)
+    # Time-major chunked copies [N, B*HV, C, D]: chunk n of every sequence and head side by side,
+    # so that a range of n is one contiguous block.  Padded tokens (k = 0, beta = 0, g = 0) leave
+    # the state as it is.
+    qc = _expand_heads(_to_chunks(q, dt, C), HV // H, 2).view(N, BH, C, K)
+    kc = _expand_heads(_to_chunks(k, dt, C), HV // H, 2).view(N, BH, C, K)
+    vc = _to_chunks(v, dt, C).view(N, BH, C, V)
+    gc = _to_chunks(g, dt, C).view(N, BH, C, K)
+    bc = _to_chunks(beta, dt, C).view(N, BH, C)
 
-    # Per-chunk work, independent across chunks, done for groups of chunks at a time so that the
-    # temporaries stay cache-sized (about _GROUP_ELEMENTS floats per [group, C, K] tensor).
-    group = max(1, _GROUP_ELEMENTS // (C * max(K, V)))
-    parts = []
-    for z0 in range(0, Z, group):
-        sl = slice(z0, z0 + group)
-        q_z, k_z, b_z = qc[sl], kc[sl], bc[sl]
-        # Intra-chunk scores and UT transform; Gamma = exp(G), Gamma_to_end = exp(G_C - G).
-        A_qk, t_inv, gamma, gamma_to_end = _intra_chunk(q_z, k_z, _decay(gc[sl]), b_z)
-        # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
-        t_beta = t_inv * b_z.unsqueeze(-2)
-        parts.append(
-            (
-                torch.bmm(t_beta, vc[sl]),  # U
-                torch.bmm(t_beta, k_z * gamma),  # W
-                k_z * gamma_to_end,  # K_dec: keys decayed to the chunk end
-                gamma[:, -1, :].unsqueeze(-1),  # decay over the whole chunk
-                q_z * gamma,  # Gamma * Q
-                A_qk,
-            )
-        )
-    U, W, k_dec, gamma_end, q_dec, A_qk = (torch.cat(x) if len(parts) > 1 else x[0] for x in zip(*parts))
-    U, W, k_dec = U.view(BH, N, C, V), W.view(BH, N, C, K), k_dec.view(BH, N, C, K)
-    gamma_end = gamma_end.view(BH, N, K, 1)
-
-    # State passing, one chunk at a time:  D = U - W S  (= beta (v - prediction) per token),
-    # S_next = Diag(gamma_end) S + K_dec^T D.
     if initial_state is None:
         state = vc.new_zeros(BH, K, V)
     else:
         state = initial_state.to(dt).reshape(BH, K, V)
-    states, deltas = [], []
-    for n in range(N):
-        states.append(state)
-        delta = torch.baddbmm(U[:, n], W[:, n], state, alpha=-1)
-        deltas.append(delta)
-        state = torch.baddbmm(state * gamma_end[:, n], k_dec[:, n].transpose(-1, -2), delta)
-    S_in = torch.stack(states, dim=1).view(Z, K, V)  # state entering each chunk
-    D = torch.stack(deltas, dim=1).view(Z, C, V)
 
-    # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
-    o = torch.baddbmm(torch.bmm(q_dec, S_in), A_qk, D, beta=scale, alpha=scale)
-    o = o.view(B, HV, T_pad, V)[:, :, :T].transpose(1, 2).to(v.dtype).contiguous()
+    # Stream over groups of consecutive chunks (all sequences and heads at once), sized so that a
+    # group's temporaries stay cache-sized (about _GROUP_ELEMENTS floats per [group, C, K] tensor):
+    # per-chunk work batched over the group, then the state loop, then the group's outputs.
+    group = max(1, _GROUP_ELEMENTS // (BH * C * max(K, V)))
+    outs = []
+    for n0 in range(0, N, group):
+        n1 = min(N, n0 + group)
+        q_z, k_z = qc[n0:n1].view(-1, C, K), kc[n0:n1].view(-1, C, K)
+        b_z = bc[n0:n1].view(-1, C)
+        # Intra-chunk scores and UT transform; Gamma = exp(G), Gamma_to_end = exp(G_C - G).
+        A_qk, t_inv, gamma, gamma_to_end = _intra_chunk(q_z, k_z, _decay(gc[n0:n1].view(-1, C, K)), b_z)
+        # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
+        t_beta = t_inv * b_z.unsqueeze(-2)
+        U = torch.bmm(t_beta, vc[n0:n1].view(-1, C, V)).view(n1 - n0, BH, C, V)
+        W = torch.bmm(t_beta, k_z * gamma).view(n1 - n0, BH, C, K)
+        k_dec = (k_z * gamma_to_end).view(n1 - n0, BH, C, K)  # keys decayed to the chunk end
+        gamma_end = gamma[:, -1, :].view(n1 - n0, BH, K, 1)  # decay over the whole chunk
+
+        # State passing, one chunk at a time:  D = U - W S  (= beta (v - prediction) per token),
+        # S_next = Diag(gamma_end) S + K_dec^T D.
+        states, deltas = [], []
+        for i in range(n1 - n0):
+            states.append(state)
+            delta = torch.baddbmm(U[i], W[i], state, alpha=-1)
+            deltas.append(delta)
+            state = torch.baddbmm(state * gamma_end[i], k_dec[i].transpose(-1, -2), delta)
+        S_in = torch.stack(states).view(-1, K, V)  # state entering each chunk
+        D = torch.stack(deltas).view(-1, C, V)
+
+        # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
+        outs.append(torch.baddbmm(torch.bmm(q_z * gamma, S_in), A_qk, D, beta=scale, alpha=scale))
+
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N * BH, C, V]
+    o = o.view(N, B, HV, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, HV, V)[:, :T]
+    o = o.to(v.dtype).contiguous()
     final = state.view(B, HV, K, V) if output_final_state else None
     return o, final
 
