@@ -39,6 +39,7 @@ def _accepts(func, name: str) -> bool:
 DEFERRED_DOWNLOADS = "callable" in (st.download_button.__doc__ or "")
 _CHART_KW = {"width": "stretch"} if _accepts(st.plotly_chart, "width") else {"use_container_width": True}
 _DOWNLOAD_KW = {"on_click": "ignore"} if DEFERRED_DOWNLOADS else {}
+NO_ARROW = {"delta_arrow": "off"} if _accepts(st.metric, "delta_arrow") else {}
 _POPOVER_KW = {"width": "stretch"} if _accepts(st.popover, "width") else {}
 
 
@@ -432,7 +433,7 @@ def headline_metrics(loaded: Loaded) -> None:
     table = pd.DataFrame(rows)
     with st.expander("All headline numbers"):
         shown = table.assign(value=[format_number(v) for v in table["value"]])
-        st.dataframe(shown, hide_index=True, **DATAFRAME_KW)
+        st.dataframe(shown, hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
         stem = f"{_slug(loaded.ctx.label)}_headline"
         c1, c2, _ = st.columns([1, 1, 6])
         c1.download_button(
@@ -445,6 +446,11 @@ def headline_metrics(loaded: Loaded) -> None:
             mime=MIME["json"],
             key="k3lab_head_json",
         )
+
+
+def table_height(rows: int) -> int:
+    """Pixel height that shows every row of an st.dataframe (35 px a row plus the header)."""
+    return 35 * (rows + 1) + 3
 
 
 def format_number(value: Any) -> str:
@@ -488,7 +494,7 @@ def headline_delta(a: Loaded, b: Loaded) -> None:
         st.error(f"Headline numbers could not be compared: {type(exc).__name__}: {exc}")
         return
     shown = table.rename(columns={"a": f"A: {a.ctx.label}", "b": f"B: {b.ctx.label}", "delta": "A - B"})
-    st.dataframe(shown.drop(columns=["metric"]), hide_index=True, **DATAFRAME_KW)
+    st.dataframe(shown.drop(columns=["metric"]), hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
     c1, c2, _ = st.columns([1, 1, 6])
     stem = f"{_slug(a.ctx.label)}_vs_{_slug(b.ctx.label)}_headline"
     c1.download_button(

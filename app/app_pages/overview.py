@@ -10,6 +10,8 @@ from app import state, widgets
 from app.state import InputError
 from k3core.checkpoint import CheckpointError
 
+LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
+
 inputs = widgets.inputs_or_stop()
 run = inputs.run
 widgets.page_header(
@@ -32,17 +34,33 @@ st.caption(f"{run.path} · preset name `{cfg.name}` · {run.origin}")
 total = model.num_parameters()
 active = model.num_parameters(active=True)
 types = cfg.layer_types()
-c = st.columns(5)
-c[0].metric("Parameters", widgets.human_count(total))
-c[1].metric("Active per token", widgets.human_count(active))
+RESIDUAL_NAMES = {
+    "block_attnres": "Block AttnRes",
+    "full_attnres": "Full AttnRes",
+    "scale_bias": "scale/bias",
+    "plain": "PreNorm",
+}
+c = st.columns([1, 1, 0.7, 1.4, 0.8])
+c[0].metric("Parameters", widgets.human_count(total), help="All weights, embeddings and LM head included.")
+c[1].metric("Active per token", widgets.human_count(active), help="Routed experts counted k of E.")
 c[2].metric(
-    "Layers", f"{cfg.num_hidden_layers}", f"{types.count('KDA')} KDA · {types.count('MLA')} MLA", delta_color="off"
+    "Layers",
+    f"{cfg.num_hidden_layers}",
+    f"{types.count('KDA')} KDA · {types.count('MLA')} MLA",
+    delta_color="off",
+    **widgets.NO_ARROW,
 )
-c[3].metric("Residual", cfg.residual.replace("_", " "))
-c[4].metric("Experts", f"{cfg.num_experts_per_token} of {cfg.num_experts}" if cfg.num_experts else "dense")
+c[3].metric("Residual", RESIDUAL_NAMES.get(cfg.residual, cfg.residual), help=f"`residual = {cfg.residual}`")
+c[4].metric(
+    "Experts",
+    f"{cfg.num_experts_per_token} of {cfg.num_experts}" if cfg.num_experts else "dense",
+    help="Routed experts chosen per token, of all routed experts"
+    + (f" (+{cfg.num_shared_experts} shared)" if cfg.num_experts else ""),
+)
 
 # ------------------------------------------------------------------- headline numbers
 st.markdown("#### Headline numbers")
+loaded = None
 if inputs.text_error:
     st.error(inputs.text_error)
 else:
@@ -51,29 +69,29 @@ else:
     widgets.run_line(loaded)
     widgets.headline_metrics(loaded)
 
-# ------------------------------------------------------------------- layer map, parameters, config
+# ------------------------------------------------------------------- layer map
 st.markdown("#### Layer map")
 st.markdown(widgets.layer_badges(cfg))
-left, right = st.columns([3, 2])
-with left:
+allocation = [v for v in widgets.section_views("density") if v.key == LAYER_MAP_VIEW]
+if loaded is not None and allocation:
+    widgets.render_view(allocation[0], loaded)
+with st.expander("Layer table"):
     st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **widgets.DATAFRAME_KW)
+
+# ------------------------------------------------------------------- parameters, config
+left, right = st.columns(2)
+with left:
     st.markdown("#### Parameters by component")
     breakdown = parameter_breakdown(model)
-    st.dataframe(
-        pd.DataFrame(
-            [{"component": k, "total": v["total"], "active per token": v["active"]} for k, v in breakdown.items()]
-        ),
-        hide_index=True,
-        **widgets.DATAFRAME_KW,
-    )
+    rows = [
+        {"component": k, "total": f"{v['total']:,}", "active per token": f"{v['active']:,}"}
+        for k, v in breakdown.items()
+    ]
+    st.table(pd.DataFrame(rows).set_index("component"))
 with right:
     st.markdown("#### Configuration")
     summary = config_summary(cfg)
-    st.dataframe(
-        pd.DataFrame({"setting": list(summary), "value": [str(v) for v in summary.values()]}),
-        hide_index=True,
-        **widgets.DATAFRAME_KW,
-    )
+    st.table(pd.DataFrame({"setting": list(summary), "value": [str(v) for v in summary.values()]}).set_index("setting"))
     with st.expander("Every config field"):
         st.json(cfg.to_dict(), expanded=True)
 
