@@ -31,14 +31,31 @@ class Row:
     note: str = ""
 
 
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+_clock = {"name": "cpu"}
+
+
+def use_clock(name: str) -> None:
+    """Time with "cpu" (this process's CPU time: on a shared machine it leaves out the time spent
+    waiting for a core) or "wall" (elapsed time; use it on a dedicated machine or a GPU)."""
+    if name not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
+    _clock["name"] = name
+
+
+def clock_name() -> str:
+    return _clock["name"]
+
+
 def side_by_side(
     fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 1, sync: Callable[[], None] | None = None
 ) -> dict[str, float]:
-    """Best (minimum) wall time in seconds of each function, timed round-robin in one process.
+    """Best (minimum) time in seconds of each function, timed round-robin in one process.
 
     Every function runs ``warmup`` times first; then ``repeat`` rounds each call every function once,
     in turn, so slow phases of a shared machine hit all candidates alike. The minimum is reported:
     background load only ever adds time. ``sync`` (e.g. torch.cuda.synchronize) runs around each call.
+    The clock is the one chosen with :func:`use_clock` (default: process CPU time).
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
@@ -46,14 +63,15 @@ def side_by_side(
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    now = CLOCKS[_clock["name"]]
     best = {name: float("inf") for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
             sync()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], now() - t0)
     return best
 
 

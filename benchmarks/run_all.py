@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .common import Row, cpu_model_name, fmt_num
+from .common import Row, clock_name, cpu_model_name, fmt_num, use_clock
 
 SUITES = {
     "kda": "bench_kda_ratio",
@@ -80,7 +80,7 @@ def header(argv: list[str], quick: bool) -> str:
     return (
         f"date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}\n"
         f"machine: {cpu_model_name()}, {torch.get_num_threads()} torch thread(s) "
-        f"(os cpus {len(__import__('os').sched_getaffinity(0))}); torch {torch.__version__}; "
+        f"(os cpus {len(__import__('os').sched_getaffinity(0))}); clock: {clock_name()}; torch {torch.__version__}; "
         f"python {platform.python_version()}\n"
         f"command: python -m benchmarks {' '.join(argv)}".rstrip()
         + ("\nmode: --quick (smaller sizes)" if quick else "")
@@ -113,11 +113,18 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="torch intra-op threads (default 1: on a shared 2-core machine OpenMP spin-waiting "
         "makes 2 threads erratic and often far slower)",
     )
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu (default): process CPU time, robust to other processes on shared cores; wall: elapsed",
+    )
     ap.add_argument("--update-readme", action="store_true", help="write the table into benchmarks/README.md")
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error("--threads must be >= 1")
     torch.set_num_threads(args.threads)
+    use_clock(args.clock)
     print(header(argv, args.quick))
     rows = run_suites(args.only, args.quick)
     print()
