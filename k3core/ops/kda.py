@@ -68,8 +68,9 @@ def _check_shapes(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, 
 
 
 # exp() of arguments below about -87 gives fp32 subnormals or 0, which takes a slow path on CPU
-# (10-40x slower).  Decay exponents are clamped here first: exp(-60) ~ 9e-27, so the change is
-# far below fp32 resolution for any O(1) quantity it multiplies.
+# (10-40x slower).  The chunked path clamps per-step log-decays here first (only reachable with
+# an unbounded gate such as Kimi Linear's): exp(-60) ~ 9e-27 instead of something smaller, far
+# below fp32 resolution for any O(1) quantity it multiplies.
 _EXP_FLOOR = -60.0
 
 # Chunks are processed in groups of about this many floats per [group, C, K] temporary.
