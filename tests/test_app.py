@@ -267,3 +267,28 @@ def test_save_upload_validates_names(tmp_path, runs):
         state.load_run(run)
     state.remove_upload(run)
     assert not Path(run.path).exists()
+
+
+def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch):
+    from analysis import export
+    from app import widgets
+
+    monkeypatch.setattr(export, "find_chromium", lambda: None)
+    widgets.static_export_status.cache_clear()
+    try:
+        app_env(runs["good"])
+        at = _app().run()
+        _page(at, "attnres")
+        assert not at.exception and _errors(at) == []
+        keys = [b.key for b in at.get("download_button")]
+        formats = {k.rsplit("-", 1)[-1] for k in keys}
+        assert formats == {"html", "csv", "json"}, keys
+        assert any("need Chromium" in c.value or "needs Chromium" in c.value for c in at.caption)
+        # The export files themselves (built on click in the browser) hold the figure's data.
+        run = state.RunRef("nano-a", str(runs["good"]), "preloaded")
+        loaded = state.load(run, state.TextChoice(state.TEXT_SHAKESPEARE, 32))
+        fig, df = state.build_view(widgets.section_views("attnres")[0], loaded)
+        assert widgets.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
+        assert b"<html" in widgets.figure_bytes(fig, df, "t", "html")[:500].lower()
+    finally:
+        widgets.static_export_status.cache_clear()
