@@ -6,7 +6,10 @@ Conventions (T = tokens, D = hidden width, H = heads; layer indices are 0-based)
   starts at position 0, so query row ``i`` sees the ``i + 1`` keys ``0..i``.
 - Hidden states are ``trace["hidden"]`` with axes [depth, batch, token, hidden]; depth ``l`` is the
   state entering layer ``l`` and the last depth is the final state (before the final RMSNorm). So
-  layer ``l`` maps depth ``l`` (its input) to depth ``l + 1`` (its output).
+  layer ``l`` maps depth ``l`` (its input) to depth ``l + 1`` (its output). With AttnRes residuals the
+  state entering layer ``l`` is that layer's attention-side depth mix, so two consecutive states differ by
+  the layer's output *and* by the change of mix weights; with plain / scale-bias residuals they differ by
+  exactly the layer's (scaled) outputs.
 - Every per-sequence metric is computed for each recorded sequence and averaged over the batch.
 
 Metrics and their sources:
