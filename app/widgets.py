@@ -97,6 +97,8 @@ def sidebar() -> Inputs:
         st.divider()
         c1, c2 = st.columns(2)
         device = c1.selectbox("Device", _device_choices(), key="k3lab_device")
+        if ss.get("k3lab_dtype") not in _dtype_choices(device):  # e.g. float16 chosen on cuda, then cpu
+            ss.pop("k3lab_dtype", None)
         dtype = c2.selectbox("dtype", _dtype_choices(device), key="k3lab_dtype")
         ss.setdefault("k3lab_seq_len", state.SEQ_LEN_DEFAULT)
         ss.setdefault("k3lab_record_attn", True)
@@ -133,10 +135,10 @@ def text_choice(
     prefix: str, max_tokens: int | None = None, default: str = state.TEXT_SHAKESPEARE, label: str = "Text"
 ) -> tuple[TextChoice, str | None]:
     """Text source picker (+ text box / file uploader, + max tokens unless given). Returns (choice, error)."""
+    st.session_state.setdefault(f"{prefix}_text_source", default)
     source = st.selectbox(
         label,
         state.TEXT_SOURCES,
-        index=state.TEXT_SOURCES.index(default),
         key=f"{prefix}_text_source",
         help="What the model reads. The Shakespeare passage is from a play held out of training; "
         "MQAR is a synthetic associative-recall sequence (loss on the answers only).",
