@@ -85,6 +85,7 @@ def discover_runs(
 ) -> tuple[list[RunRef], list[str]]:
     """Runs in picker order: K3LAB_RUNS entries, then sample_checkpoints/* folders, then uploads.
 
+    A K3LAB_RUNS entry is a checkpoint folder, or a folder of checkpoint folders (each becomes a run).
     Duplicate folders are listed once (first origin wins); labels are the folder names, made unique
     with a " (2)", " (3)" suffix. Returns (runs, problems) where problems names K3LAB_RUNS entries that
     are not checkpoint folders.
@@ -96,8 +97,11 @@ def discover_runs(
         if not entry:
             continue
         path = Path(entry).expanduser()
+        children = sorted(p for p in path.iterdir() if is_checkpoint_dir(p)) if path.is_dir() else []
         if is_checkpoint_dir(path):
             found.append((path.resolve(), "preloaded"))
+        elif children:  # a folder of runs
+            found.extend((child.resolve(), "preloaded") for child in children)
         else:
             problems.append(f"{entry}: not a checkpoint folder (no config.json)")
     if samples_dir is not None and Path(samples_dir).is_dir():

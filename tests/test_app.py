@@ -223,6 +223,9 @@ def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     assert len(problems) == 1 and "missing" in problems[0]
     found, _ = state.discover_runs(str(runs["good"]), samples)
     assert [r.label for r in found] == ["nano-a", "nano-a (2)"]
+    # A folder of runs expands to its checkpoint folders.
+    found, problems = state.discover_runs(str(runs["good"].parent), None)
+    assert [r.label for r in found] == ["corrupt", "nan-weights", "nano-a", "nano-b"] and not problems
 
 
 def test_text_checks_and_token_digest():
