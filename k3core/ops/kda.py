@@ -379,23 +379,24 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
         t_beta = t_inv * b_z.unsqueeze(-2)
         U = torch.bmm(t_beta, vc[n0:n1].view(-1, C, V)).view(n1 - n0, BH, C, V)
-        W = torch.bmm(t_beta, k_z * gamma).view(n1 - n0, BH, C, K)
+        # [W ; Gamma * Q]: one matmul with the entering state gives both W S and (Gamma * Q) S.
+        WQ = torch.cat([torch.bmm(t_beta, k_z * gamma), q_z * gamma], dim=-2).view(n1 - n0, BH, 2 * C, K)
         k_dec = (k_z * gamma_to_end).view(n1 - n0, BH, C, K)  # keys decayed to the chunk end
         gamma_end = gamma[:, -1, :].view(n1 - n0, BH, K, 1)  # decay over the whole chunk
 
         # State passing, one chunk at a time:  D = U - W S  (= beta (v - prediction) per token),
-        # S_next = Diag(gamma_end) S + K_dec^T D.
-        states, deltas = [], []
+        # S_next = Diag(gamma_end) S + K_dec^T D; the inter-chunk output part (Gamma * Q) S on the way.
+        inter, deltas = [], []
         for i in range(n1 - n0):
-            states.append(state)
-            delta = torch.baddbmm(U[i], W[i], state, alpha=-1)
+            WQS = torch.bmm(WQ[i], state)  # [BH, 2C, V]
+            delta = U[i] - WQS[:, :C]
+            inter.append(WQS[:, C:])
             deltas.append(delta)
             state = torch.baddbmm(state * gamma_end[i], k_dec[i].transpose(-1, -2), delta)
-        S_in = torch.stack(states).view(-1, K, V)  # state entering each chunk
         D = torch.stack(deltas).view(-1, C, V)
 
         # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
-        outs.append(torch.baddbmm(torch.bmm(q_z * gamma, S_in), A_qk, D, beta=scale, alpha=scale))
+        outs.append(torch.baddbmm(torch.stack(inter).view(-1, C, V), A_qk, D, beta=scale, alpha=scale))
 
     o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N * BH, C, V]
     o = o.view(N, B, HV, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, HV, V)[:, :T]
