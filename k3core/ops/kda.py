@@ -445,13 +445,15 @@ def kda_chunk(
         S_C = Diag(Gamma_C) S_0 + K_dec^T D,   K_dec[j] = exp(G_C - G_j) * k_j
         O = s ((Gamma * Q) S_0 + A_qk D),     A_qk[r, j] = q_r^T Diag(exp(G_r - G_j)) k_j, j <= r
 
-    U, W, K_dec and A_qk are computed for all chunks at once with batched matmuls (in groups of
-    chunks sized to stay in cache); M^{-1} comes from a batched dyadic block inversion.  A loop
-    over chunks then carries the state (two ``baddbmm`` per chunk), and O is formed afterwards
-    from the stored per-chunk states.  No exponent is ever positive: ``exp(G_r - G_j)`` is split
-    at an intermediate index and built from products of per-step decays (see
-    :func:`_intra_chunk`), so arbitrarily strong decay (g = -5 on every step, or far below)
-    cannot overflow.  Differentiable through autograd (gradients match :func:`kda_recurrent`).
+    U, W, K_dec and A_qk do not depend on the state: they are computed with batched matmuls for
+    a group of consecutive chunks at once (all sequences and heads; groups sized to stay in
+    cache), M^{-1} by a batched dyadic block inversion.  A loop over the group's chunks then
+    carries the state with two matmuls per chunk (``[W; Gamma Q] S_0`` and the state update),
+    and the group's outputs follow in one batched matmul.  No exponent is ever positive:
+    ``exp(G_r - G_j)`` is split at an intermediate index and built from products of per-step
+    decays (see :func:`_intra_chunk`), so arbitrarily strong decay (g = -5 on every step, or far
+    below) cannot overflow.  Differentiable through autograd (gradients match
+    :func:`kda_recurrent`).
 
     Args:
         q, k: [B, T, H, K] (L2-normalised); v: [B, T, HV, V]; g: [B, T, HV, K] log-decay (<= 0);
