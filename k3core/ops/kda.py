@@ -460,8 +460,8 @@ def kda_chunk(
         beta: [B, T, HV]; scale defaults to K**-0.5; initial_state: [B, HV, K, V] or None.
         chunk_size: C, a power of two (torch backend only; fla always uses 64).  The default 32
             measured about 10% faster than 64 on a 2-core CPU (benchmarks/bench_kda.py).
-        backend: "auto" (fla's Triton ``chunk_kda`` for CUDA tensors when it imports, else
-            torch), "torch" (always the pure-PyTorch path) or "fla" (require fla).
+        backend: "auto" (fla's Triton ``chunk_kda`` for non-fp64 CUDA tensors when it imports,
+            else torch), "torch" (always the pure-PyTorch path) or "fla" (require fla).
 
     Returns:
         ``(o, final_state)`` as :func:`kda_recurrent`.
@@ -477,7 +477,8 @@ def kda_chunk(
             raise RuntimeError("backend='fla' requested but fla.ops.kda.chunk_kda could not be imported")
         use_fla = True
     elif backend == "auto":
-        use_fla = q.is_cuda and _fla_chunk_kda() is not None
+        # fp64 stays on the torch path (reference precision; the Triton kernels target 16/32-bit)
+        use_fla = q.is_cuda and v.dtype != torch.float64 and _fla_chunk_kda() is not None
     if use_fla:
         return _fla_chunk_kda()(
             q,
