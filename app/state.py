@@ -16,7 +16,6 @@ message with ``st.error`` and keep running. This module never draws anything.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -475,11 +474,16 @@ def _cached_view(view_key: str, key: tuple, _build, _ctx):
     return _build(_ctx)
 
 
+@st.cache_data(show_spinner="Running the model again for this figure (ablations, gradients)...", max_entries=128)
+def _cached_model_view(view_key: str, key: tuple, _build, _ctx):
+    with MODEL_LOCK:
+        return _build(_ctx)
+
+
 def build_view(view, loaded: Loaded):
     """(figure, table) of a View for a loaded run, cached per (view, run key). Raises NotApplicable."""
     if view.needs_model:
-        with MODEL_LOCK:
-            return _cached_view(view.key, loaded.key, view.build, loaded.ctx)
+        return _cached_model_view(view.key, loaded.key, view.build, loaded.ctx)
     return _cached_view(view.key, loaded.key, view.build, loaded.ctx)
 
 
@@ -579,5 +583,4 @@ def compare_view(kind: str, view, a: Loaded, b: Loaded):
     NotApplicable."""
     if kind not in ("side", "diff"):
         raise InputError(f"unknown comparison {kind!r}")
-    with MODEL_LOCK if view.needs_model else contextlib.nullcontext():
-        return _cached_pair(kind, view.key, a.key, b.key, view, a, b)
+    return _cached_pair(kind, view.key, a.key, b.key, view, a, b)  # model runs lock inside build_view
