@@ -739,6 +739,10 @@ class Trainer:
         from .checkpoint import save_pretrained
 
         save_pretrained(self.model, self.run_dir)
+        self.write_metrics()
+
+    def write_metrics(self) -> None:
+        """metrics.json (atomically); between checkpoints it may run ahead of the saved weights."""
         self.metrics["history"] = self.history
         self.metrics["step"] = self.step
         _write_json(self.run_dir / METRICS_NAME, self.metrics)
@@ -848,6 +852,7 @@ class Trainer:
         self.history["moe"].append({"step": self.step, "layers": layers})
         self._moe_acc = self._zero_moe_acc()
 
+    @torch.no_grad()
     def attnres_summary(self, trace) -> dict[str, Any] | None:
         """Per-site pseudo-query norm and mean depth weights (or scale/bias means in scale_bias mode)."""
         mode = self.model_config.residual
@@ -958,6 +963,7 @@ class Trainer:
                         entry["aux_loss"] = info["aux_loss"]
                     self.history["train"].append(entry)
                     self.log_moe()
+                    self.write_metrics()
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{entry['tokens_per_s']:.0f}", lr=f"{info['lr']:.2e}")
                     interval = {"loss": 0.0, "n": 0, "tokens": 0, "t0": time.perf_counter()}
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
