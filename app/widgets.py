@@ -209,6 +209,21 @@ def inputs_or_stop() -> Inputs:
     return inputs
 
 
+def model_or_stop(inputs: Inputs, run: RunRef | None = None):
+    """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page."""
+    run = run or inputs.run
+    error = None
+    try:
+        return state.load_model(run, inputs.device, inputs.dtype)
+    except (CheckpointError, InputError) as exc:
+        error = f"**{run.label}**: {exc}"
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
+        log.exception("loading %s failed", run.path)
+        error = f"**{run.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
+    st.error(error)
+    st.stop()
+
+
 def show_input_notes(loaded: Loaded) -> None:
     """A notice when the text was cut to max tokens (a warning for the user's own text)."""
     tok = loaded.tokens

@@ -8,8 +8,6 @@ import streamlit as st
 import torch
 
 from app import state, widgets
-from app.state import InputError
-from k3core.checkpoint import CheckpointError
 from k3core.data import ByteTokenizer
 from k3core.model import K3Cache
 
@@ -21,11 +19,7 @@ widgets.page_header(
     "reads and extends the decode cache: KDA layers keep a fixed-size state, MLA layers one latent per token.",
 )
 
-try:
-    model = state.load_model(run, inputs.device, inputs.dtype)
-except (CheckpointError, InputError) as exc:
-    st.error(f"**{run.label}**: {exc}")
-    st.stop()
+model = widgets.model_or_stop(inputs)
 if model.config.vocab_size < 256:
     st.error(
         f"**{run.label}** has a vocabulary of {model.config.vocab_size} tokens; text prompts are UTF-8 bytes "

@@ -7,8 +7,6 @@ import streamlit as st
 
 from analysis.inspect import config_summary, layer_map, parameter_breakdown
 from app import state, widgets
-from app.state import InputError
-from k3core.checkpoint import CheckpointError
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
@@ -20,11 +18,7 @@ widgets.page_header(
     "LatentMoE routing and attention degradation. Pick a run and a text in the sidebar; every page follows them.",
 )
 
-try:
-    model = state.load_model(run, inputs.device, inputs.dtype)
-except (CheckpointError, InputError) as exc:
-    st.error(f"**{run.label}**: {exc}")
-    st.stop()
+model = widgets.model_or_stop(inputs)
 cfg = model.config
 
 st.subheader(f"{run.label}")
