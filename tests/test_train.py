@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,20 @@ def test_interrupted_runs_resume_to_the_same_weights(tmp_path, reference_run):
     assert [e["step"] for e in final["history"]["val"]] == [4, 8]
     assert final["final"]["val_loss"] == T.load_metrics(reference_run)["final"]["val_loss"]
     assert not (run2 / T.STATE_DIR).exists()  # resume state dropped once finished
+
+
+def test_sigint_saves_and_stops_at_a_step_boundary(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+
+    def ctrl_c(step, info):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, delivered to the trainer's handler
+
+    run = T.train(tiny(tmp_path, "sigint", eval_every=0, save_every=0), callback=ctrl_c)
+    m = T.load_metrics(run)
+    assert m["status"] == "interrupted" and m["step"] == 2
+    assert T.latest_state_dir(run).name == "step-0000002"
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
 
 
 def test_resume_refuses_to_change_the_schedule(tmp_path):
