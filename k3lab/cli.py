@@ -54,7 +54,7 @@ def cmd_app(argv: list[str]) -> int:
     if args.runs:
         env["K3LAB_RUNS"] = os.pathsep.join(str(Path(r).resolve()) for r in args.runs)
     cmd = [sys.executable, "-m", "streamlit", "run", str(main_py), "--server.port", str(args.port),
-           "--browser.gatherUsageStats", "false"]
+           "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"]
     if args.headless:
         cmd += ["--server.headless", "true"]
     print(f"k3lab app: serving on http://localhost:{args.port}")
