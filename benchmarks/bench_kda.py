@@ -1,8 +1,10 @@
 """Benchmark KDA on CPU: token-by-token recurrence vs the chunked (WY / UT-transform) algorithm.
 
 For each sequence length T, times ``kda_recurrent`` and ``kda_chunk`` (pure-PyTorch backend) in
-the same process on identical fp32 inputs (best of N runs, under ``torch.inference_mode``) and
-prints a table with the speedup and the agreement of the two outputs.
+the same process on identical fp32 inputs (best of N runs taken in turns, under
+``torch.inference_mode``) and prints a table with the speedup and the agreement of the two
+outputs.  On a machine shared with other jobs, ``--threads 1 --clock cpu`` gives the steadiest
+numbers: with more threads than free cores every small op waits for a descheduled thread.
 
 Example::
 
@@ -45,6 +47,19 @@ def best_of(fn, repeat: int, clock=time.perf_counter) -> tuple[float, object]:
     return best * 1e3, out
 
 
+def best_of_interleaved(fns: dict, repeat: int, clock=time.perf_counter) -> tuple[dict, dict]:
+    """Best time in ms of each function, timed in turns (a, b, c, a, b, c, ...) after one warm-up
+    run each, so that a change in machine load affects all of them alike; and each one's result."""
+    outs = {name: fn() for name, fn in fns.items()}
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = clock()
+            outs[name] = fn()
+            best[name] = min(best[name], clock() - t0)
+    return {name: t * 1e3 for name, t in best.items()}, outs
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths T")
@@ -82,11 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for T in args.lengths:
             x = make_inputs(B, T, H, D, D, args.lower_bound, args.seed)
-            t_rec, (o_rec, _) = best_of(lambda x=x: kda_recurrent(*x), args.repeat, clock)
+            fns = {"recurrent": lambda x=x: kda_recurrent(*x)}
             for C in args.chunk_size:
-                t_chk, (o_chk, _) = best_of(
-                    lambda x=x, C=C: kda_chunk(*x, chunk_size=C, backend="torch"), args.repeat, clock
-                )
+                fns[C] = lambda x=x, C=C: kda_chunk(*x, chunk_size=C, backend="torch")
+            times, outs = best_of_interleaved(fns, args.repeat, clock)
+            t_rec, o_rec = times["recurrent"], outs["recurrent"][0]
+            for C in args.chunk_size:
+                t_chk, o_chk = times[C], outs[C][0]
                 diff = o_chk - o_rec
                 max_rel = (diff.abs().max() / o_rec.abs().max()).item()
                 rms_rel = (diff.pow(2).mean().sqrt() / o_rec.pow(2).mean().sqrt()).item()
