@@ -270,9 +270,18 @@ class K3ForCausalLM(nn.Module):
         """Build a randomly initialised model. ``device="meta"`` builds shapes only (any size)."""
         if isinstance(config, str):
             config = K3Config.from_preset(config)
-        with torch.device(device):
-            model = cls(config)
-        return model.to(dtype=dtype) if dtype is not None else model
+        if dtype is None:
+            with torch.device(device):
+                return cls(config)
+        # Build directly in the target dtype: building in fp32 then casting needs twice the memory.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(config)
+        finally:
+            torch.set_default_dtype(previous)
+        return model.to(dtype=dtype)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
