@@ -622,7 +622,6 @@ class Trainer:
                 f"byte-level training needs vocab_size >= 256, the config has {self.model_config.vocab_size}"
             )
         self.model.train()
-        self.param_names = [n for n, _ in self.model.named_parameters()]
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         # param order in the optimizer must match self.opt_names (decay group first)

@@ -4,6 +4,7 @@
     python scripts/train_samples.py --jobs 2              # train all runs (two at a time), then the table
     python scripts/train_samples.py --only k3-full        # one run
     python scripts/train_samples.py --table               # only rewrite sample_checkpoints/README.md
+    python scripts/train_samples.py --stage /tmp/k3stage  # train there, copy into sample_checkpoints/ when done
 
 Each run is ``k3lab train <base_config> --set <its change> <common args> --out sample_checkpoints/<name>``
 (run here as ``python -m k3core.train``, the same entry point). Logs go to ``--log-dir``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -84,6 +86,33 @@ def write_table(recipe: dict, root: Path = SAMPLES) -> None:
     readme.write_text(f"{head}{start}\n{readme_table(recipe, root)}\n{end}{tail}")
 
 
+def publish(recipe: dict, run: dict, staged: Path, root: Path = SAMPLES) -> Path:
+    """Copy a finished run trained elsewhere (``--stage``) into ``root/<name>``.
+
+    Weights, config and history are copied unchanged; metrics.json gets the canonical ``out_dir``,
+    run name and command (``--out`` is a runtime option: it does not change the weights) plus
+    ``trained_in``, and the model card is rewritten from it.
+    """
+    from k3core.train import load_metrics, model_card
+
+    metrics = load_metrics(staged)
+    if metrics["status"] != "finished":
+        raise SystemExit(f"{staged}: run not finished ({metrics['status']})")
+    dest = root / run["name"]
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(staged / name, dest / name)
+    metrics["trained_in"] = str(staged)
+    metrics["run_name"] = run["name"]
+    metrics["train_config"]["out_dir"] = f"sample_checkpoints/{run['name']}"
+    metrics["command"] = command(recipe, run)
+    (dest / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    (dest / "README.md").write_text(model_card(metrics))
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", help="train only these runs")
@@ -91,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="/tmp/k3samples", help="where the training logs go")
     p.add_argument("--print", dest="print_only", action="store_true", help="print the commands and exit")
     p.add_argument("--table", action="store_true", help="only rewrite the README table")
+    p.add_argument("--stage", help="train into STAGE/<name>, then copy finished runs into sample_checkpoints/")
     args = p.parse_args(argv)
     recipe = load_recipe()
     runs = [r for r in recipe["runs"] if not args.only or r["name"] in args.only]
@@ -106,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             while pending and len(active) < max(1, args.jobs):
                 run = pending.pop(0)
                 log = open(log_dir / f"{run['name']}.log", "w")  # noqa: SIM115 - closed when the job ends
-                cmd = [sys.executable, "-m", "k3core.train", *run_args(recipe, run)]
+                out_root = str(Path(args.stage).resolve()) if args.stage else "sample_checkpoints"
+                cmd = [sys.executable, "-m", "k3core.train", *run_args(recipe, run, out_root)]
                 print(f"start {run['name']}: {command(recipe, run)}  (log {log.name})", flush=True)
                 active.append((run, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
             time.sleep(5)
@@ -121,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"failed: {failed} (see {log_dir})", file=sys.stderr)
             return 1
+        if args.stage:
+            for run in runs:
+                print(f"published {publish(recipe, run, Path(args.stage).resolve() / run['name'])}")
     write_table(recipe)
     print(readme_table(recipe))
     return 0
