@@ -29,7 +29,8 @@ Everything is safetensors + JSON: nothing is pickled. A checkpoint is first writ
 written every ``save_every`` steps and on Ctrl-C (SIGINT: finish the current step, save, exit).
 Resuming restores the weights, AdamW moments, the LR-schedule position, the data generator and
 torch RNG states and the history, so an interrupted run ends with the same weights as an
-uninterrupted one with the same seed (exactly, on the same device and thread count).
+uninterrupted one with the same seed: bit for bit on CPU with the same thread count and code version
+(CUDA kernels such as index_add_ are not deterministic, so GPU runs agree only closely).
 
 metrics.json (``format`` "k3lab-metrics", ``version`` 1)::
 

@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="/tmp/k3samples", help="where the training logs go")
     p.add_argument("--print", dest="print_only", action="store_true", help="print the commands and exit")
     p.add_argument("--table", action="store_true", help="only rewrite the README table")
+    p.add_argument("--recipe", default=str(RECIPE), help="recipe file (default sample_checkpoints/recipe.json)")
     p.add_argument("--stage", help="train into STAGE/<name>, then copy finished runs into sample_checkpoints/")
     args = p.parse_args(argv)
-    recipe = load_recipe()
+    recipe = load_recipe(Path(args.recipe))
     runs = [r for r in recipe["runs"] if not args.only or r["name"] in args.only]
     if args.print_only:
         for run in runs:
