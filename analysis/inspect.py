@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Any
 
 from k3core.config import K3Config
+from k3core.runtime import configure_threads
 
 COMPONENTS = (
     "embedding",
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             source = f"preset {args.run} (shapes only, no weights)"
         else:
             run = runs_mod.load_run(path)
+            configure_threads(run.model)
             model, source = run.model, f"checkpoint {path}"
             training = run.card.get("training")
             if args.text or args.sample:

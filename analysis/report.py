@@ -30,6 +30,8 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
+from k3core.runtime import configure_threads
+
 SECTION_TITLES = {
     "density": "KDA layer density allocation",
     "attnres": "AttnRes depth mixing",
@@ -369,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for path in args.runs:
             runs.append(runs_mod.load_run(path))
+            configure_threads(runs[-1].model)
             progress.update(1)
         timings["load"] = time.perf_counter() - t_start
         labels = _labels(runs)

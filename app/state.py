@@ -33,6 +33,7 @@ import streamlit as st
 import torch
 
 from k3core.checkpoint import CheckpointError, checkpoint_fingerprint, load_pretrained
+from k3core.runtime import configure_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES_DIR = REPO_ROOT / "sample_checkpoints"
@@ -155,6 +156,7 @@ def _cached_run(fingerprint: str, device: str, dtype: str, _path: str):
     from analysis.runs import Run, model_card, read_card_text, read_metrics
 
     model = load_pretrained(_path, device=device, dtype=DTYPES[dtype])
+    configure_threads(model)
     metrics, note = read_metrics(_path)
     card = model_card(model, metrics, read_card_text(_path))
     if note:

@@ -79,12 +79,14 @@ def cmd_generate(argv: list[str]) -> int:
     from k3core.checkpoint import CheckpointError
     from k3core.data import ByteTokenizer
     from k3core.model import K3ForCausalLM
+    from k3core.runtime import configure_threads
 
     try:
         model = K3ForCausalLM.from_pretrained(args.run)
     except CheckpointError as exc:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
+    configure_threads(model)
     if model.config.vocab_size != 256:
         print("k3lab generate: only byte-level (vocab 256) checkpoints can be prompted with text", file=sys.stderr)
         return 2
