@@ -17,15 +17,6 @@ from k3core.model import K3Cache, K3ForCausalLM
 from k3core.trace import Trace, record
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest single-threaded on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
     overrides.setdefault("kda_chunk_size", 16)
     torch.manual_seed(seed)

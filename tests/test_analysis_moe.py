@@ -14,14 +14,6 @@ from k3core.model import K3ForCausalLM
 from k3core.trace import Trace, record
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _record(seed: int = 0, T: int = 32, **overrides):
     overrides.setdefault("kda_chunk_size", 16)
     cfg = K3Config.from_preset("k3-nano", **overrides)

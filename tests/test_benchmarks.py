@@ -20,7 +20,6 @@ from k3core.trace import record
 def _threads():
     """gpu_check and run_all set the thread count; put it back."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
 

@@ -18,15 +18,6 @@ MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: these are tiny ops, and on a shared 2-core machine OpenMP spinning costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_model(residual: str = "block_attnres", seed: int = 0, **overrides) -> K3ForCausalLM:
     """k3-nano (KDA layers 1-3, MLA layer 4), chunk 8 so that short prompts span several KDA chunks,
     with a larger init and random residual parameters so that every path carries signal."""

@@ -12,14 +12,6 @@ from k3core.layers.moe import LatentMoE, grouped_mm_available
 from k3core.model import K3ForCausalLM
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_moe(k: int = 2, E: int = 8, seed: int = 0, **overrides) -> LatentMoE:
     """The first LatentMoE of a k3-nano with k of E experts, weights re-drawn large enough to matter."""
     cfg = K3Config.from_preset("k3-nano", num_experts=E, num_experts_per_token=k, **overrides)

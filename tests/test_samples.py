@@ -23,14 +23,6 @@ NAMES = [run["name"] for run in RECIPE["runs"]]
 MAX_BYTES = 8_000_000
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # small models: one thread is fastest, and immune to a busy machine
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def val_bytes() -> np.ndarray:
     m = load_metrics(SAMPLES / NAMES[0])
