@@ -107,6 +107,7 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     fig.update_yaxes(title_text="FLOPs / token", type="log", row=2, col=1)
     fig.update_yaxes(title_text="bytes", type="log", row=3, col=1)
     fig.update_xaxes(title_text="decoder layer (0-based)", dtick=1 if len(layers) <= 40 else None, row=3, col=1)
+    fig.update_xaxes(range=[-0.5, ctx.config.num_hidden_layers - 0.5])  # no empty slots past the last layer
     apply_style(fig, f"Allocated density per layer — {ctx.label}", height=720)
     return fig, alloc
 
