@@ -32,6 +32,7 @@ from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
 from .ops.attnres import attnres_mix
+from .trace import TraceNames
 
 
 def scale_bias_init(config: K3Config, layer_idx: int) -> float:
@@ -126,8 +127,8 @@ class K3Model(nn.Module):
         if not want:
             return out
         mixed, p = out
-        rec.put_tokens(f"attnres.{site}", p.permute(1, 2, 0), ("batch", "token", "source"))
-        rec.put(f"attnres.{site}_query_norm", proj.weight.detach().float().norm().reshape(()), ())
+        rec.put_tokens(TraceNames.attnres(site), p.permute(1, 2, 0), ("batch", "token", "source"))
+        rec.put(TraceNames.attnres_query_norm(site), proj.weight.detach().float().norm().reshape(()), ())
         rec.trace.meta.setdefault("attnres_sources", {})[site] = list(names)
         return mixed
 
@@ -165,9 +166,10 @@ class K3Model(nn.Module):
             if rec is not None:
                 rec.hidden(h)
                 if scale_bias and rec.wants("attnres"):
-                    for name in ("attn_scale", "attn_bias", "mlp_scale", "mlp_bias"):
-                        attr = name.replace("attn_", "self_attention_res_").replace("mlp_", "mlp_res_")
-                        rec.put(f"residual.{i}.{name}", getattr(layer, attr), ("hidden",))
+                    for side, module_side in (("attn", "self_attention_res"), ("mlp", "mlp_res")):
+                        for kind in ("scale", "bias"):
+                            value = getattr(layer, f"{module_side}_{kind}")
+                            rec.put(TraceNames.residual(i, side, kind), value, ("hidden",))
             a = layer.attention(h, self._layer_cache(cache, i))
             h = h + a * layer.self_attention_res_scale + layer.self_attention_res_bias if scale_bias else h + a
             m = layer.feed_forward(h)
@@ -183,7 +185,8 @@ class K3Model(nn.Module):
         partial_name = "embedding"
         for i, layer in enumerate(self.layers):
             if bank:
-                h = self._mix(f"{i}.attn", layer.self_attention_res_proj, layer.self_attention_res_norm,
+                site = TraceNames.attnres_site(i, "attn")
+                h = self._mix(site, layer.self_attention_res_proj, layer.self_attention_res_norm,
                               bank + [partial], names + [partial_name], rec)
             else:
                 h = partial
@@ -195,12 +198,12 @@ class K3Model(nn.Module):
                 partial, partial_name = None, f"block {i // size + 1} (partial)"
             a = layer.attention(h, self._layer_cache(cache, i))
             partial = a if partial is None else partial + a
-            h = self._mix(f"{i}.mlp", layer.mlp_res_proj, layer.mlp_res_norm, bank + [partial],
+            h = self._mix(TraceNames.attnres_site(i, "mlp"), layer.mlp_res_proj, layer.mlp_res_norm, bank + [partial],
                           names + [partial_name], rec)
             partial = partial + layer.feed_forward(h)
             if (i + 1) % size == 0 or i + 1 == len(self.layers):
                 partial_name = partial_name.replace(" (partial)", "")
-        return self._mix("output", self.output_attn_res_proj, self.output_attn_res_norm, bank + [partial],
+        return self._mix(TraceNames.OUTPUT_SITE, self.output_attn_res_proj, self.output_attn_res_norm, bank + [partial],
                          names + [partial_name], rec)
 
     def _forward_full(self, x, cache, rec):
@@ -208,15 +211,18 @@ class K3Model(nn.Module):
         sources, names = [x], ["embedding"]
         for i, layer in enumerate(self.layers):
             h = x if len(sources) == 1 else self._mix(
-                f"{i}.attn", layer.self_attention_res_proj, layer.self_attention_res_norm, sources, names, rec)
+                TraceNames.attnres_site(i, "attn"), layer.self_attention_res_proj, layer.self_attention_res_norm,
+                sources, names, rec)
             if rec is not None:
                 rec.hidden(h)
             sources.append(layer.attention(h, self._layer_cache(cache, i)))
             names.append(f"L{i}.attn")
-            h = self._mix(f"{i}.mlp", layer.mlp_res_proj, layer.mlp_res_norm, sources, names, rec)
+            site = TraceNames.attnres_site(i, "mlp")
+            h = self._mix(site, layer.mlp_res_proj, layer.mlp_res_norm, sources, names, rec)
             sources.append(layer.feed_forward(h))
             names.append(f"L{i}.ffn")
-        return self._mix("output", self.output_attn_res_proj, self.output_attn_res_norm, sources, names, rec)
+        out_proj, out_norm = self.output_attn_res_proj, self.output_attn_res_norm
+        return self._mix(TraceNames.OUTPUT_SITE, out_proj, out_norm, sources, names, rec)
 
 
 class K3ForCausalLM(nn.Module):
@@ -322,7 +328,7 @@ class K3ForCausalLM(nn.Module):
             loss = nll.sum() / valid.sum().clamp_min(1)
             rec = _trace.current()
             if rec is not None and rec.wants("loss"):
-                rec.put_tokens("token_nll", nll.masked_fill(~valid, float("nan")), ("batch", "token"))
+                rec.put_tokens(TraceNames.TOKEN_NLL, nll.masked_fill(~valid, float("nan")), ("batch", "token"))
             if self.config.balancing == "aux_loss" and self.training:
                 parts = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
                 if parts:

@@ -6,13 +6,16 @@
     trace.axes["kda.0.g"]     # ("batch", "token", "head", "channel")
     trace.save("run.trace.npz"); Trace.load("run.trace.npz")
 
-Layers call ``current()`` (one global read) and do nothing more when no recorder is active, so a
-model with tracing off runs at full speed. What is recorded is bounded: the first ``max_batch``
-sequences and the first ``max_tokens`` positions of each (a contiguous prefix, so that causal and
-next-token statistics stay meaningful); MLA attention probabilities only when asked and only up to
-``max_attn_len`` positions. Whole-batch aggregates (MoE load counts) use every token.
+Layers call ``current()`` (one context-variable read) and do nothing more when no recorder is
+active, so a model with tracing off runs at full speed. The recorder lives in a ``contextvars``
+variable, so each thread (each app session) records its own model without seeing another's. What
+is recorded is bounded: the first ``max_batch`` sequences and the first ``max_tokens`` positions of
+each (a contiguous prefix, so that causal and next-token statistics stay meaningful); MLA attention
+probabilities only when asked and only up to ``max_attn_len`` positions. Whole-batch aggregates (MoE
+load counts) use every token.
 
-Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``):
+Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``;
+build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``names.kda_g(0)``):
 
     tokens                   [batch, token]                     input ids
     token_nll                [batch, token]                     next-token loss (when labels are given)
@@ -42,6 +45,7 @@ Array names (``i`` is a 0-based layer index; every array carries its axis names 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import zipfile
 import zlib
@@ -56,12 +60,124 @@ import torch
 WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
 WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
 
-_ACTIVE: Recorder | None = None
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("k3lab_trace_recorder", default=None)
 
 
 def current() -> Recorder | None:
-    """The active recorder, or None (the common, free case)."""
-    return _ACTIVE
+    """The recorder active in this thread/context, or None (the common, free case)."""
+    return _ACTIVE.get()
+
+
+class TraceNames:
+    """Every trace array name, built in one place (``i`` is a 0-based layer index).
+
+    AttnRes sites are ``"{i}.attn"``, ``"{i}.mlp"`` (decoder layer ``i``) and ``"output"`` (the final
+    mix); build them with ``attnres_site``. Use as ``from k3core.trace import names``.
+    """
+
+    TOKENS = "tokens"
+    TOKEN_NLL = "token_nll"
+    HIDDEN = "hidden"
+    HIDDEN_RMS = "hidden_rms"
+    KDA_PREFIX = "kda."
+    MLA_PREFIX = "mla."
+    MOE_PREFIX = "moe."
+    ATTNRES_PREFIX = "attnres."
+    RESIDUAL_PREFIX = "residual."
+    QUERY_NORM_SUFFIX = "_query_norm"
+    OUTPUT_SITE = "output"
+    ATTNRES_OUTPUT = "attnres.output"
+    ATTNRES_OUTPUT_QUERY_NORM = "attnres.output_query_norm"
+
+    @staticmethod
+    def kda_g(i: int) -> str:
+        return f"kda.{i}.g"
+
+    @staticmethod
+    def kda_beta(i: int) -> str:
+        return f"kda.{i}.beta"
+
+    @staticmethod
+    def kda_gate(i: int) -> str:
+        return f"kda.{i}.gate"
+
+    @staticmethod
+    def kda_state_norm(i: int) -> str:
+        return f"kda.{i}.state_norm"
+
+    @staticmethod
+    def kda_state_steps(i: int) -> str:
+        return f"kda.{i}.state_steps"
+
+    @staticmethod
+    def kda_final_state(i: int) -> str:
+        return f"kda.{i}.final_state"
+
+    @staticmethod
+    def mla_attn(i: int) -> str:
+        return f"mla.{i}.attn"
+
+    @staticmethod
+    def mla_gate(i: int) -> str:
+        return f"mla.{i}.gate"
+
+    @staticmethod
+    def attnres_site(i: int, side: str) -> str:
+        """The site of decoder layer ``i``; ``side`` is "attn" or "mlp"."""
+        if side not in ("attn", "mlp"):
+            raise ValueError(f"AttnRes side must be 'attn' or 'mlp', got {side!r}")
+        return f"{i}.{side}"
+
+    @staticmethod
+    def attnres(site: str) -> str:
+        """Depth weights [batch, token, source] at a site ("0.attn", "0.mlp", ..., "output")."""
+        return f"attnres.{site}"
+
+    @staticmethod
+    def attnres_query_norm(site: str) -> str:
+        return f"attnres.{site}_query_norm"
+
+    @staticmethod
+    def attnres_site_of(name: str) -> str | None:
+        """The site of a depth-weight array name ("attnres.3.mlp" -> "3.mlp"); None for other names
+        (query norms included)."""
+        if not name.startswith("attnres.") or name.endswith("_query_norm"):
+            return None
+        return name[len("attnres.") :]
+
+    @staticmethod
+    def residual(i: int, side: str, kind: str) -> str:
+        """Scale/bias residual parameter of layer ``i``: side "attn"|"mlp", kind "scale"|"bias"."""
+        if side not in ("attn", "mlp") or kind not in ("scale", "bias"):
+            raise ValueError(f"residual side/kind must be attn|mlp and scale|bias, got {side!r}, {kind!r}")
+        return f"residual.{i}.{side}_{kind}"
+
+    @staticmethod
+    def moe_scores(i: int) -> str:
+        return f"moe.{i}.scores"
+
+    @staticmethod
+    def moe_experts(i: int) -> str:
+        return f"moe.{i}.experts"
+
+    @staticmethod
+    def moe_weights(i: int) -> str:
+        return f"moe.{i}.weights"
+
+    @staticmethod
+    def moe_latent(i: int) -> str:
+        return f"moe.{i}.latent"
+
+    @staticmethod
+    def moe_load(i: int) -> str:
+        return f"moe.{i}.load"
+
+    @staticmethod
+    def moe_bias(i: int) -> str:
+        return f"moe.{i}.bias"
+
+
+names = TraceNames
 
 
 class TraceError(ValueError):
@@ -115,8 +231,9 @@ class Trace:
     def save(self, path: str | Path) -> Path:
         """One .npz file; the header (meta + axes) is JSON inside it. No pickles."""
         path = Path(path)
-        header = json.dumps({"format": "k3lab-trace/1", "meta": self.meta,
-                             "axes": {k: list(v) for k, v in self.axes.items()}})
+        header = json.dumps(
+            {"format": "k3lab-trace/1", "meta": self.meta, "axes": {k: list(v) for k, v in self.axes.items()}}
+        )
         payload = {f"a/{k}": v for k, v in self.arrays.items()}
         payload["__header__"] = np.frombuffer(header.encode(), dtype=np.uint8)
         with open(path, "wb") as fh:
@@ -177,7 +294,7 @@ class Recorder:
         self.trace.arrays.clear()
         self.trace.axes.clear()
         self.trace.meta.pop("attnres_sources", None)
-        self.put_tokens("tokens", input_ids, ("batch", "token"))
+        self.put_tokens(TraceNames.TOKENS, input_ids, ("batch", "token"))
 
     def hidden(self, h: torch.Tensor) -> None:
         if "hidden" in self.what:
@@ -186,8 +303,8 @@ class Recorder:
     def finish(self) -> None:
         if self._hidden:
             stacked = torch.stack(self._hidden)
-            self.trace.add("hidden", stacked, ("depth", "batch", "token", "hidden"))
-            self.trace.add("hidden_rms", stacked.pow(2).mean(-1).sqrt(), ("depth", "batch", "token"))
+            self.trace.add(TraceNames.HIDDEN, stacked, ("depth", "batch", "token", "hidden"))
+            self.trace.add(TraceNames.HIDDEN_RMS, stacked.pow(2).mean(-1).sqrt(), ("depth", "batch", "token"))
             self._hidden = []
 
 
@@ -203,10 +320,10 @@ def record(
 
     ``what`` picks items from WHAT_ALL ("all" for everything, default: everything but the MLA
     attention matrices, which are quadratic in length). If several forwards run inside the block,
-    the last one wins.
+    the last one wins. The recorder is bound to the calling thread/context only: forwards run by
+    other threads meanwhile are not recorded, and they may record their own models concurrently.
     """
-    global _ACTIVE
-    if _ACTIVE is not None:
+    if _ACTIVE.get() is not None:
         raise RuntimeError("record() blocks cannot be nested")
     if what is None:
         what = WHAT_DEFAULT
@@ -220,9 +337,9 @@ def record(
         rec.trace.meta["config"] = cfg.to_dict()
         rec.trace.meta["layer_types"] = cfg.layer_types()
     rec.trace.meta.update(what=sorted(rec.what), max_tokens=max_tokens, max_batch=max_batch)
-    _ACTIVE = rec
+    token = _ACTIVE.set(rec)
     try:
         yield rec.trace
     finally:
-        _ACTIVE = None
+        _ACTIVE.reset(token)
         rec.finish()

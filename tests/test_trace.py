@@ -265,3 +265,70 @@ def test_tracing_off_never_calls_recorder_code(monkeypatch, ids, residual):
     with pytest.raises(AssertionError, match="recorder code ran"):  # the patches are live
         with record(model):
             pass
+
+
+def test_every_trace_name_builder_matches_a_documented_array():
+    """TraceNames builds exactly the names the docstring documents, and covers every documented one."""
+    N = trace_mod.TraceNames
+    built = [N.TOKENS, N.TOKEN_NLL, N.HIDDEN, N.HIDDEN_RMS, N.ATTNRES_OUTPUT, N.ATTNRES_OUTPUT_QUERY_NORM]
+    built += [f(3) for f in (N.kda_g, N.kda_beta, N.kda_gate, N.kda_state_norm, N.kda_state_steps,
+                             N.kda_final_state, N.mla_attn, N.mla_gate, N.moe_scores, N.moe_experts,
+                             N.moe_weights, N.moe_latent, N.moe_load, N.moe_bias)]  # fmt: skip
+    for side in ("attn", "mlp"):
+        site = N.attnres_site(3, side)
+        built += [N.attnres(site), N.attnres_query_norm(site)]
+        built += [N.residual(3, side, kind) for kind in ("scale", "bias")]
+    assert N.attnres(N.OUTPUT_SITE) == N.ATTNRES_OUTPUT == "attnres.output"
+    assert N.attnres_query_norm(N.OUTPUT_SITE) == N.ATTNRES_OUTPUT_QUERY_NORM
+    assert N.kda_g(12) == "kda.12.g" and N.moe_load(0) == "moe.0.load"
+    assert N.residual(1, "mlp", "bias") == "residual.1.mlp_bias"
+    patterns = [p for p, _ in documented_arrays()]
+    assert len(set(built)) == len(built) == len(patterns)
+    for name in built:
+        assert sum(bool(re.match(p, name)) for p in patterns) == 1, name
+    assert N.attnres_site_of("attnres.3.mlp") == "3.mlp" and N.attnres_site_of("attnres.output") == "output"
+    assert N.attnres_site_of("attnres.3.mlp_query_norm") is None and N.attnres_site_of("kda.3.g") is None
+    with pytest.raises(ValueError, match="attn"):
+        N.attnres_site(0, "ffn")
+    with pytest.raises(ValueError, match="scale"):
+        N.residual(0, "attn", "gain")
+
+
+def test_two_threads_record_their_own_models_at_the_same_time(ids):
+    """The recorder is per thread/context: two concurrent record() blocks each get their own full trace."""
+    import threading
+
+    models = {"block": nano_model(residual="block_attnres"), "plain": nano_model(residual="plain")}
+    inputs = {"block": ids[:2, :7], "plain": ids[1:, :5]}
+    inside = threading.Barrier(2, timeout=60)
+    traces, errors = {}, []
+
+    def work(key):
+        try:
+            model = models[key]
+            with torch.no_grad(), record(model, what="all") as tr:
+                inside.wait()  # both recorders are now active at once
+                model(inputs[key], labels=inputs[key])
+                inside.wait()  # both forwards finished while both recorders were active
+            traces[key] = tr
+        except Exception as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert trace_mod.current() is None
+    for key, model in models.items():
+        tr, x = traces[key], inputs[key]
+        np.testing.assert_array_equal(tr["tokens"], x[:1].numpy())
+        assert tr.meta["config"]["residual"] == model.config.residual
+        with torch.no_grad(), record(model, what="all") as alone:
+            model(x, labels=x)
+        assert alone.arrays.keys() == tr.arrays.keys(), key
+        for name in alone.arrays:
+            np.testing.assert_allclose(tr[name], alone[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
+    assert any(n.startswith("attnres.") for n in traces["block"].arrays)
+    assert not any(n.startswith("attnres.") for n in traces["plain"].arrays)

@@ -22,6 +22,7 @@ from torch import nn
 from .. import trace as _trace
 from ..config import K3Config
 from ..ops.kda import kda_chunk, kda_recurrent
+from ..trace import names
 from .norm import RMSNorm
 
 
@@ -35,6 +36,12 @@ class KDACache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.recurrent_state) if t is not None)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: fla's and transformers' form (not F.normalize's
+    x / max(|x|, eps), which differs visibly for small vectors)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class ShortConvolution(nn.Conv1d):
@@ -122,8 +129,8 @@ class KimiDeltaAttention(nn.Module):
         q, tq = self.q_conv1d(self.q_proj(x), tails[0])
         k, tk = self.k_conv1d(self.k_proj(x), tails[1])
         v, tv = self.v_conv1d(self.v_proj(x), tails[2])
-        q = F.normalize(q.float().view(B, T, H, d), dim=-1, eps=1e-6)
-        k = F.normalize(k.float().view(B, T, H, d), dim=-1, eps=1e-6)
+        q = l2_norm(q.float().view(B, T, H, d))
+        k = l2_norm(k.float().view(B, T, H, d))
         v = v.view(B, T, H, d)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.decay(x)
@@ -153,17 +160,17 @@ class KimiDeltaAttention(nn.Module):
     @torch.no_grad()
     def _record(self, rec, q, k, v, g, beta, gate, final_state, initial=None) -> None:
         i = self.layer_idx
-        rec.put_tokens(f"kda.{i}.g", g, ("batch", "token", "head", "channel"))
-        rec.put_tokens(f"kda.{i}.beta", beta, ("batch", "token", "head"))
-        rec.put_tokens(f"kda.{i}.gate", gate.float().mean(-1), ("batch", "token", "head"))
-        rec.put(f"kda.{i}.final_state", final_state[: rec.max_batch], ("batch", "head", "key", "value"))
+        rec.put_tokens(names.kda_g(i), g, ("batch", "token", "head", "channel"))
+        rec.put_tokens(names.kda_beta(i), beta, ("batch", "token", "head"))
+        rec.put_tokens(names.kda_gate(i), gate.float().mean(-1), ("batch", "token", "head"))
+        rec.put(names.kda_final_state(i), final_state[: rec.max_batch], ("batch", "head", "key", "value"))
         qs, ks, vs, gs, bs = (rec.clip(t) for t in (q, k, v, g, beta))
         if qs.shape[1] == 0:
             return
         init = None if initial is None else initial[: rec.max_batch]
         norms, steps = self._chunk_end_state_norms(qs, ks, vs, gs, bs, init)
-        rec.put(f"kda.{i}.state_norm", norms, ("batch", "step", "head"))
-        rec.put(f"kda.{i}.state_steps", torch.tensor(steps), ("step",))
+        rec.put(names.kda_state_norm(i), norms, ("batch", "step", "head"))
+        rec.put(names.kda_state_steps(i), torch.tensor(steps), ("step",))
 
     def _chunk_end_state_norms(self, q, k, v, g, beta, initial) -> tuple[torch.Tensor, list[int]]:
         """Frobenius norm of the state S at every chunk end, [B, N, H], with one batched kda_chunk call.

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import trace as _trace
 from ..config import K3Config
+from ..trace import names
 from .norm import RMSNorm
 
 
@@ -87,7 +88,7 @@ class MultiHeadLatentAttention(nn.Module):
         if want_probs:
             attn_out, probs = self._attention_with_probs(q, k, v, past)
             n = min(T, rec.max_attn_len)
-            rec.put(f"mla.{self.layer_idx}.attn", probs[: rec.max_batch, :, :n, :n],
+            rec.put(names.mla_attn(self.layer_idx), probs[: rec.max_batch, :, :n, :n],
                     ("batch", "head", "query", "key"))
         elif past == 0:
             attn_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
@@ -100,7 +101,7 @@ class MultiHeadLatentAttention(nn.Module):
             gate = torch.sigmoid(self.g_proj(x).view(B, T, H, self.vdim).float()).to(attn_out.dtype)
             attn_out = attn_out * gate
             if rec is not None and rec.wants("mla"):
-                rec.put_tokens(f"mla.{self.layer_idx}.gate", gate.float().mean(-1), ("batch", "token", "head"))
+                rec.put_tokens(names.mla_gate(self.layer_idx), gate.float().mean(-1), ("batch", "token", "head"))
         return self.o_proj(attn_out.reshape(B, T, H * self.vdim))
 
     def _attention_with_probs(self, q, k, v, past: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from torch import nn
 
 from .. import trace as _trace
 from ..config import K3Config
+from ..trace import names
 from .ffn import GatedMLP, activation
 from .norm import RMSNorm
 
@@ -309,10 +310,10 @@ class LatentMoE(nn.Module):
     def _record(self, rec, B, T, scores, experts, weights, z) -> None:
         i, E = self.layer_idx, self.config.num_experts
         shape = lambda t: t.view(B, T, -1)  # noqa: E731
-        rec.put_tokens(f"moe.{i}.scores", shape(scores), ("batch", "token", "expert"))
-        rec.put_tokens(f"moe.{i}.experts", shape(experts), ("batch", "token", "rank"))
-        rec.put_tokens(f"moe.{i}.weights", shape(weights), ("batch", "token", "rank"))
-        rec.put(f"moe.{i}.load", torch.bincount(experts.reshape(-1), minlength=E), ("expert",))
-        rec.put(f"moe.{i}.bias", self.gate.e_score_correction_bias, ("expert",))
+        rec.put_tokens(names.moe_scores(i), shape(scores), ("batch", "token", "expert"))
+        rec.put_tokens(names.moe_experts(i), shape(experts), ("batch", "token", "rank"))
+        rec.put_tokens(names.moe_weights(i), shape(weights), ("batch", "token", "rank"))
+        rec.put(names.moe_load(i), torch.bincount(experts.reshape(-1), minlength=E), ("expert",))
+        rec.put(names.moe_bias(i), self.gate.e_score_correction_bias, ("expert",))
         if rec.wants("latent"):
-            rec.put_tokens(f"moe.{i}.latent", shape(z), ("batch", "token", "latent"))
+            rec.put_tokens(names.moe_latent(i), shape(z), ("batch", "token", "latent"))
