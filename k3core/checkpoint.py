@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import torch
 
+from .checkpoint_files import CheckpointError
 from .config import ConfigError, K3Config
 
 CONFIG_NAME = "config.json"
@@ -25,10 +27,10 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin", "pytorch_model.pt")
 HF_PREFIXES = ("language_model.",)
+# transformers' own KimiLinearForCausalLM.save_pretrained names a dense layer's MLP like an MoE block.
+_DENSE_AS_MOE = re.compile(r"(\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.)")
 
 
-class CheckpointError(ValueError):
-    """Anything a user can get wrong with a checkpoint. The message says what and where."""
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -54,13 +56,26 @@ def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 2 * 1024**3,
-                    extra_metadata: dict[str, str] | None = None) -> Path:
-    """Write config.json + model.safetensors (or shards + index), each file atomically."""
+                    extra_metadata: dict[str, str] | None = None, config_format: str = "auto") -> Path:
+    """Write config.json + model.safetensors (or shards + index), each file atomically.
+
+    ``config_format``: "hf" writes transformers' ``kimi_linear`` config.json (and Kimi Linear's
+    [1, 1, H, 1] ``A_log``), so that ``transformers.AutoModelForCausalLM.from_pretrained`` loads it;
+    "k3lab" writes k3lab's own config; "auto" (default) picks "hf" whenever the architecture is Kimi Linear.
+    """
     from safetensors.torch import save
 
+    if config_format not in ("auto", "hf", "k3lab"):
+        raise ValueError(f"config_format must be 'auto', 'hf' or 'k3lab', got {config_format!r}")
+    config = model.config
+    hf = config_format == "hf" or (config_format == "auto" and config.hf_incompatibility() is None)
+    config_text = json.dumps(config.to_hf_dict(), indent=2) if hf else config.to_json()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = export_state_dict(model)
+    if hf:
+        for key in [k for k in tensors if k.endswith("self_attn.A_log")]:
+            tensors[key] = tensors[key].reshape(1, 1, -1, 1)
     metadata = {"format": "pt", "producer": "k3lab", **(extra_metadata or {})}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -85,7 +100,7 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: i
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=2).encode())
-    _atomic_write_bytes(path / CONFIG_NAME, (model.config.to_json() + "\n").encode())
+    _atomic_write_bytes(path / CONFIG_NAME, (config_text + "\n").encode())
     return path
 
 
@@ -214,7 +229,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
             for prefix in HF_PREFIXES:
                 if key.startswith(prefix):
                     key = key[len(prefix):]
-            tensors[key] = value
+            tensors[_DENSE_AS_MOE.sub(r"\1mlp.\2", key)] = value
     return tensors
 
 

@@ -1,0 +1,369 @@
+"""A checkpoint folder read from its headers first, then tensor by tensor.
+
+``CheckpointFiles.open(path)`` reads only ``config.json``, the shard index and each safetensors
+header (8 bytes of length + a JSON table of dtype, shape and byte offsets), so it answers for a
+5 TB checkpoint in milliseconds. ``read(name)`` then reads exactly that tensor's bytes. The model
+loader streams through it, the weight-only views read a few small tensors through it, and the
+app's cache key comes from ``fingerprint()`` (headers, sizes, modification times) without hashing
+terabytes.
+
+Published checkpoints spell the same tensor in several ways; the variants are data, in the
+``NAME_TABLE`` below, and every reader in k3lab goes through ``canonical_name``:
+
+- the Kimi K3 repo is multimodal: the text model sits under ``language_model.``, beside
+  ``vision_tower.*`` / ``mm_projector.*`` tensors that are not part of it (skipped and listed);
+- transformers' ``KimiLinearForCausalLM.save_pretrained`` writes the dense first layer's MLP as
+  ``block_sparse_moe.{gate,up,down}_proj`` where the original layout says ``mlp.``.
+
+Pickle files (``pytorch_model.bin`` and friends) have no header; they are read whole, and only when
+``torch.load(weights_only=True)`` accepts them (k3lab never unpickles arbitrary objects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, K3Config
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin", "pytorch_model.pt")
+PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".ckpt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenizer.model")
+MAX_HEADER_BYTES = 100 * 1024**2  # safetensors' own limit: a header over 100 MB is corrupt or hostile
+
+
+class CheckpointError(ValueError):
+    """Anything a user can get wrong with a checkpoint. The message says what and where."""
+
+
+# ---------------------------------------------------------------------------------- name table
+# Each rule is (kind, pattern, replacement) applied in order to a stored tensor name:
+#   strip: remove a prefix;  skip: the tensor is not part of the text model;  rename: regex substitution.
+NAME_TABLE: tuple[tuple[str, str, str], ...] = (
+    ("strip", "language_model.", ""),  # Kimi K3 repo: the text model of a multimodal checkpoint
+    ("skip", "vision_tower.", ""),
+    ("skip", "vision_model.", ""),
+    ("skip", "mm_projector.", ""),
+    ("skip", "multi_modal_projector.", ""),
+    ("skip", "audio_tower.", ""),
+    # transformers-saved Kimi Linear: the dense layer's MLP under block_sparse_moe (a routed layer's
+    # router is block_sparse_moe.gate.weight, never gate_proj, so this cannot catch an MoE tensor)
+    ("rename", r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate|up|down)_proj\.weight$", r"\1mlp.\2_proj.weight"),
+)
+
+# Tensors the published checkpoints store in fp32 and the reference computes in fp32: they stay fp32
+# whatever dtype the model is loaded in (rounding the router bias to bf16 changes which experts win).
+KEEP_FP32_PATTERNS: tuple[str, ...] = (
+    r"\.self_attn\.A_log$",
+    r"\.self_attn\.dt_bias$",
+    r"\.self_attn\.[qkv]_conv1d\.weight$",
+    r"\.self_attn\.o_norm\.weight$",
+    r"\.gate\.e_score_correction_bias$",
+)
+_KEEP_FP32 = re.compile("|".join(KEEP_FP32_PATTERNS))
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_TORCH_TO_ST = {v: k for k, v in DTYPES.items()}
+
+
+def canonical_name(raw: str) -> str | None:
+    """k3core's state-dict name for a stored tensor name, or None when it is not part of the text model."""
+    name = raw
+    for kind, pattern, replacement in NAME_TABLE:
+        if kind == "strip" and name.startswith(pattern):
+            name = name[len(pattern) :]
+        elif kind == "skip" and name.startswith(pattern):
+            return None
+        elif kind == "rename":
+            name = re.sub(pattern, replacement, name)
+    return name
+
+
+def keep_fp32(name: str) -> bool:
+    """Whether the tensor ``name`` (canonical) is kept in fp32 whatever dtype the model is loaded in."""
+    return _KEEP_FP32.search(name) is not None
+
+
+# ---------------------------------------------------------------------------------- headers
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies: ``file`` bytes [begin, end) hold it (begin = end = -1 for pickle files)."""
+
+    name: str
+    raw_name: str
+    file: Path
+    dtype: str  # safetensors spelling: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return max(self.end - self.begin, 0)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_safetensors_header(file: Path) -> tuple[dict, int]:
+    """The parsed JSON header of a safetensors file and the absolute offset where its data starts.
+
+    Checks that the header is an object of {dtype, shape, data_offsets} entries whose data fits in
+    the file; raises CheckpointError naming the file otherwise."""
+    size = file.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{file.name}: not a safetensors file (only {size} bytes)")
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little")
+        if n <= 0 or n > size - 8 or n > MAX_HEADER_BYTES:
+            if head[:2] == b"PK" or head[:1] == b"\x80":
+                raise CheckpointError(
+                    f"{file.name}: this is a pickle/zip (torch.save) file, not safetensors; "
+                    f"k3lab never unpickles untrusted files"
+                )
+            raise CheckpointError(
+                f"{file.name}: not a safetensors file (header length {n} does not fit in {size} bytes)"
+            )
+        header_bytes = fh.read(n)
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file.name}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{file.name}: corrupt safetensors header (a JSON {type(header).__name__}, "
+            f"expected an object of tensor entries)"
+        )
+    data_start = 8 + n
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        ok = (
+            isinstance(dtype, str)
+            and isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        )
+        if not ok:
+            raise CheckpointError(
+                f"{file.name}: corrupt safetensors header: entry {key!r} is not "
+                f"{{dtype, shape, data_offsets}} ({str(entry)[:120]})"
+            )
+        end = max(end, offsets[1])
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{file.name}: truncated: the header describes {data_start + end} bytes but the file has {size}"
+        )
+    return header, data_start
+
+
+def read_config(folder: Path) -> K3Config:
+    """The K3Config of a checkpoint folder's config.json (k3lab's own or a Hugging Face one)."""
+    cfg_path = folder / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise CheckpointError(
+            f"{folder.name}: config.json is missing (a checkpoint is a folder with config.json and model.safetensors)"
+        )
+    try:
+        data = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{folder.name}/config.json is not valid JSON ({exc})") from exc
+    try:
+        return K3Config.from_dict(data)
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder.name}/config.json: invalid config: {exc}") from exc
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint: the index's shards, model.safetensors, any *.safetensors, or a pickle."""
+    if path.is_file():
+        return [path]
+    if (path / INDEX_NAME).is_file():
+        try:
+            index = json.loads((path / INDEX_NAME).read_text())
+            names = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path.name}/{INDEX_NAME}: invalid shard index ({exc})") from exc
+        if not all(isinstance(n, str) and "/" not in n and "\\" not in n and n not in ("", ".", "..") for n in names):
+            raise CheckpointError(f"{path.name}/{INDEX_NAME}: shard names must be plain file names in the folder")
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path.name}: shard files listed in the index are missing: {missing[:8]}")
+        return files
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
+    shards = sorted(path.glob("*.safetensors"))
+    if shards:
+        return shards
+    pickles = [path / n for n in PICKLE_NAMES if (path / n).is_file()]
+    if pickles:
+        return pickles[:1]
+    raise CheckpointError(f"{path.name}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
+
+
+def _read_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means we refuse the file
+        raise CheckpointError(
+            f"{file.name}: refusing to load this pickle file: torch.load(weights_only=True) "
+            f"rejected it ({type(exc).__name__}); convert it to safetensors"
+        ) from exc
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise CheckpointError(f"{file.name}: the pickle file does not hold a plain dict of tensors")
+    return obj
+
+
+@dataclass
+class CheckpointFiles:
+    """A checkpoint folder's table of tensors (canonical name -> TensorInfo), read from headers only."""
+
+    folder: Path
+    files: list[Path]
+    tensors: dict[str, TensorInfo]
+    skipped: list[str] = field(default_factory=list)  # stored names that are not part of the text model
+    config: K3Config | None = None
+    metadata: dict[str, dict] = field(default_factory=dict)  # per-file __metadata__
+    bytes_read: int = 0
+    _pickled: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path, require_config: bool = True) -> CheckpointFiles:
+        """Read config.json (when ``require_config`` or present), the index and every header. Raises CheckpointError."""
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"{path.name or path}: no such checkpoint")
+        folder = path if path.is_dir() else path.parent
+        config = None
+        if require_config or (folder / CONFIG_NAME).is_file():
+            config = read_config(folder)
+        files = weight_files(path)
+        table: dict[str, TensorInfo] = {}
+        skipped: list[str] = []
+        metadata: dict[str, dict] = {}
+        pickled: dict[str, torch.Tensor] = {}
+        for file in files:
+            if file.suffix in PICKLE_SUFFIXES:
+                entries = {}
+                for raw, tensor in _read_pickle_weights_only(file).items():
+                    dtype = _TORCH_TO_ST.get(tensor.dtype, str(tensor.dtype))
+                    entries[raw] = (dtype, tuple(tensor.shape), -1, -1)
+                    pickled[raw] = tensor
+            else:
+                header, start = read_safetensors_header(file)
+                meta = header.pop("__metadata__", None)
+                if isinstance(meta, dict):
+                    metadata[file.name] = meta
+                entries = {
+                    raw: (e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0], start + e["data_offsets"][1])
+                    for raw, e in header.items()
+                }
+            for raw, (dtype, shape, begin, end) in entries.items():
+                name = canonical_name(raw)
+                if name is None:
+                    skipped.append(raw)
+                    continue
+                if name in table:
+                    raise CheckpointError(
+                        f"{folder.name}: tensor {name!r} is stored twice ({table[name].file.name}: "
+                        f"{table[name].raw_name!r} and {file.name}: {raw!r})"
+                    )
+                table[name] = TensorInfo(name, raw, file, dtype, shape, begin, end)
+        out = cls(folder, files, table, sorted(skipped), config, metadata)
+        out._pickled = {name: t for raw, t in pickled.items() if (name := canonical_name(raw)) is not None}
+        return out
+
+    @property
+    def bytes_total(self) -> int:
+        """Declared bytes of the text model's tensors (headers only)."""
+        return sum(t.nbytes for t in self.tensors.values()) + sum(
+            t.numel() * t.element_size() for t in self._pickled.values()
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (canonical), reading only its own bytes; a CPU tensor of the stored dtype."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.folder.name}: no tensor {name!r} in this checkpoint")
+        if name in self._pickled:
+            return self._pickled[name]
+        dtype = DTYPES.get(info.dtype)
+        if dtype is None:
+            raise CheckpointError(
+                f"{info.file.name}: tensor {info.raw_name!r} has dtype {info.dtype}, which k3lab cannot read"
+            )
+        expected = info.numel * torch.empty((), dtype=dtype).element_size()
+        if expected != info.nbytes:
+            raise CheckpointError(
+                f"{info.file.name}: tensor {info.raw_name!r}: {info.nbytes} bytes stored for shape "
+                f"{list(info.shape)} of {info.dtype} ({expected} expected)"
+            )
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        with open(info.file, "rb") as fh:
+            fh.seek(info.begin)
+            data = bytearray(fh.read(info.nbytes))
+        if len(data) != info.nbytes:
+            raise CheckpointError(f"{info.file.name}: truncated while reading {info.raw_name!r}")
+        self.bytes_read += info.nbytes
+        return torch.frombuffer(data, dtype=dtype).reshape(info.shape)
+
+    def fingerprint(self) -> str:
+        """SHA-256 over config, index, tokenizer files and each weight file's name, size, mtime and header.
+
+        Weight files are not hashed byte by byte (terabytes); a pickle file, which has no header, is
+        hashed whole (so two different ``pytorch_model.bin`` uploads never share a cache entry)."""
+        h = hashlib.sha256()
+        for name in (CONFIG_NAME, INDEX_NAME, *TOKENIZER_FILES):
+            file = self.folder / name
+            if file.is_file():
+                h.update(name.encode() + b"\0" + file.read_bytes())
+        for file in self.files:
+            st = file.stat()
+            h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            with open(file, "rb") as fh:
+                if file.suffix in PICKLE_SUFFIXES:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+                else:
+                    n = int.from_bytes(fh.read(8), "little")
+                    h.update(fh.read(min(n, MAX_HEADER_BYTES)))
+        return h.hexdigest()
