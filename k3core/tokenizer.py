@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import re
 import unicodedata
@@ -114,6 +115,13 @@ def token_axis_labels(strings: Sequence[str], start: int = 0) -> list[str]:
     return [f"{start + i}:{s}" for i, s in enumerate(strings)]
 
 
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()[:16]
+
+
 def _id_list(ids: Any) -> list[int]:
     """Token ids from a list, a numpy array or a torch tensor (any shape, flattened) as Python ints."""
     if hasattr(ids, "reshape") and hasattr(ids, "tolist"):
@@ -129,12 +137,14 @@ class Tokenizer(ABC):
 
     ``vocab_size`` is one more than the largest id the tokenizer can produce or decode; ``special_tokens``
     maps the name of each added / special token to its id; ``kind`` is ``"bytes"``, ``"tokenizers"`` or
-    ``"tiktoken"``; ``name`` says where it came from, for captions.
+    ``"tiktoken"``; ``name`` says where it came from, for captions; ``digest`` identifies its files' contents
+    (cache keys: two runs with the same vocabulary size may still tokenize differently).
     """
 
     kind: str = ""
     name: str = ""
     vocab_size: int = 0
+    digest: str = ""
     special_tokens: dict[str, int]
 
     @abstractmethod
@@ -171,7 +181,7 @@ class Tokenizer(ABC):
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary (trace meta, model cards)."""
-        return {"kind": self.kind, "name": self.name, "vocab_size": int(self.vocab_size)}
+        return {"kind": self.kind, "name": self.name, "vocab_size": int(self.vocab_size), "digest": self.digest}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
@@ -184,6 +194,7 @@ class ByteTokenizer(Tokenizer):
     kind = "bytes"
     name = "UTF-8 bytes"
     vocab_size: int = 256
+    digest = "utf-8-bytes"
 
     def __init__(self) -> None:
         self.special_tokens = {}
@@ -236,8 +247,11 @@ class HFTokenizer(Tokenizer):
 
     kind = "tokenizers"
 
-    def __init__(self, tokenizer: Any, name: str = "tokenizer.json", decoder_spec: Any = None) -> None:
+    def __init__(
+        self, tokenizer: Any, name: str = "tokenizer.json", decoder_spec: Any = None, digest: str = ""
+    ) -> None:
         self._tok = tokenizer
+        self.digest = digest
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self._added = {int(i): t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
@@ -264,7 +278,7 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:  # tokenizers raises plain Exception for a JSON it cannot build a tokenizer from
             raise TokenizerError(f"{path}: not a tokenizers tokenizer.json ({exc})") from exc
         decoder = spec.get("decoder") if isinstance(spec, dict) else None
-        return cls(tokenizer, name=path.name, decoder_spec=decoder)
+        return cls(tokenizer, name=path.name, decoder_spec=decoder, digest=_digest(text.encode("utf-8")))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -386,9 +400,12 @@ class TiktokenTokenizer(Tokenizer):
 
     kind = "tiktoken"
 
-    def __init__(self, ranks: dict[bytes, int], special_tokens: dict[str, int], name: str = "tiktoken.model") -> None:
+    def __init__(
+        self, ranks: dict[bytes, int], special_tokens: dict[str, int], name: str = "tiktoken.model", digest: str = ""
+    ) -> None:
         import tiktoken
 
+        self.digest = digest
         self._enc = tiktoken.Encoding(
             name=name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=special_tokens
         )
@@ -415,7 +432,8 @@ class TiktokenTokenizer(Tokenizer):
         if not isinstance(config, dict):
             raise TokenizerError(f"{config_file}: expected a JSON object")
         specials = _special_tokens_from_config(config, len(ranks), config_file)
-        return cls(ranks, specials, name=model_file.name)
+        digest = _digest(model_file.read_bytes(), json.dumps(specials, sort_keys=True).encode())
+        return cls(ranks, specials, name=model_file.name, digest=digest)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []

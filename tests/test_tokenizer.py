@@ -312,3 +312,22 @@ def test_bad_tokenizer_files_get_clear_errors(tmp_path):
     (truncated / "tokenizer.json").write_text('{"model": ')
     with pytest.raises(TokenizerError, match="unreadable"):
         load_tokenizer(truncated, 1024)
+
+
+def test_digest_follows_the_files(tmp_path, bpe_folder):
+    same = tmp_path / "same"
+    same.mkdir()
+    _write_kimi(same)
+    other = tmp_path / "other"
+    other.mkdir()
+    _write_kimi(other, merges=MERGES[:-1])
+    digests = {
+        "a": load_tokenizer(same, 1024).digest,
+        "a again": load_tokenizer(same, 1024).digest,
+        "fewer merges": load_tokenizer(other, 1024).digest,
+        "bpe": load_tokenizer(bpe_folder, 512).digest,
+        "bytes": ByteTokenizer().digest,
+    }
+    assert digests["a"] == digests["a again"]
+    assert len(set(digests.values())) == 4
+    assert load_tokenizer(same, 1024).describe()["kind"] == "tiktoken"
