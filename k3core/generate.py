@@ -12,21 +12,33 @@ What the cache holds per layer (see ``k3core/layers``):
 
 Sampling (``do_sample=True``) draws from softmax(filtered logits / temperature), where the filters are
 top-k (keep the k largest logits) and top-p / nucleus (keep the smallest set of most likely tokens
-whose probability reaches p). Greedy decoding (the default) takes the argmax.
+whose probability reaches p). Greedy decoding (the default) takes the argmax. ``generate_text`` is
+the one text-in, text-out entry point (training samples, ``k3lab generate``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from .cache import K3Cache
 from .config import K3Config
-from .layers.kda import KDACache
-from .layers.mla import MLACache
-from .model import K3Cache
+from .layers.kda import KDACache, KimiDeltaAttention
+from .layers.mla import MLACache, MultiHeadLatentAttention
+from .tokenizer import ByteTokenizer
 
-__all__ = ["filter_logits", "next_token", "generate", "build_decode_cache", "decode_cache_bytes"]
+__all__ = ["filter_logits", "next_token", "generate", "generate_text", "build_decode_cache", "decode_cache_bytes"]
+
+
+class TextTokenizer(Protocol):
+    """What ``generate_text`` needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +99,7 @@ def next_token(
 # --------------------------------------------------------------------------------------------
 
 
-def _last_logits(model, ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
+def _last_logits(model: nn.Module, ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
     """Logits [B, V] of the last position only (the LM head is not run over the whole prompt)."""
     if hasattr(model, "model") and hasattr(model, "lm_head"):
         return model.lm_head(model.model(ids, cache=cache)[:, -1])
@@ -96,7 +108,7 @@ def _last_logits(model, ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(
-    model,
+    model: nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int = 64,
     temperature: float = 1.0,
@@ -159,16 +171,50 @@ def generate(
     return torch.cat(out, dim=1)
 
 
+def generate_text(
+    model: nn.Module,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 0,
+    tokenizer: TextTokenizer | None = None,
+) -> str:
+    """The text ``model`` writes after ``prompt``: ``max_new_tokens`` tokens, decoded (prompt excluded).
+
+    ``temperature > 0`` samples each token from ``softmax(logits / temperature)`` (restricted to the
+    ``top_k`` largest logits when given) with a generator seeded by ``seed``, so the text is
+    reproducible; ``temperature == 0`` is greedy (argmax). An empty prompt starts from a newline.
+    ``tokenizer`` defaults to the byte tokenizer (vocabulary 256).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if tokenizer is None:
+        tokenizer = ByteTokenizer()
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokenizer.encode(prompt) or tokenizer.encode("\n")], device=device)
+    sample = temperature > 0
+    out = generate(
+        model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature if sample else 1.0,
+        top_k=top_k,
+        do_sample=sample,
+        generator=torch.Generator(device=device).manual_seed(seed),
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :].tolist())
+
+
 # --------------------------------------------------------------------------------------------
 # decode-cache sizing
 # --------------------------------------------------------------------------------------------
 
 
-def _attention_modules(model_or_config, dtype: torch.dtype | None, device) -> tuple[K3Config, list, torch.dtype]:
+def _attention_modules(
+    model_or_config: nn.Module | K3Config | str, dtype: torch.dtype | None, device: str | torch.device | None
+) -> tuple[K3Config, list[nn.Module], torch.dtype]:
     """(config, per-layer attention modules, activation dtype) from a model or a config / preset name."""
-    from .layers.kda import KimiDeltaAttention
-    from .layers.mla import MultiHeadLatentAttention
-
     if isinstance(model_or_config, (str, K3Config)):
         cfg = K3Config.from_preset(model_or_config) if isinstance(model_or_config, str) else model_or_config
         dtype = dtype or torch.bfloat16
@@ -200,7 +246,7 @@ def _attention_modules(model_or_config, dtype: torch.dtype | None, device) -> tu
 
 @torch.no_grad()
 def build_decode_cache(
-    model_or_config,
+    model_or_config: nn.Module | K3Config | str,
     seq_len: int,
     batch: int = 1,
     dtype: torch.dtype | None = None,
@@ -260,7 +306,7 @@ def build_decode_cache(
 
 
 def decode_cache_bytes(
-    model_or_config,
+    model_or_config: nn.Module | K3Config | str,
     seq_len: int,
     batch: int = 1,
     dtype: torch.dtype | None = None,

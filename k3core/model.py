@@ -17,18 +17,21 @@ State-dict keys follow the published Kimi K3 / Kimi Linear names (``model.layers
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import trace as _trace
+from .cache import K3Cache
 from .config import K3Config
+from .generate import generate as _generate
 from .layers.ffn import GatedMLP
-from .layers.kda import KDACache, KimiDeltaAttention
-from .layers.mla import MLACache, MultiHeadLatentAttention
+from .layers.kda import KimiDeltaAttention
+from .layers.mla import MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
 from .ops.attnres import attnres_mix
@@ -39,25 +42,6 @@ def scale_bias_init(config: K3Config, layer_idx: int) -> float:
     """Initial residual scale: 1.0 at the first layer falling linearly to 0.9 at the last."""
     depth = layer_idx / max(config.num_hidden_layers - 1, 1)
     return 1.0 - 0.1 * depth
-
-
-@dataclass
-class K3Cache:
-    """Per-layer decode caches: KDA layers hold a fixed-size state, MLA layers a growing latent."""
-
-    layers: list[KDACache | MLACache] = field(default_factory=list)
-
-    @classmethod
-    def for_config(cls, config: K3Config) -> K3Cache:
-        return cls([MLACache() if config.is_mla_layer(i) else KDACache() for i in range(config.num_hidden_layers)])
-
-    @property
-    def seen_tokens(self) -> int:
-        return self.layers[0].seen_tokens if self.layers else 0
-
-    def nbytes(self) -> int:
-        """Bytes actually allocated by the cache tensors."""
-        return sum(c.nbytes() for c in self.layers)
 
 
 @dataclass
@@ -352,7 +336,6 @@ class K3ForCausalLM(nn.Module):
             inactive += (E - k) * per_expert
         return total - inactive
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
-        from .generate import generate
-
-        return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs: Any) -> torch.Tensor:
+        """Hugging Face style shortcut for :func:`k3core.generate.generate` (same arguments)."""
+        return _generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)

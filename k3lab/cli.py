@@ -74,10 +74,8 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     args = parser.parse_args(argv)
 
-    import torch
-
     from k3core.checkpoint import CheckpointError
-    from k3core.data import ByteTokenizer
+    from k3core.generate import generate_text
     from k3core.model import K3ForCausalLM
     from k3core.runtime import configure_threads
 
@@ -90,12 +88,11 @@ def cmd_generate(argv: list[str]) -> int:
     if model.config.vocab_size != 256:
         print("k3lab generate: only byte-level (vocab 256) checkpoints can be prompted with text", file=sys.stderr)
         return 2
-    tok = ByteTokenizer()
-    ids = torch.tensor([tok.encode(args.prompt) or [10]])
-    gen = torch.Generator().manual_seed(args.seed)
-    out = model.generate(ids, max_new_tokens=args.tokens, temperature=max(args.temperature, 1e-6),
-                         do_sample=args.temperature > 0, top_k=args.top_k, generator=gen)
-    print(tok.decode(out[0].tolist()))
+    if args.temperature < 0 or args.tokens < 0:
+        print("k3lab generate: --temperature and --tokens must be >= 0", file=sys.stderr)
+        return 2
+    text = generate_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + text)
     return 0
 
 
@@ -136,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "presets":
         return cmd_presets(rest)
     if command == "train":
-        from k3core.train import main as train_main
+        from k3core.training import main as train_main
 
         return train_main(rest)
     if command == "report":

@@ -14,18 +14,17 @@ from k3core.data import (
     ByteTokenizer,
     Corpus,
     clean_play_markdown,
-    eval_batches,
+    eval_window_starts,
     list_shakespeare_plays,
     load_shakespeare,
     load_text_path,
     make_mqar,
     mix_mqar,
-    mixed_batches,
     mqar_accuracy,
-    num_eval_windows,
     random_batches,
     unigram_bits_per_byte,
     unigram_cross_entropy_bits,
+    windows,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -226,35 +225,25 @@ def test_random_batches_shapes_and_shift():
         random_batches(tiny, 1, 3, torch.Generator())
 
 
-def test_eval_batches_cover_without_overlap():
-    data = np.random.default_rng(0).integers(0, 256, size=1003).astype(np.uint8)
-    T = 10
-    batches = list(eval_batches(data, batch_size=7, seq_len=T))
-    n = num_eval_windows(data, T)
-    assert n == (1003 - 1) // T == 100
-    xs = torch.cat([x for x, _ in batches])
-    ys = torch.cat([y for _, y in batches])
-    assert xs.shape == (n, T)
-    assert [x.shape[0] for x, _ in batches] == [7] * 14 + [2]
-    assert np.array_equal(xs.reshape(-1).numpy(), data[: n * T])
-    assert np.array_equal(ys.reshape(-1).numpy(), data[1 : n * T + 1])
-    # deterministic
-    again = torch.cat([x for x, _ in eval_batches(data, 7, T)])
-    assert torch.equal(again, xs)
+def test_windows_by_hand():
+    data = np.arange(20, dtype=np.uint8)
+    x, y = windows(data, [0, 7, 15], 4)
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == [[0, 1, 2, 3], [7, 8, 9, 10], [15, 16, 17, 18]]
+    assert y.tolist() == [[1, 2, 3, 4], [8, 9, 10, 11], [16, 17, 18, 19]]
+    assert windows(b"abcde", [0], 4)[1].tolist() == [[98, 99, 100, 101]]  # bytes work too; the last byte is a target
+    with pytest.raises(ValueError, match="does not fit"):
+        windows(data, [16], 4)  # needs data[16:21], only 20 bytes
 
 
-def test_eval_batches_max_batches_spread():
-    data = np.random.default_rng(2).integers(0, 256, size=1001).astype(np.uint8)
-    batches = list(eval_batches(data, batch_size=4, seq_len=10, max_batches=2))
-    assert len(batches) == 2
-    starts = [int(s) for x, _ in batches for s in x[:, 0]]
-    assert len(starts) == 8
-    # windows are distinct, non-overlapping and spread over the whole split
-    full = torch.cat([x for x, _ in eval_batches(data, 100, 10)])
-    rows = torch.cat([x for x, _ in batches])
-    idx = [next(i for i in range(len(full)) if torch.equal(full[i], r)) for r in rows]
-    assert idx == sorted(set(idx)) and idx[-1] >= 80
-    assert list(eval_batches(np.zeros(5, dtype=np.uint8), 2, 10)) == []
+def test_eval_window_starts_by_hand():
+    # 1001 bytes, seq_len 100 -> W = 10 full windows; 4 of them at (j * 10 // 4) * 100 = 0, 2, 5, 7 (x100)
+    assert eval_window_starts(1001, 100, 4) == [0, 200, 500, 700]
+    # more asked than there are: every window once, tiling the split
+    assert eval_window_starts(1001, 100, 50) == [i * 100 for i in range(10)]
+    assert eval_window_starts(1000, 100, 50) == [i * 100 for i in range(9)]  # 1000 bytes: the 10th lacks a target
+    with pytest.raises(ValueError, match="shorter than one window"):
+        eval_window_starts(100, 100, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,7 +325,7 @@ def test_mqar_accuracy():
     assert mqar_accuracy(half, b) == pytest.approx(len(pos[1::2]) / len(pos))
 
 
-def test_mix_mqar_and_mixed_batches(shakespeare):
+def test_mix_mqar(shakespeare):
     g = torch.Generator().manual_seed(0)
     x, y = random_batches(shakespeare.train, 8, 64, g)
     x2, y2, k = mix_mqar(x, y, 0.25, num_kv_pairs=4, generator=g)
@@ -351,7 +340,6 @@ def test_mix_mqar_and_mixed_batches(shakespeare):
     ks = [mix_mqar(x, y, 0.1, 4, generator=g)[2] for _ in range(400)]
     assert set(ks) <= {0, 1} and 0.6 < np.mean(ks) < 1.0
 
-    xm, ym = mixed_batches(shakespeare.train, 16, 64, torch.Generator().manual_seed(3), mqar_fraction=0.5)
-    assert xm.shape == ym.shape == (16, 64)
-    loss = torch.nn.functional.cross_entropy(torch.zeros(16 * 64, 256), ym.reshape(-1))
+    # ignored targets carry no loss: uniform logits give exactly ln 256 over the answers and text targets
+    loss = torch.nn.functional.cross_entropy(torch.zeros(8 * 64, 256), y2.reshape(-1))
     assert loss.item() == pytest.approx(math.log(256), rel=1e-5)

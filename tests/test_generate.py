@@ -5,11 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3core.cache import K3Cache
 from k3core.config import K3Config
-from k3core.generate import build_decode_cache, decode_cache_bytes, filter_logits, generate, next_token
+from k3core.generate import (
+    build_decode_cache,
+    decode_cache_bytes,
+    filter_logits,
+    generate,
+    generate_text,
+    next_token,
+)
 from k3core.layers.kda import KDACache
 from k3core.layers.mla import MLACache
-from k3core.model import K3Cache, K3ForCausalLM
+from k3core.model import K3ForCausalLM
 
 MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
 # fp32. Cached decoding and the full forward take different code paths (recurrent vs chunked KDA, conv tails,
@@ -101,6 +109,35 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
     # top_k=1 sampling is greedy decoding
     greedy = generate(model, prompt, 16)
     assert torch.equal(generate(model, prompt, 16, do_sample=True, top_k=1, generator=torch.Generator()), greedy)
+
+
+def test_generate_text_greedy_is_the_full_forward_argmax_decoded_as_bytes():
+    """Text in, text out: each new byte is the argmax of an uncached full forward over everything so far."""
+    model = make_model()
+    prompt = "ROMEO:\n"
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    expected = bytes(ids[len(prompt) :]).decode("utf-8", errors="replace")
+    assert generate_text(model, prompt, 10, temperature=0) == expected
+    # an empty prompt starts from a newline; no tokens asked, no text
+    assert generate_text(model, "", 6, temperature=0) == generate_text(model, "\n", 6, temperature=0)
+    assert generate_text(model, prompt, 0) == ""
+    with pytest.raises(ValueError, match="temperature"):
+        generate_text(model, prompt, 4, temperature=-1.0)
+
+
+def test_generate_text_sampling_is_seeded_and_is_generate_with_a_seeded_generator():
+    model = make_model()
+    a = generate_text(model, "to be", 24, temperature=1.5, top_k=40, seed=3)
+    assert a == generate_text(model, "to be", 24, temperature=1.5, top_k=40, seed=3)
+    assert a != generate_text(model, "to be", 24, temperature=1.5, top_k=40, seed=4)
+    prompt = torch.tensor([list(b"to be")])
+    out = generate(
+        model, prompt, 24, do_sample=True, temperature=1.5, top_k=40, generator=torch.Generator().manual_seed(3)
+    )
+    assert a == bytes(out[0, 5:].tolist()).decode("utf-8", errors="replace")
 
 
 def test_filter_logits_top_k_and_top_p_by_hand():

@@ -14,7 +14,7 @@ import torch
 
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.train import TrainConfig, evaluate_bits_per_byte, load_corpus, load_metrics, parse_overrides
+from k3core.training import TrainConfig, evaluate_bits_per_byte, load_corpus, load_metrics, parse_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_checkpoints"

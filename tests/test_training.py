@@ -1,4 +1,4 @@
-"""k3core.train: a real k3-nano model trained for a few steps on CPU (one thread, short sequences)."""
+"""k3core.training: a real k3-nano model trained for a few steps on CPU (one thread, short sequences)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3core import train as T
+from k3core import training as T
 from k3core.model import K3ForCausalLM
+from k3core.training import rundir
 
 TINY = dict(
     model="k3-nano",
@@ -91,15 +92,6 @@ def test_parse_overrides():
     assert cfg.residual == "plain" and cfg.hidden_size == 64
     with pytest.raises(T.TrainError, match="bad --set"):
         T.resolve_model_config("k3-nano", {"residual": "sideways"})
-
-
-def test_moe_load_stats_and_windows():
-    stats = T.moe_load_stats(torch.tensor([2, 2, 4, 0]))
-    assert stats["max_vio"] == pytest.approx(1.0)  # 4 / 2 - 1
-    assert stats["cv"] == pytest.approx(math.sqrt(2) / 2)  # std 1.414 / mean 2
-    # 1001 bytes, seq_len 100 -> 10 windows; 4 of them at (j * 10 // 4) * 100
-    assert T.eval_window_starts(1001, 100, 4) == [0, 200, 500, 700]
-    assert T.eval_window_starts(1001, 100, 50) == [i * 100 for i in range(10)]
 
 
 def test_config_validation():
@@ -239,7 +231,7 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch, reference_run):
     assert [p.name for p in state.iterdir()] == ["step-0000002"]
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
 
-    real = T._atomic_write
+    real = rundir.atomic_write_bytes
 
     def disk_full(path, data):
         if path.name == "optimizer.safetensors":
@@ -247,12 +239,12 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch, reference_run):
             raise OSError("No space left on device")  # ...then the write fails
         real(path, data)
 
-    monkeypatch.setattr(T, "_atomic_write", disk_full)
+    monkeypatch.setattr(rundir, "atomic_write_bytes", disk_full)
     with pytest.raises(OSError, match="No space"):
         T.train({"out_dir": str(run), "stop_at": 4}, resume=True)
     assert [p.name for p in state.iterdir()] == ["step-0000002"]  # the last good checkpoint is intact
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
-    monkeypatch.setattr(T, "_atomic_write", real)
+    monkeypatch.setattr(rundir, "atomic_write_bytes", real)
     T.train({"out_dir": str(run)}, resume=True)
     assert_same_weights(weights(run), weights(reference_run))
 

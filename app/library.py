@@ -1,0 +1,543 @@
+"""The runs library: checkpoints the user added, kept on disk under a k3lab home folder.
+
+Layout of the home folder (``K3LAB_HOME``, ``k3lab app --home DIR``; default ``~/.k3lab``)::
+
+    library.sqlite     the index: one row per run (name, source, fingerprint, config summary, size, added_at)
+    runs/<id>/         the files of an uploaded run or a random-init preset
+    tmp/<pid>-<rand>/  staging while a run is being added (moved into runs/ when complete, else removed)
+
+A run comes from one of three sources: ``upload`` (files or a zip, copied into ``runs/``), ``path`` (a folder
+on the server, confined to the allowed roots by ``app.roots``; only indexed, never copied: it may be 100 GB)
+or ``preset`` (a freshly initialised model of a named configuration, saved into ``runs/``). The index lives
+in SQLite (stdlib ``sqlite3``), one short connection per operation, so several app sessions and server
+restarts share it. Staging leftovers of dead processes are removed when the library is opened.
+
+Every user-facing failure is a ``LibraryError`` whose message names runs and files, never the library's
+own folders (``redact`` turns any such path that slips through into the run's name). No Streamlit here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from app.safe_zip import ZipRefused, extract_run_zip
+from k3core.checkpoint_files import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    PICKLE_NAMES,
+    TOKENIZER_FILES,
+    WEIGHTS_NAME,
+    CheckpointError,
+    CheckpointFiles,
+)
+
+HOME_ENV = "K3LAB_HOME"
+MAX_UPLOAD_ENV = "K3LAB_MAX_UPLOAD_MB"
+DEFAULT_MAX_UPLOAD_MB = 4096
+MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
+SOURCES = ("upload", "path", "preset")
+EXTRA_NAMES = ("metrics.json", "README.md", "generation_config.json", "special_tokens_map.json", *TOKENIZER_FILES)
+SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
+_CHUNK = 1 << 20
+_ORPHAN_AGE_S = 600  # a runs/<id> folder without a row younger than this may be another process's add
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    source TEXT NOT NULL CHECK (source IN ('upload', 'path', 'preset')),
+    location TEXT NOT NULL,          -- runs/<id> (relative to the home) or an absolute folder (source 'path')
+    fingerprint TEXT NOT NULL,
+    config_summary TEXT NOT NULL,    -- JSON
+    size_bytes INTEGER NOT NULL,
+    added_at TEXT NOT NULL           -- ISO 8601, UTC
+)
+"""
+
+
+class LibraryError(ValueError):
+    """Something about a run the user added or chose; the message says what and how to fix it."""
+
+
+def home_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The k3lab home folder: $K3LAB_HOME, else ~/.k3lab."""
+    env = os.environ if env is None else env
+    value = env.get(HOME_ENV, "").strip()
+    return Path(value).expanduser() if value else Path.home() / ".k3lab"
+
+
+def max_upload_mb(env: Mapping[str, str] | None = None) -> int:
+    """The per-file upload limit in MB: $K3LAB_MAX_UPLOAD_MB (set by `k3lab app --max-upload-mb`), else 4096."""
+    env = os.environ if env is None else env
+    try:
+        value = int(env.get(MAX_UPLOAD_ENV, DEFAULT_MAX_UPLOAD_MB))
+    except ValueError:
+        return DEFAULT_MAX_UPLOAD_MB
+    return value if value > 0 else DEFAULT_MAX_UPLOAD_MB
+
+
+def accepted_name(name: str) -> bool:
+    """A file name that belongs in a checkpoint folder (config, weights, shards, index, tokenizer, card)."""
+    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, *PICKLE_NAMES, *EXTRA_NAMES) or bool(SHARD_RE.match(name))
+
+
+def clean_name(name: str, default: str) -> str:
+    """A run name of letters, digits, '.', '_' and '-' (at most 64 characters)."""
+    return _NAME_RE.sub("-", name.strip()).strip("-.")[:64] or default
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KB' (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def human_count(n: int | None) -> str:
+    """211550 -> '211.6K'."""
+    if n is None:
+        return "?"
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+# ------------------------------------------------------------------------------------- describe
+@dataclass(frozen=True)
+class FolderInfo:
+    """What a checkpoint folder holds, from its headers: no tensor data is read (except pickle files)."""
+
+    size_bytes: int  # every file in the folder
+    weight_bytes: int  # the text model's tensors
+    num_parameters: int
+    dtypes: dict[str, int]  # bytes per stored dtype
+    skipped: list[str]  # stored tensors that are not part of the text model (vision tower, ...)
+    summary: dict[str, Any]
+    fingerprint: str
+    files: Any  # the CheckpointFiles (config, tensor table) for a placement plan
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes of the regular files directly in ``folder`` (links followed, as the loader would)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
+    """Size, parameter count, dtypes and a config summary of a checkpoint folder. Raises LibraryError."""
+    folder = Path(folder)
+    try:
+        files = CheckpointFiles.open(folder)
+        fingerprint = files.fingerprint()
+    except CheckpointError as exc:
+        raise LibraryError(_rename(str(exc), folder.name, label)) from exc
+    except OSError as exc:
+        raise LibraryError(f"{label or folder.name}: cannot read the checkpoint ({exc.strerror})") from exc
+    cfg = files.config
+    dtypes: dict[str, int] = {}
+    for info in files.tensors.values():
+        dtypes[info.dtype] = dtypes.get(info.dtype, 0) + info.nbytes
+    summary = {
+        "model_type": getattr(cfg, "model_type", "k3"),
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "experts": cfg.num_experts,
+        "parameters": files.num_parameters,
+        "dtypes": sorted(dtypes),
+    }
+    return FolderInfo(
+        size_bytes=folder_size(folder),
+        weight_bytes=files.bytes_total,
+        num_parameters=files.num_parameters,
+        dtypes=dtypes,
+        skipped=list(files.skipped),
+        summary=summary,
+        fingerprint=fingerprint,
+        files=files,
+    )
+
+
+def summary_text(summary: Mapping[str, Any]) -> str:
+    """'4 layers · width 64 · vocab 256 · 8 experts · 211.6K params' from a config summary."""
+    parts = [f"{summary.get('layers', '?')} layers", f"width {summary.get('hidden_size', '?')}"]
+    parts.append(f"vocab {summary.get('vocab_size', '?'):,}" if summary.get("vocab_size") else "vocab ?")
+    if summary.get("experts"):
+        parts.append(f"{summary['experts']} experts")
+    parts.append(f"{human_count(summary.get('parameters'))} params")
+    return " · ".join(parts)
+
+
+def _rename(message: str, folder_name: str, label: str | None) -> str:
+    """CheckpointError messages name the folder or a file in it; say the run's name instead (and first)."""
+    if not label:
+        return message
+    message = message.replace(folder_name, label) if folder_name else message
+    return message if message.startswith(label) else f"{label}: {message}"
+
+
+def content_fingerprint(folder: Path) -> str:
+    """SHA-256 over every file's name and bytes, in name order: equal for equal uploads, whatever the mtimes."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(file.name.encode() + b"\0" + str(file.stat().st_size).encode() + b"\0")
+        with open(file, "rb") as fh:
+            while block := fh.read(_CHUNK):
+                h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------- entries
+@dataclass(frozen=True)
+class Entry:
+    """One run in the library."""
+
+    id: str
+    name: str
+    source: str  # "upload", "path" or "preset"
+    path: Path  # the run folder
+    fingerprint: str
+    summary: dict[str, Any]
+    size_bytes: int
+    added_at: str
+
+    @property
+    def available(self) -> bool:
+        """False when the folder has gone (a path entry on an unmounted disk, a folder removed by hand)."""
+        return (self.path / CONFIG_NAME).is_file()
+
+    @property
+    def stored(self) -> bool:
+        """True when the library owns the files (uploads and presets); path entries are only referenced."""
+        return self.source != "path"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunsLibrary:
+    """The runs library in one home folder. Safe to use from several threads and processes at once."""
+
+    def __init__(
+        self,
+        home: str | Path,
+        *,
+        max_upload_bytes: int = DEFAULT_MAX_UPLOAD_MB * 1024**2,
+        max_preset_params: int = MAX_PRESET_PARAMS,
+    ) -> None:
+        self.home = Path(home).expanduser().resolve()
+        self.runs_dir = self.home / "runs"
+        self.tmp_dir = self.home / "tmp"
+        self.db_path = self.home / "library.sqlite"
+        self.max_upload_bytes = int(max_upload_bytes)
+        self.max_preset_params = int(max_preset_params)
+        try:
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+            with self._db() as con:
+                con.execute(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise LibraryError(f"cannot open the runs library in {self.home} ({exc})") from exc
+        self.cleanup()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RunsLibrary:
+        """The library at home_dir(env) with the upload limit max_upload_mb(env)."""
+        return cls(home_dir(env), max_upload_bytes=max_upload_mb(env) * 1024**2)
+
+    # ---------------------------------------------------------------------------- database
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """One connection per operation, committed on success (a busy database is waited for, not failed)."""
+        with closing(sqlite3.connect(self.db_path, timeout=30)) as con:
+            with con:
+                yield con
+
+    def _entry(self, row: tuple) -> Entry:
+        run_id, name, source, location, fingerprint, summary, size, added = row
+        path = Path(location) if source == "path" else self.home / location
+        return Entry(run_id, name, source, path, fingerprint, json.loads(summary), int(size), added)
+
+    def entries(self) -> list[Entry]:
+        """Every run in the library, oldest first."""
+        with self._db() as con:
+            rows = con.execute("SELECT * FROM runs ORDER BY added_at, name").fetchall()
+        return [self._entry(r) for r in rows]
+
+    def get(self, run_id: str) -> Entry:
+        with self._db() as con:
+            row = con.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise LibraryError("this run is no longer in the library (deleted in another window?)")
+        return self._entry(row)
+
+    def _insert(
+        self, con: sqlite3.Connection, name: str, source: str, location: str, info: FolderInfo, run_id: str
+    ) -> str:
+        """Insert a row under a free name (name, name-2, name-3, ...); returns the name used."""
+        con.execute("BEGIN IMMEDIATE")  # hold the write lock from reading the names to the insert
+        taken = {r[0] for r in con.execute("SELECT name FROM runs")}
+        final, n = name, 2
+        while final in taken:
+            final, n = f"{name}-{n}", n + 1
+        added = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        con.execute(
+            "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, final, source, location, info.fingerprint, json.dumps(info.summary), info.size_bytes, added),
+        )
+        return final
+
+    # ---------------------------------------------------------------------------- adding
+    @contextmanager
+    def _staging(self) -> Iterator[Path]:
+        """A fresh folder under tmp/, removed unless the caller moved it away."""
+        folder = self.tmp_dir / f"{os.getpid()}-{secrets.token_hex(6)}"
+        folder.mkdir()
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _commit(self, staging: Path, name: str, source: str) -> Entry:
+        """Check a staged run folder, move it into runs/<id> and index it."""
+        self._check_weights_present(staging, name)
+        info = describe_folder(staging, label=name)
+        info = dataclasses.replace(info, fingerprint=content_fingerprint(staging))  # stored: hash the bytes once
+        run_id = secrets.token_hex(6)
+        target = self.runs_dir / run_id
+        os.replace(staging, target)
+        try:
+            with self._db() as con:
+                self._insert(con, name, source, f"runs/{run_id}", info, run_id)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return self.get(run_id)
+
+    def _limit_hint(self) -> str:
+        mb = self.max_upload_bytes // 1024**2
+        return (
+            f"A file over the upload limit ({mb:,} MB per file) is refused by the browser before it reaches the app: "
+            f"start the app with `k3lab app --max-upload-mb N`, or open the folder by path."
+        )
+
+    def _check_weights_present(self, folder: Path, name: str) -> None:
+        names = sorted(p.name for p in folder.iterdir())
+        if CONFIG_NAME not in names:
+            raise LibraryError(
+                f"{name}: config.json is missing (a checkpoint is a folder with config.json and model.safetensors)"
+            )
+        if INDEX_NAME in names:
+            try:
+                wanted = set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise LibraryError(f"{name}: {INDEX_NAME} is not a valid shard index ({exc})") from exc
+            missing = sorted(w for w in wanted if w not in names)
+            if missing:
+                raise LibraryError(
+                    f"{name}: shard file(s) listed in the index are missing: {missing[:8]}. " + self._limit_hint()
+                )
+        elif not any(n in (WEIGHTS_NAME, *PICKLE_NAMES) or SHARD_RE.match(n) for n in names):
+            raise LibraryError(
+                f"{name}: no weights among the files ({', '.join(names)}); a checkpoint needs model.safetensors "
+                f"(or shards with {INDEX_NAME}). " + self._limit_hint()
+            )
+
+    def add_files(
+        self, files: Iterable[tuple[str, bytes | BinaryIO]], name: str = "", skip_unknown: bool = False
+    ) -> tuple[Entry, list[str]]:
+        """Copy uploaded checkpoint files into the library. Returns (entry, skipped file names).
+
+        File names are reduced to their base name (a folder upload sends 'myrun/config.json'); unknown
+        names are refused, or skipped with ``skip_unknown`` (a whole-folder upload with extra files). A
+        single .zip goes through add_zip."""
+        files = list(files)
+        if not files:
+            raise LibraryError("No files uploaded: choose config.json and model.safetensors (or a zip of the folder).")
+        zips = [f for f in files if f[0].lower().endswith(".zip")]
+        if zips:
+            if len(files) > 1:
+                raise LibraryError("Upload either one zip of the run folder or the files themselves, not both.")
+            return self.add_zip(files[0][1], name or Path(files[0][0]).stem)
+        names = [Path(n.replace("\\", "/")).name for n, _ in files]
+        unknown = sorted({n for n in names if not accepted_name(n)})
+        if unknown and not skip_unknown:
+            raise LibraryError(
+                f"unexpected file(s) {unknown}: a checkpoint is config.json + model.safetensors (or shards "
+                f"model-00001-of-0000N.safetensors + {INDEX_NAME}), optionally metrics.json, README.md and "
+                f"tokenizer files; or upload a zip of the folder"
+            )
+        dupes = sorted({n for n in names if names.count(n) > 1 and accepted_name(n)})
+        if dupes:
+            raise LibraryError(f"file(s) uploaded twice: {dupes}")
+        label = clean_name(name, "uploaded")
+        with self._staging() as staging:
+            for fname, data in zip(names, (d for _, d in files)):
+                if accepted_name(fname):
+                    self._write(staging / fname, data, fname)
+            return self._commit(staging, label, "upload"), unknown
+
+    def _write(self, target: Path, data: bytes | BinaryIO, shown: str) -> None:
+        """Copy bytes or a file object to target in blocks, refusing files over the upload limit."""
+        written = 0
+        with open(target, "xb") as out:
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                written = len(data)
+                if written <= self.max_upload_bytes:
+                    out.write(data)
+            else:
+                if hasattr(data, "seek"):
+                    data.seek(0)
+                while (block := data.read(_CHUNK)) and written <= self.max_upload_bytes:
+                    written += len(block)
+                    out.write(block)
+        if written > self.max_upload_bytes:
+            raise LibraryError(
+                f"{shown} is over the upload limit of {self.max_upload_bytes // 1024**2:,} MB per file; start the "
+                f"app with `k3lab app --max-upload-mb N`, or open the folder by path."
+            )
+
+    def add_zip(self, source: str | Path | BinaryIO | bytes, name: str = "") -> tuple[Entry, list[str]]:
+        """Safely unpack a zip of one run folder into the library. Returns (entry, skipped entries)."""
+        import io
+
+        if isinstance(source, (bytes, bytearray)):
+            source = io.BytesIO(source)
+        label = clean_name(name, "uploaded")
+        with self._staging() as staging:
+            try:
+                result = extract_run_zip(
+                    source, staging, max_total_bytes=2 * self.max_upload_bytes, accept=accepted_name
+                )
+            except ZipRefused as exc:
+                raise LibraryError(f"{label}: {exc}") from exc
+            return self._commit(staging, label, "upload"), result.skipped
+
+    def add_path(self, folder: str | Path, name: str = "") -> Entry:
+        """Index a checkpoint folder on the server (already confined by app.roots); its files stay where they are.
+
+        The same folder added twice is the same entry."""
+        folder = Path(folder).resolve()
+        with self._db() as con:
+            row = con.execute("SELECT * FROM runs WHERE source = 'path' AND location = ?", (str(folder),)).fetchone()
+        if row is not None:
+            return self._entry(row)
+        label = clean_name(name, clean_name(folder.name, "checkpoint"))
+        info = describe_folder(folder, label=label)
+        run_id = secrets.token_hex(6)
+        with self._db() as con:
+            self._insert(con, label, "path", str(folder), info, run_id)
+        return self.get(run_id)
+
+    def add_preset(self, preset: str, name: str = "", seed: int = 0) -> Entry:
+        """A freshly initialised model of a named configuration (seeded), saved into the library."""
+        import torch
+
+        from k3core.config import PRESETS
+        from k3core.model import K3ForCausalLM
+
+        if preset not in PRESETS:
+            raise LibraryError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        n = K3ForCausalLM.from_config(preset, device="meta").num_parameters()
+        if n > self.max_preset_params:
+            raise LibraryError(
+                f"{preset} has {human_count(n)} parameters ({human_bytes(4 * n)} in float32): too large to create "
+                f"here (limit {human_count(self.max_preset_params)}); use `k3lab inspect` for its shapes, or open a "
+                f"saved checkpoint by path"
+            )
+        label = clean_name(name, f"{preset}-random")
+        with self._staging() as staging:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = K3ForCausalLM.from_config(preset)
+            model.save_pretrained(staging)
+            (staging / "README.md").write_text(
+                f"# {label}\n\nA fresh random initialisation of the `{preset}` preset (seed {seed}); untrained.\n"
+            )
+            return self._commit(staging, label, "preset")
+
+    # ---------------------------------------------------------------------------- changing
+    def rename(self, run_id: str, new_name: str) -> Entry:
+        """Give a run a new name (letters, digits, '.', '_', '-'); LibraryError when the name is taken."""
+        entry = self.get(run_id)
+        name = clean_name(new_name, "")
+        if not name:
+            raise LibraryError("A run name needs at least one letter or digit.")
+        try:
+            with self._db() as con:
+                con.execute("UPDATE runs SET name = ? WHERE id = ?", (name, run_id))
+        except sqlite3.IntegrityError as exc:
+            raise LibraryError(f"a run named {name!r} is already in the library; choose another name") from exc
+        if entry.source != "path":
+            readme = entry.path / "README.md"
+            if readme.is_file() and readme.read_text(errors="replace").startswith(f"# {entry.name}\n"):
+                readme.write_text(readme.read_text(errors="replace").replace(f"# {entry.name}\n", f"# {name}\n", 1))
+        return self.get(run_id)
+
+    def delete(self, run_id: str) -> Entry:
+        """Remove a run from the library; an upload's or preset's files are deleted, a path's folder is left alone."""
+        entry = self.get(run_id)
+        with self._db() as con:
+            con.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+        if entry.stored:
+            self._remove_stored(entry.path)
+        return entry
+
+    def _remove_stored(self, path: Path) -> None:
+        """rmtree only a real folder directly under runs/ (never follow a link out of the library)."""
+        if path.parent == self.runs_dir and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+    def cleanup(self) -> list[str]:
+        """Remove staging folders of processes that are gone and runs/ folders no row refers to."""
+        removed = []
+        for leftover in self.tmp_dir.iterdir():
+            pid = leftover.name.split("-", 1)[0]
+            if pid.isdigit() and _pid_alive(int(pid)):
+                continue  # a run being added right now, by this or another process
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+            removed.append(f"tmp/{leftover.name}")
+        with self._db() as con:
+            known = {r[0] for r in con.execute("SELECT location FROM runs WHERE source != 'path'")}
+        now = time.time()
+        for folder in self.runs_dir.iterdir():
+            if f"runs/{folder.name}" not in known and now - folder.lstat().st_mtime > _ORPHAN_AGE_S:
+                self._remove_stored(folder)
+                removed.append(f"runs/{folder.name}")
+        return removed
+
+    # ---------------------------------------------------------------------------- messages
+    def redact(self, text: str, names: Mapping[str | Path, str] | None = None) -> str:
+        """A message with the library's folders replaced by run names (and any other home path by 'the library')."""
+        mapping = {str(e.path): e.name for e in self.entries() if e.stored}
+        mapping.update({str(Path(k)): v for k, v in (names or {}).items()})
+        for path in sorted(mapping, key=len, reverse=True):
+            text = text.replace(path, mapping[path])
+        return re.sub(re.escape(str(self.home)) + r"[^\s'\":,;)]*", "(runs library)", text)

@@ -1,0 +1,49 @@
+"""Training a K3 config on bytes: the ``k3lab train`` command and the :func:`train` API.
+
+    k3lab train k3-mini --steps 2000 --out runs/mini            # a preset
+    k3lab train my_config.json --set residual=plain --out runs/p  # a config.json, with overrides
+    k3lab train --resume runs/mini                                # continue an interrupted run
+
+One job per module:
+
+    config     TrainConfig (validated), --set overrides, the model config and corpus a run names
+    schedule   lr_at: linear warmup, then cosine decay
+    evaluate   evaluate_bits_per_byte, evaluate_mqar (reproducible from a checkpoint + metrics.json)
+    loop       train() and the Trainer: the step, validation, checkpoints, Ctrl-C, exact resume
+    history    what metrics.json records (its schema)
+    rundir     the run directory's files: metrics.json, resume checkpoints, optimizer/RNG state
+    card       the model card (README.md) of a finished run
+    cli        the ``k3lab train`` argument parser and entry point (also ``python -m k3core.training``)
+"""
+
+from .card import model_card
+from .cli import build_parser, main
+from .config import RUNTIME_FIELDS, TrainConfig, TrainError, load_corpus, parse_overrides, resolve_model_config
+from .evaluate import LN2, MQAR_EVAL_SEED, evaluate_bits_per_byte, evaluate_mqar
+from .loop import Trainer, derive_seed, train
+from .rundir import METRICS_NAME, STATE_DIR, latest_state_dir, load_metrics
+from .schedule import lr_at
+
+__all__ = [
+    "LN2",
+    "METRICS_NAME",
+    "MQAR_EVAL_SEED",
+    "RUNTIME_FIELDS",
+    "STATE_DIR",
+    "TrainConfig",
+    "TrainError",
+    "Trainer",
+    "build_parser",
+    "derive_seed",
+    "evaluate_bits_per_byte",
+    "evaluate_mqar",
+    "latest_state_dir",
+    "load_corpus",
+    "load_metrics",
+    "lr_at",
+    "main",
+    "model_card",
+    "parse_overrides",
+    "resolve_model_config",
+    "train",
+]
