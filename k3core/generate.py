@@ -19,7 +19,6 @@ the one text-in, text-out entry point (training samples, ``k3lab generate``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,17 +27,9 @@ from .cache import K3Cache
 from .config import K3Config
 from .layers.kda import KDACache, KimiDeltaAttention
 from .layers.mla import MLACache, MultiHeadLatentAttention
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["filter_logits", "next_token", "generate", "generate_text", "build_decode_cache", "decode_cache_bytes"]
-
-
-class TextTokenizer(Protocol):
-    """What ``generate_text`` needs from a tokenizer."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int] | torch.Tensor) -> str: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,14 +169,14 @@ def generate_text(
     temperature: float = 0.8,
     top_k: int | None = None,
     seed: int = 0,
-    tokenizer: TextTokenizer | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
     """The text ``model`` writes after ``prompt``: ``max_new_tokens`` tokens, decoded (prompt excluded).
 
     ``temperature > 0`` samples each token from ``softmax(logits / temperature)`` (restricted to the
     ``top_k`` largest logits when given) with a generator seeded by ``seed``, so the text is
     reproducible; ``temperature == 0`` is greedy (argmax). An empty prompt starts from a newline.
-    ``tokenizer`` defaults to the byte tokenizer (vocabulary 256).
+    ``tokenizer`` defaults to the byte tokenizer (vocabulary 256; k3core.tokenizer has the others).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
