@@ -7,8 +7,7 @@
 * ``ByteTokenizer`` is re-exported from ``k3core.tokenizer`` (all tokenizers live there).
 """
 
-from k3core.tokenizer import ByteTokenizer
-
+from ..tokenizer import ByteTokenizer
 from .batches import IGNORE_INDEX, eval_window_starts, random_batches, windows
 from .corpus import (
     DEFAULT_VAL_PLAYS,
