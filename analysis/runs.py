@@ -14,6 +14,10 @@ Built-in sample texts (``sample_input(name, config)``):
   loss counts only the answer positions;
 - ``repeat``: the Shakespeare passage's first half, twice (a copy task: the second half is predictable
   from the first, which shows induction-like attention).
+
+Text is read with the run's own tokenizer (``Run.tokenizer``, from ``k3core.tokenizer.load_tokenizer``: the
+folder's ``tokenizer.json``, or Kimi's ``tiktoken.model`` + ``tokenizer_config.json``, or UTF-8 bytes for a
+vocab-256 model). A run without one still loads; only text inputs are refused, with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from analysis.views import AnalysisContext
 from k3core.checkpoint import CheckpointError, checkpoint_fingerprint
 from k3core.config import K3Config
+from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 METRICS_NAME = "metrics.json"
 CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
@@ -46,6 +51,7 @@ class Run:
     card: dict[str, Any]
     path: Path
     fingerprint: str
+    tokenizer: Tokenizer | None = None  # the checkpoint's own tokenizer; None: token ids only (see notes)
 
     @property
     def label(self) -> str:
@@ -93,7 +99,7 @@ def read_card_text(path: str | Path, max_chars: int = 4000) -> str | None:
 
 
 def load_run(path: str | Path, device: str = "cpu") -> Run:
-    """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md]) into a Run.
+    """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
     Raises CheckpointError (missing folder, bad config, bad weights)."""
     from k3core.model import K3ForCausalLM
@@ -108,14 +114,30 @@ def load_run(path: str | Path, device: str = "cpu") -> Run:
     card = model_card(model, metrics, read_card_text(path))
     if note:
         card["notes"].append(note)
+    tokenizer, tokenizer_note = run_tokenizer(path, model.config.vocab_size)
+    card["tokenizer"] = tokenizer.name if tokenizer is not None else None
+    if tokenizer_note:
+        card["notes"].append(tokenizer_note)
     return Run(
         model=model,
         config=model.config,
         metrics=metrics,
         card=card,
         path=path,
+        tokenizer=tokenizer,
         fingerprint=checkpoint_fingerprint(path),
     )
+
+
+def run_tokenizer(path: str | Path, vocab_size: int) -> tuple[Tokenizer | None, str | None]:
+    """The checkpoint folder's own tokenizer (``k3core.tokenizer.load_tokenizer``), or (None, why not).
+
+    A missing or bad tokenizer is no checkpoint error: the weights and synthetic-id inputs (MQAR) still work,
+    and text inputs say why they cannot be read."""
+    try:
+        return load_tokenizer(path, vocab_size), None
+    except TokenizerError as exc:
+        return None, f"text inputs unavailable: {exc}"
 
 
 def model_card(model, metrics: dict | None = None, card_text: str | None = None) -> dict[str, Any]:
@@ -164,35 +186,51 @@ def shakespeare_passage(n_bytes: int = 2048) -> str:
     return text[start : start + n_bytes]
 
 
-def encode_text(text: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS) -> torch.Tensor:
-    """Byte-tokenise ``text`` to [1, T] (T <= max_tokens). Only byte-level (vocab 256) models can read text."""
-    from k3core.data import ByteTokenizer
+def text_tokenizer(config: K3Config, tokenizer: Tokenizer | None = None) -> Tokenizer:
+    """The tokenizer text is read with: the run's own, else UTF-8 bytes for a vocab-256 model.
 
-    if config.vocab_size != 256:
+    Raises ValueError when there is none for this vocabulary, or when its ids do not fit the model."""
+    if tokenizer is None:
+        if config.vocab_size != ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"this model has vocab {config.vocab_size:,} and no tokenizer: put its tokenizer.json (or Kimi's "
+                "tiktoken.model + tokenizer_config.json) in the run folder; only vocab-256 models read text as bytes"
+            )
+        return ByteTokenizer()
+    if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
-            f"only byte-level (vocab 256) models can be run on text; this model has vocab "
-            f"{config.vocab_size} and k3lab ships no other tokenizer"
+            f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} ids, the model only {config.vocab_size:,}"
         )
-    ids = ByteTokenizer().encode(text)[:max_tokens]
+    return tokenizer
+
+
+def encode_text(
+    text: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS, tokenizer: Tokenizer | None = None
+) -> torch.Tensor:
+    """Tokenise ``text`` with ``text_tokenizer(config, tokenizer)`` to [1, T], T <= max_tokens (first tokens kept)."""
+    ids = text_tokenizer(config, tokenizer).encode(text)[:max_tokens]
     if len(ids) < 2:
         raise ValueError("the text must give at least 2 tokens")
     return torch.tensor([ids], dtype=torch.long)
 
 
-def sample_input(name: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS) -> SampleInput:
-    """A named built-in input ("shakespeare", "mqar", "repeat"), at most ``max_tokens`` long."""
-    if name == "shakespeare":
-        text = shakespeare_passage(max(4 * max_tokens, 64))
-        ids = encode_text(text, config, max_tokens)
-        return SampleInput(
-            name, ids, text=text[: ids.shape[1]], description="held-out Shakespeare (Julius Caesar, Antony's speech)"
-        )
-    if name == "repeat":
-        half = max_tokens // 2
-        text = shakespeare_passage(max(4 * half, 64))
-        ids = encode_text(text, config, half)
+def sample_input(
+    name: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS, tokenizer: Tokenizer | None = None
+) -> SampleInput:
+    """A named built-in input ("shakespeare", "mqar", "repeat"), at most ``max_tokens`` long.
+
+    The two texts are read with ``text_tokenizer(config, tokenizer)``; MQAR is synthetic ids (any vocabulary)."""
+    if name in ("shakespeare", "repeat"):
+        tok = text_tokenizer(config, tokenizer)
+        n = max_tokens if name == "shakespeare" else max_tokens // 2
+        # 8 characters per token is more than any tokenizer needs, so the passage fills n tokens
+        ids = encode_text(shakespeare_passage(max(8 * n, 64)), config, n, tok)
+        if name == "shakespeare":
+            return SampleInput(
+                name, ids, text=tok.decode(ids[0]), description="held-out Shakespeare (Julius Caesar, Antony's speech)"
+            )
         ids = torch.cat([ids, ids], dim=1)
-        return SampleInput(name, ids, text=None, description=f"a {ids.shape[1] // 2}-byte passage, twice")
+        return SampleInput(name, ids, text=None, description=f"a {ids.shape[1] // 2}-token passage, twice")
     if name == "mqar":
         from k3core.data import make_mqar
 
@@ -209,9 +247,17 @@ def sample_input(name: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKE
     raise ValueError(f"unknown sample {name!r}; choose one of {SAMPLES}")
 
 
-def text_input(text: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS, name: str = "text") -> SampleInput:
-    ids = encode_text(text, config, max_tokens)
-    return SampleInput(name, ids, text=text[: ids.shape[1]], description=f"{name}: {ids.shape[1]} tokens")
+def text_input(
+    text: str,
+    config: K3Config,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    name: str = "text",
+    tokenizer: Tokenizer | None = None,
+) -> SampleInput:
+    """``text`` as an input (``encode_text``); ``SampleInput.text`` is the part that fits, decoded back."""
+    tok = text_tokenizer(config, tokenizer)
+    ids = encode_text(text, config, max_tokens, tok)
+    return SampleInput(name, ids, text=tok.decode(ids[0]), description=f"{name}: {ids.shape[1]} tokens")
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -251,6 +297,7 @@ def trace_run(
         "fingerprint": run.fingerprint,
         "sample": sample_name,
         "loss": float(out.loss) if out.loss is not None else None,
+        "tokenizer": run.tokenizer.describe() if run.tokenizer is not None else None,
     }
     return AnalysisContext(
         trace=trace,
@@ -259,11 +306,12 @@ def trace_run(
         input_ids=input_ids.cpu(),
         metrics=run.metrics,
         label=label or run.label,
+        tokenizer=run.tokenizer,
     )
 
 
 def run_from_model(model, path: str | Path = "in-memory", metrics: dict | None = None) -> Run:
-    """Wrap an in-memory model as a Run (no checkpoint folder; fingerprint 'unsaved')."""
+    """Wrap an in-memory model as a Run (no checkpoint folder; fingerprint 'unsaved'; bytes for vocab 256)."""
     return Run(
         model=model.eval(),
         config=model.config,
@@ -271,4 +319,5 @@ def run_from_model(model, path: str | Path = "in-memory", metrics: dict | None =
         card=model_card(model, metrics),
         path=Path(path),
         fingerprint="unsaved",
+        tokenizer=ByteTokenizer() if model.config.vocab_size == ByteTokenizer.vocab_size else None,
     )

@@ -32,6 +32,39 @@ class AnalysisContext:
     metrics: dict | None = None  # a run's metrics.json
     label: str = "run"
     options: dict[str, Any] = field(default_factory=dict)  # e.g. {"seq_len": 131072}
+    tokenizer: Any = None  # k3core.tokenizer.Tokenizer of the run (None: token ids are shown as numbers)
+
+    @property
+    def token_strings(self) -> list[str] | None:
+        """Readable strings of the traced tokens (first sequence of the batch, ``Tokenizer.token_strings``:
+        ``'␣the'``, ``'↵'``, ``'<0xE2>'``), or None without a tokenizer or tokens."""
+        if self.tokenizer is None or self.input_ids is None:
+            return None
+        ids = self.input_ids[0] if getattr(self.input_ids, "ndim", 1) > 1 else self.input_ids
+        return self.tokenizer.token_strings(ids)
+
+    def token_texts(self, token_ids: Any) -> list[str]:
+        """A readable string per token id (any batch row): the tokenizer's, else the id as a number."""
+        ids = [int(i) for i in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+        return self.tokenizer.token_strings(ids) if self.tokenizer is not None else [str(i) for i in ids]
+
+    def position_labels(self, positions: Any) -> list[str]:
+        """``"12:␣the"`` for each token position of the first sequence (``k3core.tokenizer.token_axis_labels``
+        style, unique per position); ``"12"`` without a tokenizer or beyond the tokens."""
+        strings = self.token_strings or []
+        return [f"{p}:{strings[p]}" if 0 <= p < len(strings) else str(p) for p in (int(q) for q in positions)]
+
+    def token_axis(self, positions: Any, max_ticks: int = 48) -> dict[str, Any]:
+        """Tick values and texts (``"12:␣the"``) for a numeric token-position axis: every position when at most
+        ``max_ticks`` are shown, else an evenly spaced subset. Pass to ``fig.update_xaxes(**...)``; ``{}``
+        without a tokenizer (plotly's own numeric ticks)."""
+        if self.token_strings is None:
+            return {}
+        values = sorted({int(p) for p in positions})
+        if len(values) > max_ticks:
+            step = -(-len(values) // max_ticks)
+            values = values[::step]
+        return {"tickmode": "array", "tickvals": values, "ticktext": self.position_labels(values)}
 
 
 @dataclass(frozen=True)

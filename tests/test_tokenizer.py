@@ -331,3 +331,75 @@ def test_digest_follows_the_files(tmp_path, bpe_folder):
     assert digests["a"] == digests["a again"]
     assert len(set(digests.values())) == 4
     assert load_tokenizer(same, 1024).describe()["kind"] == "tiktoken"
+
+
+# ----------------------------------------------------------------------------- a run's tokenizer (analysis.runs)
+def _save_nano(folder: Path, vocab_size: int) -> Path:
+    from k3core.config import K3Config
+    from k3core.model import K3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = K3Config.from_preset("k3-nano", kda_chunk_size=16, vocab_size=vocab_size)
+    K3ForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_run_reads_text_with_its_own_tokenizer(tmp_path):
+    from analysis import runs
+
+    folder = _save_nano(tmp_path / "bpe-run", 512)
+    _train_byte_bpe(folder)
+    run = runs.load_run(folder)
+    assert isinstance(run.tokenizer, HFTokenizer) and run.card["tokenizer"] == run.tokenizer.name
+    sample = runs.sample_input("shakespeare", run.config, 24, tokenizer=run.tokenizer)
+    expected = run.tokenizer.encode(runs.shakespeare_passage(400))[:24]
+    assert sample.input_ids[0].tolist() == expected
+    assert sample.text == run.tokenizer.decode(expected) and sample.text.startswith("ANTONY:")
+    assert len(sample.text) > 24  # merges: more characters than tokens
+    repeat = runs.sample_input("repeat", run.config, 24, tokenizer=run.tokenizer)
+    assert repeat.input_ids[0].tolist() == expected[:12] * 2
+    ctx = runs.trace_run(run, sample, what=["loss"])
+    assert ctx.trace.meta["run"]["tokenizer"]["kind"] == "tokenizers"
+    assert ctx.token_strings == run.tokenizer.token_strings(expected)
+    assert "".join(ctx.token_strings) == readable_text(sample.text)  # ASCII: the pieces spell the text
+    assert ctx.token_strings[6:12] == [":", "↵", "F", "r", "i", "end"]  # 'end' is a trained merge
+    assert ctx.position_labels([0, 1, 99]) == ["0:A", "1:N", "99"]
+    ticks = ctx.token_axis(range(24), max_ticks=8)
+    assert ticks["tickvals"] == [0, 3, 6, 9, 12, 15, 18, 21] and ticks["ticktext"][1] == f"3:{ctx.token_strings[3]}"
+    typed = runs.text_input("the cat sat", run.config, 8, tokenizer=run.tokenizer)
+    assert typed.input_ids[0].tolist() == run.tokenizer.encode("the cat sat") and typed.text == "the cat sat"
+
+
+def test_run_without_tokenizer_loads_and_refuses_text_only(tmp_path):
+    from analysis import runs
+
+    run = runs.load_run(_save_nano(tmp_path / "ids-only", 512))
+    assert run.tokenizer is None and run.card["tokenizer"] is None
+    assert any("tokenizer.json" in note for note in run.card["notes"])
+    with pytest.raises(ValueError, match="vocab 512 and no tokenizer"):
+        runs.sample_input("shakespeare", run.config, 32, tokenizer=run.tokenizer)
+    mqar = runs.sample_input("mqar", run.config, 32, tokenizer=run.tokenizer)
+    ctx = runs.trace_run(run, mqar, what=["loss"])
+    assert ctx.token_strings is None and ctx.token_axis(range(4)) == {} and ctx.position_labels([3]) == ["3"]
+    assert ctx.token_texts([7]) == ["7"]
+    with pytest.raises(ValueError, match=f"has {256 + len(MERGES) + 256} ids, the model only 512"):
+        runs.encode_text("x y", run.config, tokenizer=TiktokenTokenizer.from_folder(_kimi_in(tmp_path / "k")))
+
+
+def _kimi_in(folder: Path) -> Path:
+    folder.mkdir()
+    _write_kimi(folder)
+    return folder
+
+
+def test_byte_level_run_unchanged(tmp_path):
+    from analysis import runs
+
+    run = runs.load_run(_save_nano(tmp_path / "bytes", 256))
+    assert isinstance(run.tokenizer, ByteTokenizer)
+    sample = runs.sample_input("shakespeare", run.config, 32)  # no tokenizer passed: bytes for vocab 256
+    assert sample.input_ids[0].tolist() == list(runs.shakespeare_passage(32).encode())
+    same = runs.sample_input("shakespeare", run.config, 32, tokenizer=run.tokenizer)
+    assert torch.equal(sample.input_ids, same.input_ids)
+    ctx = runs.trace_run(run, sample, what=["loss"])
+    assert ctx.token_strings[:8] == ["A", "N", "T", "O", "N", "Y", ":", "↵"]
