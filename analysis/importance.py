@@ -17,7 +17,7 @@ Everything runs in eval mode under the caller's device; the model's training fla
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pandas as pd
 import torch
@@ -76,16 +76,25 @@ def lm_loss(model: nn.Module, input_ids: torch.Tensor) -> float:
     return float(model(input_ids, labels=input_ids).loss)
 
 
-def ablation_importance(model: nn.Module, input_ids: torch.Tensor) -> pd.DataFrame:
+Progress = Callable[[int, int, str], None]  # (done, total, what is running next)
+
+
+def ablation_importance(model: nn.Module, input_ids: torch.Tensor, progress: Progress | None = None) -> pd.DataFrame:
     """Increase in mean LM loss when one sub-layer's output is zeroed: L(ablated) - L(base).
 
-    Columns: layer, sublayer, method ("ablation"), base_loss, ablated_loss, importance.
+    Columns: layer, sublayer, method ("ablation"), base_loss, ablated_loss, importance. ``progress``
+    is called before each of the 2 L + 1 forward passes.
     """
     _check_ids(input_ids)
     rows = []
+    subs = sublayer_modules(model)
     with _eval_mode(model):
+        if progress:
+            progress(0, len(subs) + 1, "base loss")
         base = lm_loss(model, input_ids)
-        for i, name, module in sublayer_modules(model):
+        for k, (i, name, module) in enumerate(subs):
+            if progress:
+                progress(k + 1, len(subs) + 1, f"layer {i} {name} zeroed")
             with zeroed_output(module):
                 ablated = lm_loss(model, input_ids)
             rows.append(
@@ -138,13 +147,15 @@ def gradient_x_activation_importance(model: nn.Module, input_ids: torch.Tensor) 
     return pd.DataFrame(rows)
 
 
-def sublayer_importance(model: nn.Module, input_ids: torch.Tensor) -> pd.DataFrame:
+def sublayer_importance(model: nn.Module, input_ids: torch.Tensor, progress: Progress | None = None) -> pd.DataFrame:
     """Both estimates stacked (tidy): layer, sublayer, method in {"ablation", "gxa"}, importance, ...
 
     For the gxa rows ``importance`` is the first-order ablation estimate -gxa, so both methods share
     a scale (nats of mean loss) and a sign (positive: the sub-layer helps).
     """
-    abl = ablation_importance(model, input_ids)
+    abl = ablation_importance(model, input_ids, progress)
+    if progress:
+        progress(1, 1, "gradient x activation (one forward and backward)")
     gxa = gradient_x_activation_importance(model, input_ids)
     gxa = gxa.assign(gxa=gxa["importance"], importance=gxa["taylor_ablation"])
     return pd.concat([abl, gxa], ignore_index=True)

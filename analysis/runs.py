@@ -30,8 +30,10 @@ from typing import Any
 import torch
 
 from analysis.views import AnalysisContext
-from k3core.checkpoint import CheckpointError, checkpoint_fingerprint
+from k3core.checkpoint import CheckpointError
+from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
+from k3core.runtime import configure_threads
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 METRICS_NAME = "metrics.json"
@@ -41,6 +43,7 @@ DEFAULT_SAMPLE = "shakespeare"
 DEFAULT_MAX_TOKENS = 256
 _PASSAGE_PLAY = "julius-caesar"
 _PASSAGE_START = "ANTONY:\nFriends, Romans, countrymen"
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Run:
     card: dict[str, Any]
     path: Path
     fingerprint: str
+    device: str = "cpu"
+    dtype: str = "float32"  # a key of DTYPES
     tokenizer: Tokenizer | None = None  # the checkpoint's own tokenizer; None: token ids only (see notes)
 
     @property
@@ -98,18 +103,42 @@ def read_card_text(path: str | Path, max_chars: int = 4000) -> str | None:
     return None
 
 
-def load_run(path: str | Path, device: str = "cpu") -> Run:
+def run_fingerprint(path: str | Path) -> str:
+    """The cache key of a checkpoint folder (``k3core.checkpoint_files.CheckpointFiles.fingerprint``): config,
+    index and tokenizer files, and each weight file's name, size, mtime and header (pickle weights whole)."""
+    return CheckpointFiles.open(path).fingerprint()
+
+
+def dtype_name(dtype: str | torch.dtype | None) -> str:
+    """ "float32" / "bfloat16" / "float16" for a name or a torch dtype (None: float32). Raises ValueError."""
+    if dtype is None:
+        return "float32"
+    for name, value in DTYPES.items():
+        if dtype in (name, value):
+            return name
+    raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+
+
+def load_run(
+    path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None, fingerprint: str | None = None
+) -> Run:
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
-    Raises CheckpointError (missing folder, bad config, bad weights)."""
+    The model is in eval mode on ``device`` in ``dtype``; torch's thread count is set for its size
+    (``k3core.runtime.configure_threads``). ``fingerprint`` (from ``run_fingerprint``) may be passed
+    when the caller already has it. Raises CheckpointError (missing folder, bad config, bad weights)
+    and ValueError (unknown dtype)."""
     from k3core.model import K3ForCausalLM
 
     path = Path(path)
+    dtype = dtype_name(dtype)
     if not path.is_dir():
         raise CheckpointError(
             f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
         )
-    model = K3ForCausalLM.from_pretrained(path, device=device).eval()
+    fingerprint = fingerprint or run_fingerprint(path)
+    model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype]).eval()
+    configure_threads(model)
     metrics, note = read_metrics(path)
     card = model_card(model, metrics, read_card_text(path))
     if note:
@@ -125,7 +154,9 @@ def load_run(path: str | Path, device: str = "cpu") -> Run:
         card=card,
         path=path,
         tokenizer=tokenizer,
-        fingerprint=checkpoint_fingerprint(path),
+        fingerprint=fingerprint,
+        device=str(device),
+        dtype=dtype,
     )
 
 
@@ -269,11 +300,13 @@ def trace_run(
     targets: torch.Tensor | None = None,
     label: str | None = None,
     max_attn_len: int = 1024,
+    options: dict[str, Any] | None = None,
 ) -> AnalysisContext:
     """Run the model once on ``input_ids`` [B, T] inside ``record`` and wrap the trace in an AnalysisContext.
 
     The loss (``token_nll``) uses ``targets`` when given (aligned, -100 ignored), else next-token labels.
     Everything is recorded for the whole input (``max_tokens`` = T); attention matrices up to ``max_attn_len``.
+    The recorder is per call (a context variable), so several threads may trace shared models at once.
     """
     from k3core.trace import record
 
@@ -285,13 +318,12 @@ def trace_run(
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     model = run.model
-    model.eval()
     device = next(model.parameters()).device
-    input_ids = input_ids.to(device)
-    T = int(input_ids.shape[1])
-    kwargs = {"targets": targets.to(device)} if targets is not None else {"labels": input_ids}
-    with record(model, what=what, max_tokens=T, max_batch=input_ids.shape[0], max_attn_len=max_attn_len) as trace:
-        out = model(input_ids, **kwargs)
+    ids = input_ids.to(device)
+    T = int(ids.shape[1])
+    kwargs = {"targets": targets.to(device)} if targets is not None else {"labels": ids}
+    with record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace:
+        out = model(ids, **kwargs)
     trace.meta["run"] = {
         "path": str(run.path),
         "fingerprint": run.fingerprint,
@@ -307,6 +339,7 @@ def trace_run(
         metrics=run.metrics,
         label=label or run.label,
         tokenizer=run.tokenizer,
+        options=dict(options or {}),
     )
 
 

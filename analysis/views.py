@@ -9,7 +9,7 @@ A view that cannot be drawn for this context (e.g. no MoE layers) raises ``NotAp
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
@@ -33,6 +33,26 @@ class AnalysisContext:
     label: str = "run"
     options: dict[str, Any] = field(default_factory=dict)  # e.g. {"seq_len": 131072}
     tokenizer: Any = None  # k3core.tokenizer.Tokenizer of the run (None: token ids are shown as numbers)
+    weights: Any = None  # analysis.weights.WeightSummary: weight-only views (a checkpoint not loaded)
+    # Results computed once per (model, tokens) and shared by every copy made with ``with_options``
+    # (e.g. the importance ablations, which do not depend on the view options).
+    shared: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def loss(self) -> float | None:
+        """The mean loss of the traced forward (nats/token), as ``analysis.runs.trace_run`` stored it."""
+        loss = ((self.trace.meta or {}).get("run") or {}).get("loss")
+        return float(loss) if loss is not None else None
+
+    def with_options(self, label: str | None = None, **options: Any) -> AnalysisContext:
+        """The same trace, model and tokens under another label and view options (no copy of the trace)."""
+        return replace(self, label=self.label if label is None else label, options={**self.options, **options})
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` the first time ``key`` is asked for on this context or its ``with_options`` copies."""
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
     @property
     def token_strings(self) -> list[str] | None:

@@ -17,7 +17,7 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import widgets  # noqa: E402
+from app import links, sidebar  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
@@ -26,6 +26,7 @@ st.set_page_config(page_title="k3lab", page_icon=":material/biotech:", layout="w
 
 
 def _page(name: str, title: str, icon: str, default: bool = False):
+    # url_path per page: a link to /moe (or /overview, the default page's own path) opens that page.
     return st.Page(str(PAGES_DIR / f"{name}.py"), title=title, icon=icon, default=default, url_path=name)
 
 
@@ -50,5 +51,6 @@ PAGES = {
 }
 
 navigation = st.navigation(PAGES)
-widgets.sidebar()
+sidebar.sidebar()
+links.show_notes(navigation.url_path)
 navigation.run()

@@ -12,12 +12,11 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app import state
+from app import caching, cards, inputs, uploads
 from k3core.checkpoint import CheckpointError
 from k3core.model import K3ForCausalLM
 
@@ -67,10 +66,10 @@ def app_env(monkeypatch, tmp_path):
     """Point the app at given checkpoint folders only (no shipped samples)."""
 
     def use(*folders: Path) -> None:
-        monkeypatch.setenv(state.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
+        monkeypatch.setenv(uploads.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
         empty = tmp_path / "no-samples"
         empty.mkdir(exist_ok=True)
-        monkeypatch.setattr(state, "SAMPLES_DIR", empty)
+        monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
 
     return use
 
@@ -131,7 +130,7 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     _page(at, "compare")
     assert not at.exception
     assert _errors(at) == []
-    assert at.selectbox(key="k3lab_cmp_text_source").value == state.TEXT_MQAR
+    assert at.selectbox(key="k3lab_cmp_text_source").value == inputs.TEXT_MQAR
     assert _charts(at) >= 2
     assert any("B: MQAR" in c.value for c in at.caption)
 
@@ -154,7 +153,7 @@ def test_bad_checkpoint_shows_error_not_exception(app_env, runs, which, message)
 def test_empty_and_huge_text(app_env, runs):
     app_env(runs["good"])
     at = _app()
-    at.session_state["k3lab_text_source"] = state.TEXT_PASTE
+    at.session_state["k3lab_text_source"] = inputs.TEXT_PASTE
     at.run()
     assert not at.exception
     assert any("The text is empty" in e for e in _errors(at))
@@ -207,7 +206,7 @@ def test_upload_page_adds_a_run_and_rejects_a_bad_one(app_env, runs):
     _page(at, "overview")
     assert not at.exception and _errors(at) == []
     assert [s.value for s in at.subheader][0] == "mine"
-    state.remove_upload(uploaded[0])
+    uploads.remove_upload(uploaded[0])
 
 
 # ------------------------------------------------------------------------------------ pure helpers
@@ -217,67 +216,67 @@ def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     shutil.copytree(runs["good"], samples / "nano-a")  # same name as a preloaded run: gets a suffix
     (samples / "not-a-run").mkdir()
     env = os.pathsep.join([str(runs["other"]), str(tmp_path / "missing"), str(runs["other"])])
-    uploaded = [state.RunRef("up", str(runs["good"]), "uploaded")]
-    found, problems = state.discover_runs(env, samples, uploaded)
+    uploaded = [uploads.RunRef("up", str(runs["good"]), "uploaded")]
+    found, problems = uploads.discover_runs(env, samples, uploaded)
     assert [(r.label, r.origin) for r in found] == [("nano-b", "preloaded"), ("nano-a", "sample"), ("up", "uploaded")]
     assert len(problems) == 1 and "missing" in problems[0]
-    found, _ = state.discover_runs(str(runs["good"]), samples)
+    found, _ = uploads.discover_runs(str(runs["good"]), samples)
     assert [r.label for r in found] == ["nano-a", "nano-a (2)"]
     # A folder of runs expands to its checkpoint folders.
-    found, problems = state.discover_runs(str(runs["good"].parent), None)
+    found, problems = uploads.discover_runs(str(runs["good"].parent), None)
     assert [r.label for r in found] == ["corrupt", "nan-weights", "nano-a", "nano-b"] and not problems
 
 
 def test_text_checks_and_token_digest():
-    with pytest.raises(state.InputError, match="empty"):
-        state.check_text(state.TextChoice(state.TEXT_PASTE, 64, "  \n"))
-    with pytest.raises(state.InputError, match="between 2 and"):
-        state.check_text(state.TextChoice(state.TEXT_SHAKESPEARE, state.MAX_TOKENS_CAP + 1))
-    with pytest.raises(state.InputError, match="binary"):
-        state.decode_upload(b"abc\x00def", "x.txt")
-    with pytest.raises(state.InputError, match="not UTF-8"):
-        state.decode_upload(b"caf\xe9", "x.txt")
-    ids = np.arange(5, dtype=np.int64)[None]
-    assert state.token_digest(ids) == state.token_digest(ids.copy())
-    assert state.token_digest(ids) != state.token_digest(ids, np.full_like(ids, -100))
+    with pytest.raises(inputs.InputError, match="empty"):
+        inputs.check_text(inputs.TextChoice(inputs.TEXT_PASTE, 64, "  \n"))
+    with pytest.raises(inputs.InputError, match="between 2 and"):
+        inputs.check_text(inputs.TextChoice(inputs.TEXT_SHAKESPEARE, inputs.MAX_TOKENS_CAP + 1))
+    with pytest.raises(inputs.InputError, match="binary"):
+        inputs.decode_upload(b"abc\x00def", "x.txt")
+    with pytest.raises(inputs.InputError, match="not UTF-8"):
+        inputs.decode_upload(b"caf\xe9", "x.txt")
+    ids = torch.arange(5)[None]
+    assert inputs.token_digest(ids) == inputs.token_digest(ids.clone())
+    assert inputs.token_digest(ids) != inputs.token_digest(ids, torch.full_like(ids, -100))
+    assert inputs.token_digest(ids) != inputs.token_digest(torch.arange(1, 6)[None])
     # Same text and length, same cache key; any change, a new key.
-    a = state.TextChoice(state.TEXT_PASTE, 64, "hello")
-    assert a.key() == state.TextChoice(state.TEXT_PASTE, 64, "hello").key()
-    assert a.key() != state.TextChoice(state.TEXT_PASTE, 65, "hello").key()
-    assert a.key() != state.TextChoice(state.TEXT_PASTE, 64, "hellp").key()
+    a = inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello")
+    assert a.key() == inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello").key()
+    assert a.key() != inputs.TextChoice(inputs.TEXT_PASTE, 65, "hello").key()
+    assert a.key() != inputs.TextChoice(inputs.TEXT_PASTE, 64, "hellp").key()
 
 
 def test_options_are_checked():
-    state.check_options({"seq_len": 4096})
-    with pytest.raises(state.InputError, match="unknown option"):
-        state.check_options({"seqlen": 4096})
-    with pytest.raises(state.InputError, match="seq_len"):
-        state.check_options({"seq_len": 10})
+    inputs.check_options({"seq_len": 4096})
+    with pytest.raises(inputs.InputError, match="unknown option"):
+        inputs.check_options({"seqlen": 4096})
+    with pytest.raises(inputs.InputError, match="seq_len"):
+        inputs.check_options({"seq_len": 10})
 
 
 def test_save_upload_validates_names(tmp_path, runs):
     cfg = (runs["good"] / "config.json").read_bytes()
-    with pytest.raises(state.InputError, match="unexpected file"):
-        state.save_upload([("config.json", cfg), ("evil.py", b"print(1)")], root=tmp_path)
-    with pytest.raises(state.InputError, match="config.json is missing"):
-        state.save_upload([("model.safetensors", b"x")], root=tmp_path)
-    with pytest.raises(state.InputError, match="twice"):
-        state.save_upload([("config.json", cfg), ("dir/config.json", cfg)], root=tmp_path)
-    run = state.save_upload([("../config.json", cfg), ("model.safetensors", b"garbage!")], "my run!", root=tmp_path)
+    with pytest.raises(inputs.InputError, match="unexpected file"):
+        uploads.save_upload([("config.json", cfg), ("evil.py", b"print(1)")], root=tmp_path)
+    with pytest.raises(inputs.InputError, match="config.json is missing"):
+        uploads.save_upload([("model.safetensors", b"x")], root=tmp_path)
+    with pytest.raises(inputs.InputError, match="twice"):
+        uploads.save_upload([("config.json", cfg), ("dir/config.json", cfg)], root=tmp_path)
+    run = uploads.save_upload([("../config.json", cfg), ("model.safetensors", b"garbage!")], "my run!", root=tmp_path)
     assert run.label == "my-run" and Path(run.path).parent == tmp_path
     assert sorted(p.name for p in Path(run.path).iterdir()) == ["config.json", "model.safetensors"]
     with pytest.raises(CheckpointError, match="not a safetensors file"):
-        state.load_run(run)
-    state.remove_upload(run)
+        caching.load_run(run)
+    uploads.remove_upload(run)
     assert not Path(run.path).exists()
 
 
 def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch):
     from analysis import export
-    from app import widgets
 
     monkeypatch.setattr(export, "find_chromium", lambda: None)
-    widgets.static_export_status.cache_clear()
+    cards.static_export_status.cache_clear()
     try:
         app_env(runs["good"])
         at = _app().run()
@@ -288,10 +287,10 @@ def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch
         assert formats == {"html", "csv", "json"}, keys
         assert any("need Chromium" in c.value or "needs Chromium" in c.value for c in at.caption)
         # The export files themselves (built on click in the browser) hold the figure's data.
-        run = state.RunRef("nano-a", str(runs["good"]), "preloaded")
-        loaded = state.load(run, state.TextChoice(state.TEXT_SHAKESPEARE, 32))
-        fig, df = state.build_view(widgets.section_views("attnres")[0], loaded)
-        assert widgets.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
-        assert b"<html" in widgets.figure_bytes(fig, df, "t", "html")[:500].lower()
+        run = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+        loaded = caching.load(run, inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32))
+        fig, df = caching.build_view(cards.section_views("attnres")[0], loaded)
+        assert cards.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
+        assert b"<html" in cards.figure_bytes(fig, df, "t", "html")[:500].lower()
     finally:
-        widgets.static_export_status.cache_clear()
+        cards.static_export_status.cache_clear()

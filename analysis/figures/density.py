@@ -161,7 +161,8 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
 def _importance(ctx: AnalysisContext) -> pd.DataFrame:
     if ctx.model is None or ctx.input_ids is None:
         raise NotApplicable("importance needs the model and the token batch (ctx.model, ctx.input_ids)")
-    return sublayer_importance(ctx.model, ctx.input_ids)
+    # once per (model, tokens): the ablations do not depend on the view options (seq_len)
+    return ctx.once("sublayer_importance", lambda: sublayer_importance(ctx.model, ctx.input_ids))
 
 
 def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:

@@ -1,8 +1,8 @@
 """AttnRes: depth-softmax weights per site, pseudo-query norms, scale/bias residuals, hidden-state growth."""
 
-from app import widgets
+from app import page
 
-widgets.section_page(
+page.section_page(
     "attnres",
     "AttnRes",
     "Attention over depth instead of a plain residual: which earlier blocks each sub-layer reads from, how "

@@ -1,8 +1,8 @@
 """Attention degradation diagnostics: entropy collapse, sinks, rank collapse, redundancy, massive activations."""
 
-from app import widgets
+from app import page
 
-widgets.section_page(
+page.section_page(
     "degradation",
     "Attention degradation",
     "Warning signs of a degrading stack: attention entropy collapse and sinks (MLA layers), rank collapse and "

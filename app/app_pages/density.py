@@ -1,8 +1,8 @@
 """KDA & layer density: allocated (params, FLOPs, cache bytes by depth) against measured importance."""
 
-from app import widgets
+from app import page
 
-widgets.section_page(
+page.section_page(
     "density",
     "KDA & layer density",
     "Where parameters, FLOPs and cache memory go by depth (slide the sequence length in the sidebar: KDA's "

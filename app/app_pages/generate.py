@@ -7,19 +7,20 @@ import time
 import streamlit as st
 import torch
 
-from app import state, widgets
+from app import caching, page
+from app.inputs import MAX_TOKENS_CAP
 from k3core.data import ByteTokenizer
 from k3core.model import K3Cache
 
-inputs = widgets.inputs_or_stop()
+inputs = page.inputs_or_stop()
 run = inputs.run
-widgets.page_header(
+page.page_header(
     "Generate",
     "Sample text from the chosen run. The prompt is read in one forward pass; then each new token "
     "reads and extends the decode cache: KDA layers keep a fixed-size state, MLA layers one latent per token.",
 )
 
-model = widgets.model_or_stop(inputs)
+model = page.model_or_stop(inputs)
 if model.config.vocab_size < 256:
     st.error(
         f"**{run.label}** has a vocabulary of {model.config.vocab_size} tokens; text prompts are UTF-8 bytes "
@@ -41,7 +42,7 @@ if go:
     if not prompt:
         st.error("The prompt is empty: type at least one character.")
         st.stop()
-    ids = tok.encode(prompt)[-state.MAX_TOKENS_CAP :]
+    ids = tok.encode(prompt)[-MAX_TOKENS_CAP:]
     device = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(int(seed))
@@ -56,7 +57,7 @@ if go:
 
     start = time.perf_counter()
     try:
-        with state.MODEL_LOCK:
+        with caching.model_use(model):  # shared: other sessions' forwards run at the same time
             out = model.generate(
                 x,
                 max_new_tokens=int(new_tokens),

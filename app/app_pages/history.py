@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import state, widgets
+from app import caching, page
 
-inputs = widgets.inputs_or_stop()
-widgets.page_header(
+inputs = page.inputs_or_stop()
+page.page_header(
     "Training history",
     "Loss, validation bits/byte, MQAR accuracy, MoE balance and AttnRes summaries logged "
     "during training (each run's metrics.json). Overlay other runs to compare how they trained.",
 )
 
 run = inputs.run
-with_metrics = [r for r in inputs.runs if state.run_metrics(r)]
+with_metrics = [r for r in inputs.runs if caching.run_metrics(r)]
 others = [r.label for r in with_metrics if r.label != run.label]
 overlay = (
     st.multiselect(
@@ -27,12 +27,12 @@ overlay = (
     if others
     else []
 )
-if state.run_metrics(run) is None:
+if caching.run_metrics(run) is None:
     st.info(
         f"**{run.label}** has no metrics.json (no training history)"
         + ("; showing the overlaid runs." if overlay else ".")
     )
 
-loaded = widgets.history_context(run, [r for r in with_metrics if r.label in overlay])
+loaded = page.history_context(run, [r for r in with_metrics if r.label in overlay])
 if loaded is not None:
-    widgets.render_section("history", loaded)
+    page.render_section("history", loaded)

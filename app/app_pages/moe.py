@@ -1,8 +1,8 @@
 """LatentMoE: expert load, imbalance, weight by rank, co-activation, latent routing, router biases."""
 
-from app import widgets
+from app import page
 
-widgets.section_page(
+page.section_page(
     "moe",
     "LatentMoE",
     "Routed experts working in a narrower latent width: how evenly tokens spread over experts (MaxVio, CV, "

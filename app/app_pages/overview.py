@@ -5,20 +5,21 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from analysis.format import format_count
 from analysis.inspect import config_summary, layer_map, parameter_breakdown
-from app import state, widgets
+from app import caching, cards, page
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
-inputs = widgets.inputs_or_stop()
+inputs = page.inputs_or_stop()
 run = inputs.run
-widgets.page_header(
+page.page_header(
     "k3lab",
     "See inside a Kimi K3-style model: KDA linear attention and layer density, AttnRes depth mixing, "
     "LatentMoE routing and attention degradation. Pick a run and a text in the sidebar; every page follows them.",
 )
 
-model = widgets.model_or_stop(inputs)
+model = page.model_or_stop(inputs)
 cfg = model.config
 
 st.subheader(f"{run.label}")
@@ -35,14 +36,14 @@ RESIDUAL_NAMES = {
     "plain": "PreNorm",
 }
 c = st.columns([1, 1, 0.7, 1.4, 0.8])
-c[0].metric("Parameters", widgets.human_count(total), help="All weights, embeddings and LM head included.")
-c[1].metric("Active per token", widgets.human_count(active), help="Routed experts counted k of E.")
+c[0].metric("Parameters", format_count(total), help="All weights, embeddings and LM head included.")
+c[1].metric("Active per token", format_count(active), help="Routed experts counted k of E.")
 c[2].metric(
     "Layers",
     f"{cfg.num_hidden_layers}",
     f"{types.count('KDA')} KDA · {types.count('MLA')} MLA",
     delta_color="off",
-    **widgets.NO_ARROW,
+    **cards.NO_ARROW,
 )
 c[3].metric("Residual", RESIDUAL_NAMES.get(cfg.residual, cfg.residual), help=f"`residual = {cfg.residual}`")
 c[4].metric(
@@ -58,19 +59,19 @@ loaded = None
 if inputs.text_error:
     st.error(inputs.text_error)
 else:
-    loaded = widgets.load_or_stop(inputs)
-    widgets.show_input_notes(loaded)
-    widgets.run_line(loaded)
-    widgets.headline_metrics(loaded)
+    loaded = page.load_or_stop(inputs)
+    page.show_input_notes(loaded)
+    page.run_line(loaded)
+    cards.headline_metrics(loaded)
 
 # ------------------------------------------------------------------- layer map
 st.markdown("#### Layer map")
-st.markdown(widgets.layer_badges(cfg))
-allocation = [v for v in widgets.section_views("density") if v.key == LAYER_MAP_VIEW]
+st.markdown(cards.layer_badges(cfg))
+allocation = [v for v in cards.section_views("density") if v.key == LAYER_MAP_VIEW]
 if loaded is not None and allocation:
-    widgets.render_view(allocation[0], loaded)
+    cards.render_view(allocation[0], loaded)
 with st.expander("Layer table"):
-    st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **widgets.DATAFRAME_KW)
+    st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
 
 # ------------------------------------------------------------------- parameters, config
 left, right = st.columns(2)
@@ -90,7 +91,7 @@ with right:
         st.json(cfg.to_dict(), expanded=True)
 
 # ------------------------------------------------------------------- model card
-card = state.run_card(run)
+card = caching.run_card(run)
 st.markdown("#### Model card")
 if card:
     with st.container(border=True):

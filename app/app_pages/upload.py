@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import state, widgets
-from app.state import InputError
+from app import caching, page, uploads
+from app.inputs import InputError, current_inputs
 from k3core.checkpoint import CheckpointError
 
-widgets.page_header(
+page.page_header(
     "Upload a checkpoint",
     "Add your own run: a k3lab / Hugging Face style checkpoint folder's config.json and model.safetensors (or "
     "shards with model.safetensors.index.json), optionally metrics.json and README.md. Files are checked before "
@@ -16,7 +16,7 @@ widgets.page_header(
     "torch.load(weights_only=True) accepts them.",
 )
 
-inputs = state.current_inputs()
+inputs = current_inputs()
 ss = st.session_state
 
 with st.form("k3lab_upload", clear_on_submit=True):
@@ -32,11 +32,11 @@ with st.form("k3lab_upload", clear_on_submit=True):
 if add:
     run = None
     try:
-        run = state.save_upload([(f.name, f.getvalue()) for f in files or []], name)
-        state.load_model(run, inputs.device if inputs else "cpu", inputs.dtype if inputs else "float32")
+        run = uploads.save_upload([(f.name, f.getvalue()) for f in files or []], name)
+        caching.load_run(run, inputs.device if inputs else "cpu", inputs.dtype if inputs else "float32")
     except (CheckpointError, InputError) as exc:
         if run is not None:
-            state.remove_upload(run)
+            uploads.remove_upload(run)
         st.error(f"This checkpoint cannot be used: {exc}")
     else:
         ss.setdefault("k3lab_uploaded", []).append(run)
@@ -54,7 +54,7 @@ if uploaded:
         c1, c2 = st.columns([5, 1])
         c1.markdown(f"**{run.label}** · `{run.path}`")
         if c2.button("Remove", key=f"k3lab_remove_{i}"):
-            state.remove_upload(run)
+            uploads.remove_upload(run)
             uploaded.remove(run)
             st.rerun()
 else:

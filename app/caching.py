@@ -1,0 +1,341 @@
+"""Streamlit caching around analysis' one run-and-trace path; nothing here computes a metric or draws.
+
+    checkpoint folder --run_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
+    (fingerprint, device, dtype) --analysis.runs.load_run--> Run          st.cache_resource
+    (text choice, vocab) --analysis.runs.sample_input/text_input--> Tokens   st.cache_resource
+    (run, tokens, trace items) --analysis.runs.trace_run--> AnalysisContext  st.cache_resource
+    (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
+
+``st.cache_resource`` hands back the same object on every rerun (no pickling), so the models, traces
+and figures are shared read-only by every session. The page's label and view options are applied with
+``AnalysisContext.with_options`` (the trace is not copied), and a view's cache key holds them, so
+changing an option that needs no model (the sequence-length slider) never runs the model again.
+
+The recorder is per call (``k3core.trace`` keeps it in a context variable), so sessions run models at
+the same time. Only work that installs hooks on a shared model (the importance ablations) needs it to
+itself: ``model_use(model, exclusive=True)``; forward passes take it shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from analysis import runs
+from analysis.runs import Run
+from analysis.views import AnalysisContext, NotApplicable
+from app.inputs import (
+    MAX_ATTN_LEN,
+    SAMPLE_OF_SOURCE,
+    InputError,
+    TextChoice,
+    Tokens,
+    check_device,
+    check_options,
+    check_text,
+    options_key,
+    token_digest,
+)
+from app.uploads import RunRef
+from k3core.checkpoint import CheckpointError
+from k3core.trace import WHAT_ALL, WHAT_DEFAULT
+
+
+# ----------------------------------------------------------------------------------------- model use
+class _SharedExclusive:
+    """Many forward passes at once, or one job that changes the model's hooks, never both."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and (not exclusive or self._shared == 0))
+            if exclusive:
+                self._exclusive = True
+            else:
+                self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if exclusive:
+                    self._exclusive = False
+                else:
+                    self._shared -= 1
+                self._cond.notify_all()
+
+
+_GUARDS: weakref.WeakKeyDictionary[Any, _SharedExclusive] = weakref.WeakKeyDictionary()
+_GUARDS_LOCK = threading.Lock()
+
+
+def model_use(model: Any, exclusive: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Use a shared model: forward passes (exclusive=False) run together; hook-installing work runs alone."""
+    with _GUARDS_LOCK:
+        guard = _GUARDS.setdefault(model, _SharedExclusive())
+    return guard.hold(exclusive)
+
+
+# ----------------------------------------------------------------------------------------- runs
+def _folder_stamp(path: Path) -> tuple:
+    """(name, size, mtime) of every file in a checkpoint folder: changes whenever the content may have."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _fingerprint(path: str, stamp: tuple) -> str:
+    return runs.run_fingerprint(path)
+
+
+def run_fingerprint(path: str | Path) -> str:
+    """analysis.runs.run_fingerprint of a folder, recomputed only when a file's size or mtime changes."""
+    path = Path(path)
+    try:
+        return _fingerprint(str(path), _folder_stamp(path))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
+
+
+@st.cache_resource(show_spinner="Loading the checkpoint...", max_entries=6)
+def _cached_run(fingerprint: str, device: str, dtype: str, _path: str) -> Run:
+    return runs.load_run(_path, device, dtype, fingerprint=fingerprint)
+
+
+def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32") -> Run:
+    """The run (model shared across sessions), via analysis.runs.load_run. Raises CheckpointError / InputError."""
+    check_device(device, dtype)
+    return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path)
+
+
+def run_metrics(ref: RunRef) -> dict | None:
+    """The run's metrics.json (training history), or None when absent or unreadable."""
+    path = Path(ref.path) / runs.METRICS_NAME
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    return _read_metrics(ref.path, (stat.st_size, stat.st_mtime_ns))
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _read_metrics(path: str, stamp: tuple) -> dict | None:
+    return runs.read_metrics(path)[0]
+
+
+def run_card(ref: RunRef) -> str | None:
+    """The run's model card text (README.md), or None."""
+    return runs.read_card_text(ref.path, max_chars=20000)
+
+
+def metrics_digest(metrics: dict | None) -> str:
+    """sha256 of a metrics dict (canonical JSON), '' for None."""
+    if not metrics:
+        return ""
+    return hashlib.sha256(json.dumps(metrics, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------- tokens
+@st.cache_resource(show_spinner=False, max_entries=32)
+def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run) -> Tokens:
+    choice, config, tokenizer = _choice, _run.config, _run.tokenizer
+    try:
+        if choice.source in SAMPLE_OF_SOURCE:
+            sample = runs.sample_input(SAMPLE_OF_SOURCE[choice.source], config, choice.max_tokens, tokenizer)
+        else:
+            # Never encode more than needed: a token covers at most a few dozen characters.
+            sample = runs.text_input(
+                choice.text[: 64 * choice.max_tokens],
+                config,
+                choice.max_tokens,
+                name=choice.name or choice.source,
+                tokenizer=tokenizer,
+            )
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    n = int(sample.input_ids.shape[1])
+    total = len(runs.text_tokenizer(config, tokenizer).encode(choice.text)) if choice.text is not None else n
+    source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
+    if sample.description and choice.text is None:
+        source = sample.description
+    return Tokens(
+        sample=sample, source=source, total=max(total, n), digest=token_digest(sample.input_ids, sample.targets)
+    )
+
+
+def make_tokens(choice: TextChoice, run: Run) -> Tokens:
+    """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
+    check_text(choice)
+    return _cached_tokens(choice.key(), run.fingerprint, choice, run)
+
+
+# ----------------------------------------------------------------------------------------- traces
+def trace_items(record_attn: bool) -> tuple[str, ...]:
+    """What the recorder captures: everything, attention matrices only when asked."""
+    return tuple(sorted(WHAT_ALL if record_attn else WHAT_DEFAULT))
+
+
+_TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forward
+
+
+@st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
+def _cached_trace(
+    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Tokens
+) -> AnalysisContext:
+    start = time.perf_counter()
+    with model_use(_run.model):
+        ctx = runs.trace_run(_run, _tokens.sample, what=list(what), max_attn_len=MAX_ATTN_LEN)
+    _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
+    return ctx
+
+
+def is_traced(key: tuple) -> bool:
+    """Whether (fingerprint, device, dtype, token digest, trace items) was traced in this process."""
+    return key in _TRACED
+
+
+def tokens_per_second(fingerprint: str, device: str, dtype: str) -> float | None:
+    """The speed of this run's last recorded forward in this process, for cost estimates (None: never run)."""
+    speeds = [v for k, v in _TRACED.items() if k[:3] == (fingerprint, device, dtype)]
+    return speeds[-1] if speeds else None
+
+
+@dataclass
+class Loaded:
+    """A run ready for analysis: the Run, its traced context, the tokens, and the key its figures are cached under."""
+
+    ref: RunRef
+    run: Run | None  # None for contexts without a model (training history)
+    ctx: AnalysisContext
+    key: tuple
+    tokens: Tokens | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> Any:
+        return None if self.run is None else self.run.model
+
+
+def load(
+    ref: RunRef,
+    choice: TextChoice,
+    device: str = "cpu",
+    dtype: str = "float32",
+    record_attn: bool = True,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+) -> Loaded:
+    """Run + traced AnalysisContext for a run on a text choice (all cached).
+
+    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options).
+    """
+    options = dict(options or {})
+    check_options(options)
+    run = load_run(ref, device, dtype)
+    tokens = make_tokens(choice, run)
+    what = trace_items(record_attn)
+    base = _cached_trace(run.fingerprint, device, dtype, tokens.digest, what, run, tokens)
+    label = label or ref.label
+    ctx = base.with_options(label=label, **options)
+    notes = []
+    if ctx.loss is not None and not math.isfinite(ctx.loss):
+        notes.append(f"The forward pass gave a non-finite loss ({ctx.loss}); try float32.")
+    key = (
+        run.fingerprint,
+        device,
+        dtype,
+        tokens.digest,
+        what,
+        label,
+        options_key(options),
+        metrics_digest(run.metrics),
+    )
+    return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------- views
+@st.cache_resource(show_spinner=False, max_entries=512)
+def _cached_view(view_key: str, key: tuple, _build, _ctx) -> tuple:
+    try:
+        fig, df = _build(_ctx)
+    except NotApplicable as exc:  # cached too: "does not apply" is an answer, not a failure
+        return None, None, exc
+    return fig, df, None
+
+
+def build_view(view, loaded: Loaded):
+    """(figure, table) of a View for a loaded run, cached per (view, run key). Raises NotApplicable."""
+    if view.needs_model and loaded.model is not None:
+        with model_use(loaded.model, exclusive=True):  # importance views hook into the shared model
+            fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
+    else:
+        fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
+    if na is not None:
+        raise na
+    return fig, df
+
+
+@st.cache_resource(show_spinner=False, max_entries=64)
+def _cached_headline(key: tuple, _ctx) -> dict[str, Any]:
+    from analysis.compare import headline_numbers
+
+    return headline_numbers(_ctx)
+
+
+def headline(loaded: Loaded) -> dict[str, Any]:
+    """analysis.compare.headline_numbers of a loaded run, cached per run key."""
+    return _cached_headline(loaded.key, loaded.ctx)
+
+
+def cached_build(view, *loadeds: Loaded):
+    """The same View, its build served from the figure cache for these loaded runs' contexts.
+
+    Lets analysis.compare build side-by-side and difference figures without recomputing a view."""
+    import dataclasses
+
+    by_ctx = {id(loaded.ctx): loaded for loaded in loadeds}
+
+    def build(ctx):
+        loaded = by_ctx.get(id(ctx))
+        return build_view(view, loaded) if loaded is not None else view.build(ctx)
+
+    return dataclasses.replace(view, build=build)
+
+
+@st.cache_resource(show_spinner=False, max_entries=256)
+def _cached_pair(kind: str, view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> tuple:
+    from analysis import compare
+
+    fn = compare.side_by_side if kind == "side" else compare.difference_view
+    try:
+        fig, df = fn(cached_build(_view, _a, _b), _a.ctx, _b.ctx)
+    except NotApplicable as exc:
+        return None, None, exc
+    return fig, df, None
+
+
+def compare_view(kind: str, view, a: Loaded, b: Loaded):
+    """analysis.compare.side_by_side (kind "side") or difference_view (kind "diff"), cached. May raise
+    NotApplicable."""
+    if kind not in ("side", "diff"):
+        raise InputError(f"unknown comparison {kind!r}")
+    fig, df, na = _cached_pair(kind, view.key, a.key, b.key, view, a, b)
+    if na is not None:
+        raise na
+    return fig, df

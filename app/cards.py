@@ -1,0 +1,239 @@
+"""Figure cards: a view's chart with its caption and export buttons, headline numbers, comparisons.
+
+Nothing here computes a metric: figures come from ``analysis`` views (through ``app.caching``), export
+bytes from ``analysis.export``; this module only lays them out.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from analysis.export import export_figure, static_export_available
+from analysis.format import format_number
+from analysis.compare import HEADLINE_LABELS, headline_table
+from analysis.views import NotApplicable, View, all_views
+from app import caching
+from app.caching import Loaded
+from app.inputs import InputError
+from k3core.checkpoint import CheckpointError
+
+log = logging.getLogger("k3lab.app")
+
+EXPORT_FORMATS = ("png", "svg", "html", "csv", "json")
+STATIC_FORMATS = ("png", "svg")
+MIME = {"png": "image/png", "svg": "image/svg+xml", "html": "text/html", "csv": "text/csv", "json": "application/json"}
+PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
+KEY_HEADLINES = (
+    "loss",
+    "bits_per_byte",
+    "mla_entropy_norm_mean",
+    "sink_rate",
+    "block_influence_mean",
+    "moe_maxvio_max",
+    "attnres_embedding_weight_mean",
+    "kda_horizon_median",
+)
+
+
+def _accepts(func, name: str) -> bool:
+    try:
+        return name in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# Newer Streamlit builds the file of a download button only when it is clicked (data=callable).
+DEFERRED_DOWNLOADS = "callable" in (st.download_button.__doc__ or "")
+_CHART_KW = {"width": "stretch"} if _accepts(st.plotly_chart, "width") else {"use_container_width": True}
+_DOWNLOAD_KW = {"on_click": "ignore"} if DEFERRED_DOWNLOADS else {}
+NO_ARROW = {"delta_arrow": "off"} if _accepts(st.metric, "delta_arrow") else {}
+_POPOVER_KW = {"width": "stretch"} if _accepts(st.popover, "width") else {}
+DATAFRAME_KW = {"width": "stretch"} if _accepts(st.dataframe, "width") else {"use_container_width": True}
+
+
+def slug(text: str) -> str:
+    out = "".join(c if c.isalnum() or c in "-_" else "-" for c in str(text)).strip("-")
+    return out or "run"
+
+
+def table_height(rows: int) -> int:
+    """Pixel height that shows every row of an st.dataframe (35 px a row plus the header)."""
+    return 35 * (rows + 1) + 3
+
+
+# ----------------------------------------------------------------------------------------- exports
+@functools.lru_cache(maxsize=1)
+def static_export_status() -> tuple[bool, str]:
+    """(available, reason) for PNG/SVG export, which needs Chromium (analysis.export.static_export_available)."""
+    ok, message = static_export_available()
+    return bool(ok), "" if ok else str(message)
+
+
+def figure_bytes(fig, df, stem: str, fmt: str) -> bytes:
+    """One export of a figure (analysis.export.export_figure into a temporary folder), as bytes."""
+    with tempfile.TemporaryDirectory(prefix="k3lab-export-") as tmp:
+        written = export_figure(fig, df, tmp, stem, [fmt])
+        result = written.get(fmt)
+        if not isinstance(result, Path):
+            raise RuntimeError(str(result) if result is not None else f"{fmt} was not written")
+        return result.read_bytes()
+
+
+def _safe_bytes(fig, df, stem: str, fmt: str) -> bytes:
+    try:
+        return figure_bytes(fig, df, stem, fmt)
+    except Exception as exc:  # noqa: BLE001 - runs on click, outside the page; the file says what failed
+        log.exception("export %s.%s failed", stem, fmt)
+        return f"k3lab could not export {stem}.{fmt}: {type(exc).__name__}: {exc}\n".encode()
+
+
+def export_buttons(fig, df, stem: str, key: str) -> None:
+    """Download buttons for PNG, SVG, HTML (offline), CSV and JSON. Files are built on click."""
+    static_ok, static_msg = static_export_status()
+    formats = [f for f in EXPORT_FORMATS if static_ok or f not in STATIC_FORMATS]
+    if not DEFERRED_DOWNLOADS and not st.toggle(
+        "Prepare downloads", key=f"{key}-prep", help="Builds the files for this figure."
+    ):
+        return
+    cols = st.columns(len(formats))
+    for col, fmt in zip(cols, formats):
+        data: Any = functools.partial(_safe_bytes, fig, df, stem, fmt)
+        if not DEFERRED_DOWNLOADS:
+            data = data()
+        col.download_button(
+            fmt.upper(), data=data, file_name=f"{stem}.{fmt}", mime=MIME[fmt], key=f"{key}-{fmt}", **_DOWNLOAD_KW
+        )
+    if not static_ok:
+        st.caption(static_msg)
+
+
+def table_downloads(table: pd.DataFrame, stem: str, key: str) -> None:
+    """CSV and JSON download buttons for a table."""
+    c1, c2, _ = st.columns([1, 1, 6])
+    c1.download_button(
+        "CSV", data=table.to_csv(index=False), file_name=f"{stem}.csv", mime=MIME["csv"], key=f"{key}_csv"
+    )
+    c2.download_button(
+        "JSON",
+        data=table.to_json(orient="records", indent=2),
+        file_name=f"{stem}.json",
+        mime=MIME["json"],
+        key=f"{key}_json",
+    )
+
+
+# ----------------------------------------------------------------------------------------- figures
+def figure_card(fig, df, key: str, stem: str, description: str = "") -> None:
+    """A figure with its caption and an Export popover."""
+    with st.container(border=True):
+        st.plotly_chart(fig, key=f"fig-{key}", config=PLOTLY_CONFIG, **_CHART_KW)
+        left, right = st.columns([5, 1])
+        if description:
+            left.caption(description)
+        with right.popover("Export", **_POPOVER_KW):
+            export_buttons(fig, df, stem, key)
+
+
+def render_view(view: View, loaded: Loaded) -> bool:
+    """Draw one View; NotApplicable becomes an info line, a failure an error line. True when drawn."""
+    try:
+        fig, df = caching.build_view(view, loaded)
+    except NotApplicable as exc:
+        st.info(f"**{view.title}**: {exc}")
+        return False
+    except (InputError, CheckpointError, ValueError, KeyError) as exc:
+        st.error(f"**{view.title}**: {exc}")
+        return False
+    except Exception as exc:  # noqa: BLE001 - one broken figure must not take the page down
+        log.exception("view %s failed", view.key)
+        st.error(f"**{view.title}** could not be drawn: {type(exc).__name__}: {exc}")
+        return False
+    figure_card(fig, df, key=view.key, stem=f"{slug(loaded.ctx.label)}_{view.key}", description=view.description)
+    return True
+
+
+def section_views(section: str) -> list[View]:
+    return [v for v in all_views() if v.section == section]
+
+
+# ----------------------------------------------------------------------------------------- headline numbers
+def headline_metrics(loaded: Loaded) -> None:
+    """analysis.compare.headline_numbers of the run: the key ones as metrics, all of them in a table."""
+    try:
+        numbers = caching.headline(loaded)
+    except Exception as exc:  # noqa: BLE001
+        log.exception("headline numbers failed")
+        st.error(f"Headline numbers could not be computed: {type(exc).__name__}: {exc}")
+        return
+    keys = [k for k in KEY_HEADLINES if k in numbers]
+    per_row = 4
+    for start in range(0, len(keys), per_row):
+        cols = st.columns(per_row)
+        for col, key in zip(cols, keys[start : start + per_row]):
+            col.metric(HEADLINE_LABELS.get(key, key), format_number(numbers[key]), help=f"`{key}`")
+    rows = [
+        {"metric": k, "description": HEADLINE_LABELS.get(k, k), "value": v} for k, v in numbers.items() if k != "label"
+    ]
+    table = pd.DataFrame(rows)
+    with st.expander("All headline numbers"):
+        shown = table.assign(value=[format_number(v) for v in table["value"]])
+        st.dataframe(shown, hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
+        table_downloads(table, f"{slug(loaded.ctx.label)}_headline", "k3lab_head")
+
+
+def headline_delta(a: Loaded, b: Loaded) -> None:
+    """analysis.compare.headline_table of two runs (A, B, delta = A - B) with CSV/JSON export."""
+    try:
+        table = headline_table(caching.headline(a), caching.headline(b))
+    except Exception as exc:  # noqa: BLE001
+        log.exception("headline table failed")
+        st.error(f"Headline numbers could not be compared: {type(exc).__name__}: {exc}")
+        return
+    shown = table.rename(columns={"a": f"A: {a.ctx.label}", "b": f"B: {b.ctx.label}", "delta": "A - B"})
+    st.dataframe(shown.drop(columns=["metric"]), hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
+    table_downloads(table, f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_headline", "k3lab_cmp_head")
+
+
+# ----------------------------------------------------------------------------------------- comparison
+def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
+    """One view for A and B: side by side (shared axes) and, where the tables align, the difference A - B."""
+    stem = f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_{view.key}"
+    try:
+        fig, df = caching.compare_view("side", view, a, b)
+    except NotApplicable as exc:
+        st.info(f"**{view.title}**: {exc}")
+        return
+    except Exception as exc:  # noqa: BLE001
+        log.exception("comparison %s failed", view.key)
+        st.error(f"**{view.title}** could not be compared: {type(exc).__name__}: {exc}")
+        return
+    figure_card(fig, df, key=f"cmp-{view.key}", stem=stem, description=view.description)
+    try:
+        dfig, ddf = caching.compare_view("diff", view, a, b)
+    except NotApplicable as exc:
+        st.caption(f"No difference view for {view.title}: {exc}")
+        return
+    except Exception as exc:  # noqa: BLE001
+        log.exception("difference %s failed", view.key)
+        st.caption(f"No difference view for {view.title}: {type(exc).__name__}: {exc}")
+        return
+    with st.expander(f"Difference A - B: {view.title}"):
+        figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff")
+
+
+def layer_badges(cfg) -> str:
+    """The layer map as a row of coloured badges: KDA blue, MLA red; MoE layers marked with a dot."""
+    parts = []
+    for i, kind in enumerate(cfg.layer_types()):
+        colour = "red" if kind == "MLA" else "blue"
+        moe = "·moe" if cfg.is_moe_layer(i) else ""
+        parts.append(f":{colour}-background[{i}&nbsp;{kind}{moe}]")
+    return " ".join(parts)

@@ -1,0 +1,173 @@
+"""The view in the address bar: a copied link reopens the same page, run(s), text and choices.
+
+The page is the URL path (``/moe``; ``st.navigation`` with a ``url_path`` per page). The rest are
+query parameters, written on every run and read on a session's first run:
+
+    run      run label (sidebar)                 text     shakespeare | mqar | repeat | paste | upload
+    tokens   max tokens                          seq      sequence length of the memory views
+    device   cpu | cuda                          dtype    float32 | bfloat16 | float16
+    attn     0: do not record MLA attention      mode     compare: runs | texts
+    b        compare: run B label                text_b   compare: text B (as ``text``)
+    section  compare: density | attnres | moe | degradation
+
+An unknown value gets a warning that names it, and the default is used instead. Pasted and uploaded
+texts are not put in links (they can be large and private): such a link opens with the text source
+chosen and asks for the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import streamlit as st
+
+from app import inputs as inp
+
+TEXT_SLUGS = {
+    "shakespeare": inp.TEXT_SHAKESPEARE,
+    "mqar": inp.TEXT_MQAR,
+    "repeat": inp.TEXT_REPEAT,
+    "paste": inp.TEXT_PASTE,
+    "upload": inp.TEXT_UPLOAD,
+}
+SLUG_OF_TEXT = {v: k for k, v in TEXT_SLUGS.items()}
+SECTIONS = {"density": "KDA & density", "attnres": "AttnRes", "moe": "LatentMoE", "degradation": "Degradation"}
+TWO_RUNS, TWO_TEXTS = "Two runs, same text", "One run, two texts"
+MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS}
+SLUG_OF_MODE = {v: k for k, v in MODES.items()}
+PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section")
+APPLIED = "k3lab_link_applied"
+NOTES = "k3lab_link_notes"
+
+
+def _choice(name: str, value: str, allowed: dict[str, Any] | Sequence[str], notes: list[str]) -> Any:
+    """The session value for a query value from a fixed set, or None (with a note) when unknown."""
+    if isinstance(allowed, dict):
+        if value in allowed:
+            return allowed[value]
+        shown = sorted(allowed)
+    else:
+        if value in allowed:
+            return value
+        shown = list(allowed)
+    more = f" (and {len(shown) - 8} more)" if len(shown) > 8 else ""
+    notes.append(f"The link's {name}={value!r} is not known here; showing the default. Known: {shown[:8]}{more}.")
+    return None
+
+
+def _int(name: str, value: str, low: int, high: int, notes: list[str]) -> int | None:
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or not low <= n <= high:
+        notes.append(f"The link's {name}={value!r} is not a whole number in {low}..{high}; showing the default.")
+        return None
+    return n
+
+
+def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """Session-state values for a link's query parameters, and notes naming the values that were not used."""
+    notes: list[str] = []
+    out: dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        if value is not None:
+            out[key] = value
+
+    if "run" in params:
+        put("k3lab_run", _choice("run", params["run"], list(run_labels), notes))
+    if "text" in params:
+        put("k3lab_text_source", _choice("text", params["text"], TEXT_SLUGS, notes))
+        if params["text"] in ("paste", "upload"):
+            notes.append("Links do not carry pasted or uploaded text: paste or upload it again in the sidebar.")
+    if "tokens" in params:
+        put("k3lab_max_tokens", _int("tokens", params["tokens"], 2, inp.MAX_TOKENS_CAP, notes))
+    if "seq" in params:
+        seq = _int("seq", params["seq"], inp.SEQ_LENS[0], inp.SEQ_LENS[-1], notes)
+        if seq is not None and seq not in inp.SEQ_LENS:
+            notes.append(f"The link's seq={seq} is not one of the slider's lengths (powers of two from 1024).")
+            seq = None
+        put("k3lab_seq_len", seq)
+    if "device" in params:
+        put("k3lab_device", _choice("device", params["device"], inp.device_choices(), notes))
+    if "dtype" in params:
+        put("k3lab_dtype", _choice("dtype", params["dtype"], list(inp.DTYPES), notes))
+    if "attn" in params:
+        put("k3lab_record_attn", _choice("attn", params["attn"], {"0": False, "1": True}, notes))
+    if "mode" in params:
+        put("k3lab_cmp_mode", _choice("mode", params["mode"], MODES, notes))
+    if "b" in params:
+        put("k3lab_cmp_run_b", _choice("b", params["b"], list(run_labels), notes))
+    if "text_b" in params:
+        put("k3lab_cmp_text_source", _choice("text_b", params["text_b"], TEXT_SLUGS, notes))
+    if "section" in params:
+        put("k3lab_cmp_section", _choice("section", params["section"], list(SECTIONS), notes))
+    unknown = sorted(set(params) - set(PARAMS))
+    if unknown:
+        notes.append(f"The link's parameter(s) {unknown} are not known here and were ignored.")
+    return out, notes
+
+
+def apply_once(run_labels: Sequence[str]) -> None:
+    """On a session's first run, put the link's choices into the session (before any widget is drawn)."""
+    ss = st.session_state
+    if ss.get(APPLIED):
+        return
+    ss[APPLIED] = True
+    params = {k: st.query_params[k] for k in st.query_params.keys()}
+    values, notes = from_params(params, run_labels)
+    for key, value in values.items():
+        ss[key] = value
+    ss[NOTES] = notes
+
+
+def show_notes(page: str) -> None:
+    """The link's unknown values, as warnings, on the page the link opened (until the user leaves it)."""
+    ss = st.session_state
+    notes = ss.get(NOTES) or []
+    if not notes:
+        return
+    if ss.setdefault(NOTES + "_page", page) != page:
+        ss[NOTES] = []
+        return
+    for note in notes:
+        st.warning(note, icon=":material/link_off:")
+
+
+def params_of(inputs: inp.Inputs) -> dict[str, str]:
+    """The query parameters of the sidebar's choices (defaults left out, except run, text and tokens)."""
+    params: dict[str, str] = {}
+    if inputs.run is not None:
+        params["run"] = inputs.run.label
+    params["text"] = SLUG_OF_TEXT.get(inputs.text.source, "shakespeare")
+    params["tokens"] = str(inputs.text.max_tokens)
+    if inputs.seq_len != inp.SEQ_LEN_DEFAULT:
+        params["seq"] = str(inputs.seq_len)
+    if inputs.device != "cpu":
+        params["device"] = inputs.device
+    if inputs.dtype != "float32":
+        params["dtype"] = inputs.dtype
+    if not inputs.record_attn:
+        params["attn"] = "0"
+    return params
+
+
+def write(inputs: inp.Inputs) -> None:
+    """Replace the address bar's query parameters with the sidebar's choices."""
+    params = params_of(inputs)
+    if dict(st.query_params.to_dict()) != params:
+        st.query_params.from_dict(params)
+
+
+def write_compare(mode: str, run_b: str | None, text_b: str | None, section: str) -> None:
+    """Add the Compare page's choices to the address bar."""
+    extra = {"mode": SLUG_OF_MODE.get(mode, "runs"), "section": section}
+    if run_b is not None:
+        extra["b"] = run_b
+    if text_b is not None:
+        extra["text_b"] = SLUG_OF_TEXT.get(text_b, "mqar")
+    current = st.query_params.to_dict()
+    if any(current.get(k) != v for k, v in extra.items()):
+        st.query_params.update(extra)

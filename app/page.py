@@ -1,0 +1,207 @@
+"""What every page does first: get the sidebar's inputs, load the run (or stop with a clear message), title.
+
+``load_or_stop`` is the pages' one way to a traced run (``app.caching.load``); a bad checkpoint, text or
+device becomes an ``st.error`` and stops the page, never an exception. Long inputs and the importance
+ablations are run only when the user asks, with progress that says what is running; Streamlit's Stop
+(or any new input) cancels them between forward passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import streamlit as st
+
+from analysis.importance import sublayer_importance
+from analysis.views import AnalysisContext, View
+from app import caching, cards
+from app.caching import Loaded
+from app.inputs import LONG_INPUT_TOKENS, MAX_TOKENS_CAP, InputError, Inputs, TextChoice, current_inputs
+from app.uploads import RunRef
+from k3core.checkpoint import CheckpointError, load_config
+from k3core.trace import Trace
+
+log = logging.getLogger("k3lab.app")
+
+IMPORTANCE = "sublayer_importance"  # the AnalysisContext.once key of analysis.figures.density's importance
+
+
+def page_header(title: str, intro: str) -> None:
+    st.title(title)
+    st.caption(intro)
+
+
+def inputs_or_stop() -> Inputs:
+    """The sidebar inputs; stops the page with a message when there is no run to show."""
+    inputs = current_inputs()
+    if inputs is None or inputs.run is None:
+        st.info("No run selected. Upload a checkpoint on the **Upload** page.")
+        st.stop()
+    return inputs
+
+
+def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
+    """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page."""
+    ref = ref or inputs.run
+    try:
+        return caching.load_run(ref, inputs.device, inputs.dtype).model
+    except (CheckpointError, InputError) as exc:
+        error = f"**{ref.label}**: {exc}"
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
+        log.exception("loading %s failed", ref.path)
+        error = f"**{ref.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
+    st.error(error)
+    st.stop()
+
+
+def _confirm_long_input(inputs: Inputs, ref: RunRef, choice: TextChoice) -> None:
+    """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
+    try:
+        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        tokens = caching.make_tokens(choice, run)
+    except (CheckpointError, InputError):
+        return  # load_or_stop reports it
+    what = caching.trace_items(inputs.record_attn)
+    key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
+    confirmed = st.session_state.setdefault("k3lab_confirmed", set())
+    if tokens.n <= LONG_INPUT_TOKENS or key in confirmed or caching.is_traced(key):
+        return
+    speed = caching.tokens_per_second(run.fingerprint, inputs.device, inputs.dtype)
+    estimate = f"about {tokens.n / speed:,.0f} s" if speed else "not measured yet for this run"
+    st.warning(
+        f"**{ref.label}** will read {tokens.n:,} tokens (max tokens is {choice.max_tokens:,}; at most "
+        f"{MAX_TOKENS_CAP:,}). One forward pass with recording: {estimate}. The importance ablations take "
+        f"{2 * run.config.num_hidden_layers + 2} more. Lower *Max tokens* in the sidebar, or run it."
+    )
+    if not st.button(f"Run on {tokens.n:,} tokens", key=f"k3lab_confirm_{hash(key)}", type="primary"):
+        st.stop()
+    confirmed.add(key)
+
+
+def load_or_stop(
+    inputs: Inputs,
+    ref: RunRef | None = None,
+    choice: TextChoice | None = None,
+    label: str | None = None,
+    text_error: str | None = None,
+) -> Loaded:
+    """Run + trace + context for a run; on a bad checkpoint or text shows st.error and stops the page."""
+    ref = ref or inputs.run
+    if choice is None:
+        choice, text_error = inputs.text, inputs.text_error
+    if text_error:
+        st.error(text_error)
+        st.stop()
+    _confirm_long_input(inputs, ref, choice)
+    try:
+        loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
+    except (CheckpointError, InputError) as exc:
+        error = f"**{ref.label}**: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
+        log.exception("loading %s failed", ref.path)
+        error = f"**{ref.label}** could not be run on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
+    else:
+        for note in loaded.notes:
+            st.warning(note)
+        return loaded
+    st.error(error)
+    st.stop()
+
+
+def show_input_notes(loaded: Loaded) -> None:
+    """A notice when the text was cut to max tokens (a warning for the user's own text)."""
+    tok = loaded.tokens
+    if tok.truncated:
+        msg = (
+            f"Reading the first {tok.n:,} of {tok.total:,} tokens of the text (max tokens in the sidebar, at "
+            f"most {MAX_TOKENS_CAP:,})."
+        )
+        if tok.user_text:
+            st.warning(msg)
+        else:
+            st.caption(msg)
+
+
+def run_line(loaded: Loaded) -> None:
+    """One caption naming what is shown: run, tokens, text source, loss, device and dtype."""
+    loss = loaded.ctx.loss
+    loss_txt = f" · loss {loss:.3f} nats/token" if loss is not None else ""
+    st.caption(
+        f"**{loaded.ctx.label}** · {loaded.tokens.n:,} tokens of {loaded.tokens.source}{loss_txt} · "
+        f"{loaded.run.device}/{loaded.run.dtype}"
+    )
+
+
+def importance_or_button(view: View, loaded: Loaded) -> bool:
+    """True when the importance ablations are measured for this run and text; else a button to run them.
+
+    They run once per (run, text), shared by every session and every sidebar option, with a progress bar."""
+    ctx = loaded.ctx
+    if IMPORTANCE in ctx.shared:
+        return True
+    n_layers = loaded.run.config.num_hidden_layers
+    with st.container(border=True):
+        st.markdown(f"**{view.title}**")
+        st.caption(
+            f"{view.description} Needs {2 * n_layers + 1} forward passes (one per zeroed sub-layer) and one "
+            f"forward + backward on the {loaded.tokens.n:,} tokens; run once per run and text."
+        )
+        if not st.button("Measure layer importance", key=f"k3lab_importance_{view.key}", type="primary"):
+            return False
+        with st.status("Measuring layer importance...", expanded=True) as status:
+            bar = st.progress(0.0)
+
+            def progress(done: int, total: int, what: str) -> None:
+                bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
+
+            start = time.perf_counter()
+            with caching.model_use(loaded.model, exclusive=True):
+                ctx.once(IMPORTANCE, lambda: sublayer_importance(ctx.model, ctx.input_ids, progress=progress))
+            status.update(label=f"Layer importance measured in {time.perf_counter() - start:.1f} s", state="complete")
+    return True
+
+
+def render_section(section: str, loaded: Loaded) -> int:
+    """Every View of a section, in catalogue order (importance on request). Returns how many were drawn."""
+    views = cards.section_views(section)
+    if not views:
+        st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
+        return 0
+    drawn = 0
+    for view in views:
+        if view.needs_model and not importance_or_button(view, loaded):
+            continue
+        drawn += cards.render_view(view, loaded)
+    return drawn
+
+
+def section_page(section: str, title: str, intro: str) -> None:
+    """A mechanism page: every View of one section for the sidebar's run and text."""
+    inputs = inputs_or_stop()
+    page_header(title, intro)
+    loaded = load_or_stop(inputs)
+    show_input_notes(loaded)
+    run_line(loaded)
+    render_section(section, loaded)
+
+
+def history_context(ref: RunRef, overlays: list[RunRef]) -> Loaded | None:
+    """A context for the history views: the run's metrics.json plus overlays; no model or forward needed."""
+    try:
+        config = load_config(ref.path)
+    except CheckpointError as exc:
+        st.error(f"**{ref.label}**: {exc}")
+        return None
+    metrics = caching.run_metrics(ref)
+    overlay = {r.label: caching.run_metrics(r) for r in overlays}
+    ctx = AnalysisContext(
+        trace=Trace(), config=config, metrics=metrics, label=ref.label, options={"overlay_metrics": overlay}
+    )
+    key = (
+        "history",
+        ref.label,
+        caching.metrics_digest(metrics),
+        tuple((label, caching.metrics_digest(m)) for label, m in overlay.items()),
+    )
+    return Loaded(ref=ref, run=None, ctx=ctx, key=key, tokens=None)

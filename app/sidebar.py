@@ -1,0 +1,150 @@
+"""The sidebar every page shares: run, text, max tokens, device, dtype and view options.
+
+``sidebar()`` draws the widgets and stores the choices as ``app.inputs.Inputs`` in
+``st.session_state["k3lab_inputs"]``; the link in the address bar follows them (``app.links``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import streamlit as st
+
+from analysis.format import format_tokens
+from app import inputs as inp
+from app import links, uploads
+from app.inputs import InputError, Inputs, TextChoice
+from app.uploads import RunRef
+
+ORIGIN_TAGS = {"preloaded": "", "sample": " · sample", "uploaded": " · uploaded"}
+
+
+def sidebar() -> Inputs:
+    """Draw the sidebar inputs (run, text, max tokens, device, dtype, options) and return them.
+
+    The chosen inputs are also stored in ``st.session_state["k3lab_inputs"]`` for the pages.
+    """
+    ss = st.session_state
+    uploaded = ss.setdefault("k3lab_uploaded", [])
+    runs, problems = uploads.discover_runs(os.environ.get(uploads.RUNS_ENV), uploads.SAMPLES_DIR, uploaded)
+    labels = [r.label for r in runs]
+    by_label = {r.label: r for r in runs}
+    links.apply_once(labels)  # the link's choices, on a session's first run
+    pending = ss.pop("k3lab_pending_run", None)  # a folder path: select that run (e.g. after an upload)
+    pending_label = next((r.label for r in runs if pending and r.path == str(Path(pending).resolve())), None)
+    if pending_label is not None:
+        ss["k3lab_run"] = pending_label
+    elif ss.get("k3lab_run") not in by_label:
+        ss.pop("k3lab_run", None)
+
+    with st.sidebar:
+        run = None
+        if runs:
+            chosen = st.selectbox(
+                "Run",
+                labels,
+                key="k3lab_run",
+                format_func=lambda lab: lab + ORIGIN_TAGS.get(by_label[lab].origin, ""),
+                help="Checkpoint folders: those given to `k3lab app`, the shipped samples and your uploads.",
+            )
+            run = by_label.get(chosen)
+        else:
+            st.warning(
+                "No checkpoints found. Upload one on the **Upload** page, or start the app with `k3lab app PATH`."
+            )
+        for problem in problems:
+            st.warning(problem)
+
+        choice, text_error = text_choice("k3lab")
+        st.divider()
+        c1, c2 = st.columns(2)
+        device = c1.selectbox("Device", inp.device_choices(), key="k3lab_device")
+        if ss.get("k3lab_dtype") not in inp.dtype_choices(device):  # e.g. float16 chosen on cuda, then cpu
+            ss.pop("k3lab_dtype", None)
+        dtype = c2.selectbox("dtype", inp.dtype_choices(device), key="k3lab_dtype")
+        ss.setdefault("k3lab_seq_len", inp.SEQ_LEN_DEFAULT)
+        ss.setdefault("k3lab_record_attn", True)
+        seq_len = st.select_slider(
+            "Sequence length for memory views",
+            options=list(inp.SEQ_LENS),
+            key="k3lab_seq_len",
+            format_func=format_tokens,
+            help="The length at which cache memory and FLOPs per token are computed (density views). "
+            "Changing it redraws those figures from the config; the model does not run again.",
+        )
+        record_attn = st.checkbox(
+            "Record MLA attention probabilities",
+            key="k3lab_record_attn",
+            help=f"Needed for entropy and sink views; quadratic in length, recorded for at "
+            f"most {inp.MAX_ATTN_LEN} positions.",
+        )
+
+    inputs = Inputs(
+        runs=tuple(runs),
+        run=run,
+        text=choice,
+        text_error=text_error,
+        device=device,
+        dtype=dtype,
+        seq_len=int(seq_len),
+        record_attn=bool(record_attn),
+        problems=tuple(problems),
+    )
+    ss["k3lab_inputs"] = inputs
+    links.write(inputs)
+    return inputs
+
+
+def text_choice(
+    prefix: str, max_tokens: int | None = None, default: str = inp.TEXT_SHAKESPEARE, label: str = "Text"
+) -> tuple[TextChoice, str | None]:
+    """Text source picker (+ text box / file uploader, + max tokens unless given). Returns (choice, error)."""
+    st.session_state.setdefault(f"{prefix}_text_source", default)
+    source = st.selectbox(
+        label,
+        inp.TEXT_SOURCES,
+        key=f"{prefix}_text_source",
+        help="What the model reads. The Shakespeare passage is from a play held out of training; "
+        "MQAR is a synthetic associative-recall sequence (loss on the answers only).",
+    )
+    if max_tokens is None:
+        st.session_state.setdefault(f"{prefix}_max_tokens", inp.MAX_TOKENS_DEFAULT)
+        max_tokens = st.number_input(
+            "Max tokens",
+            min_value=2,
+            max_value=inp.MAX_TOKENS_CAP,
+            step=128,
+            key=f"{prefix}_max_tokens",
+            help=f"Longer texts are cut to their first N tokens (bytes); at most {inp.MAX_TOKENS_CAP:,}.",
+        )
+    text, name, error = None, "", None
+    if source == inp.TEXT_PASTE:
+        text = st.text_area(
+            "Your text", key=f"{prefix}_paste", height=140, placeholder="Paste any text; it is read as UTF-8 bytes."
+        )
+    elif source == inp.TEXT_UPLOAD:
+        up = st.file_uploader("Text file", type=["txt"], key=f"{prefix}_text_file")
+        if up is not None:
+            name = up.name
+            try:
+                text = inp.decode_upload(up.getvalue(), up.name)
+            except InputError as exc:
+                error = str(exc)
+    choice = TextChoice(source=source, max_tokens=int(max_tokens), text=text, name=name)
+    if error is None:
+        try:
+            inp.check_text(choice)
+        except InputError as exc:
+            error = str(exc)
+    if error is None and text is not None:
+        size = len(text.encode("utf-8", "replace"))
+        if size > choice.max_tokens:
+            st.caption(f"{size:,} bytes of text: the first {choice.max_tokens:,} are read (max tokens).")
+        else:
+            st.caption(f"{size:,} bytes of text.")
+    return choice, error
+
+
+def run_by_label(inputs: Inputs, label: str) -> RunRef | None:
+    return next((r for r in inputs.runs if r.label == label), None)
