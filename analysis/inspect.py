@@ -228,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.text or args.sample:
                 if args.text:
                     sample = runs_mod.text_input(
-                        Path(args.text).read_text(encoding="utf-8", errors="replace"), run.config, args.max_tokens
+                        Path(args.text).read_text(encoding="utf-8", errors="replace"),
+                        run.config,
+                        args.max_tokens,
+                        tokenizer=run.tokenizer,
                     )
                 else:
-                    sample = runs_mod.sample_input(args.sample, run.config, args.max_tokens)
+                    sample = runs_mod.sample_input(args.sample, run.config, args.max_tokens, tokenizer=run.tokenizer)
                 from analysis.compare import headline_numbers
 
                 headline = headline_numbers(runs_mod.trace_run(run, sample, what="all"))

@@ -381,15 +381,27 @@ def main(argv: list[str] | None = None) -> int:
             if not text_path.is_file():
                 raise ValueError(f"{text_path}: no such text file")
             sample = runs_mod.text_input(
-                text_path.read_text(encoding="utf-8", errors="replace"), cfg, args.max_tokens, name=text_path.name
+                text_path.read_text(encoding="utf-8", errors="replace"),
+                cfg,
+                args.max_tokens,
+                name=text_path.name,
+                tokenizer=runs[0].tokenizer,
             )
         else:
-            sample = runs_mod.sample_input(args.sample or runs_mod.DEFAULT_SAMPLE, cfg, args.max_tokens)
+            sample = runs_mod.sample_input(
+                args.sample or runs_mod.DEFAULT_SAMPLE, cfg, args.max_tokens, tokenizer=runs[0].tokenizer
+            )
         for run in runs[1:]:
             if run.config.vocab_size != cfg.vocab_size:
                 raise ValueError(
                     f"the runs have different vocabularies ({cfg.vocab_size} vs "
                     f"{run.config.vocab_size}); they cannot read the same input"
+                )
+            digests = {getattr(r.tokenizer, "digest", None) for r in (runs[0], run)}
+            if sample.name != "mqar" and len(digests) > 1:
+                raise ValueError(
+                    f"the runs have different tokenizers ({runs[0].tokenizer!r} vs {run.tokenizer!r}); "
+                    "the same token ids would be different texts"
                 )
         t0 = time.perf_counter()
         contexts = []
