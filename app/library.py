@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from app.safe_zip import ZipRefused, extract_run_zip
+from app.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
 from k3core.checkpoint_files import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -45,9 +46,6 @@ from k3core.checkpoint_files import (
     CheckpointFiles,
 )
 
-HOME_ENV = "K3LAB_HOME"
-MAX_UPLOAD_ENV = "K3LAB_MAX_UPLOAD_MB"
-DEFAULT_MAX_UPLOAD_MB = 4096
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
 SOURCES = ("upload", "path", "preset")
 EXTRA_NAMES = ("metrics.json", "README.md", "generation_config.json", "special_tokens_map.json", *TOKENIZER_FILES)
@@ -72,23 +70,6 @@ CREATE TABLE IF NOT EXISTS runs (
 
 class LibraryError(ValueError):
     """Something about a run the user added or chose; the message says what and how to fix it."""
-
-
-def home_dir(env: Mapping[str, str] | None = None) -> Path:
-    """The k3lab home folder: $K3LAB_HOME, else ~/.k3lab."""
-    env = os.environ if env is None else env
-    value = env.get(HOME_ENV, "").strip()
-    return Path(value).expanduser() if value else Path.home() / ".k3lab"
-
-
-def max_upload_mb(env: Mapping[str, str] | None = None) -> int:
-    """The per-file upload limit in MB: $K3LAB_MAX_UPLOAD_MB (set by `k3lab app --max-upload-mb`), else 4096."""
-    env = os.environ if env is None else env
-    try:
-        value = int(env.get(MAX_UPLOAD_ENV, DEFAULT_MAX_UPLOAD_MB))
-    except ValueError:
-        return DEFAULT_MAX_UPLOAD_MB
-    return value if value > 0 else DEFAULT_MAX_UPLOAD_MB
 
 
 def accepted_name(name: str) -> bool:

@@ -2,36 +2,20 @@
 
 Opening a checkpoint by path reads the server's disk, so a path is accepted only inside a configured root:
 the runs library home and the folders given with ``k3lab app --root DIR`` (default: the folder the app was
-started in). Paths are resolved (symlinks followed, ``..`` collapsed) *before* the check, so a link inside
-a root that points outside it is refused like the outside path itself. No Streamlit here.
+started in; see ``app.settings.configured_roots``). Paths are resolved (symlinks followed, ``..``
+collapsed) *before* the check, so a link inside a root that points outside it is refused like the outside
+path itself. No Streamlit here.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-
-ROOTS_ENV = "K3LAB_ROOTS"  # os.pathsep-joined folders, set by `k3lab app --root`
 
 
 class PathRefused(ValueError):
     """A path the app will not open; the message says why and how to allow it."""
-
-
-def configured_roots(
-    home: str | Path, env: Mapping[str, str] | None = None, cwd: str | Path | None = None
-) -> list[Path]:
-    """The library home plus K3LAB_ROOTS entries (default: the current folder), resolved and de-duplicated."""
-    env = os.environ if env is None else env
-    value = env.get(ROOTS_ENV, "")
-    extra = [p for p in value.split(os.pathsep) if p.strip()] if value.strip() else [str(cwd or os.getcwd())]
-    roots: list[Path] = []
-    for entry in [str(home), *extra]:
-        root = Path(entry.strip()).expanduser().resolve()
-        if root not in roots:
-            roots.append(root)
-    return roots
 
 
 def _inside(path: Path, roots: Iterable[Path]) -> bool:

@@ -16,18 +16,14 @@ import pytest
 import torch
 
 from app.library import (
-    DEFAULT_MAX_UPLOAD_MB,
-    HOME_ENV,
-    MAX_UPLOAD_ENV,
     LibraryError,
     RunsLibrary,
     accepted_name,
     clean_name,
     describe_folder,
-    home_dir,
-    max_upload_mb,
     summary_text,
 )
+from app.settings import DEFAULT_MAX_UPLOAD_MB, HOME_ENV, MAX_UPLOAD_ENV, home_dir, max_upload_mb
 from k3core.checkpoint import load_pretrained
 from k3core.model import K3ForCausalLM
 from tests.conftest import nano_model

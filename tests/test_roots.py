@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from app.roots import ROOTS_ENV, PathRefused, configured_roots, confine, confine_folder
+from app.roots import PathRefused, confine, confine_folder
+from app.settings import ROOTS_ENV, configured_roots
 
 
 @pytest.fixture
