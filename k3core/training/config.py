@@ -4,11 +4,14 @@ the corpus it names, and which fields a resumed run may change."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..config import PRESETS, ConfigError, K3Config
 from ..data import Corpus, load_shakespeare, load_text_path
@@ -211,3 +214,21 @@ def check_resume_config(stored: TrainConfig, given: dict[str, Any]) -> TrainConf
             )
         changes[key] = value
     return dataclasses.replace(stored, **changes)
+
+
+def derive_seed(seed: int, purpose: str) -> int:
+    """An independent 63-bit seed for one purpose: ``sha256(f"{seed}:{purpose}")`` truncated."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{purpose}".encode()).digest()[:8], "little") >> 1
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"``: cuda when available, else cpu; a named CUDA device must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise TrainError(f"--device {name!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device cuda requested but CUDA is not available")
+    return dev

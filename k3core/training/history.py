@@ -37,7 +37,7 @@ from ..data import Corpus, unigram_cross_entropy_bits
 from ..metrics import moe_load_stats
 from ..trace import Trace, TraceNames
 from .config import TrainConfig
-from .evaluate import MQAR_EVAL_SEED
+from .evaluate import LN2, MQAR_EVAL_SEED
 from .rundir import code_version
 
 HISTORY_KEYS = ("train", "val", "moe", "attnres")
@@ -141,3 +141,49 @@ def attnres_entry(model: torch.nn.Module, trace: Trace | None, step: int) -> dic
             "sources": list(sources),
         }
     return {"step": step, "mode": mode, "sites": sites}
+
+
+def train_entry(
+    cfg: TrainConfig, step: int, wall_time: float, info: dict[str, Any], interval: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """One history.train entry: the mean loss of the ``interval["n"]`` steps since the last entry
+    (``loss = interval["loss"] / n``, ``bpb = loss / ln 2``), the last step's lr / grad norm / aux loss,
+    and the interval's throughput ``interval["tokens"] / seconds``."""
+    loss = interval["loss"] / interval["n"]
+    entry = {
+        "step": step,
+        "tokens": step * cfg.batch_size * cfg.seq_len,
+        "wall_time": wall_time,
+        "lr": info["lr"],
+        "loss": loss,
+        "bpb": loss / LN2,
+        "grad_norm": info["grad_norm"],
+        "tokens_per_s": interval["tokens"] / seconds,
+    }
+    if info["aux_loss"] is not None:
+        entry["aux_loss"] = info["aux_loss"]
+    return entry
+
+
+def sample_entry(cfg: TrainConfig, text: str) -> dict[str, Any]:
+    """metrics.json ``sample``: the model card's generated text and how it was drawn."""
+    return {
+        "prompt": cfg.sample_prompt,
+        "text": text,
+        "max_new_tokens": cfg.sample_tokens,
+        "temperature": cfg.sample_temperature,
+        "top_k": cfg.sample_top_k,
+        "seed": cfg.seed,
+    }
+
+
+def final_entry(cfg: TrainConfig, step: int, wall_time: float, last_val: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json ``final``: the last validation entry's numbers at the last step."""
+    return {
+        "step": step,
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "wall_time_s": wall_time,
+        "val_loss": last_val["val_loss"],
+        "val_bpb": last_val["val_bpb"],
+        "mqar_accuracy": last_val["mqar_accuracy"],
+    }

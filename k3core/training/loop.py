@@ -17,7 +17,6 @@ version (CUDA kernels such as index_add_ are not deterministic, so GPU runs agre
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import signal
 import threading
@@ -36,9 +35,18 @@ from ..generate import generate_text
 from ..model import K3ForCausalLM
 from ..trace import record
 from .card import model_card
-from .config import RUNTIME_FIELDS, TrainConfig, TrainError, check_resume_config, load_corpus, resolve_model_config
+from .config import (
+    RUNTIME_FIELDS,
+    TrainConfig,
+    TrainError,
+    check_resume_config,
+    derive_seed,
+    load_corpus,
+    resolve_device,
+    resolve_model_config,
+)
 from .evaluate import LN2, evaluate_bits_per_byte, evaluate_mqar
-from .history import HISTORY_KEYS, attnres_entry, moe_entry, new_metrics
+from .history import HISTORY_KEYS, attnres_entry, final_entry, moe_entry, new_metrics, sample_entry, train_entry
 from .rundir import (
     METRICS_NAME,
     STATE_DIR,
@@ -58,24 +66,6 @@ from .schedule import lr_at
 
 class _Interrupted(Exception):
     """Internal: a stop request (SIGINT, stop_event) was seen at a step boundary."""
-
-
-def derive_seed(seed: int, purpose: str) -> int:
-    """An independent 63-bit seed for one purpose: ``sha256(f"{seed}:{purpose}")`` truncated."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{purpose}".encode()).digest()[:8], "little") >> 1
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"``: cuda when available, else cpu; a named CUDA device must exist."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as exc:
-        raise TrainError(f"--device {name!r}: {exc}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError("--device cuda requested but CUDA is not available")
-    return dev
 
 
 class Trainer:
@@ -290,21 +280,8 @@ class Trainer:
         return self._sigint or (self.stop_event is not None and self.stop_event.is_set())
 
     def _log_interval(self, info: dict[str, Any], interval: dict[str, float]) -> dict[str, Any]:
-        cfg = self.cfg
-        dt = max(time.perf_counter() - interval["t0"], 1e-9)
-        loss = interval["loss"] / interval["n"]
-        entry = {
-            "step": self.step,
-            "tokens": self.step * cfg.batch_size * cfg.seq_len,
-            "wall_time": self._wall(),
-            "lr": info["lr"],
-            "loss": loss,
-            "bpb": loss / LN2,
-            "grad_norm": info["grad_norm"],
-            "tokens_per_s": interval["tokens"] / dt,
-        }
-        if info["aux_loss"] is not None:
-            entry["aux_loss"] = info["aux_loss"]
+        seconds = max(time.perf_counter() - interval["t0"], 1e-9)
+        entry = train_entry(self.cfg, self.step, self._wall(), info, interval, seconds)
         self.history["train"].append(entry)
         self.log_moe()
         self.write_metrics()
@@ -373,22 +350,8 @@ class Trainer:
             sample = generate_text(
                 self.model, cfg.sample_prompt, cfg.sample_tokens, cfg.sample_temperature, cfg.sample_top_k, cfg.seed
             )
-        self.metrics["sample"] = {
-            "prompt": cfg.sample_prompt,
-            "text": sample,
-            "max_new_tokens": cfg.sample_tokens,
-            "temperature": cfg.sample_temperature,
-            "top_k": cfg.sample_top_k,
-            "seed": cfg.seed,
-        }
-        self.metrics["final"] = {
-            "step": self.step,
-            "tokens_seen": self.step * cfg.batch_size * cfg.seq_len,
-            "wall_time_s": self._wall(),
-            "val_loss": last["val_loss"],
-            "val_bpb": last["val_bpb"],
-            "mqar_accuracy": last["mqar_accuracy"],
-        }
+        self.metrics["sample"] = sample_entry(cfg, sample)
+        self.metrics["final"] = final_entry(cfg, self.step, self._wall(), last)
         self.metrics["status"] = "finished"
         if cfg.keep_state:
             self.save()

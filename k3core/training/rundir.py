@@ -16,6 +16,7 @@ Everything is safetensors + JSON: nothing is pickled. A resume checkpoint is fir
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -71,10 +72,8 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     try:
-        from importlib.metadata import version
-
-        return f"k3lab {version('k3lab')}"
-    except Exception:  # noqa: BLE001 - not installed
+        return f"k3lab {importlib.metadata.version('k3lab')}"
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
 
