@@ -1,67 +1,108 @@
-"""Checkpoint I/O: a directory with ``config.json`` and ``model.safetensors`` (sharded with
+"""Checkpoint I/O: a folder with ``config.json`` and ``model.safetensors`` (sharded with
 ``model.safetensors.index.json`` when large), Hugging Face conventions and key names.
 
-Loading checks everything and raises one error type, ``CheckpointError``, whose message names
-the file, the tensor and what was expected: missing or invalid config, not a safetensors file,
-truncated or corrupt data, missing / unexpected / mis-shaped tensors, NaN or Inf values. Pickle
-files (``.pt``, ``.bin``) are never unpickled; they are read only when
-``torch.load(weights_only=True)`` accepts them.
+Loading streams, so that it works for any size (see :func:`load_pretrained`):
+
+1. ``CheckpointFiles.open`` reads config.json, the shard index and every safetensors header
+   (k3core/checkpoint_files.py; name variants, skipped multimodal tensors, the keep-fp32 rule);
+2. the model is built on the meta device (shapes only, no storage), tensors named by the keep-fp32
+   rule switched to fp32;
+3. every check that headers can answer runs before any data is read: quantised tensors, missing /
+   unexpected / mis-shaped tensors, byte counts;
+4. storage is allocated on the target device(s) and the tensors are read one at a time, file by file
+   in offset order, straight into their parameter (no copy at all when a CPU parameter has the stored
+   dtype), each checked for NaN/Inf as it lands. Peak host memory: what the model occupies on the CPU
+   plus the largest single tensor.
+
+Everything a user can get wrong raises one error type, ``CheckpointError``, whose message names the
+file, the tensor and what was expected. Pickle files (``.pt``, ``.bin``) are never unpickled; they are
+read only when ``torch.load(weights_only=True)`` accepts them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
-import tempfile
+import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from .checkpoint_files import CheckpointError
-from .config import ConfigError, K3Config
+from .checkpoint_files import (
+    CONFIG_NAME,
+    DTYPES,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    CheckpointFiles,
+    TensorInfo,
+    folder_fingerprint,
+    keep_fp32,
+    read_config,
+)
+from .config import K3Config
+from .files import atomic_write_bytes
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin", "pytorch_model.pt")
-HF_PREFIXES = ("language_model.",)
-# transformers' own KimiLinearForCausalLM.save_pretrained names a dense layer's MLP like an MoE block.
-_DENSE_AS_MOE = re.compile(r"(\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.)")
+__all__ = [
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "WEIGHTS_NAME",
+    "CheckpointError",
+    "ProgressFn",
+    "checkpoint_fingerprint",
+    "export_state_dict",
+    "load_config",
+    "load_pretrained",
+    "save_pretrained",
+]
 
+ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Stored names that only quantised checkpoints have (MXFP4 blocks/scales, FP8 scales, GPTQ/AWQ packs).
+QUANTISED_SUFFIXES = (
+    "_blocks",
+    "_scales",
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".input_scale",
+    ".qweight",
+    ".qzeros",
+    ".scales",
+    ".g_idx",
+)
+_CHECK_ELEMENTS = 1 << 24  # NaN/Inf checked in slices of 16M elements: a bounded temporary
 
 
 # ---------------------------------------------------------------------------------------- save
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def export_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """State dict with published key names, as independent contiguous CPU tensors (no shared storage)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in _published_tensors(model).items()}
+
+
+def _published_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Published names -> live tensors (views, not copied); the tied LM head left out."""
     sd = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
+    return sd
 
 
-def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 2 * 1024**3,
-                    extra_metadata: dict[str, str] | None = None, config_format: str = "auto") -> Path:
+def save_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    max_shard_bytes: int = 2 * 1024**3,
+    extra_metadata: dict[str, str] | None = None,
+    config_format: str = "auto",
+) -> Path:
     """Write config.json + model.safetensors (or shards + index), each file atomically.
 
-    ``config_format``: "hf" writes transformers' ``kimi_linear`` config.json (and Kimi Linear's
-    [1, 1, H, 1] ``A_log``), so that ``transformers.AutoModelForCausalLM.from_pretrained`` loads it;
-    "k3lab" writes k3lab's own config; "auto" (default) picks "hf" whenever the architecture is Kimi Linear.
+    One shard is copied to host memory at a time. ``config_format``: "hf" writes transformers'
+    ``kimi_linear`` config.json (and Kimi Linear's [1, 1, H, 1] ``A_log``), so that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads it; "k3lab" writes k3lab's own config;
+    "auto" (default) picks "hf" whenever the architecture is Kimi Linear.
     """
     from safetensors.torch import save
 
@@ -72,232 +113,301 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: i
     config_text = json.dumps(config.to_hf_dict(), indent=2) if hf else config.to_json()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = export_state_dict(model)
-    if hf:
-        for key in [k for k in tensors if k.endswith("self_attn.A_log")]:
-            tensors[key] = tensors[key].reshape(1, 1, -1, 1)
-    metadata = {"format": "pt", "producer": "k3lab", **(extra_metadata or {})}
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    live = _published_tensors(model)
+    shards: list[list[str]] = [[]]
     size = 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
+    for key in sorted(live):
+        nbytes = live[key].numel() * live[key].element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][key] = tensors[key]
+        shards[-1].append(key)
         size += nbytes
+
+    def shard_bytes(keys: list[str]) -> bytes:
+        tensors = {k: live[k].detach().to("cpu").contiguous().clone() for k in keys}
+        if hf:
+            for key in [k for k in tensors if k.endswith("self_attn.A_log")]:
+                tensors[key] = tensors[key].reshape(1, 1, -1, 1)
+        return save(tensors, metadata=metadata)
+
+    metadata = {"format": "pt", "producer": "k3lab", **(extra_metadata or {})}
     # Remove files of an earlier save so a directory never mixes layouts.
     for old in list(path.glob("model-*-of-*.safetensors")) + [path / INDEX_NAME, path / WEIGHTS_NAME]:
         old.unlink(missing_ok=True)
     if len(shards) == 1:
-        _atomic_write_bytes(path / WEIGHTS_NAME, save(shards[0], metadata=metadata))
+        atomic_write_bytes(path / WEIGHTS_NAME, shard_bytes(shards[0]))
     else:
         weight_map = {}
-        for n, shard in enumerate(shards, 1):
+        for n, keys in enumerate(shards, 1):
             name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_write_bytes(path / name, save(shard, metadata=metadata))
-            weight_map.update({k: name for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+            atomic_write_bytes(path / name, shard_bytes(keys))
+            weight_map.update({k: name for k in keys})
+        total = sum(t.numel() * t.element_size() for t in live.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=2).encode())
-    _atomic_write_bytes(path / CONFIG_NAME, (config_text + "\n").encode())
+        atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=2).encode())
+    atomic_write_bytes(path / CONFIG_NAME, (config_text + "\n").encode())
     return path
 
 
 # ---------------------------------------------------------------------------------------- load
 def load_config(path: str | Path) -> K3Config:
+    """The K3Config of a checkpoint folder (or of the folder of a weights file). Raises CheckpointError."""
     path = Path(path)
-    cfg_path = path / CONFIG_NAME if path.is_dir() else path.parent / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path}: config.json is missing (a checkpoint is a folder with "
-                              f"config.json and model.safetensors)")
-    try:
-        data = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path}: config.json is not valid JSON ({exc})") from exc
-    try:
-        return K3Config.from_dict(data)
-    except (ConfigError, KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{cfg_path}: invalid config: {exc}") from exc
+    return read_config(path if path.is_dir() else path.parent)
 
 
-def _header_data_end(file: Path, header: object) -> int:
-    """Check the structure of a parsed safetensors header; return the end offset of its data section.
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A cache key that changes with the content: SHA-256 over config, index and tokenizer files, and each
+    weight file's name, size, modification time and header (pickle files, which have none, whole)."""
+    return folder_fingerprint(Path(path))
 
-    A header is a JSON object mapping each tensor name to {"dtype": str, "shape": [int, ...],
-    "data_offsets": [begin, end]} with 0 <= begin <= end (plus an optional "__metadata__" entry).
-    """
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, "
-                              f"expected an object of tensor entries)")
-    end = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        ok = (
-            isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str)
-            and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
+
+def keep_fp32_parameters(model: nn.Module) -> list[str]:
+    """Switch the model's keep-fp32 tensors (``checkpoint_files.keep_fp32``) to fp32, in place; their names.
+
+    Meant for a model on the meta device, before storage is allocated (costs nothing there)."""
+    names = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for table in (module._parameters, module._buffers):
+            for leaf, tensor in list(table.items()):
+                if tensor is None or not tensor.is_floating_point() or not keep_fp32(prefix + leaf):
+                    continue
+                names.append(prefix + leaf)
+                if tensor.dtype == torch.float32:
+                    continue
+                if isinstance(tensor, nn.Parameter):
+                    table[leaf] = nn.Parameter(tensor.detach().float(), requires_grad=tensor.requires_grad)
+                else:
+                    table[leaf] = tensor.float()
+    return names
+
+
+def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Published name -> the model's tensor (meta or real) that a checkpoint tensor of that name fills."""
+    return _published_tensors(model)
+
+
+def _adapted_shape_ok(name: str, stored: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Published layouts that differ from k3core's: Kimi Linear's A_log [1, 1, H, 1]; the K3 repo's
+    A_log padded with zeros to more entries than heads (the padding is checked when it is read)."""
+    if stored == want:
+        return True
+    if not name.endswith("self_attn.A_log"):
+        return False
+    return math.prod(stored) == math.prod(want) or (len(stored) == 1 and len(want) == 1 and stored[0] > want[0])
+
+
+def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> None:
+    """Every check the headers can answer, before any data is read. Raises CheckpointError."""
+    where = files.folder.name or str(files.folder)
+    quantised = sorted(
+        (info.raw_name, info.dtype)
+        for name, info in files.tensors.items()
+        if info.raw_name.endswith(QUANTISED_SUFFIXES)
+        or info.dtype not in FLOAT_DTYPES
+        and (name not in expected or expected[name].is_floating_point())
+    )
+    if quantised:
+        kinds = sorted({dtype for _, dtype in quantised})
+        names = [raw for raw, _ in quantised]
+        raise CheckpointError(
+            f"{where}: {len(names)} quantised tensor(s) (dtypes {kinds}) that k3lab cannot use; it computes in "
+            f"fp32/bf16/fp16 and needs unquantised weights: {names[:8]}{' ...' if len(names) > 8 else ''}"
         )
-        if not ok:
-            raise CheckpointError(f"{file}: corrupt safetensors header: entry {key!r} is not "
-                                  f"{{dtype, shape, data_offsets}} ({str(entry)[:120]})")
-        end = max(end, offsets[1])
-    return end
-
-
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    size = file.stat().st_size
-    if size < 8:
-        raise CheckpointError(f"{file}: not a safetensors file (only {size} bytes)")
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little")
-        if n <= 0 or n > size - 8:
-            if head[:2] == b"PK" or head[:1] == b"\x80":
-                raise CheckpointError(f"{file}: this is a pickle/zip (torch.save) file, not safetensors; "
-                                      f"k3lab never unpickles untrusted files")
-            raise CheckpointError(f"{file}: not a safetensors file (header length {n} does not fit in {size} bytes)")
-        header_bytes = fh.read(n)
-    try:
-        header = json.loads(header_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file}: corrupt safetensors header ({exc})") from exc
-    end = _header_data_end(file, header)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{file}: truncated: the header describes {8 + n + end} bytes but the file has {size}")
-    try:
-        out = {}
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
-        return out
-    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"{file}: corrupt safetensors data ({exc})") from exc
-
-
-def _read_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means we refuse the file
-        raise CheckpointError(f"{file}: refusing to load this pickle file: torch.load(weights_only=True) "
-                              f"rejected it ({type(exc).__name__}); convert it to safetensors") from exc
-    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise CheckpointError(f"{file}: the pickle file does not hold a plain dict of tensors")
-    return obj
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (or a single weights file), with HF prefixes stripped."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint")
-    folder = path if path.is_dir() else path.parent
-    if path.is_file():
-        files = [path]
-    elif (folder / INDEX_NAME).is_file():
-        try:
-            index = json.loads((folder / INDEX_NAME).read_text())
-            files = [folder / name for name in sorted(set(index["weight_map"].values()))]
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{folder / INDEX_NAME}: invalid shard index ({exc})") from exc
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{folder}: shard files listed in the index are missing: {missing}")
-    elif (folder / WEIGHTS_NAME).is_file():
-        files = [folder / WEIGHTS_NAME]
-    else:
-        pickles = [folder / n for n in PICKLE_NAMES if (folder / n).is_file()]
-        if not pickles:
-            raise CheckpointError(f"{folder}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
-        files = pickles[:1]
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if file.suffix in (".pt", ".bin", ".pth", ".ckpt"):
-            part = _read_pickle_weights_only(file)
-        else:
-            part = _read_safetensors(file)
-        for key, value in part.items():
-            for prefix in HF_PREFIXES:
-                if key.startswith(prefix):
-                    key = key[len(prefix):]
-            tensors[_DENSE_AS_MOE.sub(r"\1mlp.\2", key)] = value
-    return tensors
-
-
-def _adapt_published_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
-    """The real K3 checkpoint pads A_log to 128 entries with zeros after the live heads; Kimi Linear
-    ships A_log as [1, 1, H, 1]. Both become our [H]."""
-    for key, value in tensors.items():
-        want = expected.get(key)
-        if key.endswith("self_attn.A_log") and want is not None and value.dim() > 1 \
-                and value.numel() == want.numel():
-            tensors[key] = value = value.reshape(want)
-        if key.endswith("self_attn.A_log") and want is not None and value.dim() == 1 and value.shape[0] > want[0]:
-            if torch.count_nonzero(value[want[0]:]) == 0:
-                tensors[key] = value[: want[0]]
-
-
-def validate_state_dict(tensors: dict[str, torch.Tensor], model: torch.nn.Module, where: str) -> None:
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
-    _adapt_published_shapes(tensors, expected)
+    for info in files.tensors.values():
+        if info.begin < 0:
+            continue  # pickle: the tensor itself is already in memory
+        size = torch.empty((), dtype=DTYPES[info.dtype]).element_size()
+        if info.numel * size != info.nbytes:
+            raise CheckpointError(
+                f"{info.file.name}: corrupt safetensors data: tensor {info.raw_name!r} has {info.nbytes} bytes "
+                f"for shape {list(info.shape)} of {info.dtype} ({info.numel * size} expected)"
+            )
     problems = []
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(files.tensors))
+    unexpected = sorted(set(files.tensors) - set(expected))
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s): {unexpected[:8]}"
-                        f"{' ...' if len(unexpected) > 8 else ''}")
-    shapes = [f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(expected[k])}"
-              for k in sorted(set(tensors) & set(expected)) if tuple(tensors[k].shape) != tuple(expected[k])]
+        problems.append(
+            f"{len(unexpected)} unexpected tensor(s): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    shapes = [
+        f"{k}: checkpoint {files.tensors[k].shape} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(files.tensors) & set(expected))
+        if not _adapted_shape_ok(k, files.tensors[k].shape, tuple(expected[k].shape))
+    ]
     if shapes:
         problems.append(f"{len(shapes)} mis-shaped tensor(s): {shapes[:6]}")
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        problems.append(f"NaN or Inf values in {len(bad)} tensor(s): {sorted(bad)[:8]}")
     if problems:
         raise CheckpointError(f"{where}: checkpoint does not match its config: " + "; ".join(problems))
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None):
-    """Load a checkpoint folder into a K3ForCausalLM (eval mode). Raises CheckpointError."""
-    from .model import K3ForCausalLM
+def _refuse_quantised_config(folder: Path) -> None:
+    try:
+        data = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return  # read_config has already reported a bad config
+    quant = data.get("quantization_config") or (data.get("text_config") or {}).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise CheckpointError(
+            f"{folder.name}/config.json: a quantised checkpoint (quantization_config: {method}); k3lab needs "
+            f"unquantised weights (bf16/fp16/fp32)"
+        )
 
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    config = load_config(path)
-    tensors = read_weights(path)
-    model = K3ForCausalLM(config)
-    validate_state_dict(tensors, model, str(path))
-    model.load_state_dict(tensors, strict=not config.tie_word_embeddings)
-    model = model.to(device=device)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
+
+def _finite(t: torch.Tensor) -> bool:
+    flat = t.reshape(-1)
+    return all(
+        bool(torch.isfinite(flat[i : i + _CHECK_ELEMENTS]).all()) for i in range(0, flat.numel(), _CHECK_ELEMENTS)
+    )
+
+
+def _read_exact(fh, view: memoryview, info: TensorInfo) -> None:
+    done = 0
+    while done < len(view):
+        n = fh.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{info.file.name}: truncated while reading {info.raw_name!r}")
+        done += n
+
+
+def _adapt(name: str, value: torch.Tensor, want: tuple[int, ...], info: TensorInfo) -> torch.Tensor:
+    if tuple(value.shape) == want:
+        return value
+    if value.numel() == math.prod(want):
+        return value.reshape(want)
+    # K3 repo: A_log zero-padded beyond the live heads.
+    if torch.count_nonzero(value[want[0] :]) != 0:
+        raise CheckpointError(
+            f"{info.file.name}: {name} has {value.shape[0]} entries for {want[0]} heads and the extra ones are "
+            f"not zero padding"
+        )
+    return value[: want[0]]
+
+
+def stream_weights(
+    model: nn.Module,
+    files: CheckpointFiles,
+    progress: ProgressFn | None = None,
+    sink: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+) -> None:
+    """Read every tensor of ``files`` into the model's (already allocated) tensors, one at a time.
+
+    File by file in offset order; a CPU target of the stored dtype and shape is read into directly,
+    anything else goes through one temporary of that tensor's size. Each tensor is checked for NaN/Inf
+    where it lands. ``sink(name, tensor)`` may redirect a target (e.g. to a disk-offload buffer): it
+    returns the tensor to fill, or None for the model's own. Raises CheckpointError.
+    """
+    targets = expected_tensors(model)
+    total = files.bytes_total
+    done = 0
+    order = sorted(files.tensors.values(), key=lambda i: (str(i.file), i.begin))
+    handles: dict[Path, Any] = {}
+    try:
+        for info in order:
+            name = info.name
+            target = targets[name]
+            if sink is not None:
+                target = sink(name, target) or target
+            want = tuple(target.shape)
+            with torch.no_grad():
+                if info.begin < 0:  # pickle: already in memory
+                    target.copy_(_adapt(name, files.read(name), want, info))
+                else:
+                    fh = handles.get(info.file)
+                    if fh is None:
+                        fh = handles[info.file] = open(info.file, "rb")  # noqa: SIM115 - closed below
+                    fh.seek(info.begin)
+                    stored = DTYPES[info.dtype]
+                    direct = (
+                        target.device.type == "cpu"
+                        and target.dtype == stored
+                        and tuple(info.shape) == want
+                        and target.is_contiguous()
+                    )
+                    if direct:
+                        _read_exact(fh, memoryview(target.reshape(-1).view(torch.uint8).numpy()), info)
+                    else:
+                        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+                        _read_exact(fh, memoryview(buf.numpy()), info)
+                        value = buf.view(stored).reshape(info.shape) if info.nbytes else buf.view(stored)
+                        target.copy_(_adapt(name, value.reshape(info.shape), want, info))
+                        del buf, value
+                    files.bytes_read += info.nbytes
+                if target.is_floating_point() and not _finite(target):
+                    raise CheckpointError(
+                        f"{info.file.name}: NaN or Inf values in tensor {name!r} (stored as {info.raw_name!r})"
+                    )
+            done += info.nbytes
+            if progress is not None:
+                progress(done, total)
+    finally:
+        for fh in handles.values():
+            fh.close()
+
+
+def materialise(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Give a meta-device model uninitialised storage on ``device``, keeping tied weights tied."""
+    model.to_empty(device=device)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def tqdm_progress(desc: str) -> tuple[ProgressFn, Callable[[], None]]:
+    """A progress callback drawing a tqdm bar in bytes (for command lines), and its close function."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return update, bar.close
+
+
+def load_pretrained(
+    path: str | Path,
+    model_cls: type[nn.Module],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: ProgressFn | bool | None = None,
+    max_memory: dict[Any, int | str] | None = None,
+    offload_folder: str | Path | None = None,
+) -> nn.Module:
+    """Stream a checkpoint folder into ``model_cls`` (eval mode). Raises CheckpointError.
+
+    ``dtype`` (default fp32) applies to every tensor but those of the keep-fp32 rule, which stay fp32.
+    ``device``: a device ("cpu", "cuda:1"), or "auto" to place decoder layers over every visible GPU,
+    then the CPU, then ``offload_folder`` on disk, with accelerate (see k3core/placement.py; ``max_memory``
+    as accelerate's, e.g. ``{0: "70GiB", "cpu": "200GiB"}``). ``progress``: a callback (bytes done,
+    bytes total) or True for a tqdm bar.
+    """
+    files = CheckpointFiles.open(path)
+    _refuse_quantised_config(files.folder)
+    config = files.config
+    model = model_cls.from_config(config, device="meta", dtype=dtype or torch.float32)
+    keep_fp32_parameters(model)
+    check_headers(files, {k: v for k, v in expected_tensors(model).items()})
+    close = None
+    if progress is True:
+        progress, close = tqdm_progress(f"loading {files.folder.name}")
+    elif progress is False:
+        progress = None
+    try:
+        if str(device) == "auto" or max_memory is not None:
+            from .placement import load_placed
+
+            model = load_placed(model, files, max_memory=max_memory, offload_folder=offload_folder, progress=progress)
+        else:
+            materialise(model, device)
+            stream_weights(model, files, progress=progress)
+    finally:
+        if close is not None:
+            close()
     return model.eval()
-
-
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """SHA-256 over config.json and every weights file: a cache key that changes with the content."""
-    path = Path(path)
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.name == CONFIG_NAME or p.suffix in (".safetensors", ".json"))
-    for file in files:
-        h.update(file.name.encode())
-        with open(file, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()

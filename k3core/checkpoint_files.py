@@ -347,23 +347,45 @@ class CheckpointFiles:
         return torch.frombuffer(data, dtype=dtype).reshape(info.shape)
 
     def fingerprint(self) -> str:
-        """SHA-256 over config, index, tokenizer files and each weight file's name, size, mtime and header.
+        """See :func:`folder_fingerprint` (the same key, for the files this checkpoint reads)."""
+        return _fingerprint(self.folder, self.files)
 
-        Weight files are not hashed byte by byte (terabytes); a pickle file, which has no header, is
-        hashed whole (so two different ``pytorch_model.bin`` uploads never share a cache entry)."""
-        h = hashlib.sha256()
-        for name in (CONFIG_NAME, INDEX_NAME, *TOKENIZER_FILES):
-            file = self.folder / name
-            if file.is_file():
-                h.update(name.encode() + b"\0" + file.read_bytes())
-        for file in self.files:
-            st = file.stat()
-            h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-            with open(file, "rb") as fh:
-                if file.suffix in PICKLE_SUFFIXES:
-                    for block in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(block)
-                else:
-                    n = int.from_bytes(fh.read(8), "little")
-                    h.update(fh.read(min(n, MAX_HEADER_BYTES)))
-        return h.hexdigest()
+
+def folder_fingerprint(path: Path) -> str:
+    """SHA-256 over config, index, tokenizer files and each weight file's name, size, mtime and header.
+
+    Weight files are not hashed byte by byte (terabytes); a pickle file, which has no header, is
+    hashed whole (so two different ``pytorch_model.bin`` uploads never share a cache entry). Nothing is
+    validated here: a broken checkpoint still gets a key, and its error when it is loaded."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    try:
+        files = weight_files(path)
+    except CheckpointError:
+        files = (
+            sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", *PICKLE_SUFFIXES))
+            if folder.is_dir()
+            else []
+        )
+    return _fingerprint(folder, files)
+
+
+def _fingerprint(folder: Path, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for name in (CONFIG_NAME, INDEX_NAME, *TOKENIZER_FILES):
+        file = folder / name
+        if file.is_file():
+            h.update(name.encode() + b"\0" + file.read_bytes())
+    for file in files:
+        if not file.is_file():
+            continue
+        st = file.stat()
+        h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(file, "rb") as fh:
+            if file.suffix in PICKLE_SUFFIXES:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            else:
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(min(n, MAX_HEADER_BYTES)))
+    return h.hexdigest()

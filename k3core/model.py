@@ -17,6 +17,7 @@ State-dict keys follow the published Kimi K3 / Kimi Linear names (``model.layers
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch import nn
 
 from . import trace as _trace
 from .cache import K3Cache
+from .checkpoint import load_pretrained, save_pretrained
 from .config import K3Config
 from .generate import generate as _generate
 from .layers.ffn import GatedMLP
@@ -274,16 +276,31 @@ class K3ForCausalLM(nn.Module):
         return model.to(dtype=dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None) -> K3ForCausalLM:
-        from .checkpoint import load_pretrained
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        progress: Callable[[int, int], None] | bool | None = None,
+        max_memory: dict[Any, int | str] | None = None,
+        offload_folder: str | Path | None = None,
+    ) -> K3ForCausalLM:
+        """Stream a checkpoint folder in (any size; see ``k3core.checkpoint.load_pretrained``).
 
-        return load_pretrained(path, device=device, dtype=dtype)
+        ``device="auto"`` places layers over every GPU, then CPU, then ``offload_folder`` (accelerate);
+        tensors of the keep-fp32 rule stay fp32 whatever ``dtype``; ``progress``: (bytes done, total)
+        callback, or True for a tqdm bar. Raises CheckpointError."""
+        return load_pretrained(
+            path, cls, device=device, dtype=dtype, progress=progress, max_memory=max_memory,
+            offload_folder=offload_folder,
+        )
 
-    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 2 * 1024**3) -> Path:
-        from .checkpoint import save_pretrained
-
-        return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+    def save_pretrained(
+        self, path: str | Path, max_shard_bytes: int = 2 * 1024**3, config_format: str = "auto"
+    ) -> Path:
+        """config.json + safetensors (sharded above ``max_shard_bytes``); Kimi-Linear-type configs in
+        transformers' format unless ``config_format="k3lab"``."""
+        return save_pretrained(self, path, max_shard_bytes=max_shard_bytes, config_format=config_format)
 
     # -------------------------------------------------------------- forward
     def moe_layers(self) -> list[LatentMoE]:

@@ -18,13 +18,15 @@ from k3core.checkpoint import (
     CheckpointError,
     checkpoint_fingerprint,
     export_state_dict,
-    load_pretrained,
     save_pretrained,
 )
+from k3core.checkpoint_files import keep_fp32
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 
 from .conftest import nano_model, randomize_attnres_queries
+
+load_pretrained = K3ForCausalLM.from_pretrained
 
 
 def _varied_nano(**overrides) -> K3ForCausalLM:
@@ -106,11 +108,42 @@ def test_tied_embeddings_round_trip(tmp_path, tokens):
     _assert_same_model(model, loaded, tokens)
 
 
-def test_bf16_round_trip(tmp_path, tokens):
-    model = _varied_nano().to(torch.bfloat16)
+def test_bf16_load_keeps_the_fp32_tensors_in_fp32(tmp_path, tokens):
+    """The keep-fp32 rule (checkpoint_files.keep_fp32): stored F32, loaded F32 under dtype=bf16, and the
+    forward runs (the short convolutions compute in their fp32 weights' dtype)."""
+    model = _varied_nano()
     model.save_pretrained(tmp_path)
     loaded = load_pretrained(tmp_path, dtype=torch.bfloat16)
-    _assert_same_model(model, loaded, tokens)
+    kept = {k for k in loaded.state_dict() if keep_fp32(k)}
+    assert {"model.layers.1.self_attn.A_log", "model.layers.1.self_attn.dt_bias",
+            "model.layers.1.self_attn.q_conv1d.weight", "model.layers.1.self_attn.o_norm.weight",
+            "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"} <= kept  # fmt: skip
+    for key, value in loaded.state_dict().items():
+        assert value.dtype == (torch.float32 if key in kept else torch.bfloat16), key
+        want = model.state_dict()[key]
+        assert torch.equal(value, want if key in kept else want.to(torch.bfloat16)), key
+    with torch.no_grad():
+        got = loaded(tokens).logits.float()
+        ref = model(tokens).logits
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 rounding of the other weights only
+
+
+def test_bf16_checkpoint_round_trip(tmp_path, tokens):
+    """A bf16 checkpoint (keep-fp32 tensors stored in F32) loads bit-exactly, twice the same."""
+    model = load_pretrained(_save(_varied_nano(), tmp_path / "a"), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "b")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "b" / WEIGHTS_NAME), framework="pt") as f:
+        assert f.get_slice("model.layers.1.self_attn.dt_bias").get_dtype() == "F32"
+        assert f.get_slice("model.layers.1.self_attn.q_proj.weight").get_dtype() == "BF16"
+    _assert_same_model(model, load_pretrained(tmp_path / "b", dtype=torch.bfloat16), tokens)
+
+
+def _save(model, path):
+    model.save_pretrained(path)
+    return path
 
 
 def test_published_key_names(saved):
@@ -465,3 +498,90 @@ def test_pickle_of_non_tensors_is_refused(saved, tmp_path):
 def test_pickle_renamed_as_safetensors(saved, bad):
     torch.save(saved[0].state_dict(), bad / WEIGHTS_NAME)
     _load_fails(bad, WEIGHTS_NAME, "not safetensors")
+
+
+# ------------------------------------------------------------------------------------------ streaming loader
+
+
+def test_progress_reports_every_byte_once(saved):
+    seen = []
+    model = load_pretrained(saved[1], progress=lambda done, total: seen.append((done, total)))
+    total = sum(v.numel() * v.element_size() for v in export_state_dict(saved[0]).values())
+    assert seen[-1] == (total, total)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))  # one call per tensor, increasing
+    assert len(seen) == len(export_state_dict(model))
+
+
+def test_multimodal_tensors_are_skipped_and_listed(saved, tmp_path, tokens):
+    from safetensors.torch import load_file
+
+    from k3core.checkpoint_files import CheckpointFiles
+
+    model, path = saved
+    tensors = {"language_model." + k: v for k, v in load_file(str(path / WEIGHTS_NAME)).items()}
+    tensors["vision_tower.blocks.0.attn.qkv.weight"] = torch.ones(3, 3)
+    tensors["mm_projector.linear_1.weight"] = torch.ones(2, 2)
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    save_file(tensors, str(tmp_path / WEIGHTS_NAME))
+    _assert_same_model(model, load_pretrained(tmp_path), tokens)
+    assert CheckpointFiles.open(tmp_path).skipped == [
+        "mm_projector.linear_1.weight",
+        "vision_tower.blocks.0.attn.qkv.weight",
+    ]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        # FP8 weights with their scales (DeepSeek-V3 style)
+        (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].to(
+            torch.float8_e4m3fn), "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1)}),
+         ["quantised", "F8_E4M3", "model.layers.0.mlp.up_proj.weight", "weight_scale_inv"]),
+        # MXFP4-packed experts: *_blocks (U8) and *_scales
+        (lambda t: t.update({"model.layers.1.block_sparse_moe.experts.gate_up_proj_blocks": torch.zeros(
+            4, 2, 8, dtype=torch.uint8), "model.layers.1.block_sparse_moe.experts.gate_up_proj_scales": torch.zeros(
+            4, 2, dtype=torch.uint8)}), ["quantised", "U8", "gate_up_proj_blocks", "gate_up_proj_scales"]),
+        # int8 weight in place of a float one
+        (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}),
+         ["quantised", "I8", "model.norm.weight"]),
+    ],
+)  # fmt: skip
+def test_quantised_tensors_are_refused_by_name(bad, change, words):
+    _rewrite(bad, change)
+    _load_fails(bad, *words)
+
+
+def test_quantization_config_is_refused(bad):
+    _edit_config(bad, quantization_config={"quant_method": "fp8"})
+    # a k3lab config has no such field: the config itself is refused first
+    _load_fails(bad, "quantization_config")
+
+
+def test_hf_quantization_config_is_refused(tmp_path):
+    folder = tmp_path / "q"
+    model = _varied_nano(kda_gate="softplus", kda_output_gate="low_rank", mla_output_gate=False, residual="plain",
+                         hidden_act="swiglu", routed_expert_hidden_size=None)  # fmt: skip
+    model.save_pretrained(folder)
+    _edit_config(folder, quantization_config={"quant_method": "mxfp4"})
+    _load_fails(folder, "quantised checkpoint", "mxfp4")
+
+
+def test_nan_found_while_streaming_names_file_and_tensor(bad):
+    key = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+
+    def poison(t):
+        t[key][0, 0] = float("nan")
+
+    _rewrite(bad, poison)
+    _load_fails(bad, "NaN or Inf", key, WEIGHTS_NAME)
+
+
+def test_meta_build_reads_each_tensor_once(saved):
+    from k3core.checkpoint import materialise, stream_weights
+    from k3core.checkpoint_files import CheckpointFiles
+
+    files = CheckpointFiles.open(saved[1])
+    model = materialise(K3ForCausalLM.from_config(files.config, device="meta"), "cpu")
+    stream_weights(model, files)
+    assert files.bytes_read == files.bytes_total == (saved[1] / WEIGHTS_NAME).stat().st_size - 8 - int.from_bytes(
+        (saved[1] / WEIGHTS_NAME).read_bytes()[:8], "little")  # fmt: skip

@@ -57,9 +57,11 @@ class ShortConvolution(nn.Conv1d):
         if tail is None:
             tail = xt.new_zeros(xt.shape[0], xt.shape[1], pad)
         full = torch.cat([tail.to(xt.dtype), xt], dim=-1)
-        y = F.conv1d(full, self.weight, groups=self.groups)
+        # The weights may be kept in fp32 under a bf16 model (published checkpoints store them in F32):
+        # convolve in the weights' dtype, as the reference does, and return the input's dtype.
+        y = F.conv1d(full.to(self.weight.dtype), self.weight, groups=self.groups)
         new_tail = full[..., full.shape[-1] - pad:] if pad else full[..., :0]
-        return F.silu(y).transpose(1, 2), new_tail
+        return F.silu(y).to(x.dtype).transpose(1, 2), new_tail
 
 
 class KimiDeltaAttention(nn.Module):
