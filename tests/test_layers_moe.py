@@ -1,15 +1,20 @@
-"""LatentMoE routing and dispatch: the grouped (sorted) dispatch equals the per-expert masked loop."""
+"""k3core.layers.moe: LatentMoE dispatch (the grouped dispatch equals the per-expert masked loop), routing weights,
+and the balancing rules (aux loss, sign and quantile bias updates) against their formulas."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from k3core import trace as trace_mod
 from k3core.config import K3Config
 from k3core.layers.ffn import activation
 from k3core.layers.moe import LatentMoE, grouped_mm_available
 from k3core.model import K3ForCausalLM
+
+from .conftest import nano_model
 
 
 def make_moe(k: int = 2, E: int = 8, seed: int = 0, **overrides) -> LatentMoE:
@@ -127,3 +132,79 @@ def test_bad_dispatch_names_are_rejected():
         moe(hidden(), dispatch="fast")
     with pytest.raises(ValueError, match="backend"):
         moe.experts(torch.zeros(2, 32), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), backend="x")
+
+
+# ------------------------------------------------------------------------------------ balancing
+
+
+def _train_forward(model: K3ForCausalLM, ids: torch.Tensor) -> None:
+    model.train()
+    with torch.no_grad():
+        model(ids)
+
+
+def test_aux_loss_is_the_switch_formula_in_training_mode_only():
+    model = nano_model(balancing="aux_loss")
+    ids = torch.randint(0, 256, (2, 6))
+    model.train()
+    with trace_mod.record(model, what="moe", max_tokens=6, max_batch=2) as tr:
+        out = model(ids, labels=ids)
+    E, k = model.config.num_experts, model.config.num_experts_per_token
+    expected = []
+    for i in tr.layer_indices("moe"):
+        scores = torch.from_numpy(tr[f"moe.{i}.scores"]).reshape(-1, E).double()
+        f = torch.from_numpy(tr[f"moe.{i}.load"]).double() / (scores.shape[0] * k)
+        P = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        expected.append(E * (f * P).sum())
+    assert out.aux_loss.requires_grad
+    assert out.aux_loss.item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
+    model.eval()
+    assert model(ids, labels=ids).aux_loss is None
+    assert nano_model(balancing="sign").train()(ids, labels=ids).aux_loss is None
+
+
+def test_sign_rule_moves_the_overloaded_expert_down():
+    model = nano_model(balancing="sign")
+    moe = model.moe_layers()[0]
+    moe.gate.e_score_correction_bias[0] = 1.0  # scores are in (0, 1): expert 0 wins every token
+    before = moe.gate.e_score_correction_bias.clone()
+    _train_forward(model, torch.randint(0, 256, (2, 8)))
+    load = moe.last_load.float()
+    assert load[0] == 16 and load[0] > load.mean()
+    model.update_router_biases()
+    delta = moe.gate.e_score_correction_bias - before
+    u = model.config.bias_update_rate
+    assert torch.allclose(delta, u * torch.sign(load.mean() - load))
+    assert delta[0] == pytest.approx(-u, rel=1e-4)
+    assert (delta[load < load.mean()] > 0).all()
+
+
+def test_quantile_rule_matches_its_formula_and_moves_the_overloaded_expert_down():
+    model = nano_model(balancing="quantile")
+    moe = model.moe_layers()[0]
+    moe.gate.e_score_correction_bias[0] = 1.0
+    before = moe.gate.e_score_correction_bias.clone().numpy().astype(np.float64)
+    _train_forward(model, torch.randint(0, 256, (2, 8)))
+    s = moe._last_scores.numpy().astype(np.float64)
+    k, E = model.config.num_experts_per_token, model.config.num_experts
+    # alpha_t = (k+1)-th largest of s + b; b_j = quantile_t(alpha_t - s_tj, k/E); b -= mean(b)
+    alpha = np.sort(s + before, axis=1)[:, -(k + 1)][:, None]
+    target = np.quantile(alpha - s, k / E, axis=0)
+    target -= target.mean()
+    model.update_router_biases()
+    after = moe.gate.e_score_correction_bias.numpy()
+    np.testing.assert_allclose(after, before + 0.5 * (target - before), rtol=1e-5, atol=1e-6)
+    delta = after - before
+    assert delta[0] < 0 and delta[0] == delta.min()
+
+
+def test_quantile_rule_lowers_the_bias_of_an_expert_with_high_scores():
+    model = nano_model(balancing="quantile")
+    moe = model.moe_layers()[0]
+    scores = torch.rand(64, 8) * 0.5
+    scores[:, 0] = 0.9  # expert 0 scores highest for every token
+    moe._last_scores = scores
+    model.update_router_biases()
+    bias = moe.gate.e_score_correction_bias
+    assert bias[0] < 0 and bias[0] == bias.min()
+    assert bias.sum().abs() < 1e-6  # b -= mean(b)
