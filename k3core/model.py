@@ -32,8 +32,8 @@ from .checkpoint import load_pretrained, save_pretrained
 from .config import K3Config
 from .generate import generate as _generate
 from .layers.ffn import GatedMLP
-from .layers.kda import KimiDeltaAttention
-from .layers.mla import MultiHeadLatentAttention
+from .layers.kda import KDACache, KimiDeltaAttention
+from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
 from .ops.attnres import attnres_mix
@@ -86,7 +86,7 @@ class K3DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if self.is_moe else self.mlp
 
-    def attention(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), cache)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
