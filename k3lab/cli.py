@@ -134,8 +134,12 @@ def cmd_app(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="k3lab generate", description="Generate text from a checkpoint.")
-    parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors)")
+    parser = argparse.ArgumentParser(
+        prog="k3lab generate",
+        description="Generate text from a checkpoint, tokenised with the checkpoint's own tokenizer: the folder's "
+        "tokenizer.json, or Kimi's tiktoken.model + tokenizer_config.json, or UTF-8 bytes for a vocab-256 model.",
+    )
+    parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors [+ tokenizer files])")
     parser.add_argument("--prompt", default="ROMEO:\n", help="prompt text (default: 'ROMEO:\\n')")
     parser.add_argument("--tokens", type=int, default=200, help="new tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
@@ -147,6 +151,7 @@ def cmd_generate(argv: list[str]) -> int:
     from k3core.generate import generate_text
     from k3core.model import K3ForCausalLM
     from k3core.runtime import configure_threads
+    from k3core.tokenizer import TokenizerError, load_tokenizer
 
     try:
         model = K3ForCausalLM.from_pretrained(args.run)
@@ -154,13 +159,19 @@ def cmd_generate(argv: list[str]) -> int:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
     configure_threads(model)
-    if model.config.vocab_size != 256:
-        print("k3lab generate: only byte-level (vocab 256) checkpoints can be prompted with text", file=sys.stderr)
+    try:
+        tokenizer = load_tokenizer(args.run, model.config.vocab_size)
+    except TokenizerError as exc:
+        print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
     if args.temperature < 0 or args.tokens < 0:
         print("k3lab generate: --temperature and --tokens must be >= 0", file=sys.stderr)
         return 2
-    text = generate_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    try:
+        text = generate_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
+    except ValueError as exc:  # e.g. a sampled id the tokenizer has no text for (a model vocab padded beyond it)
+        print(f"k3lab generate: {exc}", file=sys.stderr)
+        return 2
     print(args.prompt + text)
     return 0
 

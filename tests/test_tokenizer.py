@@ -403,3 +403,19 @@ def test_byte_level_run_unchanged(tmp_path):
     assert torch.equal(sample.input_ids, same.input_ids)
     ctx = runs.trace_run(run, sample, what=["loss"])
     assert ctx.token_strings[:8] == ["A", "N", "T", "O", "N", "Y", ":", "↵"]
+
+
+def test_cli_generate_uses_the_run_tokenizer(tmp_path, capsys):
+    from k3lab.cli import main
+
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    _train_byte_bpe(bpe)
+    vocab = load_tokenizer(bpe, 512).vocab_size
+    _save_nano(bpe, vocab)  # the model's vocabulary is exactly the tokenizer's: every sampled id has text
+    assert main(["generate", str(bpe), "--prompt", "the cat", "--tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the cat") and len(out) > len("the cat\n")
+
+    assert main(["generate", str(_save_nano(tmp_path / "no-tok", 512)), "--tokens", "4"]) == 2
+    assert "no tokenizer for a model with 512 token ids" in capsys.readouterr().err

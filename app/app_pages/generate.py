@@ -9,7 +9,6 @@ import torch
 
 from app import caching, page
 from app.inputs import MAX_TOKENS_CAP
-from k3core.data import ByteTokenizer
 from k3core.model import K3Cache
 
 inputs = page.inputs_or_stop()
@@ -21,20 +20,19 @@ page.page_header(
 )
 
 model = page.model_or_stop(inputs)
-if model.config.vocab_size < 256:
-    st.error(
-        f"**{run.label}** has a vocabulary of {model.config.vocab_size} tokens; text prompts are UTF-8 bytes "
-        f"and need vocab_size >= 256."
-    )
+loaded_run = caching.load_run(run, inputs.device, inputs.dtype)  # cached: the model above and its tokenizer
+tok = loaded_run.tokenizer
+if tok is None:
+    why = [note for note in loaded_run.card["notes"] if "tokenizer" in note]
+    st.error(f"**{run.label}** cannot be prompted with text: {why[0] if why else 'it has no tokenizer'}")
     st.stop()
-
-tok = ByteTokenizer()
+st.caption(f"Tokenizer: {tok.name}")
 with st.form("k3lab_generate"):
     prompt = st.text_area("Prompt", value="ROMEO:\n", height=100, key="k3lab_prompt")
     c = st.columns(4)
     new_tokens = c[0].slider("New tokens", 1, 1024, 200, key="k3lab_gen_tokens")
     temperature = c[1].slider("Temperature (0 = greedy)", 0.0, 2.0, 0.8, 0.05, key="k3lab_gen_temp")
-    top_k = c[2].number_input("Top-k (0 = off)", 0, 256, 0, key="k3lab_gen_topk")
+    top_k = c[2].number_input("Top-k (0 = off)", 0, int(model.config.vocab_size), 0, key="k3lab_gen_topk")
     seed = c[3].number_input("Seed", 0, 2**31 - 1, 0, key="k3lab_gen_seed")
     go = st.form_submit_button("Generate", type="primary")
 
