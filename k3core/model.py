@@ -106,8 +106,9 @@ class K3Model(nn.Module):
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
 
     # -------------------------------------------------------------- depth mixing
-    def _mix(self, site: str, proj: nn.Linear, norm: RMSNorm, sources: list[torch.Tensor],
-             names: list[str], rec) -> torch.Tensor:
+    def _mix(
+        self, site: str, proj: nn.Linear, norm: RMSNorm, sources: list[torch.Tensor], names: list[str], rec
+    ) -> torch.Tensor:
         want = rec is not None and rec.wants("attnres")
         out = attnres_mix(proj.weight[0], torch.stack(sources), norm.weight, norm.eps, return_weights=want)
         if not want:
@@ -172,8 +173,14 @@ class K3Model(nn.Module):
         for i, layer in enumerate(self.layers):
             if bank:
                 site = TraceNames.attnres_site(i, "attn")
-                h = self._mix(site, layer.self_attention_res_proj, layer.self_attention_res_norm,
-                              bank + [partial], names + [partial_name], rec)
+                h = self._mix(
+                    site,
+                    layer.self_attention_res_proj,
+                    layer.self_attention_res_norm,
+                    bank + [partial],
+                    names + [partial_name],
+                    rec,
+                )
             else:
                 h = partial
             if rec is not None:
@@ -184,21 +191,42 @@ class K3Model(nn.Module):
                 partial, partial_name = None, f"block {i // size + 1} (partial)"
             a = layer.attention(h, self._layer_cache(cache, i))
             partial = a if partial is None else partial + a
-            h = self._mix(TraceNames.attnres_site(i, "mlp"), layer.mlp_res_proj, layer.mlp_res_norm, bank + [partial],
-                          names + [partial_name], rec)
+            h = self._mix(
+                TraceNames.attnres_site(i, "mlp"),
+                layer.mlp_res_proj,
+                layer.mlp_res_norm,
+                bank + [partial],
+                names + [partial_name],
+                rec,
+            )
             partial = partial + layer.feed_forward(h)
             if (i + 1) % size == 0 or i + 1 == len(self.layers):
                 partial_name = partial_name.replace(" (partial)", "")
-        return self._mix(TraceNames.OUTPUT_SITE, self.output_attn_res_proj, self.output_attn_res_norm, bank + [partial],
-                         names + [partial_name], rec)
+        return self._mix(
+            TraceNames.OUTPUT_SITE,
+            self.output_attn_res_proj,
+            self.output_attn_res_norm,
+            bank + [partial],
+            names + [partial_name],
+            rec,
+        )
 
     def _forward_full(self, x, cache, rec):
         """Full AttnRes: every sub-layer input mixes the embedding and all earlier sub-layer outputs."""
         sources, names = [x], ["embedding"]
         for i, layer in enumerate(self.layers):
-            h = x if len(sources) == 1 else self._mix(
-                TraceNames.attnres_site(i, "attn"), layer.self_attention_res_proj, layer.self_attention_res_norm,
-                sources, names, rec)
+            h = (
+                x
+                if len(sources) == 1
+                else self._mix(
+                    TraceNames.attnres_site(i, "attn"),
+                    layer.self_attention_res_proj,
+                    layer.self_attention_res_norm,
+                    sources,
+                    names,
+                    rec,
+                )
+            )
             if rec is not None:
                 rec.hidden(h)
             sources.append(layer.attention(h, self._layer_cache(cache, i)))
@@ -257,8 +285,9 @@ class K3ForCausalLM(nn.Module):
 
     # -------------------------------------------------------------- construction / IO
     @classmethod
-    def from_config(cls, config: K3Config | str, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> K3ForCausalLM:
+    def from_config(
+        cls, config: K3Config | str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> K3ForCausalLM:
         """Build a randomly initialised model. ``device="meta"`` builds shapes only (any size)."""
         if isinstance(config, str):
             config = K3Config.from_preset(config)
@@ -291,7 +320,12 @@ class K3ForCausalLM(nn.Module):
         tensors of the keep-fp32 rule stay fp32 whatever ``dtype``; ``progress``: (bytes done, total)
         callback, or True for a tqdm bar. Raises CheckpointError."""
         return load_pretrained(
-            path, cls, device=device, dtype=dtype, progress=progress, max_memory=max_memory,
+            path,
+            cls,
+            device=device,
+            dtype=dtype,
+            progress=progress,
+            max_memory=max_memory,
             offload_folder=offload_folder,
         )
 
@@ -306,14 +340,20 @@ class K3ForCausalLM(nn.Module):
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, cache: K3Cache | None = None) -> K3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+    ) -> K3Output:
         """``labels``: Hugging Face style (same positions as input_ids, shifted here);
         ``targets``: already aligned with input_ids (nanoGPT style). -100 is ignored in both."""
         for name, t in (("labels", labels), ("targets", targets)):
             if t is not None and tuple(t.shape) != tuple(input_ids.shape):
-                raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(t.shape)}"
+                )
         hidden = self.model(input_ids, cache=cache)
         logits = self.lm_head(hidden)
         if labels is not None:
@@ -323,8 +363,9 @@ class K3ForCausalLM(nn.Module):
             live = targets[targets != -100]
             if live.numel() and (int(live.min()) < 0 or int(live.max()) >= self.config.vocab_size):
                 raise ValueError(f"labels/targets must lie in 0..{self.config.vocab_size - 1} (or be -100)")
-            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                  reduction="none").view_as(targets)
+            nll = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none"
+            ).view_as(targets)
             valid = targets != -100
             loss = nll.sum() / valid.sum().clamp_min(1)
             rec = _trace.current()

@@ -1,13 +1,13 @@
 """Kimi Delta Attention layer (Kimi Linear report, arXiv 2510.26692; K3 variant).
 
-    q, k, v = SiLU(ShortConv_4(W x))                   each with its own depthwise causal conv
-    q, k    = L2Norm(q), L2Norm(k)                     per head
-    beta    = sigmoid(W_b x)                           one write strength per head
-    z       = W_fb W_fa x                              low-rank decay input, per head-channel
-    g       = lb * sigmoid(exp(A_log) * (z + dt_bias))       K3 ("lower_bound") form, g in (lb, 0)
-    g       = -exp(A_log) * softplus(z + dt_bias)            Kimi Linear ("softplus") form
-    o       = KDA(q, k, v, g, beta)                    delta rule with per-channel decay exp(g)
-    out     = W_o (RMSNorm_head(o) * sigmoid(W_g x))   gated RMSNorm; W_g full or low rank
+q, k, v = SiLU(ShortConv_4(W x))                   each with its own depthwise causal conv
+q, k    = L2Norm(q), L2Norm(k)                     per head
+beta    = sigmoid(W_b x)                           one write strength per head
+z       = W_fb W_fa x                              low-rank decay input, per head-channel
+g       = lb * sigmoid(exp(A_log) * (z + dt_bias))       K3 ("lower_bound") form, g in (lb, 0)
+g       = -exp(A_log) * softplus(z + dt_bias)            Kimi Linear ("softplus") form
+o       = KDA(q, k, v, g, beta)                    delta rule with per-channel decay exp(g)
+out     = W_o (RMSNorm_head(o) * sigmoid(W_g x))   gated RMSNorm; W_g full or low rank
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ShortConvolution(nn.Conv1d):
         # The weights may be kept in fp32 under a bf16 model (published checkpoints store them in F32):
         # convolve in the weights' dtype, as the reference does, and return the input's dtype.
         y = F.conv1d(full.to(self.weight.dtype), self.weight, groups=self.groups)
-        new_tail = full[..., full.shape[-1] - pad:] if pad else full[..., :0]
+        new_tail = full[..., full.shape[-1] - pad :] if pad else full[..., :0]
         return F.silu(y).to(x.dtype).transpose(1, 2), new_tail
 
 
@@ -143,9 +143,16 @@ class KimiDeltaAttention(nn.Module):
         if T == 1 and cache is not None:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True)
         else:
-            o, state = kda_chunk(q, k, v, g, beta, initial_state=initial,
-                                 output_final_state=cache is not None or want_states,
-                                 chunk_size=self.config.kda_chunk_size)
+            o, state = kda_chunk(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=initial,
+                output_final_state=cache is not None or want_states,
+                chunk_size=self.config.kda_chunk_size,
+            )
         if cache is not None:
             cache.conv_state = torch.cat([tq, tk, tv], dim=1).detach()
             cache.recurrent_state = state.detach()
@@ -195,8 +202,16 @@ class KimiDeltaAttention(nn.Module):
         v_aug = torch.cat([v.float(), v.new_zeros(B, T, H, K, dtype=torch.float32)], dim=-1)
         eye = torch.eye(K, device=q.device).expand(B * N, H, K, K)
         start = torch.cat([eye.new_zeros(B * N, H, K, V), eye], dim=-1)
-        _, end = kda_chunk(as_chunks(q), as_chunks(k), as_chunks(v_aug), as_chunks(g), as_chunks(beta),
-                           initial_state=start, output_final_state=True, chunk_size=C)
+        _, end = kda_chunk(
+            as_chunks(q),
+            as_chunks(k),
+            as_chunks(v_aug),
+            as_chunks(g),
+            as_chunks(beta),
+            initial_state=start,
+            output_final_state=True,
+            chunk_size=C,
+        )
         end = end.float().view(B, N, H, K, V + K)
         inject, trans = end[..., :V], end[..., V:]
         state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial is None else initial.float()

@@ -60,7 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
         if config.mla_output_gate:
             self.g_proj = nn.Linear(D, H * self.vdim, bias=False)
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
-        self.scale = qk ** -0.5
+        self.scale = qk**-0.5
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -88,8 +88,9 @@ class MultiHeadLatentAttention(nn.Module):
         if want_probs:
             attn_out, probs = self._attention_with_probs(q, k, v, past)
             n = min(T, rec.max_attn_len)
-            rec.put(names.mla_attn(self.layer_idx), probs[: rec.max_batch, :, :n, :n],
-                    ("batch", "head", "query", "key"))
+            rec.put(
+                names.mla_attn(self.layer_idx), probs[: rec.max_batch, :, :n, :n], ("batch", "head", "query", "key")
+            )
         elif past == 0:
             attn_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
