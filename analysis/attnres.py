@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from k3core.config import K3Config
-from k3core.trace import Trace
+from k3core.trace import Trace, names
 
 _SITE = re.compile(r"^attnres\.(\d+\.(?:attn|mlp)|output)$")
 
@@ -62,10 +62,10 @@ def _site_parts(site: str, num_layers: int) -> tuple[int, str]:
 
 
 def _source_names(trace: Trace, site: str, n: int) -> list[str]:
-    names = trace.meta.get("attnres_sources", {}).get(site)
-    if names is None or len(names) != n:
+    recorded = trace.meta.get("attnres_sources", {}).get(site)
+    if recorded is None or len(recorded) != n:
         return [f"source {j}" for j in range(n)]
-    return list(names)
+    return list(recorded)
 
 
 def _num_layers(trace: Trace) -> int:
@@ -82,10 +82,10 @@ def depth_weights(trace: Trace) -> pd.DataFrame:
     L = _num_layers(trace)
     rows = []
     for order, site in enumerate(sites(trace)):
-        p = np.asarray(trace[f"attnres.{site}"], dtype=np.float64)  # [B, T, n]
+        p = np.asarray(trace[names.attnres(site)], dtype=np.float64)  # [B, T, n]
         n = p.shape[-1]
         mean = p.reshape(-1, n).mean(0)
-        names = _source_names(trace, site, n)
+        source_names = _source_names(trace, site, n)
         layer, side = _site_parts(site, L)
         for j in range(n):
             rows.append(
@@ -95,8 +95,8 @@ def depth_weights(trace: Trace) -> pd.DataFrame:
                     side=side,
                     order=order,
                     source=j,
-                    source_name=names[j],
-                    source_label=names[j].replace(" (partial)", ""),
+                    source_name=source_names[j],
+                    source_label=source_names[j].replace(" (partial)", ""),
                     n_sources=n,
                     weight=mean[j],
                 )
@@ -133,12 +133,12 @@ def site_stats(trace: Trace) -> pd.DataFrame:
     L = _num_layers(trace)
     rows = []
     for order, site in enumerate(sites(trace)):
-        p = np.asarray(trace[f"attnres.{site}"], dtype=np.float64)
+        p = np.asarray(trace[names.attnres(site)], dtype=np.float64)
         n = p.shape[-1]
         flat = p.reshape(-1, n)
         mean = flat.mean(0)
         layer, side = _site_parts(site, L)
-        qn = trace.get(f"attnres.{site}_query_norm")
+        qn = trace.get(names.attnres_query_norm(site))
         rows.append(
             dict(
                 site=site,
@@ -192,8 +192,8 @@ def scale_bias_stats(trace: Trace, config: K3Config | None = None) -> pd.DataFra
     rows = []
     for i in layers:
         for side in ("attn", "mlp"):
-            scale = trace.get(f"residual.{i}.{side}_scale")
-            bias = trace.get(f"residual.{i}.{side}_bias")
+            scale = trace.get(names.residual(i, side, "scale"))
+            bias = trace.get(names.residual(i, side, "bias"))
             if scale is None or bias is None:
                 continue
             scale, bias = np.asarray(scale, dtype=np.float64), np.asarray(bias, dtype=np.float64)
@@ -234,9 +234,9 @@ def hidden_rms_by_depth(trace: Trace) -> pd.DataFrame:
 
     Columns: depth, label ("L<i> in" | "final"), mean, median, p10, p90, max.
     """
-    if "hidden_rms" not in trace:
+    if names.HIDDEN_RMS not in trace:
         return pd.DataFrame(columns=["depth", "label", "mean", "median", "p10", "p90", "max"])
-    rms = np.asarray(trace["hidden_rms"], dtype=np.float64)  # [depth, B, T]
+    rms = np.asarray(trace[names.HIDDEN_RMS], dtype=np.float64)  # [depth, B, T]
     D = rms.shape[0]
     rows = []
     for k in range(D):

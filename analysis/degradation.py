@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from k3core.trace import Trace
+from k3core.trace import Trace, names
 
 SINK_THRESHOLD = 0.3
 _EPS = 1e-12
@@ -96,7 +96,7 @@ def sink_rate(first_token_mass: np.ndarray, threshold: float = SINK_THRESHOLD) -
 
 
 def _mla_attn_names(trace: Trace) -> list[tuple[int, str]]:
-    return [(i, f"mla.{i}.attn") for i in trace.layer_indices("mla") if f"mla.{i}.attn" in trace]
+    return [(i, names.mla_attn(i)) for i in trace.layer_indices("mla") if names.mla_attn(i) in trace]
 
 
 def has_attention(trace: Trace) -> bool:
@@ -105,13 +105,13 @@ def has_attention(trace: Trace) -> bool:
 
 
 def _require_attention(trace: Trace) -> list[tuple[int, str]]:
-    names = _mla_attn_names(trace)
-    if not names:
+    found = _mla_attn_names(trace)
+    if not found:
         raise MissingTraceData(
             "no MLA attention probabilities in this trace (mla.i.attn); the model has no "
             "MLA layer or the trace was recorded without 'attn_probs' (use what='all')"
         )
-    return names
+    return found
 
 
 def attention_entropy_table(trace: Trace) -> pd.DataFrame:
@@ -199,7 +199,7 @@ def mla_gate_table(trace: Trace) -> pd.DataFrame:
     """Mean output-gate value per MLA layer and head (``mla.i.gate``, gated MLA). Columns: layer, head, gate_mean."""
     rows = []
     for layer in trace.layer_indices("mla"):
-        gate = trace.get(f"mla.{layer}.gate")
+        gate = trace.get(names.mla_gate(layer))
         if gate is None:
             continue
         means = np.asarray(gate, dtype=np.float64).mean(axis=(0, 1))
@@ -304,7 +304,7 @@ def max_median_ratio(x: np.ndarray) -> float:
 
 
 def _hidden(trace: Trace) -> np.ndarray:
-    h = trace.get("hidden")
+    h = trace.get(names.HIDDEN)
     if h is None:
         raise MissingTraceData("no hidden states in this trace ('hidden'); record with what including 'hidden'")
     return np.asarray(h, dtype=np.float64)  # [depth, batch, token, hidden]
@@ -393,7 +393,7 @@ def kda_state_table(trace: Trace) -> pd.DataFrame:
     mean over batch). Columns: layer, head, state_norm, state_effective_rank, state_dim."""
     rows = []
     for layer in trace.layer_indices("kda"):
-        s = trace.get(f"kda.{layer}.final_state")
+        s = trace.get(names.kda_final_state(layer))
         if s is None:
             continue
         s = np.asarray(s, dtype=np.float64)  # [batch, head, key, value]
@@ -419,11 +419,11 @@ def kda_state_norm_table(trace: Trace) -> pd.DataFrame:
     """
     frames = []
     for layer in trace.layer_indices("kda"):
-        norms = trace.get(f"kda.{layer}.state_norm")
+        norms = trace.get(names.kda_state_norm(layer))
         if norms is None:
             continue
         norms = np.asarray(norms, dtype=np.float64).mean(0)  # [step, head]
-        steps = trace.get(f"kda.{layer}.state_steps")
+        steps = trace.get(names.kda_state_steps(layer))
         pos = np.asarray(steps) if steps is not None else np.arange(1, norms.shape[0] + 1)
         S, H = norms.shape
         frames.append(
@@ -440,33 +440,6 @@ def kda_state_norm_table(trace: Trace) -> pd.DataFrame:
     if not frames:
         raise MissingTraceData("no KDA state norms in this trace (kda.i.state_norm); record with 'kda'")
     return _tidy(pd.concat(frames, ignore_index=True), keys=["layer", "head", "step"], value="state_norm")
-
-
-# ----------------------------------------------------------------------------- summary
-def degradation_summary(trace: Trace) -> dict[str, float]:
-    """Headline degradation numbers: mean normalised MLA entropy, sink rate, mean rank-collapse ratio,
-    mean token cosine, mean Block Influence, worst max/median ratio (absent data gives NaN)."""
-    nan = float("nan")
-    out = {
-        "mla_entropy_norm_mean": nan,
-        "sink_rate": nan,
-        "rank_collapse_mean": nan,
-        "token_cosine_mean": nan,
-        "block_influence_mean": nan,
-        "massive_ratio_max": nan,
-    }
-    if has_attention(trace):
-        out["mla_entropy_norm_mean"] = float(attention_entropy_table(trace)["entropy_norm"].mean())
-        out["sink_rate"] = sink_rate(attention_sink_table(trace)["first_token_mass"].to_numpy())
-    if "hidden" in trace:
-        rc = rank_collapse_table(trace)
-        out["rank_collapse_mean"] = float(rc["ratio"].mean())
-        out["token_cosine_mean"] = float(rc["token_cosine"].mean())
-        if len(rc) > 1:
-            out["block_influence_mean"] = float(layer_redundancy_table(trace)["block_influence"].mean())
-        h = _hidden(trace)
-        out["massive_ratio_max"] = float(max(max_median_ratio(h[d, 0]) for d in range(h.shape[0])))
-    return out
 
 
 def _tidy(df: pd.DataFrame, keys: list[str], value: str | None = None) -> pd.DataFrame:

@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from k3core.config import K3Config
-from k3core.trace import Trace
+from k3core.trace import Trace, names
 
 DEFAULT_LENGTHS = tuple(2**p for p in range(10, 21))  # 1K .. 1M tokens
 NEAR_LOWER_BOUND = 0.9  # "near the lower bound": g < 0.9 * lower_bound
@@ -320,7 +320,7 @@ def effective_rank(matrix: np.ndarray) -> float:
 
 
 def _kda_layers(trace: Trace) -> list[int]:
-    return [i for i in trace.layer_indices("kda") if f"kda.{i}.g" in trace]
+    return [i for i in trace.layer_indices("kda") if names.kda_g(i) in trace]
 
 
 def _kda_gate_form(trace: Trace) -> tuple[str, float]:
@@ -337,7 +337,7 @@ def kda_channel_decay(trace: Trace) -> pd.DataFrame:
     """
     frames = []
     for i in _kda_layers(trace):
-        g = np.asarray(trace[f"kda.{i}.g"], dtype=np.float64)  # [B, T, H, d]
+        g = np.asarray(trace[names.kda_g(i)], dtype=np.float64)  # [B, T, H, d]
         g_mean = g.reshape(-1, g.shape[-2], g.shape[-1]).mean(0)  # [H, d]
         H, d = g_mean.shape
         frames.append(
@@ -377,7 +377,7 @@ def kda_decay_stats(trace: Trace, near: float = NEAR_LOWER_BOUND) -> pd.DataFram
     form, lb = _kda_gate_form(trace)
     rows = []
     for i in _kda_layers(trace):
-        g = np.asarray(trace[f"kda.{i}.g"], dtype=np.float64)
+        g = np.asarray(trace[names.kda_g(i)], dtype=np.float64)
         for h in range(g.shape[2]):
             gh = g[:, :, h, :].ravel()
             p10, p50, p90 = horizon_quantiles(gh, (0.1, 0.5, 0.9))
@@ -415,7 +415,7 @@ def kda_beta_stats(trace: Trace, by: str = "head") -> pd.DataFrame:
         raise ValueError(f"by must be 'head' or 'layer', got {by!r}")
     rows = []
     for i in _kda_layers(trace):
-        beta = np.asarray(trace[f"kda.{i}.beta"], dtype=np.float64)  # [B, T, H]
+        beta = np.asarray(trace[names.kda_beta(i)], dtype=np.float64)  # [B, T, H]
         groups = [(h, beta[..., h].ravel()) for h in range(beta.shape[-1])] if by == "head" else [(None, beta.ravel())]
         for h, b in groups:
             row = dict(layer=i, head=h) if by == "head" else dict(layer=i)
@@ -440,10 +440,10 @@ def kda_state_norms(trace: Trace) -> pd.DataFrame:
     """
     frames = []
     for i in _kda_layers(trace):
-        if f"kda.{i}.state_norm" not in trace:
+        if names.kda_state_norm(i) not in trace:
             continue
-        norms = np.asarray(trace[f"kda.{i}.state_norm"], dtype=np.float64).mean(0)  # [step, H]
-        steps = np.asarray(trace[f"kda.{i}.state_steps"])
+        norms = np.asarray(trace[names.kda_state_norm(i)], dtype=np.float64).mean(0)  # [step, H]
+        steps = np.asarray(trace[names.kda_state_steps(i)])
         S, H = norms.shape
         frames.append(
             pd.DataFrame(
@@ -470,9 +470,9 @@ def kda_state_rank(trace: Trace) -> pd.DataFrame:
     """
     rows = []
     for i in _kda_layers(trace):
-        if f"kda.{i}.final_state" not in trace:
+        if names.kda_final_state(i) not in trace:
             continue
-        S = np.asarray(trace[f"kda.{i}.final_state"], dtype=np.float64)  # [B, H, d, d]
+        S = np.asarray(trace[names.kda_final_state(i)], dtype=np.float64)  # [B, H, d, d]
         for h in range(S.shape[1]):
             rows.append(
                 dict(

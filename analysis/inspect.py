@@ -5,7 +5,7 @@
 Prints the key config fields, parameter counts (total and active per token, by component), the layer
 map (per layer: KDA/MLA, dense FFN/MoE, width multiplier, AttnRes block boundaries) and headline
 numbers: the final training numbers from metrics.json when present, and with ``--text`` / ``--sample``
-those of a quick trace (analysis.compare.headline_numbers). RUN may also be a preset name
+those of a quick trace (analysis.headline.headline_numbers). RUN may also be a preset name
 (``k3lab inspect kimi-k3``): its shapes are built on the meta device, so any size works, without weights.
 Exit codes: 0 success, 2 bad input.
 """
@@ -183,7 +183,7 @@ def format_report(cfg: K3Config, model, training: dict | None, headline: dict | 
     if training:
         out += ["", "-- training (metrics.json)"] + [f"  {k:24s} {_fmt(v)}" for k, v in training.items()]
     if headline:
-        from analysis.compare import HEADLINE_LABELS
+        from analysis.headline import HEADLINE_LABELS
 
         out += ["", "-- headline numbers (quick trace)"]
         out += [f"  {HEADLINE_LABELS.get(k, k):40s} {_fmt(v)}" for k, v in headline.items() if k != "label"]
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 else:
                     sample = runs_mod.sample_input(args.sample, run.config, args.max_tokens, tokenizer=run.tokenizer)
-                from analysis.compare import headline_numbers
+                from analysis.headline import headline_numbers
 
                 headline = headline_numbers(runs_mod.trace_run(run, sample, what="all"))
     except (CheckpointError, ValueError, OSError) as exc:

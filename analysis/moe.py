@@ -17,20 +17,21 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from k3core.trace import Trace
+from k3core.metrics import moe_load_stats
+from k3core.trace import Trace, names
 
 from .attnres import normalised_entropy
 
 
 def moe_layers(trace: Trace) -> list[int]:
     """MoE layers with routing data in the trace (0-based, depth order)."""
-    return [i for i in trace.layer_indices("moe") if f"moe.{i}.load" in trace or f"moe.{i}.experts" in trace]
+    return [i for i in trace.layer_indices("moe") if names.moe_load(i) in trace or names.moe_experts(i) in trace]
 
 
 def num_experts_of(trace: Trace, layer: int) -> int:
     """E for a MoE layer: the length of its load vector, else the trace's config."""
-    if f"moe.{layer}.load" in trace:
-        return int(np.asarray(trace[f"moe.{layer}.load"]).shape[0])
+    if names.moe_load(layer) in trace:
+        return int(np.asarray(trace[names.moe_load(layer)]).shape[0])
     n = trace.config.get("num_experts")
     if not n:
         raise ValueError("cannot tell the number of experts: no moe.*.load array and no config")
@@ -46,27 +47,19 @@ def load_counts(experts: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def load_imbalance(counts: np.ndarray) -> dict[str, float]:
-    """Balance metrics of one layer's load c (module docstring): max_vio, cv, entropy, dead, min_over_mean,
-    plus total (sum c) and experts (E)."""
+    """Balance metrics of one layer's load c (module docstring): max_vio and cv (``k3core.metrics.moe_load_stats``,
+    the one definition training logs too), entropy, dead, min_over_mean, plus total (sum c) and experts (E)."""
     c = np.asarray(counts, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
         raise ValueError("counts must be a non-empty 1-D array")
     if np.any(c < 0):
         raise ValueError("counts must be non-negative")
     total, mean = c.sum(), c.mean()
+    stats = moe_load_stats(c)
     if total == 0:
-        return dict(
-            max_vio=np.nan,
-            cv=np.nan,
-            entropy=np.nan,
-            dead=int(c.size),
-            min_over_mean=np.nan,
-            total=0.0,
-            experts=int(c.size),
-        )
+        return dict(**stats, entropy=np.nan, dead=int(c.size), min_over_mean=np.nan, total=0.0, experts=int(c.size))
     return dict(
-        max_vio=float(c.max() / mean - 1.0),
-        cv=float(c.std() / mean),
+        **stats,
         entropy=float(normalised_entropy(c / total)),
         dead=int((c == 0).sum()),
         min_over_mean=float(c.min() / mean),
@@ -82,10 +75,10 @@ def expert_load(trace: Trace) -> pd.DataFrame:
     """
     frames = []
     for i in moe_layers(trace):
-        if f"moe.{i}.load" in trace:
-            c = np.asarray(trace[f"moe.{i}.load"], dtype=np.int64)
+        if names.moe_load(i) in trace:
+            c = np.asarray(trace[names.moe_load(i)], dtype=np.int64)
         else:
-            c = load_counts(trace[f"moe.{i}.experts"], num_experts_of(trace, i))
+            c = load_counts(trace[names.moe_experts(i)], num_experts_of(trace, i))
         total = c.sum()
         frames.append(
             pd.DataFrame(
@@ -116,7 +109,7 @@ def weight_by_rank(trace: Trace) -> pd.DataFrame:
     """
     frames = []
     for i in moe_layers(trace):
-        w = trace.get(f"moe.{i}.weights")
+        w = trace.get(names.moe_weights(i))
         if w is None:
             continue
         w = np.asarray(w, dtype=np.float64).reshape(-1, np.asarray(w).shape[-1])
@@ -167,7 +160,7 @@ def reuse_table(trace: Trace) -> pd.DataFrame:
     """
     rows = []
     for i in moe_layers(trace):
-        e = trace.get(f"moe.{i}.experts")
+        e = trace.get(names.moe_experts(i))
         if e is None:
             continue
         k, E = np.asarray(e).shape[-1], num_experts_of(trace, i)
@@ -182,7 +175,7 @@ def coactivation_table(trace: Trace, layers: list[int] | None = None) -> pd.Data
     """
     frames = []
     for i in moe_layers(trace) if layers is None else layers:
-        e = trace.get(f"moe.{i}.experts")
+        e = trace.get(names.moe_experts(i))
         if e is None:
             continue
         E = num_experts_of(trace, i)
@@ -231,15 +224,15 @@ def latent_pca(trace: Trace, layer: int) -> tuple[pd.DataFrame, np.ndarray]:
 
     Returns (DataFrame: layer, batch, token, token_id, pc1, pc2, top1_expert, top1_weight; explained ratio [2]).
     """
-    z = trace.get(f"moe.{layer}.latent")
+    z = trace.get(names.moe_latent(layer))
     if z is None:
         raise KeyError(f"trace has no moe.{layer}.latent (record with 'latent')")
     z = np.asarray(z)
     B, T, F = z.shape
     coords, ratio = pca_2d(z.reshape(-1, F))
-    experts = trace.get(f"moe.{layer}.experts")
-    weights = trace.get(f"moe.{layer}.weights")
-    tokens = trace.get("tokens")
+    experts = trace.get(names.moe_experts(layer))
+    weights = trace.get(names.moe_weights(layer))
+    tokens = trace.get(names.TOKENS)
     df = pd.DataFrame(
         dict(
             layer=layer,
@@ -259,7 +252,7 @@ def router_bias(trace: Trace) -> pd.DataFrame:
     """Selection bias e_bias per MoE layer and expert (columns: layer, expert, bias)."""
     frames = []
     for i in moe_layers(trace):
-        b = trace.get(f"moe.{i}.bias")
+        b = trace.get(names.moe_bias(i))
         if b is None:
             continue
         b = np.asarray(b, dtype=np.float64)

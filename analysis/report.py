@@ -99,10 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _labels(runs) -> list[str]:
+    from analysis.compare import distinct_labels
+
     names = [r.label for r in runs]
-    if len(runs) == 2 and names[0] == names[1]:
-        names = [f"A: {names[0]}", f"B: {names[1]}"]
-    return names
+    return list(distinct_labels(*names)) if len(names) == 2 else names
 
 
 # ----------------------------------------------------------------------------- building
@@ -137,41 +137,31 @@ def build_single(views, ctx, progress) -> list[Entry]:
 
 
 def build_comparison(views, a, b, progress) -> list[Entry]:
-    """Per view: side by side (history views: one overlaid figure) and, where tables align, A - B."""
-    from analysis.compare import build_both, difference_view, side_by_side
+    """Per view, as the view declares (``View.compare``): side by side on shared axes (history views: one
+    figure with run B overlaid) and, for views with a declared difference, A - B."""
+    from analysis.compare import build_both, difference_view, has_difference, side_by_side
     from analysis.views import NotApplicable
 
     entries = []
     for view in views:
         t0 = time.perf_counter()
-        if view.section == "history":
-            entry = Entry(view.key, view.title, view.section, view.description)
-            try:
-                entry.figure, entry.table = view.build(a)
-            except NotApplicable as exc:
-                entry.note = str(exc)
-            except Exception as exc:  # noqa: BLE001
-                entry.error = f"{type(exc).__name__}: {exc}"
-            entry.seconds = time.perf_counter() - t0
-            entries.append(entry)
-            progress.update(1)
-            continue
-        side = Entry(f"{view.key}__side", view.title, view.section, view.description)
+        key = view.key if view.compare.overlay else f"{view.key}__side"  # overlaid: one figure, not two halves
+        side = Entry(key, view.title, view.section, view.description)
         built = None
         try:
-            built = build_both(view, a, b)
+            built = None if view.compare.overlay else build_both(view, a, b)
             side.figure, side.table = side_by_side(view, a, b, built=built)
         except NotApplicable as exc:
             side.note = str(exc)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - one broken view must not lose the whole report
             side.error = f"{type(exc).__name__}: {exc}"
         entries.append(side)
-        if side.figure is not None:
+        if side.figure is not None and has_difference(view):
             diff = Entry(
                 f"{view.key}__diff",
                 f"{view.title}: difference A - B",
                 view.section,
-                "Where both runs' tables align row for row: A - B on a diverging scale centred at 0.",
+                f"A - B of {', '.join(view.compare.difference)} on a diverging scale centred at 0.",
             )
             try:
                 diff.figure, diff.table = difference_view(view, a, b, built=built)
@@ -217,7 +207,7 @@ def _kv_table(items: dict[str, Any]) -> str:
 
 
 def _headline_html(headlines: list[dict], labels: list[str]) -> str:
-    from analysis.compare import HEADLINE_LABELS, headline_table
+    from analysis.headline import HEADLINE_LABELS, headline_table
 
     if len(headlines) == 2:
         df = headline_table(headlines[0], headlines[1])
@@ -359,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
 
     from analysis import runs as runs_mod
-    from analysis.compare import headline_numbers, headline_table
     from analysis.export import export_many, static_export_available
+    from analysis.headline import headline_numbers, headline_table
     from analysis.views import all_views
     from k3core.checkpoint import CheckpointError
 
@@ -416,7 +406,6 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     if len(contexts) == 2:
-        contexts[0].options["overlay_metrics"] = {labels[1]: runs[1].metrics}
         entries = build_comparison(views, contexts[0], contexts[1], progress)
     else:
         entries = build_single(views, contexts[0], progress)

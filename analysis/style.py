@@ -13,13 +13,19 @@ FONT = "Inter, Helvetica, Arial, sans-serif"
 SEQUENTIAL = "Viridis"
 SEQUENTIAL_REVERSED = "Viridis_r"
 DIVERGING = "RdBu_r"  # for differences: zero is white
-LAYER_TYPE_COLORS = {"KDA": "#1f77b4", "MLA": "#d62728", "dense FFN": "#7f7f7f", "LatentMoE": "#2ca02c",
-                     "MoE": "#2ca02c"}
+LAYER_TYPE_COLORS = {
+    "KDA": "#1f77b4",
+    "MLA": "#d62728",
+    "dense FFN": "#7f7f7f",
+    "LatentMoE": "#2ca02c",
+    "MoE": "#2ca02c",
+}
 RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
-def apply_style(fig: go.Figure, title: str, x_title: str | None = None, y_title: str | None = None,
-                height: int = 420) -> go.Figure:
+def apply_style(
+    fig: go.Figure, title: str, x_title: str | None = None, y_title: str | None = None, height: int = 420
+) -> go.Figure:
     """Title, axis labels (with units in the label text), white background, consistent margins."""
     fig.update_layout(
         title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 16}},

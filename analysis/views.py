@@ -88,6 +88,29 @@ class AnalysisContext:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """How a view compares two runs (``analysis.compare``), declared by the view itself.
+
+    ``overlay``: the view draws several runs in one figure (training history): the comparison is that
+    figure with run B overlaid, not two halves. Otherwise the two runs are drawn side by side on shared
+    axis ranges and one colour scale (always). ``difference`` names the value columns whose A - B is
+    drawn; empty means the view has no difference figure and ``no_difference`` says why. ``keys`` are
+    the columns that align the two tables row for row (default: the table's ``attrs["keys"]``);
+    ``reduce`` lists key columns averaged over first (e.g. heads of a state norm over time); ``x`` is
+    the key on the difference figure's x axis (default: the last key). ``same_weights``: rows are
+    learned units (experts) that only correspond between two texts on one checkpoint.
+    """
+
+    difference: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    reduce: tuple[str, ...] = ()
+    x: str | None = None
+    same_weights: bool = False
+    overlay: bool = False
+    no_difference: str = "a difference A - B of this view has no meaning"
+
+
+@dataclass(frozen=True)
 class View:
     key: str  # stable id, used in file names: "moe_load_heatmap"
     title: str
@@ -95,19 +118,12 @@ class View:
     build: Callable[[AnalysisContext], tuple[go.Figure, pd.DataFrame]]
     needs_model: bool = False
     description: str = ""
+    compare: Comparison = field(default_factory=lambda: Comparison())
 
 
 def all_views() -> list[View]:
     """Every registered view, in report order."""
-    import importlib
+    # Imported here, not at the top: each figures module imports View from this one.
+    from analysis.figures import attnres, degradation, density, history, moe, weights
 
-    views: list[View] = []
-    for module in ("density", "attnres", "moe", "degradation", "history"):
-        try:
-            mod = importlib.import_module(f"analysis.figures.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"analysis.figures.{module}":
-                raise
-            continue
-        views.extend(getattr(mod, "VIEWS", []))
-    return views
+    return [view for module in (density, attnres, moe, degradation, history, weights) for view in module.VIEWS]

@@ -10,6 +10,7 @@ import torch
 
 from analysis import degradation as dg
 from analysis.figures import degradation as fig_dg
+from analysis.headline import degradation_summary
 from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
@@ -227,7 +228,7 @@ def test_real_trace_metrics_are_in_range(nano_ctx):
     rc = dg.rank_collapse_table(tr)
     assert len(rc) == nano_ctx.config.num_hidden_layers + 1
     assert ((rc["ratio"] >= 0) & (rc["ratio"] <= 1 + 1e-9)).all()
-    summary = dg.degradation_summary(tr)
+    summary = degradation_summary(tr)
     assert all(np.isfinite(v) for v in summary.values()), summary
     assert 0.0 <= summary["sink_rate"] <= 1.0
 

@@ -10,7 +10,7 @@ from plotly.subplots import make_subplots
 
 from analysis import attnres as ar
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.views import AnalysisContext, Comparison, NotApplicable, View
 
 
 def _require_attnres(ctx: AnalysisContext) -> None:
@@ -239,6 +239,7 @@ VIEWS: list[View] = [
         "attnres",
         build_depth_weights,
         description="Sites x sources map of the depth-softmax weights, averaged over tokens.",
+        compare=Comparison(difference=("weight",), keys=("site", "source"), x="source"),
     ),
     View(
         "attnres_site_stats",
@@ -246,6 +247,7 @@ VIEWS: list[View] = [
         "attnres",
         build_site_stats,
         description="Normalised entropy of each site's depth mix, its max weight and the weight on the embedding.",
+        compare=Comparison(difference=("entropy", "max_weight", "embedding_weight"), keys=("site",)),
     ),
     View(
         "attnres_query_norms",
@@ -253,6 +255,7 @@ VIEWS: list[View] = [
         "attnres",
         build_query_norms,
         description="Norm of each site's learned pseudo-query; zero means a uniform mix.",
+        compare=Comparison(difference=("query_norm",), keys=("site",)),
     ),
     View(
         "attnres_scale_bias",
@@ -260,6 +263,7 @@ VIEWS: list[View] = [
         "attnres",
         build_scale_bias,
         description="Scale/bias residual mode: learned per-layer scale and bias against their initial values.",
+        compare=Comparison(difference=("scale_mean", "bias_mean"), keys=("layer", "side")),
     ),
     View(
         "attnres_hidden_rms",
@@ -267,5 +271,6 @@ VIEWS: list[View] = [
         "attnres",
         build_hidden_rms,
         description="Residual growth: RMS of the hidden state entering each layer.",
+        compare=Comparison(difference=("mean", "median"), keys=("label",)),
     ),
 ]

@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 
 from analysis import degradation as dg
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.views import AnalysisContext, Comparison, NotApplicable, View
 
 
 def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
@@ -78,6 +78,8 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
                 mode="lines",
                 name=f"MLA layer {layer}",
                 line={"color": RUN_COLORS[n % len(RUN_COLORS)]},
+                text=ctx.position_labels(part["query"]),
+                hovertemplate=f"MLA layer {layer}, query %{{text}}<br>H / log(i+1) = %{{y:.3f}}<extra></extra>",
             )
         )
     fig.update_yaxes(range=[0, 1.05])
@@ -87,6 +89,7 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         "query position (token)",
         "normalised entropy H / log(i+1)",
     )
+    fig.update_xaxes(**ctx.token_axis(mean["query"]))
     return fig, df
 
 
@@ -133,9 +136,11 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             colorscale=SEQUENTIAL,
             zmin=0.0,
             colorbar={"title": {"text": "received"}},
-            hovertemplate="%{y}, key %{x}<br>mean attention received %{z:.4f}<extra></extra>",
+            customdata=[ctx.position_labels(table.columns)] * len(table),
+            hovertemplate="%{y}, key %{customdata}<br>mean attention received %{z:.4f}<extra></extra>",
         )
     )
+    fig.update_xaxes(**ctx.token_axis(table.columns))
     fig.update_yaxes(autorange="reversed")
     apply_style(
         fig,
@@ -296,9 +301,12 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                 name=f"L{layer} H{head}",
                 legendgroup=f"L{layer}",
                 line={"color": colour},
+                text=ctx.position_labels(part["position"]),
+                hovertemplate=f"L{layer} H{head}, token %{{text}}<br>||S||_F = %{{y:.4g}}<extra></extra>",
             )
         )
     apply_style(fig, "KDA state Frobenius norm ||S||_F over time (chunk ends)", "position (tokens)", "||S||_F")
+    fig.update_xaxes(**ctx.token_axis(df["position"]))
     return fig, df
 
 
@@ -309,6 +317,7 @@ VIEWS: list[View] = [
         "degradation",
         build_entropy_heatmap,
         description="Causal-normalised attention entropy per MLA layer and head (Zhai et al. 2023).",
+        compare=Comparison(difference=("entropy_norm",), keys=("layer", "head"), x="head"),
     ),
     View(
         "degradation_entropy_position",
@@ -316,6 +325,7 @@ VIEWS: list[View] = [
         "degradation",
         build_entropy_by_position,
         description="Normalised entropy of each query row, mean over heads.",
+        compare=Comparison(difference=("entropy_norm",), keys=("layer", "head", "query"), reduce=("head",), x="query"),
     ),
     View(
         "degradation_sink",
@@ -323,6 +333,7 @@ VIEWS: list[View] = [
         "degradation",
         build_sink_mass,
         description="First-token sink mass per head and the sink rate (share above 0.3; Gu et al. 2024).",
+        compare=Comparison(difference=("first_token_mass",), keys=("layer", "head"), x="head"),
     ),
     View(
         "degradation_sink_profile",
@@ -330,6 +341,7 @@ VIEWS: list[View] = [
         "degradation",
         build_sink_profile,
         description="Mean attention each key position receives from the queries that can see it.",
+        compare=Comparison(difference=("received",), keys=("layer", "head", "key"), x="key"),
     ),
     View(
         "degradation_mla_gate",
@@ -337,6 +349,7 @@ VIEWS: list[View] = [
         "degradation",
         build_mla_gate,
         description="Mean sigmoid output-gate value of gated MLA, per layer and head.",
+        compare=Comparison(difference=("gate_mean",), keys=("layer", "head"), x="head"),
     ),
     View(
         "degradation_rank_collapse",
@@ -344,6 +357,7 @@ VIEWS: list[View] = [
         "degradation",
         build_rank_collapse,
         description="Rank-collapse ratio (Dong et al. 2021), effective rank and token uniformity over depth.",
+        compare=Comparison(difference=("ratio", "effective_rank", "token_cosine"), keys=("depth_label",)),
     ),
     View(
         "degradation_redundancy",
@@ -351,6 +365,7 @@ VIEWS: list[View] = [
         "degradation",
         build_layer_redundancy,
         description="Block Influence (ShortGPT) and linear CKA (Kornblith 2019) between each layer's input/output.",
+        compare=Comparison(difference=("block_influence", "cka"), keys=("layer",)),
     ),
     View(
         "degradation_massive",
@@ -358,6 +373,10 @@ VIEWS: list[View] = [
         "degradation",
         build_massive_activations,
         description="Largest |h| per depth, its (token, channel), and max/median (Sun et al. 2024).",
+        compare=Comparison(
+            no_difference="the largest activations sit at different tokens and channels in the two runs: "
+            "compare the two halves"
+        ),
     ),
     View(
         "degradation_kda_state_rank",
@@ -365,6 +384,7 @@ VIEWS: list[View] = [
         "degradation",
         build_kda_state_rank,
         description="Effective rank of the final KDA state per head (the KDA counterpart of attention entropy).",
+        compare=Comparison(difference=("state_effective_rank",), keys=("layer", "head"), x="head"),
     ),
     View(
         "degradation_kda_state_norm",
@@ -372,5 +392,8 @@ VIEWS: list[View] = [
         "degradation",
         build_kda_state_norm,
         description="Frobenius norm of the KDA state over the sequence.",
+        compare=Comparison(
+            difference=("state_norm",), keys=("layer", "head", "position"), reduce=("head",), x="position"
+        ),
     ),
 ]

@@ -14,7 +14,8 @@ from plotly.subplots import make_subplots
 from analysis import density as dn
 from analysis.importance import sublayer_importance
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from k3core.trace import names
 
 DEFAULT_SEQ_LEN = 131072
 
@@ -221,7 +222,7 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
 
 
 def _require_kda(ctx: AnalysisContext) -> None:
-    if not any(f"kda.{i}.g" in ctx.trace for i in ctx.trace.layer_indices("kda")):
+    if not any(names.kda_g(i) in ctx.trace for i in ctx.trace.layer_indices("kda")):
         raise NotApplicable("no KDA data in this trace (no KDA layers, or recorded without 'kda')")
 
 
@@ -277,14 +278,14 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             frac_near_lb=("frac_near_lb", "mean"),
         )
     cap = float(ctx.config.max_position_embeddings)
-    names = ("lo", "q1", "median", "q3", "hi")
+    stats_names = ("lo", "q1", "median", "q3", "hi")
     rows = []
     for key, g in chan.groupby(keys):
         key = key if isinstance(key, tuple) else (key,)
         hz = dn.horizon_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
-        rows.append({**dict(zip(keys, key)), **{f"channel_horizon_{k}": v for k, v in zip(names, hz)}})
+        rows.append({**dict(zip(keys, key)), **{f"channel_horizon_{k}": v for k, v in zip(stats_names, hz)}})
     table = stats.merge(pd.DataFrame(rows), on=keys)
-    shown = {k: np.minimum(table[f"channel_horizon_{k}"].to_numpy(), cap) for k in names}
+    shown = {k: np.minimum(table[f"channel_horizon_{k}"].to_numpy(), cap) for k in stats_names}
     heads = table["head"] if per_head else [None] * len(table)
     x = [_group_label(layer, head) for layer, head in zip(table["layer"], heads)]
     what = "layer/head" if per_head else "layer (all heads pooled)"
@@ -371,7 +372,8 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     name=f"L{layer}",
                     line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[(li // len(RUN_COLORS)) % 4]},
                     customdata=g[["min", "max"]].to_numpy(),
-                    hovertemplate=f"layer {layer}, mean over heads<br>token %{{x}}<br>‖S‖_F = %{{y:.4g}} "
+                    text=ctx.position_labels(g["token"]),
+                    hovertemplate=f"layer {layer}, mean over heads<br>token %{{text}}<br>‖S‖_F = %{{y:.4g}} "
                     "(heads %{customdata[0]:.4g}..%{customdata[1]:.4g})<extra></extra>",
                 )
             )
@@ -385,7 +387,8 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     name=f"L{layer} h{head}",
                     legendgroup=f"L{layer}",
                     line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4]},
-                    hovertemplate=f"layer {layer}, head {head}<br>token %{{x}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
+                    text=ctx.position_labels(g["token"]),
+                    hovertemplate=f"layer {layer}, head {head}<br>token %{{text}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
                 )
             )
     what = "per layer/head" if per_head else "per layer (mean over heads)"
@@ -395,6 +398,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
         "token position (end of chunk)",
         "state Frobenius norm ‖S‖_F",
     )
+    fig.update_xaxes(**ctx.token_axis(table["token"]))
     if not per_head or len(fig.data) > 8:  # many entries: legend as a column on the right
         fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table
@@ -407,6 +411,7 @@ VIEWS: list[View] = [
         "density",
         build_allocation,
         description="Parameters, active parameters, FLOPs per token and cache bytes per layer, from the config.",
+        compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("layer",)),
     ),
     View(
         "density_cache_vs_length",
@@ -414,6 +419,7 @@ VIEWS: list[View] = [
         "density",
         build_cache_vs_length,
         description="Decode cache per sequence from 1K to 1M tokens: KDA state is flat, MLA latent grows linearly.",
+        compare=Comparison(difference=("bytes",), keys=("layer_type", "seq_len"), x="seq_len"),
     ),
     View(
         "density_allocated_vs_measured",
@@ -422,6 +428,7 @@ VIEWS: list[View] = [
         build_allocated_vs_measured,
         needs_model=True,
         description="Allocation bars on the same depth axis as ablation and gradient x activation importance.",
+        compare=Comparison(difference=("ablation_attn", "ablation_ffn"), keys=("layer",)),
     ),
     View(
         "kda_decay",
@@ -429,6 +436,7 @@ VIEWS: list[View] = [
         "density",
         build_kda_decay,
         description="Memory horizon 1/(1-α) over key channels per KDA head; share of decays near the lower bound.",
+        compare=Comparison(difference=("g_mean", "frac_near_lb"), keys=("layer", "head")),
     ),
     View(
         "kda_beta",
@@ -436,6 +444,7 @@ VIEWS: list[View] = [
         "density",
         build_kda_beta,
         description="Distribution of the delta-rule write strength β per KDA head.",
+        compare=Comparison(difference=("mean",), keys=("layer", "head")),
     ),
     View(
         "kda_state_norm",
@@ -443,5 +452,6 @@ VIEWS: list[View] = [
         "density",
         build_kda_state_norm,
         description="Frobenius norm of each KDA head's state at chunk ends.",
+        compare=Comparison(difference=("state_norm",), keys=("layer", "head", "token"), reduce=("head",), x="token"),
     ),
 ]

@@ -12,7 +12,7 @@ from plotly.subplots import make_subplots
 
 from analysis import history as hist
 from analysis.style import RUN_COLORS, apply_style
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.views import AnalysisContext, Comparison, NotApplicable, View
 
 
 def runs_metrics(ctx: AnalysisContext) -> dict[str, dict]:
@@ -159,6 +159,7 @@ VIEWS: list[View] = [
         "history",
         build_curves,
         description="Train loss, validation bits/byte and MQAR accuracy over training (metrics.json).",
+        compare=Comparison(overlay=True, no_difference="training curves of both runs are overlaid in one figure"),
     ),
     View(
         "history_moe",
@@ -166,6 +167,7 @@ VIEWS: list[View] = [
         "history",
         build_moe,
         description="MaxVio and CV of the expert load over training steps.",
+        compare=Comparison(overlay=True, no_difference="training curves of both runs are overlaid in one figure"),
     ),
     View(
         "history_attnres",
@@ -173,5 +175,6 @@ VIEWS: list[View] = [
         "history",
         build_attnres,
         description="AttnRes summaries (embedding weight, entropy, ...) logged during training.",
+        compare=Comparison(overlay=True, no_difference="training curves of both runs are overlaid in one figure"),
     ),
 ]

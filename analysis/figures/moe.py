@@ -15,7 +15,8 @@ from plotly.subplots import make_subplots
 
 from analysis import moe as mo
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from k3core.trace import names
 
 COACT_CELL_BUDGET = 1_000_000  # E * E * layers shown in one co-activation figure
 PCA_POINT_BUDGET = 200_000
@@ -175,7 +176,7 @@ def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
 def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Expert co-activation: share of tokens choosing both i and j (diagonal: tokens choosing i), per layer."""
     layers = _require_moe(ctx)
-    layers = [i for i in layers if f"moe.{i}.experts" in ctx.trace]
+    layers = [i for i in layers if names.moe_experts(i) in ctx.trace]
     if not layers:
         raise NotApplicable("trace has no moe.*.experts arrays")
     E = mo.num_experts_of(ctx.trace, layers[0])
@@ -253,10 +254,10 @@ def build_reuse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """2-D PCA of the routed-expert inputs z per token, coloured by top-1 expert (one layer at a time)."""
     layers = _require_moe(ctx)
-    layers = [i for i in layers if f"moe.{i}.latent" in ctx.trace]
+    layers = [i for i in layers if names.moe_latent(i) in ctx.trace]
     if not layers:
         raise NotApplicable("trace has no moe.*.latent arrays (record with 'latent')")
-    n_tok = int(np.prod(ctx.trace[f"moe.{layers[0]}.latent"].shape[:2]))
+    n_tok = int(np.prod(ctx.trace[names.moe_latent(layers[0])].shape[:2]))
     shown = _pick_layers(ctx, layers, n_tok, PCA_POINT_BUDGET)
     E = mo.num_experts_of(ctx.trace, shown[0])
     palette = qualitative.Dark24 if E <= 24 else None
@@ -268,7 +269,7 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         df = df.assign(pc1_ratio=ratio[0], pc2_ratio=ratio[1])
         frames.append(df)
         hover = (
-            "layer " + str(layer) + ", token %{customdata[0]} (id %{customdata[1]})<br>top-1 expert "
+            "layer " + str(layer) + ", token %{customdata[0]} %{text} (id %{customdata[1]})<br>top-1 expert "
             "%{customdata[2]} (weight %{customdata[3]:.3f})<extra></extra>"
         )
         before = len(fig.data)
@@ -283,6 +284,7 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                         visible=n == 0,
                         marker={"size": 5, "color": palette[int(e) % len(palette)], "opacity": 0.75},
                         customdata=g[["token", "token_id", "top1_expert", "top1_weight"]].to_numpy(),
+                        text=ctx.token_texts(g["token_id"]),
                         hovertemplate=hover,
                         legendgroup=f"e{e}",
                     )
@@ -304,6 +306,7 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                         "opacity": 0.75,
                     },
                     customdata=df[["token", "token_id", "top1_expert", "top1_weight"]].to_numpy(),
+                    text=ctx.token_texts(df["token_id"]),
                     hovertemplate=hover,
                 )
             )
@@ -364,6 +367,7 @@ VIEWS: list[View] = [
         "moe",
         build_load_heatmap,
         description="Share of each layer's assignments per expert, layers x experts.",
+        compare=Comparison(difference=("share",), keys=("layer", "expert"), x="expert", same_weights=True),
     ),
     View(
         "moe_imbalance",
@@ -371,6 +375,7 @@ VIEWS: list[View] = [
         "moe",
         build_imbalance,
         description="MaxVio, CV, normalised entropy and dead experts per MoE layer.",
+        compare=Comparison(difference=("max_vio", "cv", "entropy", "dead"), keys=("layer",)),
     ),
     View(
         "moe_weight_by_rank",
@@ -378,6 +383,7 @@ VIEWS: list[View] = [
         "moe",
         build_weight_by_rank,
         description="Mean routing weight of the 1st..k-th chosen expert.",
+        compare=Comparison(difference=("mean_weight",), keys=("layer", "rank"), x="rank"),
     ),
     View(
         "moe_coactivation",
@@ -385,6 +391,9 @@ VIEWS: list[View] = [
         "moe",
         build_coactivation,
         description="How often two experts are chosen for the same token, per layer.",
+        compare=Comparison(
+            difference=("rate",), keys=("layer", "expert_i", "expert_j"), x="expert_j", same_weights=True
+        ),
     ),
     View(
         "moe_reuse",
@@ -392,6 +401,7 @@ VIEWS: list[View] = [
         "moe",
         build_reuse,
         description="Share of a token's experts also chosen for the next token, against chance k/E.",
+        compare=Comparison(difference=("reuse",), keys=("layer",)),
     ),
     View(
         "moe_latent_pca",
@@ -399,6 +409,7 @@ VIEWS: list[View] = [
         "moe",
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
+        compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
     ),
     View(
         "moe_bias",
@@ -406,5 +417,8 @@ VIEWS: list[View] = [
         "moe",
         build_bias,
         description="Selection bias e_bias per expert, per MoE layer.",
+        compare=Comparison(
+            no_difference="expert i of one run is not expert i of another; the bias spread is in the two halves"
+        ),
     ),
 ]
