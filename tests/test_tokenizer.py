@@ -419,3 +419,39 @@ def test_cli_generate_uses_the_run_tokenizer(tmp_path, capsys):
 
     assert main(["generate", str(_save_nano(tmp_path / "no-tok", 512)), "--tokens", "4"]) == 2
     assert "no tokenizer for a model with 512 token ids" in capsys.readouterr().err
+
+
+def test_token_axes_show_the_run_tokens(tmp_path):
+    """Figures over token positions label their ticks "position:token" and name the token in the hover."""
+    from analysis import runs
+    from analysis.figures import degradation, density, moe
+
+    folder = _save_nano(tmp_path / "bpe-run", 512)
+    _train_byte_bpe(folder)
+    run = runs.load_run(folder)
+    sample = runs.sample_input("shakespeare", run.config, 40, tokenizer=run.tokenizer)
+    ctx = runs.trace_run(run, sample, what="all")
+    strings = run.tokenizer.token_strings(sample.input_ids[0])
+    assert strings[:8] == ["A", "N", "T", "O", "N", "Y", ":", "↵"]
+
+    fig, _ = degradation.build_entropy_by_position(ctx)
+    axis = fig.layout.xaxis
+    assert list(axis.tickvals) == list(range(1, 40))  # query 0 has no entropy; 39 ticks: every one labelled
+    assert list(axis.ticktext) == [f"{i}:{strings[i]}" for i in range(1, 40)]
+    assert fig.data[0].text[6] == "7:↵"
+    fig, table = degradation.build_sink_profile(ctx)
+    assert list(fig.data[0].customdata[0][:2]) == ["0:A", "1:N"]
+    for build in (degradation.build_kda_state_norm, density.build_kda_state_norm):
+        fig, _ = build(ctx)
+        tick = int(fig.layout.xaxis.tickvals[0])
+        assert fig.layout.xaxis.ticktext[0] == f"{tick}:{strings[tick]}"
+    fig, table = moe.build_latent_pca(ctx)
+    first = table[table["layer"] == table["layer"].iloc[0]]
+    shown = [t for trace in fig.data if trace.visible is not False for t in trace.text]
+    assert sorted(shown) == sorted(run.tokenizer.token_strings(first["token_id"]))
+
+    # without a tokenizer (ids only) the same figures keep plotly's numeric ticks and numbers in the hover
+    bare = runs.trace_run(runs.run_from_model(run.model), sample, what="all")
+    bare.tokenizer = None
+    fig, _ = degradation.build_entropy_by_position(bare)
+    assert fig.layout.xaxis.ticktext is None and fig.data[0].text[6] == "7"
