@@ -29,7 +29,7 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
     kda.i.final_state        [batch, head, key, value]
     mla.i.attn               [batch, head, query, key]          only with "attn_probs"
     mla.i.gate               [batch, token, head]               output-gate mean (gated MLA)
-    attnres.i.attn|mlp       [batch, token, source]             depth weights at each site
+    attnres.i.attn|mlp       [batch, token, source]             depth weights; source names: meta["attnres_sources"]
     attnres.output           [batch, token, source]
     attnres.i.attn_query_norm|mlp_query_norm  []                 pseudo-query norms (scalars)
     attnres.output_query_norm  []
@@ -88,6 +88,8 @@ class TraceNames:
     OUTPUT_SITE = "output"
     ATTNRES_OUTPUT = "attnres.output"
     ATTNRES_OUTPUT_QUERY_NORM = "attnres.output_query_norm"
+    #: ``trace.meta`` key: {site: [source name per position of the site's source axis]}
+    ATTNRES_SOURCES_META = "attnres_sources"
 
     @staticmethod
     def kda_g(i: int) -> str:
@@ -293,7 +295,7 @@ class Recorder:
         self._hidden = []
         self.trace.arrays.clear()
         self.trace.axes.clear()
-        self.trace.meta.pop("attnres_sources", None)
+        self.trace.meta.pop(TraceNames.ATTNRES_SOURCES_META, None)
         self.put_tokens(TraceNames.TOKENS, input_ids, ("batch", "token"))
 
     def hidden(self, h: torch.Tensor) -> None:

@@ -130,7 +130,7 @@ def attnres_entry(model: torch.nn.Module, trace: Trace | None, step: int) -> dic
     if mode not in ("block_attnres", "full_attnres") or trace is None:
         return None
     sites = {}
-    for site, sources in trace.meta.get("attnres_sources", {}).items():
+    for site, sources in trace.meta.get(TraceNames.ATTNRES_SOURCES_META, {}).items():
         p = trace.get(TraceNames.attnres(site))
         qn = trace.get(TraceNames.attnres_query_norm(site))
         if p is None:
