@@ -46,7 +46,7 @@ PAGES = {
     ],
     "Tools": [
         _page("generate", "Generate", ":material/edit_note:"),
-        _page("upload", "Upload", ":material/upload_file:"),
+        _page("upload", "Runs library", ":material/folder_open:"),
     ],
 }
 

@@ -15,7 +15,7 @@ import streamlit as st
 
 from analysis.importance import sublayer_importance
 from analysis.views import AnalysisContext, View
-from app import caching, cards
+from app import caching, cards, uploads
 from app.caching import Loaded
 from app.inputs import LONG_INPUT_TOKENS, MAX_TOKENS_CAP, InputError, Inputs, TextChoice, current_inputs
 from app.uploads import RunRef
@@ -36,7 +36,7 @@ def inputs_or_stop() -> Inputs:
     """The sidebar inputs; stops the page with a message when there is no run to show."""
     inputs = current_inputs()
     if inputs is None or inputs.run is None:
-        st.info("No run selected. Upload a checkpoint on the **Upload** page.")
+        st.info("No run selected. Add a checkpoint on the **Runs library** page.")
         st.stop()
     return inputs
 
@@ -44,15 +44,24 @@ def inputs_or_stop() -> Inputs:
 def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
     """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page."""
     ref = ref or inputs.run
+    _stop_if_too_big(inputs, ref)
     try:
         return caching.load_run(ref, inputs.device, inputs.dtype).model
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {exc}"
+        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
     st.error(error)
     st.stop()
+
+
+def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
+    """A run whose weights cannot fit in the device's free memory gets a message, never an out-of-memory crash."""
+    problem = uploads.fit_problem(ref, inputs.device, inputs.dtype)
+    if problem:
+        st.error(problem)
+        st.stop()
 
 
 def _confirm_long_input(inputs: Inputs, ref: RunRef, choice: TextChoice) -> None:
@@ -93,11 +102,12 @@ def load_or_stop(
     if text_error:
         st.error(text_error)
         st.stop()
+    _stop_if_too_big(inputs, ref)
     _confirm_long_input(inputs, ref, choice)
     try:
         loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {exc}"
+        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be run on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"

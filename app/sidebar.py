@@ -17,7 +17,13 @@ from app import links, uploads
 from app.inputs import InputError, Inputs, TextChoice
 from app.uploads import RunRef
 
-ORIGIN_TAGS = {"preloaded": "", "sample": " · sample", "uploaded": " · uploaded"}
+ORIGIN_TAGS = {
+    "preloaded": "",
+    "sample": " · sample",
+    "uploaded": " · uploaded",
+    "path": " · folder",
+    "preset": " · preset",
+}
 
 
 def sidebar() -> Inputs:
@@ -26,8 +32,9 @@ def sidebar() -> Inputs:
     The chosen inputs are also stored in ``st.session_state["k3lab_inputs"]`` for the pages.
     """
     ss = st.session_state
-    uploaded = ss.setdefault("k3lab_uploaded", [])
-    runs, problems = uploads.discover_runs(os.environ.get(uploads.RUNS_ENV), uploads.SAMPLES_DIR, uploaded)
+    runs, problems = uploads.discover_runs(
+        os.environ.get(uploads.RUNS_ENV), uploads.SAMPLES_DIR, uploads.library_runs()
+    )
     labels = [r.label for r in runs]
     by_label = {r.label: r for r in runs}
     links.apply_once(labels)  # the link's choices, on a session's first run
@@ -46,12 +53,13 @@ def sidebar() -> Inputs:
                 labels,
                 key="k3lab_run",
                 format_func=lambda lab: lab + ORIGIN_TAGS.get(by_label[lab].origin, ""),
-                help="Checkpoint folders: those given to `k3lab app`, the shipped samples and your uploads.",
+                help="Checkpoint folders: those given to `k3lab app`, the shipped samples and the runs library "
+                "(uploads, folders opened by path, presets).",
             )
             run = by_label.get(chosen)
         else:
             st.warning(
-                "No checkpoints found. Upload one on the **Upload** page, or start the app with `k3lab app PATH`."
+                "No checkpoints found. Add one on the **Runs library** page, or start the app with `k3lab app PATH`."
             )
         for problem in problems:
             st.warning(problem)

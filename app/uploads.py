@@ -1,24 +1,32 @@
-"""Where runs come from: checkpoint folders named at start-up, the shipped samples, and uploads.
+"""Where runs come from: checkpoint folders named at start-up, the shipped samples, and the runs library.
 
-``discover_runs`` lists them in picker order; ``save_upload`` writes uploaded checkpoint files into a
-fresh folder (the checkpoint itself is checked when it is loaded), ``remove_upload`` deletes it.
+``discover_runs`` lists them in picker order. The runs library (``app.library``: uploads, folders opened
+by path, random-init presets, kept under the k3lab home with a SQLite index) is opened once per server
+process with ``library()``; ``library_runs()`` turns its entries into picker runs. ``message`` words an
+error about a run with the run's name, never the server folder it lives in. ``fit_problem`` says, from the
+checkpoint's headers alone, when a run cannot fit in the chosen device's memory (so a page shows that
+instead of trying, and running out of memory).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.inputs import InputError
+import streamlit as st
+
+from app.library import LibraryError, RunsLibrary, describe_folder, human_bytes, memory_needed
+from app.settings import configured_roots, home_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES_DIR = REPO_ROOT / "sample_checkpoints"
 RUNS_ENV = "K3LAB_RUNS"
+ORIGIN_OF_SOURCE = {"upload": "uploaded", "path": "path", "preset": "preset"}
+LIBRARY_ORIGINS = tuple(ORIGIN_OF_SOURCE.values())
+WEIGHTS_PAGE = REPO_ROOT / "app" / "app_pages" / "weights.py"
+MEMORY_HEADROOM = 0.9  # leave a tenth of the free memory for activations, the trace and everything else
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,8 @@ class RunRef:
 
     label: str
     path: str
-    origin: str  # "preloaded" (K3LAB_RUNS), "sample" (sample_checkpoints/) or "uploaded"
+    origin: str  # "preloaded" (K3LAB_RUNS), "sample" (sample_checkpoints/), or a library source (LIBRARY_ORIGINS)
+    run_id: str = ""  # the library's id for library runs
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -37,15 +46,16 @@ def is_checkpoint_dir(path: str | Path) -> bool:
 
 
 def discover_runs(
-    env_value: str | None, samples_dir: str | Path | None, uploaded: Iterable[RunRef] = ()
+    env_value: str | None, samples_dir: str | Path | None, library: Iterable[RunRef] = ()
 ) -> tuple[list[RunRef], list[str]]:
-    """Runs in picker order: K3LAB_RUNS entries, then sample_checkpoints/* folders, then uploads.
+    """Runs in picker order: K3LAB_RUNS entries, then sample_checkpoints/* folders, then library runs.
 
     A K3LAB_RUNS entry is a checkpoint folder, or a folder of checkpoint folders (each becomes a run).
-    Duplicate folders are listed once (first origin wins); labels are the folder names, made unique
-    with a " (2)", " (3)" suffix. Returns (runs, problems) where problems names K3LAB_RUNS entries that
-    are not checkpoint folders.
+    Duplicate folders are listed once (first origin wins); labels are the folder names (a library run's
+    name), made unique with a " (2)", " (3)" suffix. Returns (runs, problems) where problems names
+    K3LAB_RUNS entries that are not checkpoint folders.
     """
+    library = list(library)
     found: list[tuple[Path, str]] = []
     problems: list[str] = []
     for entry in (env_value or "").split(os.pathsep):
@@ -64,75 +74,114 @@ def discover_runs(
         for path in sorted(Path(samples_dir).iterdir()):
             if is_checkpoint_dir(path):
                 found.append((path.resolve(), "sample"))
-    for run in uploaded:
-        found.append((Path(run.path).resolve(), "uploaded"))
+    by_path = {str(Path(r.path).resolve()): r for r in library}
+    found.extend((Path(p), r.origin) for p, r in by_path.items())
 
     runs: list[RunRef] = []
     seen_paths: set[Path] = set()
     labels: set[str] = set()
-    uploaded_labels = {str(Path(r.path).resolve()): r.label for r in uploaded}
     for path, origin in found:
         if path in seen_paths:
             continue
         seen_paths.add(path)
-        base = uploaded_labels.get(str(path), path.name) if origin == "uploaded" else path.name
+        lib_ref = by_path.get(str(path)) if origin in LIBRARY_ORIGINS else None
+        base = lib_ref.label if lib_ref is not None else path.name
         label, n = base, 2
         while label in labels:
             label, n = f"{base} ({n})", n + 1
         labels.add(label)
-        runs.append(RunRef(label=label, path=str(path), origin=origin))
+        runs.append(RunRef(label=label, path=str(path), origin=origin, run_id=lib_ref.run_id if lib_ref else ""))
     return runs, problems
 
 
-UPLOAD_NAMES = (
-    "config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "metrics.json",
-    "README.md",
-    "pytorch_model.bin",
-    "model.bin",
-    "model.pt",
-    "pytorch_model.pt",
-)
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+# ----------------------------------------------------------------------------------------- library
+def upload_limit_mb() -> int:
+    """The per-file upload limit Streamlit enforces (``k3lab app --max-upload-mb`` sets it)."""
+    return int(st.get_option("server.maxUploadSize"))
 
 
-def save_upload(files: Iterable[tuple[str, bytes]], name: str = "", root: str | Path | None = None) -> RunRef:
-    """Write uploaded checkpoint files into a fresh temporary folder and return it as a run.
-
-    Accepts config.json, model.safetensors (or shards + index), optional metrics.json / README.md, and
-    pickle weights (.bin/.pt, which the loader reads only with torch.load(weights_only=True)). Raises
-    InputError for an unknown file name, a duplicate, or a missing config.json. The checkpoint itself is
-    validated when it is loaded (CheckpointError).
-    """
-    files = list(files)
-    if not files:
-        raise InputError("No files uploaded: choose config.json and model.safetensors.")
-    names = [Path(n).name for n, _ in files]
-    bad = [n for n in names if n not in UPLOAD_NAMES and not _SHARD_RE.match(n)]
-    if bad:
-        raise InputError(
-            f"unexpected file(s) {bad}: a checkpoint is config.json + model.safetensors (or shards "
-            f"model-00001-of-0000N.safetensors + model.safetensors.index.json), optionally metrics.json "
-            f"and README.md"
-        )
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise InputError(f"file(s) uploaded twice: {dupes}")
-    if "config.json" not in names:
-        raise InputError(
-            "config.json is missing among the uploaded files (a checkpoint is config.json + model.safetensors)"
-        )
-    label = re.sub(r"[^A-Za-z0-9._-]+", "-", name.strip()).strip("-.") or "uploaded"
-    folder = Path(tempfile.mkdtemp(prefix=f"k3lab-upload-{label}-", dir=root))
-    for fname, data in zip(names, (d for _, d in files)):
-        (folder / fname).write_bytes(data)
-    return RunRef(label=label, path=str(folder), origin="uploaded")
+@st.cache_resource(show_spinner=False)
+def _library(home: str, max_upload_mb: int) -> RunsLibrary:
+    return RunsLibrary(home, max_upload_bytes=max_upload_mb * 1024**2)
 
 
-def remove_upload(run: RunRef) -> None:
-    """Delete an uploaded run's temporary folder (only folders this app created)."""
-    path = Path(run.path)
-    if run.origin == "uploaded" and path.name.startswith("k3lab-upload-") and path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
+def library() -> RunsLibrary:
+    """The runs library in $K3LAB_HOME (~/.k3lab), opened (and cleaned up) once per server process."""
+    return _library(str(home_dir()), upload_limit_mb())
+
+
+def ref_of(entry) -> RunRef:
+    """A library entry as a picker run."""
+    return RunRef(label=entry.name, path=str(entry.path), origin=ORIGIN_OF_SOURCE[entry.source], run_id=entry.id)
+
+
+def library_runs() -> list[RunRef]:
+    """The library's runs whose files are there, oldest first ([] with a logged reason when it cannot be opened)."""
+    try:
+        return [ref_of(e) for e in library().entries() if e.available]
+    except LibraryError:
+        return []
+
+
+def allowed_roots() -> list[Path]:
+    """Folders that may be opened by path: the library home and K3LAB_ROOTS (default: where the app started)."""
+    return configured_roots(home=library().home)
+
+
+def message(exc: BaseException | str, ref: RunRef | None = None) -> str:
+    """An error's text with server folders replaced by run names (the run's own, the library's)."""
+    text = str(exc)
+    names = {}
+    if ref is not None:
+        names[ref.path] = ref.label
+        names[str(Path(ref.path).resolve())] = ref.label
+    try:
+        return library().redact(text, names)
+    except LibraryError:
+        for path, name in names.items():
+            text = text.replace(path, name)
+        return text
+
+
+# ----------------------------------------------------------------------------------------- memory
+def available_memory(device: str) -> int | None:
+    """Free bytes on a device ("cpu", "cuda", "cuda:N"); None when unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+        return int(torch.cuda.mem_get_info(index)[0])
+    if device == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    return None
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _needed(path: str, stamp: tuple, dtype: str) -> int:
+    return memory_needed(describe_folder(path).files, dtype)
+
+
+def fit_problem(ref: RunRef, device: str, dtype: str) -> str | None:
+    """A message when the run's weights (headers only) cannot fit in the device's free memory, else None."""
+    if device == "auto":
+        return None  # the placement spreads it over every device and disk
+    path = Path(ref.path)
+    try:
+        stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
+        needed = _needed(str(path), stamp, dtype)
+    except (LibraryError, OSError):
+        return None  # the loader reports a bad checkpoint with its own message
+    free = available_memory(device)
+    if free is None or needed <= MEMORY_HEADROOM * free:
+        return None
+    weights = (
+        " Its weights can still be read without loading it: see the **Weights** page." if WEIGHTS_PAGE.is_file() else ""
+    )
+    return (
+        f"**{ref.label}** needs {human_bytes(needed)} in {dtype} but {device} has {human_bytes(free)} free: it "
+        f"cannot be loaded here. Pick a smaller dtype or another device in the sidebar.{weights}"
+    )

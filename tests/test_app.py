@@ -17,7 +17,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from app import caching, cards, inputs, uploads
-from k3core.checkpoint import CheckpointError
+from app.settings import HOME_ENV
 from k3core.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
@@ -64,6 +64,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def app_env(monkeypatch, tmp_path):
     """Point the app at given checkpoint folders only (no shipped samples)."""
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))  # the runs library of this test only
 
     def use(*folders: Path) -> None:
         monkeypatch.setenv(uploads.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
@@ -182,33 +184,6 @@ def test_generate_page(app_env, runs):
     assert [m.value for m in at.metric if m.label == "New tokens"] == ["12"]
 
 
-def test_upload_page_adds_a_run_and_rejects_a_bad_one(app_env, runs):
-    app_env(runs["good"])
-    at = _app().run()
-    _page(at, "upload")
-    uploader = at.get("file_uploader")[0]
-    uploader.upload("config.json", (runs["other"] / "config.json").read_bytes())
-    uploader.upload("model.safetensors", (runs["corrupt"] / "model.safetensors").read_bytes())
-    at.button[0].click().run()
-    assert not at.exception
-    assert any("cannot be used" in e and "not a safetensors file" in e for e in _errors(at))
-    assert not at.session_state["k3lab_uploaded"]
-
-    uploader = at.get("file_uploader")[0]
-    uploader.upload("config.json", (runs["other"] / "config.json").read_bytes())
-    uploader.upload("model.safetensors", (runs["other"] / "model.safetensors").read_bytes())
-    at.text_input(key="k3lab_upload_name").input("mine")
-    at.button[0].click().run()
-    assert not at.exception and _errors(at) == []
-    uploaded = at.session_state["k3lab_uploaded"]
-    assert [r.label for r in uploaded] == ["mine"]
-    assert at.session_state["k3lab_run"] == "mine"  # selected in the sidebar
-    _page(at, "overview")
-    assert not at.exception and _errors(at) == []
-    assert [s.value for s in at.subheader][0] == "mine"
-    uploads.remove_upload(uploaded[0])
-
-
 # ------------------------------------------------------------------------------------ pure helpers
 def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     samples = tmp_path / "samples"
@@ -253,23 +228,6 @@ def test_options_are_checked():
         inputs.check_options({"seqlen": 4096})
     with pytest.raises(inputs.InputError, match="seq_len"):
         inputs.check_options({"seq_len": 10})
-
-
-def test_save_upload_validates_names(tmp_path, runs):
-    cfg = (runs["good"] / "config.json").read_bytes()
-    with pytest.raises(inputs.InputError, match="unexpected file"):
-        uploads.save_upload([("config.json", cfg), ("evil.py", b"print(1)")], root=tmp_path)
-    with pytest.raises(inputs.InputError, match="config.json is missing"):
-        uploads.save_upload([("model.safetensors", b"x")], root=tmp_path)
-    with pytest.raises(inputs.InputError, match="twice"):
-        uploads.save_upload([("config.json", cfg), ("dir/config.json", cfg)], root=tmp_path)
-    run = uploads.save_upload([("../config.json", cfg), ("model.safetensors", b"garbage!")], "my run!", root=tmp_path)
-    assert run.label == "my-run" and Path(run.path).parent == tmp_path
-    assert sorted(p.name for p in Path(run.path).iterdir()) == ["config.json", "model.safetensors"]
-    with pytest.raises(CheckpointError, match="not a safetensors file"):
-        caching.load_run(run)
-    uploads.remove_upload(run)
-    assert not Path(run.path).exists()
 
 
 def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch):

@@ -1,4 +1,5 @@
-"""Upload: add your own checkpoint (config.json + model.safetensors) to the run picker."""
+"""Runs library: add runs (upload files, a folder or a zip; open a folder on the server; a random-init preset),
+and rename or delete them. Runs are kept under the k3lab home, so they are there after a reload or a restart."""
 
 from __future__ import annotations
 
@@ -6,56 +7,194 @@ import streamlit as st
 
 from app import caching, page, uploads
 from app.inputs import InputError, current_inputs
-from k3core.checkpoint import CheckpointError
+from app.library import LibraryError, describe_folder, human_bytes, human_count, memory_needed, summary_text
+from app.roots import PathRefused, confine_folder
+from k3core.checkpoint_files import CheckpointError
 
 page.page_header(
-    "Upload a checkpoint",
-    "Add your own run: a k3lab / Hugging Face style checkpoint folder's config.json and model.safetensors (or "
-    "shards with model.safetensors.index.json), optionally metrics.json and README.md. Files are checked before "
-    "the run is added; pickle files (.bin/.pt) are never unpickled, only read as plain tensors when "
+    "Runs library",
+    "Add your own runs: upload a checkpoint (config.json + model.safetensors, or shards with "
+    "model.safetensors.index.json; optionally metrics.json, README.md and tokenizer files), a whole folder or a "
+    "zip of it; open a folder on the server by path (the way to bring a checkpoint of any size); or create a fresh "
+    "random-init model of a preset. Runs are kept in the runs library and stay after a reload or a restart. "
+    "Pickle files (.bin/.pt) are never unpickled, only read as plain tensors when "
     "torch.load(weights_only=True) accepts them.",
 )
 
-inputs = current_inputs()
 ss = st.session_state
+inputs = current_inputs()
+device = inputs.device if inputs else "cpu"
+dtype = inputs.dtype if inputs else "float32"
+SOURCE_NAMES = {"upload": "uploaded", "path": "folder on the server", "preset": "random-init preset"}
+UPLOAD_TYPES = ["json", "safetensors", "md", "bin", "pt", "model", "zip"]
+VALIDATE_LOAD_BYTES = 2 * 1024**3  # uploads up to this size are loaded once to check every tensor
 
-with st.form("k3lab_upload", clear_on_submit=True):
-    name = st.text_input("Name", placeholder="my-run", key="k3lab_upload_name")
-    files = st.file_uploader(
-        "Checkpoint files",
-        accept_multiple_files=True,
-        key="k3lab_upload_files",
-        type=["json", "safetensors", "md", "bin", "pt"],
+try:
+    lib = uploads.library()
+except LibraryError as exc:
+    st.error(f"The runs library cannot be opened: {exc}. Start the app with `k3lab app --home DIR`.")
+    st.stop()
+
+
+def _added(entry, note: str = "") -> None:
+    """Select the new run in the sidebar and say so after the rerun."""
+    ss["k3lab_pending_run"] = str(entry.path)
+    ss["k3lab_library_ok"] = f"Added **{entry.name}** to the runs library and selected it in the sidebar.{note}"
+    st.rerun()
+
+
+if ss.get("k3lab_library_ok"):
+    st.success(ss.pop("k3lab_library_ok"))
+
+tab_upload, tab_path, tab_preset = st.tabs(["Upload", "Open a folder on the server", "Fresh random model"])
+
+# ----------------------------------------------------------------------------------------- upload
+with tab_upload:
+    limit = uploads.upload_limit_mb()
+    mode = st.radio("What to upload", ["Files or a zip", "A whole folder"], horizontal=True, key="k3lab_upload_mode")
+    with st.form("k3lab_upload", clear_on_submit=True):
+        name = st.text_input("Name", placeholder="my-run", key="k3lab_upload_name")
+        files = st.file_uploader(
+            "Checkpoint folder" if mode == "A whole folder" else "Checkpoint files, or one .zip of the folder",
+            accept_multiple_files="directory" if mode == "A whole folder" else True,
+            key="k3lab_upload_files",
+            type=UPLOAD_TYPES,
+        )
+        st.caption(
+            f"Up to {limit:,} MB per file (`k3lab app --max-upload-mb N` changes it); the browser refuses a bigger "
+            f"file before it reaches the app. A checkpoint larger than that: open its folder by path."
+        )
+        add = st.form_submit_button("Add run", type="primary", key="k3lab_upload_add")
+    if add:
+        entry = ref = None
+        try:
+            entry, skipped = lib.add_files([(f.name, f) for f in files or []], name, mode == "A whole folder")
+            ref = uploads.ref_of(entry)
+            if entry.size_bytes <= VALIDATE_LOAD_BYTES and not uploads.fit_problem(ref, device, dtype):
+                caching.load_run(ref, device, dtype)  # reads every tensor: NaN/Inf, shapes
+        except (LibraryError, CheckpointError, InputError) as exc:
+            if entry is not None:
+                lib.delete(entry.id)
+            st.error(f"This checkpoint cannot be used: {uploads.message(exc, ref)}")
+        else:
+            _added(entry, f" Skipped: {', '.join(skipped)}." if skipped else "")
+
+# ----------------------------------------------------------------------------------------- by path
+with tab_path:
+    roots = uploads.allowed_roots()
+    st.caption(
+        "Reads the checkpoint where it is (nothing is copied): size, parameters and the memory it needs come from "
+        "the file headers before anything is loaded. Folders that may be opened: "
+        + ", ".join(f"`{r}`" for r in roots)
+        + " (start the app with `k3lab app --root DIR` to allow another)."
     )
-    add = st.form_submit_button("Add run", type="primary")
+    typed = st.text_input("Checkpoint folder", key="k3lab_open_path", placeholder=str(roots[-1] / "my-checkpoint"))
+    if st.button("Check the folder", key="k3lab_open_check"):
+        ss["k3lab_open_checked"] = typed
+    checked = ss.get("k3lab_open_checked")
+    if checked and checked == typed:
+        try:
+            folder = confine_folder(checked, roots)
+            info = describe_folder(folder)
+        except (PathRefused, LibraryError) as exc:
+            st.error(str(exc))
+        else:
+            needed = memory_needed(info.files, dtype)
+            free = uploads.available_memory(device)
+            c1, c2, c3, c4 = st.columns(4)
+            c1.metric("Size on disk", human_bytes(info.size_bytes))
+            c2.metric("Parameters", human_count(info.num_parameters))
+            c3.metric(f"Memory in {dtype}", human_bytes(needed))
+            c4.metric(f"Free on {device}", human_bytes(free) if free is not None else "unknown")
+            st.caption(
+                f"{summary_text(info.summary)}; stored as "
+                + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.dtypes.items()))
+                + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
+            )
+            ref = uploads.RunRef(folder.name, str(folder), "path")
+            problem = uploads.fit_problem(ref, device, dtype)
+            if problem:
+                st.warning(problem)
+            else:
+                st.success(f"Fits: {human_bytes(needed)} of weights on {device} in {dtype}.")
+            path_name = st.text_input("Name", value=folder.name, key="k3lab_open_name")
+            if st.button("Add to the runs library", key="k3lab_open_add", type="primary"):
+                try:
+                    entry = lib.add_path(folder, path_name)
+                except LibraryError as exc:
+                    st.error(str(exc))
+                else:
+                    ss.pop("k3lab_open_checked", None)
+                    _added(entry)
 
-if add:
-    run = None
-    try:
-        run = uploads.save_upload([(f.name, f.getvalue()) for f in files or []], name)
-        caching.load_run(run, inputs.device if inputs else "cpu", inputs.dtype if inputs else "float32")
-    except (CheckpointError, InputError) as exc:
-        if run is not None:
-            uploads.remove_upload(run)
-        st.error(f"This checkpoint cannot be used: {exc}")
-    else:
-        ss.setdefault("k3lab_uploaded", []).append(run)
-        ss["k3lab_pending_run"] = run.path
-        ss["k3lab_upload_ok"] = f"Added **{run.label}** and selected it in the sidebar."
-        st.rerun()
+# ----------------------------------------------------------------------------------------- preset
+with tab_preset:
 
-if ss.get("k3lab_upload_ok"):
-    st.success(ss.pop("k3lab_upload_ok"))
+    @st.cache_data(show_spinner=False)
+    def _preset_sizes() -> dict[str, int]:
+        from k3core.config import PRESETS
+        from k3core.model import K3ForCausalLM
 
-uploaded = ss.get("k3lab_uploaded", [])
-if uploaded:
-    st.markdown("#### Your uploads (this session)")
-    for i, run in enumerate(list(uploaded)):
-        c1, c2 = st.columns([5, 1])
-        c1.markdown(f"**{run.label}** · `{run.path}`")
-        if c2.button("Remove", key=f"k3lab_remove_{i}"):
-            uploads.remove_upload(run)
-            uploaded.remove(run)
+        return {p: K3ForCausalLM.from_config(p, device="meta").num_parameters() for p in PRESETS}
+
+    sizes = _preset_sizes()
+    can = {p: n for p, n in sizes.items() if n <= lib.max_preset_params}
+    st.caption(
+        "An untrained model with seeded random weights, saved into the library (float32). Presets above "
+        f"{human_count(lib.max_preset_params)} parameters are not created here: "
+        + ", ".join(f"{p} ({human_count(n)})" for p, n in sizes.items() if p not in can)
+        + "."
+    )
+    c1, c2, c3 = st.columns([2, 1, 2])
+    preset = c1.selectbox(
+        "Preset", list(can), format_func=lambda p: f"{p} · {human_count(can[p])} params", key="k3lab_preset"
+    )
+    seed = c2.number_input("Seed", min_value=0, max_value=2**31 - 1, value=0, step=1, key="k3lab_preset_seed")
+    preset_name = c3.text_input("Name", placeholder=f"{preset}-random", key="k3lab_preset_name")
+    if st.button("Create", key="k3lab_preset_create", type="primary"):
+        try:
+            with st.spinner(f"Initialising and saving {preset}..."):
+                entry = lib.add_preset(preset, preset_name, int(seed))
+        except LibraryError as exc:
+            st.error(uploads.message(exc))
+        else:
+            _added(entry)
+
+# ----------------------------------------------------------------------------------------- the list
+st.divider()
+st.markdown("#### Your runs library")
+entries = lib.entries()
+if not entries:
+    st.caption("The library is empty. Runs you add here are kept until you delete them.")
+for entry in entries:
+    with st.container(border=True):
+        c1, c2, c3, c4 = st.columns([6, 1, 1, 1])
+        where = f" · `{entry.path}`" if entry.source == "path" else ""
+        c1.markdown(
+            f"**{entry.name}** · {SOURCE_NAMES[entry.source]} · {human_bytes(entry.size_bytes)} · added "
+            f"{entry.added_at.replace('T', ' ')[:16]} UTC{where}"
+        )
+        c1.caption(f"{summary_text(entry.summary)} · fingerprint {entry.fingerprint[:12]}")
+        if not entry.available:
+            c1.warning("The files of this run are gone (a folder moved or a disk unmounted); delete the entry.")
+        elif c2.button("Select", key=f"k3lab_lib_select_{entry.id}"):
+            ss["k3lab_pending_run"] = str(entry.path)
             st.rerun()
-else:
-    st.caption("No uploads yet. Uploaded runs live in a temporary folder for this session.")
+        with c3.popover("Rename"):
+            new_name = st.text_input("New name", value=entry.name, key=f"k3lab_lib_name_{entry.id}")
+            if st.button("Save", key=f"k3lab_lib_rename_{entry.id}"):
+                try:
+                    lib.rename(entry.id, new_name)
+                except LibraryError as exc:
+                    st.error(str(exc))
+                else:
+                    ss["k3lab_pending_run"] = str(entry.path)
+                    st.rerun()
+        with c4.popover("Delete"):
+            st.markdown(
+                f"Delete **{entry.name}**? "
+                + ("Its files are removed." if entry.stored else "The folder itself is left where it is.")
+            )
+            if st.button("Delete", key=f"k3lab_lib_delete_{entry.id}", type="primary"):
+                lib.delete(entry.id)
+                st.rerun()

@@ -1,0 +1,169 @@
+"""The Runs library page under streamlit.testing's AppTest, on real k3-nano checkpoints: uploads (good and bad)
+persist across sessions, folders open by path only inside the allowed roots, presets are created, and a run too
+big for the device's memory gets a message instead of a load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from app import uploads
+from app.library import RunsLibrary
+from app.settings import HOME_ENV, ROOTS_ENV
+from k3core.model import K3ForCausalLM
+
+APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
+TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("libruns")
+    folders = {}
+    for name, seed in (("good", 0), ("other", 1)):
+        torch.manual_seed(seed)
+        folders[name] = K3ForCausalLM.from_config("k3-nano").save_pretrained(root / f"nano-{name}")
+    corrupt = root / "corrupt"
+    corrupt.mkdir()
+    shutil.copy(folders["good"] / "config.json", corrupt / "config.json")
+    (corrupt / "model.safetensors").write_bytes(b"definitely not safetensors")
+    folders["corrupt"] = corrupt
+    return folders
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path, runs):
+    """Only the 'good' run preloaded, no samples, a fresh library home, the runs' folder as the only root."""
+    home = tmp_path / "home"
+    monkeypatch.setenv(HOME_ENV, str(home))
+    monkeypatch.setenv(ROOTS_ENV, str(runs["good"].parent))
+    monkeypatch.setenv(uploads.RUNS_ENV, str(runs["good"]))
+    empty = tmp_path / "no-samples"
+    empty.mkdir()
+    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+    return home
+
+
+def _library_page(max_tokens: int = 16) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = max_tokens
+    at.run()
+    return at.switch_page("app_pages/upload.py").run()
+
+
+def _errors(at: AppTest) -> list[str]:
+    return [e.value for e in at.error]
+
+
+def _upload(at: AppTest, folder: Path, names=("config.json", "model.safetensors"), weights_from: Path | None = None):
+    uploader = at.get("file_uploader")[0]
+    for name in names:
+        src = (weights_from or folder) if name != "config.json" else folder
+        uploader.upload(name, (src / name).read_bytes())
+
+
+def test_upload_persists_and_a_bad_one_leaves_nothing(env, runs):
+    at = _library_page()
+    assert not at.exception
+    _upload(at, runs["other"], weights_from=runs["corrupt"])
+    at.button(key="k3lab_upload_add").click().run()
+    assert not at.exception
+    errors = _errors(at)
+    assert any("cannot be used" in e and "not a safetensors file" in e for e in errors), errors
+    assert not any(str(env) in e for e in errors)  # no server paths of the library in the message
+    assert RunsLibrary(env).entries() == []
+
+    _upload(at, runs["other"])
+    at.text_input(key="k3lab_upload_name").input("mine")
+    at.button(key="k3lab_upload_add").click().run()
+    assert not at.exception and _errors(at) == []
+    assert at.session_state["k3lab_run"] == "mine"  # selected in the sidebar
+    assert any("Added **mine**" in s.value for s in at.success)
+    [entry] = RunsLibrary(env).entries()
+    assert (entry.name, entry.source) == ("mine", "upload")
+
+    # A new session (a browser reload) and a new library object (a server restart) still list it.
+    uploads._library.clear()
+    again = _library_page()
+    assert not again.exception
+    assert "mine · uploaded" in again.selectbox(key="k3lab_run").options
+    assert any("**mine**" in m.value for m in again.markdown)
+    again.switch_page("app_pages/overview.py").run()
+    again.selectbox(key="k3lab_run").select("mine").run()
+    assert not again.exception and _errors(again) == []
+    assert [s.value for s in again.subheader][0] == "mine"
+
+
+def test_missing_weights_point_at_the_upload_limit(env, runs):
+    at = _library_page()
+    _upload(at, runs["other"], names=("config.json",))
+    at.button(key="k3lab_upload_add").click().run()
+    [error] = _errors(at)
+    assert "no weights among the files (config.json)" in error and "200 MB per file" in error
+
+
+def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
+    at = _library_page()
+    at.text_input(key="k3lab_open_path").input(str(runs["other"]))
+    at.button(key="k3lab_open_check").click().run()
+    assert not at.exception and _errors(at) == []
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Parameters"] == "211.6K" and metrics["Memory in float32"] == "826.5 KB"
+    at.button(key="k3lab_open_add").click().run()
+    assert at.session_state["k3lab_run"] == "nano-other"
+    [entry] = RunsLibrary(env).entries()
+    assert (entry.source, entry.path) == ("path", runs["other"].resolve())
+
+    outside = tmp_path / "outside"
+    shutil.copytree(runs["other"], outside)
+    (runs["good"].parent / "sneaky").symlink_to(outside, target_is_directory=True)
+    try:
+        for path in (outside, runs["good"].parent / "sneaky", runs["good"].parent / ".." / outside.name):
+            at.text_input(key="k3lab_open_path").input(str(path))
+            at.button(key="k3lab_open_check").click().run()
+            assert any("outside the folders this app may open" in e for e in _errors(at)), path
+    finally:
+        (runs["good"].parent / "sneaky").unlink()
+
+
+def test_preset_rename_and_delete(env):
+    at = _library_page()
+    at.selectbox(key="k3lab_preset").select("k3-nano")
+    at.number_input(key="k3lab_preset_seed").set_value(7)
+    at.button(key="k3lab_preset_create").click().run()
+    assert not at.exception and _errors(at) == []
+    [entry] = RunsLibrary(env).entries()
+    assert (entry.name, entry.source) == ("k3-nano-random", "preset")
+    assert at.session_state["k3lab_run"] == "k3-nano-random"
+
+    at.text_input(key=f"k3lab_lib_name_{entry.id}").input("fresh")
+    at.button(key=f"k3lab_lib_rename_{entry.id}").click().run()
+    assert [e.name for e in RunsLibrary(env).entries()] == ["fresh"]
+    assert "fresh · preset" in at.selectbox(key="k3lab_run").options
+    at.button(key=f"k3lab_lib_delete_{entry.id}").click().run()
+    assert RunsLibrary(env).entries() == [] and not entry.path.exists()
+    assert "fresh · preset" not in at.selectbox(key="k3lab_run").options
+
+
+def test_a_run_too_big_for_memory_gets_a_message_not_a_load(env, runs, monkeypatch):
+    monkeypatch.setattr(uploads, "available_memory", lambda device: 100_000)  # 100 KB free
+    ref = uploads.RunRef("nano-good", str(runs["good"]), "preloaded")
+    problem = uploads.fit_problem(ref, "cpu", "float32")
+    assert problem.startswith("**nano-good** needs 826.5 KB in float32 but cpu has 97.7 KB free")
+    assert "in bfloat16" in uploads.fit_problem(ref, "cpu", "bfloat16")
+    monkeypatch.setattr(uploads, "available_memory", lambda device: 10**12)
+    assert uploads.fit_problem(ref, "cpu", "float32") is None
+
+
+def test_messages_name_the_run_not_the_folder(env, runs):
+    lib = uploads.library()
+    entry, _ = lib.add_files([(p.name, p.read_bytes()) for p in runs["other"].iterdir()], "named")
+    ref = uploads.ref_of(entry)
+    text = uploads.message(f"{entry.path}: truncated; {entry.path.name}/model.safetensors bad", ref)
+    assert text == "named: truncated; named/model.safetensors bad"
+    assert os.fspath(env) not in text
