@@ -245,7 +245,8 @@ def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> 
         raise CheckpointError(f"{where}: checkpoint does not match its config: " + "; ".join(problems))
 
 
-def _refuse_quantised_config(folder: Path) -> None:
+def refuse_quantised_config(folder: Path) -> None:
+    """CheckpointError for a config.json that declares a quantisation (``quantization_config``)."""
     try:
         data = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
@@ -293,14 +294,14 @@ def stream_weights(
     model: nn.Module,
     files: CheckpointFiles,
     progress: ProgressFn | None = None,
-    sink: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+    after: Callable[[str], None] | None = None,
 ) -> None:
     """Read every tensor of ``files`` into the model's (already allocated) tensors, one at a time.
 
     File by file in offset order; a CPU target of the stored dtype and shape is read into directly,
     anything else goes through one temporary of that tensor's size. Each tensor is checked for NaN/Inf
-    where it lands. ``sink(name, tensor)`` may redirect a target (e.g. to a disk-offload buffer): it
-    returns the tensor to fill, or None for the model's own. Raises CheckpointError.
+    where it lands; ``after(name)`` is called once it is in (e.g. to offload a completed module).
+    Raises CheckpointError.
     """
     targets = expected_tensors(model)
     total = files.bytes_total
@@ -311,8 +312,6 @@ def stream_weights(
         for info in order:
             name = info.name
             target = targets[name]
-            if sink is not None:
-                target = sink(name, target) or target
             want = tuple(target.shape)
             with torch.no_grad():
                 if info.begin < 0:  # pickle: already in memory
@@ -343,6 +342,8 @@ def stream_weights(
                         f"{info.file.name}: NaN or Inf values in tensor {name!r} (stored as {info.raw_name!r})"
                     )
             done += info.nbytes
+            if after is not None:
+                after(name)
             if progress is not None:
                 progress(done, total)
     finally:
@@ -377,36 +378,26 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     progress: ProgressFn | bool | None = None,
-    max_memory: dict[Any, int | str] | None = None,
-    offload_folder: str | Path | None = None,
 ) -> nn.Module:
-    """Stream a checkpoint folder into ``model_cls`` (eval mode). Raises CheckpointError.
+    """Stream a checkpoint folder into ``model_cls`` on one device (eval mode). Raises CheckpointError.
 
     ``dtype`` (default fp32) applies to every tensor but those of the keep-fp32 rule, which stay fp32.
-    ``device``: a device ("cpu", "cuda:1"), or "auto" to place decoder layers over every visible GPU,
-    then the CPU, then ``offload_folder`` on disk, with accelerate (see k3core/placement.py; ``max_memory``
-    as accelerate's, e.g. ``{0: "70GiB", "cpu": "200GiB"}``). ``progress``: a callback (bytes done,
-    bytes total) or True for a tqdm bar.
+    ``progress``: a callback (bytes done, bytes total) or True for a tqdm bar. Several devices / offload:
+    ``k3core.placement.load_placed`` (what ``K3ForCausalLM.from_pretrained(device="auto")`` calls).
     """
     files = CheckpointFiles.open(path)
-    _refuse_quantised_config(files.folder)
-    config = files.config
-    model = model_cls.from_config(config, device="meta", dtype=dtype or torch.float32)
+    refuse_quantised_config(files.folder)
+    model = model_cls.from_config(files.config, device="meta", dtype=dtype or torch.float32)
     keep_fp32_parameters(model)
-    check_headers(files, {k: v for k, v in expected_tensors(model).items()})
+    check_headers(files, expected_tensors(model))
     close = None
     if progress is True:
         progress, close = tqdm_progress(f"loading {files.folder.name}")
     elif progress is False:
         progress = None
     try:
-        if str(device) == "auto" or max_memory is not None:
-            from .placement import load_placed
-
-            model = load_placed(model, files, max_memory=max_memory, offload_folder=offload_folder, progress=progress)
-        else:
-            materialise(model, device)
-            stream_weights(model, files, progress=progress)
+        materialise(model, device)
+        stream_weights(model, files, progress=progress)
     finally:
         if close is not None:
             close()

@@ -28,8 +28,8 @@ from torch import nn
 
 from . import trace as _trace
 from .cache import K3Cache
-from .checkpoint import load_pretrained, save_pretrained
-from .config import K3Config
+from .checkpoint import keep_fp32_parameters, load_config, load_pretrained, save_pretrained
+from .config import PRESETS, K3Config
 from .generate import generate as _generate
 from .layers.ffn import GatedMLP
 from .layers.kda import KDACache, KimiDeltaAttention
@@ -37,6 +37,7 @@ from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
 from .ops.attnres import attnres_mix
+from .placement import Plan, load_placed, plan_for_model
 from .trace import TraceNames
 
 
@@ -110,7 +111,10 @@ class K3Model(nn.Module):
         self, site: str, proj: nn.Linear, norm: RMSNorm, sources: list[torch.Tensor], names: list[str], rec
     ) -> torch.Tensor:
         want = rec is not None and rec.wants("attnres")
-        out = attnres_mix(proj.weight[0], torch.stack(sources), norm.weight, norm.eps, return_weights=want)
+        # Layers may sit on different devices (device="auto"): the mix runs where its pseudo-query is.
+        dev = proj.weight.device
+        stacked = torch.stack([s.to(dev) for s in sources])
+        out = attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps, return_weights=want)
         if not want:
             return out
         mixed, p = out
@@ -158,6 +162,7 @@ class K3Model(nn.Module):
                             value = getattr(layer, f"{module_side}_{kind}")
                             rec.put(TraceNames.residual(i, side, kind), value, ("hidden",))
             a = layer.attention(h, self._layer_cache(cache, i))
+            h = h.to(a.device)  # no-op unless layers sit on different devices
             h = h + a * layer.self_attention_res_scale + layer.self_attention_res_bias if scale_bias else h + a
             m = layer.feed_forward(h)
             h = h + m * layer.mlp_res_scale + layer.mlp_res_bias if scale_bias else h + m
@@ -190,7 +195,7 @@ class K3Model(nn.Module):
                 names.append(partial_name)
                 partial, partial_name = None, f"block {i // size + 1} (partial)"
             a = layer.attention(h, self._layer_cache(cache, i))
-            partial = a if partial is None else partial + a
+            partial = a if partial is None else partial.to(a.device) + a
             h = self._mix(
                 TraceNames.attnres_site(i, "mlp"),
                 layer.mlp_res_proj,
@@ -199,7 +204,8 @@ class K3Model(nn.Module):
                 names + [partial_name],
                 rec,
             )
-            partial = partial + layer.feed_forward(h)
+            ffn = layer.feed_forward(h)
+            partial = partial.to(ffn.device) + ffn
             if (i + 1) % size == 0 or i + 1 == len(self.layers):
                 partial_name = partial_name.replace(" (partial)", "")
         return self._mix(
@@ -319,15 +325,37 @@ class K3ForCausalLM(nn.Module):
         ``device="auto"`` places layers over every GPU, then CPU, then ``offload_folder`` (accelerate);
         tensors of the keep-fp32 rule stay fp32 whatever ``dtype``; ``progress``: (bytes done, total)
         callback, or True for a tqdm bar. Raises CheckpointError."""
-        return load_pretrained(
-            path,
-            cls,
-            device=device,
-            dtype=dtype,
-            progress=progress,
-            max_memory=max_memory,
-            offload_folder=offload_folder,
-        )
+        if str(device) == "auto" or max_memory is not None:
+            return load_placed(
+                path,
+                cls,
+                device="auto",
+                dtype=dtype,
+                max_memory=max_memory,
+                offload_folder=offload_folder,
+                progress=progress,
+            )
+        return load_pretrained(path, cls, device=device, dtype=dtype, progress=progress)
+
+    @classmethod
+    def plan_placement(
+        cls,
+        path_or_config: str | Path | K3Config,
+        device: str | torch.device = "auto",
+        dtype: torch.dtype | None = None,
+        max_memory: dict[Any, int | str] | None = None,
+    ) -> Plan:
+        """Where ``from_pretrained(path, device, dtype)`` would put each layer and the bytes per device,
+        computed on the meta device before anything is loaded (a checkpoint folder, a config or a preset)."""
+        if isinstance(path_or_config, K3Config):
+            config = path_or_config
+        elif isinstance(path_or_config, str) and path_or_config in PRESETS:
+            config = K3Config.from_preset(path_or_config)
+        else:
+            config = load_config(path_or_config)
+        model = cls.from_config(config, device="meta", dtype=dtype or torch.float32)
+        keep_fp32_parameters(model)
+        return plan_for_model(model, device, max_memory)
 
     def save_pretrained(
         self, path: str | Path, max_shard_bytes: int = 2 * 1024**3, config_format: str = "auto"
@@ -358,6 +386,8 @@ class K3ForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        if targets is not None:
+            targets = targets.to(logits.device)
         loss = aux = None
         if targets is not None:
             live = targets[targets != -100]
