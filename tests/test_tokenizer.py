@@ -455,3 +455,35 @@ def test_token_axes_show_the_run_tokens(tmp_path):
     bare.tokenizer = None
     fig, _ = degradation.build_entropy_by_position(bare)
     assert fig.layout.xaxis.ticktext is None and fig.data[0].text[6] == "7"
+
+
+def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
+    """The app on a run with a tokenizer.json: Overview lists the input tokens, Generate decodes with it."""
+    from streamlit.testing.v1 import AppTest
+
+    from app import uploads
+    from app.settings import HOME_ENV
+
+    run = tmp_path / "bpe-run"
+    run.mkdir()
+    _train_byte_bpe(run)
+    _save_nano(run, load_tokenizer(run, 512).vocab_size)  # every sampled id has text
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(uploads.RUNS_ENV, str(run))
+    (tmp_path / "no-samples").mkdir()
+    monkeypatch.setattr(uploads, "SAMPLES_DIR", tmp_path / "no-samples")
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"), default_timeout=180)
+    at.session_state["k3lab_max_tokens"] = 24
+    at.run()
+    assert not at.exception and [e.value for e in at.error] == []
+    tokens = [e for e in at.expander if e.label.startswith("Input tokens (tokenizer.json")]
+    assert tokens and tokens[0].code[0].value.startswith("0:A 1:N 2:T 3:O 4:N 5:Y 6:: 7:↵ 8:F 9:r 10:i 11:end")
+
+    at.switch_page("app_pages/generate.py").run()
+    at.text_area(key="k3lab_prompt").input("the cat")
+    at.slider(key="k3lab_gen_tokens").set_value(6)
+    at.button[0].click().run()
+    assert not at.exception and [e.value for e in at.error] == []
+    assert any("Tokenizer: tokenizer.json" in c.value for c in at.caption)
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["6"]
+    assert at.code[-1].value.startswith("the cat")

@@ -63,6 +63,9 @@ else:
     page.show_input_notes(loaded)
     page.run_line(loaded)
     cards.headline_metrics(loaded)
+    if loaded.ctx.token_strings is not None:  # the tokens the model read, as its own tokenizer splits them
+        with st.expander(f"Input tokens ({loaded.ctx.tokenizer.name})"):
+            st.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
 
 # ------------------------------------------------------------------- layer map
 st.markdown("#### Layer map")
