@@ -31,6 +31,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from k3core.runtime import configure_threads
+from k3core.tokenizer import token_axis_labels
 
 SECTION_TITLES = {
     "density": "KDA layer density allocation",
@@ -290,6 +291,13 @@ def render_html(entries: list[Entry], runs, labels, headlines, sample, timings: 
     )
     if sample.text:
         body.append(f"<details><summary>input text</summary><pre>{html.escape(sample.text)}</pre></details>")
+    tokenizer = getattr(runs[0], "tokenizer", None)
+    if tokenizer is not None and sample.name != "mqar":  # MQAR ids are synthetic: no text to show
+        shown = " ".join(token_axis_labels(tokenizer.token_strings(sample.input_ids[0])))
+        body.append(
+            f"<details><summary>input tokens ({html.escape(tokenizer.name)})</summary>"
+            f"<pre>{html.escape(shown)}</pre></details>"
+        )
     body.append("<h2 id='sec-headline'>Headline numbers</h2>" + _headline_html(headlines, labels))
     for section in sections:
         body.append(f"<h2 id='sec-{section}'>{html.escape(SECTION_TITLES.get(section, section))}</h2>")

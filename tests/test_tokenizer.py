@@ -487,3 +487,15 @@ def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
     assert any("Tokenizer: tokenizer.json" in c.value for c in at.caption)
     assert [m.value for m in at.metric if m.label == "New tokens"] == ["6"]
     assert at.code[-1].value.startswith("the cat")
+
+
+def test_report_lists_the_input_tokens(tmp_path):
+    from analysis import report
+
+    folder = _save_nano(tmp_path / "bpe-run", 512)
+    _train_byte_bpe(folder)
+    out = tmp_path / "rep"
+    argv = [str(folder), "--out", str(out), "--no-static", "--max-tokens", "16", "--views", "history", "--quiet"]
+    assert report.main(argv) == 0
+    page = (out / "report.html").read_text()
+    assert "input tokens (tokenizer.json" in page and "0:A 1:N 2:T 3:O 4:N 5:Y 6:: 7:↵ 8:F 9:r 10:i 11:end" in page
