@@ -1,9 +1,9 @@
 """A run's headline numbers on one trace, and two runs' numbers side by side with their delta.
 
 Every number here is a summary of a metric defined once elsewhere: MoE balance in ``analysis.moe``
-(MaxVio and CV from ``k3core.metrics``), the KDA memory horizon in ``analysis.density``, attention and
-hidden-state metrics in ``analysis.degradation``, AttnRes weights in ``analysis.attnres``, training
-numbers in ``analysis.history``.
+(MaxVio and CV from ``k3core.metrics``), the KDA memory horizon in ``analysis.kda_memory``, attention
+metrics in ``analysis.attention``, hidden-state metrics in ``analysis.hidden_states``, AttnRes weights
+in ``analysis.attnres``, training numbers in ``analysis.history``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis import attention as at
 from analysis import attnres as ar
-from analysis import degradation as dg
-from analysis import density as dn
+from analysis import hidden_states as hs
+from analysis import kda_memory as km
 from analysis import moe as mo
 from analysis.history import final_numbers
+from analysis.tables import MissingTraceData
 from analysis.views import AnalysisContext
 from k3core.trace import Trace, names
 
@@ -63,17 +65,17 @@ def degradation_summary(trace: Trace) -> dict[str, float]:
         ),
         _NAN,
     )
-    if dg.has_attention(trace):
-        out["mla_entropy_norm_mean"] = float(dg.attention_entropy_table(trace)["entropy_norm"].mean())
-        out["sink_rate"] = dg.sink_rate(dg.attention_sink_table(trace)["first_token_mass"].to_numpy())
+    if at.has_attention(trace):
+        out["mla_entropy_norm_mean"] = float(at.attention_entropy_table(trace)["entropy_norm"].mean())
+        out["sink_rate"] = at.sink_rate(at.attention_sink_table(trace)["first_token_mass"].to_numpy())
     if names.HIDDEN in trace:
-        rc = dg.rank_collapse_table(trace)
+        rc = hs.rank_collapse_table(trace)
         out["rank_collapse_mean"] = float(rc["ratio"].mean())
         out["token_cosine_mean"] = float(rc["token_cosine"].mean())
         if len(rc) > 1:
-            out["block_influence_mean"] = float(dg.layer_redundancy_table(trace)["block_influence"].mean())
+            out["block_influence_mean"] = float(hs.layer_redundancy_table(trace)["block_influence"].mean())
         h = np.asarray(trace[names.HIDDEN], dtype=np.float64)
-        out["massive_ratio_max"] = float(max(dg.max_median_ratio(h[d, 0]) for d in range(h.shape[0])))
+        out["massive_ratio_max"] = float(max(hs.max_median_ratio(h[d, 0]) for d in range(h.shape[0])))
     return out
 
 
@@ -98,9 +100,9 @@ def attnres_embedding_weight(trace: Trace) -> float:
 
 
 def kda_horizon_summary(trace: Trace) -> dict[str, float]:
-    """Over every KDA layer, head and key channel of ``analysis.density.kda_channel_decay``: mean horizon of the
+    """Over every KDA layer, head and key channel of ``analysis.kda_memory.kda_channel_decay``: mean horizon of the
     channels with a finite one, median horizon, and the share of channels with alpha = 1 (infinite horizon)."""
-    h = dn.kda_channel_decay(trace)["horizon"].to_numpy(dtype=np.float64)
+    h = km.kda_channel_decay(trace)["horizon"].to_numpy(dtype=np.float64)
     if h.size == 0:
         return {"kda_horizon_mean": _NAN, "kda_horizon_median": _NAN, "kda_horizon_inf_share": _NAN}
     finite = h[np.isfinite(h)]
@@ -132,8 +134,8 @@ def headline_numbers(ctx: AnalysisContext) -> dict[str, Any]:
     out["attnres_embedding_weight_mean"] = attnres_embedding_weight(trace)
     out.update(kda_horizon_summary(trace))
     try:
-        out["mla_gate_mean"] = float(dg.mla_gate_table(trace)["gate_mean"].mean())
-    except dg.MissingTraceData:
+        out["mla_gate_mean"] = float(at.mla_gate_table(trace)["gate_mean"].mean())
+    except MissingTraceData:
         out["mla_gate_mean"] = _NAN
     if ctx.metrics:
         final = final_numbers(ctx.metrics)

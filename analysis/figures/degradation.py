@@ -7,15 +7,18 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import degradation as dg
+from analysis import attention as at
+from analysis import hidden_states as hs
+from analysis import kda_memory as km
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.tables import MissingTraceData
 from analysis.views import AnalysisContext, Comparison, NotApplicable, View
 
 
 def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
     try:
         return fn(ctx.trace)
-    except dg.MissingTraceData as exc:
+    except MissingTraceData as exc:
         raise NotApplicable(str(exc)) from exc
 
 
@@ -53,7 +56,7 @@ def _heatmap(
 
 # ----------------------------------------------------------------------------- MLA attention
 def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.attention_entropy_table, ctx)
+    df = _guard(at.attention_entropy_table, ctx)
     fig = _heatmap(
         df,
         "entropy_norm",
@@ -67,7 +70,7 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
 
 
 def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.entropy_by_position_table, ctx)
+    df = _guard(at.entropy_by_position_table, ctx)
     mean = df.groupby(["layer", "query"], as_index=False)["entropy_norm"].mean()
     fig = go.Figure()
     for n, (layer, part) in enumerate(mean.groupby("layer")):
@@ -94,8 +97,8 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
 
 
 def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.attention_sink_table, ctx)
-    rate = dg.sink_rate(df["first_token_mass"].to_numpy())
+    df = _guard(at.attention_sink_table, ctx)
+    rate = at.sink_rate(df["first_token_mass"].to_numpy())
     labels = [f"L{r.layer} H{r.head}" for r in df.itertuples()]
     fig = go.Figure(
         go.Bar(
@@ -107,10 +110,10 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
     )
     fig.add_hline(
-        y=dg.SINK_THRESHOLD,
+        y=at.SINK_THRESHOLD,
         line_dash="dash",
         line_color="#444",
-        annotation_text=f"sink threshold {dg.SINK_THRESHOLD}",
+        annotation_text=f"sink threshold {at.SINK_THRESHOLD}",
         annotation_position="top left",
     )
     fig.update_yaxes(range=[0, 1.0])
@@ -124,7 +127,7 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.attention_received_table, ctx)
+    df = _guard(at.attention_received_table, ctx)
     df = df.assign(row=[f"L{r.layer} H{r.head}" for r in df.itertuples()])
     table = df.pivot(index="row", columns="key", values="received")
     table = table.loc[list(dict.fromkeys(df["row"]))]
@@ -153,14 +156,14 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_mla_gate(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.mla_gate_table, ctx)
+    df = _guard(at.mla_gate_table, ctx)
     fig = _heatmap(df, "gate_mean", "MLA L", "MLA output gate: mean sigmoid(W_g x) per head", "gate", 0.0, 1.0)
     return fig, df
 
 
 # ----------------------------------------------------------------------------- hidden states
 def build_rank_collapse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.rank_collapse_table, ctx)
+    df = _guard(hs.rank_collapse_table, ctx)
     fig = make_subplots(
         rows=1,
         cols=3,
@@ -191,7 +194,7 @@ def build_rank_collapse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.layer_redundancy_table, ctx)
+    df = _guard(hs.layer_redundancy_table, ctx)
     if df.empty:
         raise NotApplicable("a single depth state: no layer to compare")
     x = [f"L{r.layer} {r.layer_type}" for r in df.itertuples()]
@@ -233,7 +236,7 @@ def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
 
 
 def build_massive_activations(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.massive_activation_table, ctx)
+    df = _guard(hs.massive_activation_table, ctx)
     top = df[df["rank"] == 0]
     hover = [
         f"max |h| = {r.abs_value:.3g} at token {r.token}, channel {r.channel}<br>median |h| = {r.median_abs:.3g}"
@@ -272,13 +275,15 @@ def build_massive_activations(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
 
 # ----------------------------------------------------------------------------- KDA
 def build_kda_state_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.kda_state_table, ctx)
-    d = int(df["state_dim"].max())
+    df = km.kda_state_rank(ctx.trace)
+    if df.empty:
+        raise NotApplicable("no KDA final states in this trace (kda.i.final_state); record with 'kda'")
+    d = int(df["head_dim"].max())
     fig = _heatmap(
         df,
-        "state_effective_rank",
+        "effective_rank",
         "KDA L",
-        f"KDA final state S: effective rank per head (of at most {d}); no attention matrix for KDA",
+        f"KDA final state S: effective rank per head (of at most {d}); no attention matrix for KDA — {ctx.label}",
         "eff. rank",
         0.0,
         float(d),
@@ -288,25 +293,29 @@ def build_kda_state_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
 
 
 def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(dg.kda_state_norm_table, ctx)
+    df = km.kda_state_norms(ctx.trace)
+    if df.empty:
+        raise NotApplicable("no KDA state norms in this trace (kda.i.state_norm); record with 'kda'")
     fig = go.Figure()
     layers = list(df["layer"].unique())
     for (layer, head), part in df.groupby(["layer", "head"]):
         colour = RUN_COLORS[layers.index(layer) % len(RUN_COLORS)]
         fig.add_trace(
             go.Scatter(
-                x=part["position"],
+                x=part["token"],
                 y=part["state_norm"],
                 mode="lines+markers",
                 name=f"L{layer} H{head}",
                 legendgroup=f"L{layer}",
                 line={"color": colour},
-                text=ctx.position_labels(part["position"]),
+                text=ctx.position_labels(part["token"]),
                 hovertemplate=f"L{layer} H{head}, token %{{text}}<br>||S||_F = %{{y:.4g}}<extra></extra>",
             )
         )
-    apply_style(fig, "KDA state Frobenius norm ||S||_F over time (chunk ends)", "position (tokens)", "||S||_F")
-    fig.update_xaxes(**ctx.token_axis(df["position"]))
+    apply_style(
+        fig, f"KDA state Frobenius norm ||S||_F over time (chunk ends) — {ctx.label}", "position (tokens)", "||S||_F"
+    )
+    fig.update_xaxes(**ctx.token_axis(df["token"]))
     return fig, df
 
 
@@ -384,7 +393,7 @@ VIEWS: list[View] = [
         "degradation",
         build_kda_state_rank,
         description="Effective rank of the final KDA state per head (the KDA counterpart of attention entropy).",
-        compare=Comparison(difference=("state_effective_rank",), keys=("layer", "head"), x="head"),
+        compare=Comparison(difference=("effective_rank",), keys=("layer", "head"), x="head"),
     ),
     View(
         "degradation_kda_state_norm",
@@ -392,8 +401,6 @@ VIEWS: list[View] = [
         "degradation",
         build_kda_state_norm,
         description="Frobenius norm of the KDA state over the sequence.",
-        compare=Comparison(
-            difference=("state_norm",), keys=("layer", "head", "position"), reduce=("head",), x="position"
-        ),
+        compare=Comparison(difference=("state_norm",), keys=("layer", "head", "token"), reduce=("head",), x="token"),
     ),
 ]

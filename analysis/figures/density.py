@@ -11,7 +11,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import density as dn
+from analysis import allocation as al
+from analysis import kda_memory as km
 from analysis.importance import sublayer_importance
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
 from analysis.views import AnalysisContext, Comparison, NotApplicable, View
@@ -74,7 +75,7 @@ def _decoder_rows(alloc: pd.DataFrame) -> pd.DataFrame:
 def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Params / active params, FLOPs per token and cache bytes per decoder layer, from the config."""
     T = _seq_len(ctx)
-    alloc = dn.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
+    alloc = al.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
     layers = _decoder_rows(alloc)
     fig = make_subplots(
         rows=3,
@@ -116,8 +117,8 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Decode cache per sequence vs length, KDA (flat) vs MLA (linear), log-log, with a readout at seq_len."""
     T = _seq_len(ctx)
-    lengths = sorted(set(dn.DEFAULT_LENGTHS) | {T})
-    table = dn.cache_bytes_by_length(ctx.config, lengths, dtype_bytes=_dtype_bytes(ctx))
+    lengths = sorted(set(al.DEFAULT_LENGTHS) | {T})
+    table = al.cache_bytes_by_length(ctx.config, lengths, dtype_bytes=_dtype_bytes(ctx))
     fig = go.Figure()
     styles = {"KDA": LAYER_TYPE_COLORS["KDA"], "MLA": LAYER_TYPE_COLORS["MLA"], "total": "#222222"}
     for ltype, g in table.groupby("layer_type", sort=False):
@@ -131,12 +132,12 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
                 mode="lines+markers",
                 name=f"{ltype} ({n} layers)",
                 line={"color": styles[ltype], "dash": "dash" if ltype == "total" else "solid"},
-                customdata=np.stack([g["bytes"].map(dn.human_bytes)], axis=-1),
+                customdata=np.stack([g["bytes"].map(al.human_bytes)], axis=-1),
                 hovertemplate=f"{ltype}<br>T = %{{x:,}} tokens<br>cache = %{{customdata[0]}}<extra></extra>",
             )
         )
     at = table[table["seq_len"] == T].set_index("layer_type")["bytes"]
-    readout = ", ".join(f"{k} {dn.human_bytes(v)}" for k, v in at.items() if v > 0)
+    readout = ", ".join(f"{k} {al.human_bytes(v)}" for k, v in at.items() if v > 0)
     fig.add_vline(x=T, line={"color": "#888", "dash": "dot"})
     fig.add_annotation(
         x=np.log10(T),
@@ -169,9 +170,9 @@ def _importance(ctx: AnalysisContext) -> pd.DataFrame:
 def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Shared depth axis: active params and FLOPs (bars by layer type) over measured importance (lines)."""
     T = _seq_len(ctx)
-    alloc = dn.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
+    alloc = al.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
     imp = _importance(ctx)
-    table = dn.allocated_vs_measured(alloc, imp, dn.kda_layer_summary(ctx.trace))
+    table = al.allocated_vs_measured(alloc, imp, km.kda_layer_summary(ctx.trace))
     fig = make_subplots(
         rows=3,
         cols=1,
@@ -266,8 +267,8 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per KDA layer/head (pooled per layer when there are many heads): spread over key channels of the
     memory horizon 1/(1 - exp(mean_t g)), and the share of decays near the lower bound (g < 0.9 lb)."""
     _require_kda(ctx)
-    chan = dn.kda_channel_decay(ctx.trace)
-    stats = dn.kda_decay_stats(ctx.trace)
+    chan = km.kda_channel_decay(ctx.trace)
+    stats = km.kda_decay_stats(ctx.trace)
     per_head = len(stats) <= MAX_HEAD_BOXES
     keys = ["layer", "head"] if per_head else ["layer"]
     if not per_head:
@@ -282,7 +283,7 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     rows = []
     for key, g in chan.groupby(keys):
         key = key if isinstance(key, tuple) else (key,)
-        hz = dn.horizon_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
+        hz = km.horizon_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
         rows.append({**dict(zip(keys, key)), **{f"channel_horizon_{k}": v for k, v in zip(stats_names, hz)}})
     table = stats.merge(pd.DataFrame(rows), on=keys)
     shown = {k: np.minimum(table[f"channel_horizon_{k}"].to_numpy(), cap) for k in stats_names}
@@ -310,7 +311,7 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             go.Bar(
                 x=x,
                 y=table["frac_near_lb"],
-                name=f"share g < {dn.NEAR_LOWER_BOUND:g} x ({lb:g})",
+                name=f"share g < {km.NEAR_LOWER_BOUND:g} x ({lb:g})",
                 marker_color="#555",
                 hovertemplate="%{x}<br>share near lower bound = %{y:.3f}<extra></extra>",
             ),
@@ -327,10 +328,10 @@ def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per KDA layer/head (pooled per layer when there are many heads): the write strength beta over
     tokens (box: min, p10, median, p90, max)."""
     _require_kda(ctx)
-    table = dn.kda_beta_stats(ctx.trace)
+    table = km.kda_beta_stats(ctx.trace)
     per_head = len(table) <= MAX_HEAD_BOXES
     if not per_head:
-        table = dn.kda_beta_stats(ctx.trace, by="layer")
+        table = km.kda_beta_stats(ctx.trace, by="layer")
     heads = table["head"] if per_head else [None] * len(table)
     x = [_group_label(layer, head) for layer, head in zip(table["layer"], heads)]
     hover = [f"{label}<br>mean β {r.mean:.3f} (std {r.std:.3f})" for label, r in zip(x, table.itertuples())]
@@ -353,7 +354,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     """||S||_F of each KDA head's state at chunk ends, over token position (mean over heads per layer,
     with the heads' min-max in the hover, when there are many heads)."""
     _require_kda(ctx)
-    table = dn.kda_state_norms(ctx.trace)
+    table = km.kda_state_norms(ctx.trace)
     if table.empty:
         raise NotApplicable("trace has no kda.*.state_norm arrays")
     fig = go.Figure()

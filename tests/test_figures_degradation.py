@@ -1,0 +1,59 @@
+"""Degradation views (analysis.figures.degradation) on a real k3-nano trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import attention as at
+from analysis import hidden_states as hs
+from analysis.figures import degradation as fig_dg
+from analysis.headline import degradation_summary
+from analysis.runs import run_from_model, trace_run
+from analysis.views import AnalysisContext, NotApplicable
+from k3core.config import K3Config
+from k3core.model import K3ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def nano_ctx() -> AnalysisContext:
+    torch.manual_seed(0)
+    model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", kda_chunk_size=16)).eval()
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    return trace_run(run_from_model(model), ids, what="all", label="nano")
+
+
+def test_every_degradation_view_builds_on_a_real_trace(nano_ctx):
+    for view in fig_dg.VIEWS:
+        fig, df = view.build(nano_ctx)
+        assert len(fig.data) > 0, view.key
+        assert len(df) > 0, view.key
+        assert df.attrs.get("keys"), view.key
+
+
+def test_real_trace_metrics_are_in_range(nano_ctx):
+    tr = nano_ctx.trace
+    ent = at.attention_entropy_table(tr)
+    assert set(ent["layer"]) == {i for i in range(4) if nano_ctx.config.is_mla_layer(i)}
+    assert ((ent["entropy_norm"] >= 0) & (ent["entropy_norm"] <= 1 + 1e-9)).all()
+    # rows sum to 1, so the received means weighted by their audiences (T - j) add up to T
+    attn = tr[f"mla.{int(ent['layer'].iloc[0])}.attn"]
+    T = attn.shape[-1]
+    received = at.attention_received(attn)
+    np.testing.assert_allclose((received * (T - np.arange(T))).sum(-1), T, rtol=1e-5)
+    rc = hs.rank_collapse_table(tr)
+    assert len(rc) == nano_ctx.config.num_hidden_layers + 1
+    assert ((rc["ratio"] >= 0) & (rc["ratio"] <= 1 + 1e-9)).all()
+    summary = degradation_summary(tr)
+    assert all(np.isfinite(v) for v in summary.values()), summary
+    assert 0.0 <= summary["sink_rate"] <= 1.0
+
+
+def test_entropy_views_need_attention_probabilities(nano_ctx):
+    model = nano_ctx.model
+    ctx = trace_run(run_from_model(model), nano_ctx.input_ids, what=None, label="no-probs")
+    with pytest.raises(NotApplicable, match="attn_probs"):
+        fig_dg.build_entropy_heatmap(ctx)
+    fig, _ = fig_dg.build_rank_collapse(ctx)  # hidden states are recorded by default
+    assert len(fig.data) == 3
