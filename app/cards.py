@@ -18,7 +18,7 @@ import streamlit as st
 
 from analysis.export import export_figure, static_export_available
 from analysis.format import format_number
-from analysis.compare import HEADLINE_LABELS, headline_table
+from analysis.headline import HEADLINE_LABELS, headline_table
 from analysis.views import NotApplicable, View, all_views
 from app import caching
 from app.caching import Loaded
@@ -166,7 +166,7 @@ def section_views(section: str) -> list[View]:
 
 # ----------------------------------------------------------------------------------------- headline numbers
 def headline_metrics(loaded: Loaded) -> None:
-    """analysis.compare.headline_numbers of the run: the key ones as metrics, all of them in a table."""
+    """analysis.headline.headline_numbers of the run: the key ones as metrics, all of them in a table."""
     try:
         numbers = caching.headline(loaded)
     except Exception as exc:  # noqa: BLE001
@@ -190,7 +190,7 @@ def headline_metrics(loaded: Loaded) -> None:
 
 
 def headline_delta(a: Loaded, b: Loaded) -> None:
-    """analysis.compare.headline_table of two runs (A, B, delta = A - B) with CSV/JSON export."""
+    """analysis.headline.headline_table of two runs (A, B, delta = A - B) with CSV/JSON export."""
     try:
         table = headline_table(caching.headline(a), caching.headline(b))
     except Exception as exc:  # noqa: BLE001

@@ -14,10 +14,11 @@ import time
 import streamlit as st
 
 from analysis.importance import sublayer_importance
-from analysis.views import AnalysisContext, View
+from analysis.views import AnalysisContext, View, all_views
 from app import caching, cards, uploads
 from app.caching import Loaded
 from app.inputs import LONG_INPUT_TOKENS, MAX_TOKENS_CAP, InputError, Inputs, TextChoice, current_inputs
+from app.links import SECTIONS
 from app.uploads import RunRef
 from k3core.checkpoint import CheckpointError, load_config
 from k3core.trace import Trace
@@ -186,6 +187,11 @@ def render_section(section: str, loaded: Loaded) -> int:
     return drawn
 
 
+def prefetch_sections(loaded: Loaded) -> None:
+    """Build the other mechanism pages' figures for this run and text in the background (app.caching.prefetch)."""
+    caching.prefetch([v for v in all_views() if v.section in SECTIONS], loaded)
+
+
 def section_page(section: str, title: str, intro: str) -> None:
     """A mechanism page: every View of one section for the sidebar's run and text."""
     inputs = inputs_or_stop()
@@ -194,6 +200,7 @@ def section_page(section: str, title: str, intro: str) -> None:
     show_input_notes(loaded)
     run_line(loaded)
     render_section(section, loaded)
+    prefetch_sections(loaded)
 
 
 def history_context(ref: RunRef, overlays: list[RunRef]) -> Loaded | None:

@@ -12,11 +12,13 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
 from app import caching, cards, inputs, uploads
+from app import page as page_mod
 from app.settings import HOME_ENV
 from k3core.model import K3ForCausalLM
 
@@ -134,7 +136,8 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     assert _errors(at) == []
     assert at.selectbox(key="k3lab_cmp_text_source").value == inputs.TEXT_MQAR
     assert _charts(at) >= 2
-    assert any("B: MQAR" in c.value for c in at.caption)
+    assert any("**B** = MQAR:" in c.value for c in at.caption)  # labelled once, never "B: B: MQAR"
+    assert not any("B: B:" in c.value for c in at.caption)
 
 
 @pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])
@@ -252,3 +255,211 @@ def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch
         assert b"<html" in cards.figure_bytes(fig, df, "t", "html")[:500].lower()
     finally:
         cards.static_export_status.cache_clear()
+
+
+# ------------------------------------------------------------------------------------ one run-and-trace path
+def test_two_pickle_checkpoints_with_one_config_differ_through_the_app_path(tmp_path):
+    """Two pytorch_model.bin checkpoints (plain state dicts, same config, same size and mtime) get two
+    fingerprints, two cached runs and two outputs through the app's cached loaders."""
+    folders = []
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        model = K3ForCausalLM.from_config("k3-nano")
+        folder = tmp_path / f"bin-{seed}"
+        model.save_pretrained(folder)
+        (folder / "model.safetensors").unlink()
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, folder / "pytorch_model.bin")
+        folders.append(folder)
+    a, b = (folder / "pytorch_model.bin" for folder in folders)
+    assert (
+        a.stat().st_size == b.stat().st_size
+        and (folders[0] / "config.json").read_bytes() == (folders[1] / "config.json").read_bytes()
+    )
+    stamp = a.stat().st_mtime_ns
+    for file in (a, b):
+        os.utime(file, ns=(stamp, stamp))  # only the bytes differ
+    refs = [uploads.RunRef(f"bin-{i}", str(folder), "preloaded") for i, folder in enumerate(folders)]
+    fingerprints = [caching.run_fingerprint(ref.path) for ref in refs]
+    assert fingerprints[0] != fingerprints[1]
+    choice = inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32)
+    loaded = [caching.load(ref, choice) for ref in refs]
+    assert [item.run.fingerprint for item in loaded] == fingerprints
+    assert loaded[0].run.model is not loaded[1].run.model
+    assert loaded[0].key != loaded[1].key
+    nll = [item.ctx.trace["token_nll"] for item in loaded]
+    assert not np.allclose(nll[0], nll[1])
+    assert loaded[0].ctx.loss != loaded[1].ctx.loss
+    # the same folder again: the same cached objects, no second load or trace
+    again = caching.load(refs[0], choice)
+    assert again.run is loaded[0].run and again.ctx.trace is loaded[0].ctx.trace
+
+
+def test_loaded_context_is_the_traced_one_with_the_page_options(app_env, runs):
+    ref = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+    choice = inputs.TextChoice(inputs.TEXT_MQAR, 40)
+    small = caching.load(ref, choice, options={"seq_len": 1024})
+    large = caching.load(ref, choice, options={"seq_len": 4096}, label="other label")
+    # one trace, one token tensor, shared; only the label and options differ
+    assert small.ctx.trace is large.ctx.trace and small.ctx.input_ids is large.ctx.input_ids
+    assert small.ctx.input_ids is small.tokens.sample.input_ids
+    assert (small.ctx.options["seq_len"], large.ctx.options["seq_len"]) == (1024, 4096)
+    assert large.ctx.label == "other label" and small.ctx.label == "nano-a"
+    assert small.key != large.key
+    assert (small.run.device, small.run.dtype) == ("cpu", "float32")
+
+
+# ------------------------------------------------------------------------------------ links (query parameters)
+def test_a_link_opens_the_same_run_text_and_tokens(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"run": "nano-b", "text": "mqar", "tokens": "40", "seq": "4096"})
+    at.run()
+    assert not at.exception and _errors(at) == []
+    assert at.session_state["k3lab_run"] == "nano-b"
+    assert at.session_state["k3lab_text_source"] == inputs.TEXT_MQAR
+    assert at.session_state["k3lab_max_tokens"] == 40
+    assert at.session_state["k3lab_seq_len"] == 4096
+    assert [s.value for s in at.subheader][0] == "nano-b"
+    assert any("nano-b" in c.value and "MQAR" in c.value for c in at.caption)
+    # the app writes its state back into the URL (what a copied link holds)
+    assert {k: at.query_params[k] for k in ("run", "text", "tokens", "seq")} == {
+        "run": "nano-b",
+        "text": "mqar",
+        "tokens": "40",
+        "seq": "4096",
+    }
+
+
+def test_a_link_with_unknown_values_warns_and_falls_back(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"run": "no-such-run", "text": "poetry", "tokens": "999999", "colour": "red"})
+    at.run()
+    assert not at.exception and _errors(at) == []
+    warnings = " ".join(w.value for w in at.warning)
+    for shown in ("'no-such-run'", "'poetry'", "'999999'", "['colour']"):
+        assert shown in warnings, (shown, warnings)
+    assert at.session_state["k3lab_run"] == "nano-a"  # the default
+    assert at.session_state["k3lab_text_source"] == inputs.TEXT_SHAKESPEARE
+    assert at.query_params["run"] == "nano-a"
+
+
+def test_compare_choices_are_in_the_link(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"b": "nano-a", "section": "moe", "mode": "runs"})
+    at.run()
+    at.session_state["k3lab_run"] = "nano-b"
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-a"
+    assert at.radio(key="k3lab_cmp_section").value == "moe"
+    assert (at.query_params["b"], at.query_params["section"], at.query_params["mode"]) == ("nano-a", "moe", "runs")
+
+
+# ------------------------------------------------------------------------------------ the model runs only when needed
+def test_options_without_the_model_never_rerun_it(app_env, runs, monkeypatch):
+    """The sequence-length slider redraws the density figures; the forward and the importance ablations
+    run once per (run, text), the latter only when asked."""
+    from analysis import importance
+    from analysis import runs as runs_mod
+
+    calls = {"trace": 0, "importance": 0}
+    real_trace, real_importance = runs_mod.trace_run, importance.sublayer_importance
+
+    def counted_trace(*args, **kwargs):
+        calls["trace"] += 1
+        return real_trace(*args, **kwargs)
+
+    def counted_importance(*args, **kwargs):
+        calls["importance"] += 1
+        return real_importance(*args, **kwargs)
+
+    monkeypatch.setattr(runs_mod, "trace_run", counted_trace)
+    monkeypatch.setattr(page_mod, "sublayer_importance", counted_importance)
+    app_env(runs["good"])
+    at = _app(max_tokens=44)  # a token count no other test uses: nothing cached yet
+    at.run()
+    _page(at, "density")
+    assert not at.exception and _errors(at) == []
+    assert calls == {"trace": 1, "importance": 0}
+    button = next(b for b in at.button if b.label == "Measure layer importance")
+    button.click().run()
+    assert not at.exception and _errors(at) == []
+    assert calls == {"trace": 1, "importance": 1}
+    titles = lambda: [c.proto.spec for c in at.get("plotly_chart")]  # noqa: E731
+    before = titles()
+    at.select_slider(key="k3lab_seq_len").set_value(4096).run()
+    assert not at.exception and _errors(at) == []
+    assert calls == {"trace": 1, "importance": 1}
+    assert titles() != before and any("4K" in t for t in titles())
+    _page(at, "attnres")
+    _page(at, "density")
+    assert calls == {"trace": 1, "importance": 1}
+
+
+def test_model_use_lets_forwards_share_and_hooks_wait():
+    import threading
+
+    model = torch.nn.Linear(2, 2)
+    order: list[str] = []
+    inside = threading.Event()
+    release = threading.Event()
+
+    def reader(name: str) -> None:
+        with caching.model_use(model):
+            order.append(f"{name} in")
+            inside.set()
+            release.wait(5)
+            order.append(f"{name} out")
+
+    def writer() -> None:
+        with caching.model_use(model, exclusive=True):
+            order.append("hooks")
+
+    first = threading.Thread(target=reader, args=("a",))
+    first.start()
+    assert inside.wait(5)
+    with caching.model_use(model):  # a second forward does not wait for the first
+        order.append("b in")
+    hooks = threading.Thread(target=writer)
+    hooks.start()
+    hooks.join(0.2)
+    assert hooks.is_alive()  # the hook-installing job waits for the running forward
+    release.set()
+    first.join(5)
+    hooks.join(5)
+    assert order == ["a in", "b in", "a out", "hooks"]
+
+
+# ------------------------------------------------------------------------------------ download all
+def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
+    import io
+    import zipfile
+
+    from analysis import report
+    from app import download_all
+
+    ref = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+    choice = inputs.TextChoice(inputs.TEXT_MQAR, 32)
+    data = download_all.report_zip([ref], choice, static=False, skip_model_views=True)
+    out = tmp_path / "cli"
+    assert report.main([str(runs["good"]), "--out", str(out), "--sample", "mqar", "--max-tokens", "32",
+                        "--no-static", "--skip-model-views", "--quiet"]) == 0  # fmt: skip
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        names = sorted(zf.namelist())
+        cli = sorted(f"report/{p.relative_to(out).as_posix()}" for p in out.rglob("*") if p.is_file())
+        assert names == cli and "report/report.html" in names and "report/headline.json" in names
+        assert json.loads(zf.read("report/headline.json")) == json.loads((out / "headline.json").read_text())
+        table = next(n for n in names if n.endswith("density_allocation.csv"))
+        assert zf.read(table) == (out / table.removeprefix("report/")).read_bytes()
+
+    app_env(runs["good"])
+    at = _app(max_tokens=32)
+    at.session_state["k3lab_text_source"] = inputs.TEXT_MQAR
+    at.session_state["k3lab_all_static"] = False
+    at.session_state["k3lab_all_skip"] = True
+    at.run()
+    next(b for b in at.button if b.label == "Prepare the report zip").click().run()
+    assert not at.exception and _errors(at) == []
+    assert [b.label for b in at.get("download_button") if b.key == "k3lab_all_download"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from analysis.compare import distinct_labels
 from app import cards, links, page
 from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.links import SECTIONS, TWO_RUNS, TWO_TEXTS
@@ -22,7 +23,7 @@ label_b = source_b = None
 if mode == TWO_RUNS:
     others = [r for r in inputs.runs if r.label != run_a.label]
     if not others:
-        st.info("Only one run is available: upload another on the **Upload** page, or compare one run on two texts.")
+        st.info("Only one run is available: add another on the **Runs library** page, or compare one run on two texts.")
         st.stop()
     c1, c2 = st.columns(2)
     c1.text_input("Run A (sidebar)", value=run_a.label, disabled=True, key="k3lab_cmp_a")
@@ -47,8 +48,9 @@ if mode == TWO_RUNS:
     a = page.load_or_stop(inputs, label=run_a.label)
     b = page.load_or_stop(inputs, ref=run_b, label=run_b.label)
 else:
-    a = page.load_or_stop(inputs, label=f"A: {inputs.text.short}")
-    b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=f"B: {choice_b.short}")
+    label_a, label_b = distinct_labels(inputs.text.short, choice_b.short)  # "A: "/"B: " come from the tables
+    a = page.load_or_stop(inputs, label=label_a)
+    b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b)
 
 st.caption(
     f"**A** = {a.ctx.label}: {a.tokens.n:,} tokens of {a.tokens.source} · "

@@ -8,6 +8,7 @@ import streamlit as st
 from analysis.format import format_count
 from analysis.inspect import config_summary, layer_map, parameter_breakdown
 from app import caching, cards, page
+from app.download_all import download_all
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
@@ -73,6 +74,8 @@ st.markdown(cards.layer_badges(cfg))
 allocation = [v for v in cards.section_views("density") if v.key == LAYER_MAP_VIEW]
 if loaded is not None and allocation:
     cards.render_view(allocation[0], loaded)
+if loaded is not None:
+    page.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read
 with st.expander("Layer table"):
     st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
 
@@ -101,3 +104,14 @@ if card:
         st.markdown(card)
 else:
     st.caption("This run has no README.md.")
+
+# ------------------------------------------------------------------- download all
+st.markdown("#### Download all")
+st.caption(
+    "Everything `k3lab report` writes for this run and the sidebar's text, as one zip: report.html, "
+    "headline.json, and each figure as CSV, JSON, PNG and SVG."
+)
+if inputs.text_error:
+    st.caption(f"Not available: {inputs.text_error}")
+else:
+    download_all([run], inputs.text)

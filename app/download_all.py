@@ -1,0 +1,96 @@
+"""Download all: the ``k3lab report`` folder of the shown run(s) and text, as one zip.
+
+The app does not write a report of its own: it runs ``analysis.report.main`` with the arguments the
+command line would get (the runs, ``--sample`` or ``--text``, ``--max-tokens``, ``--no-static``,
+``--skip-model-views``) into a temporary folder and zips that folder, so the zip holds exactly what
+``k3lab report`` writes: report.html, headline.json and figures/ (CSV, JSON, PNG, SVG per figure).
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import streamlit as st
+
+from analysis import report
+from app.cards import slug
+from app.inputs import SAMPLE_OF_SOURCE, InputError, TextChoice
+from app.uploads import RunRef
+
+
+def report_argv(paths: list[str], choice: TextChoice, out: Path, static: bool, skip_model_views: bool) -> list[str]:
+    """The ``k3lab report`` arguments for these runs and this text (a user text goes to ``out``/../input.txt)."""
+    argv = [*paths, "--out", str(out), "--max-tokens", str(choice.max_tokens), "--quiet"]
+    if choice.source in SAMPLE_OF_SOURCE:
+        argv += ["--sample", SAMPLE_OF_SOURCE[choice.source]]
+    else:
+        if not choice.text:
+            raise InputError("there is no text to report on: paste or upload some, or pick a built-in sample")
+        text_file = out.parent / "input.txt"
+        text_file.write_text(choice.text, encoding="utf-8")
+        argv += ["--text", str(text_file)]
+    if not static:
+        argv.append("--no-static")
+    if skip_model_views:
+        argv.append("--skip-model-views")
+    return argv
+
+
+def zip_folder(folder: Path, root_name: str) -> bytes:
+    """Every file under ``folder`` in a zip, under ``root_name``/ (sorted, so the order is stable)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+            zf.write(file, f"{root_name}/{file.relative_to(folder).as_posix()}")
+    return buf.getvalue()
+
+
+def report_zip(refs: list[RunRef], choice: TextChoice, static: bool = True, skip_model_views: bool = False) -> bytes:
+    """``k3lab report`` of one run (or two, compared) on this text, zipped. Raises InputError when it cannot run."""
+    with tempfile.TemporaryDirectory(prefix="k3lab-report-") as tmp:
+        out = Path(tmp) / "report"
+        code = report.main(report_argv([r.path for r in refs], choice, out, static, skip_model_views))
+        if code == 2 or not (out / "report.html").is_file():
+            raise InputError("the report could not be written (see the server log for the reason)")
+        return zip_folder(out, "report")
+
+
+@st.fragment
+def download_all(refs: list[RunRef], choice: TextChoice, key: str = "k3lab_all") -> None:
+    """Options, a button that writes the report (with a status line), then the zip's download button."""
+    ss = st.session_state
+    c1, c2 = st.columns(2)
+    static = c1.checkbox(
+        "PNG and SVG images", value=True, key=f"{key}_static", help="As `k3lab report` (off: `--no-static`)."
+    )
+    skip = c2.checkbox(
+        "Skip the importance views",
+        key=f"{key}_skip",
+        help="They run the model 2L + 2 more times (`--skip-model-views`).",
+    )
+    name = "_vs_".join(slug(r.label) for r in refs) + f"_{slug(choice.short)}_report.zip"
+    signature = (tuple(r.path for r in refs), choice.key(), static, skip)
+    if st.button("Prepare the report zip", key=f"{key}_go", help="Writes what `k3lab report` writes, then zips it."):
+        with st.status("Writing the report: every view, its data and the headline numbers...") as status:
+            start = time.perf_counter()
+            try:
+                data = report_zip(refs, choice, static, skip)
+            except InputError as exc:
+                status.update(label=f"No report: {exc}", state="error")
+                return
+            status.update(label=f"Report written in {time.perf_counter() - start:.0f} s", state="complete")
+        ss[f"{key}_zip"] = (signature, name, data)
+    ready = ss.get(f"{key}_zip")
+    if ready and ready[0] == signature:
+        st.download_button(
+            f"Download all ({len(ready[2]) / 1e6:.1f} MB zip)",
+            data=ready[2],
+            file_name=ready[1],
+            mime="application/zip",
+            key=f"{key}_download",
+            type="primary",
+        )

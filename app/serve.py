@@ -1,0 +1,46 @@
+"""Start the app's Streamlit server with its libraries already imported (``python -m app.serve [options]``).
+
+``streamlit run app/main.py`` imports torch, plotly, pandas and k3lab only when the first browser
+session runs the script: about 4 s on a 2-core machine, all of it in front of the first user's first
+chart. Here the server process imports them (and builds one model on the meta device, which pulls in
+the rest of what a checkpoint load needs) before it starts listening, so a session starts warm. The
+arguments after ``app.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+MAIN = Path(__file__).resolve().parent / "main.py"
+_ROOT = str(MAIN.parent.parent)
+
+
+def preload() -> None:
+    """Import what the first script run needs, and build a small model on the meta device."""
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    import torch
+
+    import app.caching
+    import app.cards
+    import app.page
+    import app.sidebar  # noqa: F401 - imported for their side effect: warm modules
+    from analysis.views import all_views
+    from k3core.model import K3ForCausalLM
+
+    all_views()
+    K3ForCausalLM.from_config("k3-nano", device="meta", dtype=torch.float32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from streamlit.web import cli
+
+    preload()
+    args = list(sys.argv[1:] if argv is None else argv)
+    sys.argv = ["streamlit", "run", str(MAIN), *args]
+    return cli.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

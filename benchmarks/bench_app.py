@@ -1,0 +1,189 @@
+"""The app in a real browser, timed: cold open to the first chart, and page switches on a loaded run.
+
+    .venv/bin/python -m benchmarks.bench_app                           # this checkout
+    .venv/bin/python -m benchmarks.bench_app --before /tmp/k3lab-before  # and an older checkout, side by side
+
+Each app (``streamlit run app/main.py`` of that checkout, on a free port, with a fresh HOME) is started,
+waited on through its health URL, then opened in a fresh Chromium context (the system Chromium at
+/usr/bin/chromium). Times are wall-clock seconds from the action to the condition:
+
+- cold open: ``page.goto`` -> the first drawn plotly chart (model load, tokens, trace and figure included;
+  the server process is up, nothing is cached);
+- page switch (first visit): a sidebar link click -> the page's heading, its charts, and the script run
+  finished, on the run the Overview loaded (model and trace cached, this page's figures not);
+- page switch (again): back to a page already drawn (everything cached).
+
+With ``--before`` both apps run one after the other in one process, on the same sample, and the table
+gives after / before. The test suite uses the same driver (tests/test_browser.py) and prints its times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+CHART = '[data-testid="stPlotlyChart"] .js-plotly-plot'  # a drawn plotly figure, not the loading skeleton
+EXCEPTION = '[data-testid="stException"]'
+RENDER_TIMEOUT_MS = 180_000
+SWITCH_PAGES = (("AttnRes", "attnres", "AttnRes"), ("Degradation", "degradation", "Attention degradation"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Poll the health endpoint until it answers 'ok', the server dies, or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"streamlit exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200 and resp.read().strip() == b"ok":
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)  # poll interval, not a synchronisation sleep
+    raise TimeoutError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: float = 120, preload: bool = True):
+    """The app of ``repo`` on a free port; yields (base url, log path); stops it after.
+
+    ``preload``: start it with ``python -m app.serve`` (libraries imported before the server listens, as
+    ``k3lab app`` does) where the checkout has it; else ``streamlit run app/main.py``."""
+    home = workdir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = dict(os.environ)
+    env.update(
+        HOME=str(home),
+        XDG_CONFIG_HOME=str(home / ".config"),
+        STREAMLIT_BROWSER_GATHER_USAGE_STATS="false",
+        OMP_NUM_THREADS=env.get("K3LAB_TEST_THREADS", "1"),
+        PYTHONPATH=str(repo),
+    )
+    env.update(env_extra)
+    log = workdir / f"streamlit-{port}.log"
+    serve = preload and (repo / "app" / "serve.py").is_file()
+    start = [sys.executable, "-m", "app.serve"] if serve else [sys.executable, "-m", "streamlit", "run", "app/main.py"]
+    cmd = [
+        *start,
+        "--server.headless", "true",
+        "--server.port", str(port),
+        "--server.address", "127.0.0.1",
+        "--server.fileWatcherType", "none",
+        "--browser.gatherUsageStats", "false",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", proc, log, timeout)
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def settle(page, timeout_ms: int = RENDER_TIMEOUT_MS) -> None:
+    """Wait until Streamlit has finished the script run (no 'running' status widget)."""
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_ms)
+
+
+def open_page(browser, url: str, timeout_ms: int = RENDER_TIMEOUT_MS):
+    """A fresh browser context (no cookies, no session) at ``url``; returns (page, seconds to the first chart)."""
+    context = browser.new_context(viewport={"width": 1440, "height": 1000})
+    page = context.new_page()
+    start = time.perf_counter()
+    page.goto(url)
+    page.wait_for_selector(CHART, timeout=timeout_ms)
+    seconds = time.perf_counter() - start
+    settle(page, timeout_ms)
+    return page, seconds
+
+
+def switch_page(page, link: str, url_path: str, heading: str, timeout_ms: int = RENDER_TIMEOUT_MS) -> float:
+    """Click a sidebar page link; seconds until that page's heading, a chart, and the finished script run."""
+    start = time.perf_counter()
+    page.get_by_role("link", name=link, exact=True).click()
+    page.wait_for_url(f"**/{url_path}*", timeout=timeout_ms)
+    page.get_by_role("heading", name=heading).first.wait_for(timeout=timeout_ms)
+    page.wait_for_selector(CHART, timeout=timeout_ms)
+    settle(page, timeout_ms)
+    return time.perf_counter() - start
+
+
+def measure(url: str, pw) -> dict[str, float]:
+    """Cold open, first-visit switches to SWITCH_PAGES, and a cached switch back, in seconds."""
+    browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    try:
+        page, cold = open_page(browser, url)
+        times = {"cold open to first chart": cold}
+        for link, path, heading in SWITCH_PAGES:
+            times[f"switch to {link} (first visit)"] = switch_page(page, link, path, heading)
+        link, path, heading = SWITCH_PAGES[0]
+        times[f"switch to {link} (again)"] = switch_page(page, link, path, heading)
+        return times
+    finally:
+        browser.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, help="another checkout of k3lab to time side by side (e.g. a worktree)")
+    parser.add_argument(
+        "--run", type=Path, default=REPO / "sample_checkpoints" / "k3-full", help="checkpoint folder to open"
+    )
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/k3lab-bench-app"))
+    args = parser.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    apps = [("before", args.before.resolve(), False)] if args.before else []
+    apps += [("after, streamlit run", REPO, False), ("after, app.serve", REPO, True)]
+    results: dict[str, dict[str, float]] = {}
+    env = {"K3LAB_RUNS": str(args.run.resolve())}
+    with sync_playwright() as pw:
+        for name, repo, preload in apps:
+            with app_server(repo, args.workdir / name.replace(" ", "").replace(",", "-"), env, preload=preload) as (
+                url,
+                _log,
+            ):
+                results[name] = measure(url, pw)
+    load = os.getloadavg()[0]
+    print(f"app timings, {args.run.name}, wall seconds (load average {load:.1f} on {os.cpu_count()} cores)")
+    print(f"  {'':36s}" + "".join(f"{name:>22s}" for name in results) + ("   ratio to before" if args.before else ""))
+    for key in results["after, app.serve"]:
+        row = [results[name][key] for name in results]
+        ratios = "   " + " ".join(f"{v / row[0]:.2f}" for v in row[1:]) if args.before else ""
+        print(f"  {key:36s}" + "".join(f"{v:20.2f} s" for v in row) + ratios)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
