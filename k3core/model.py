@@ -120,7 +120,7 @@ class K3Model(nn.Module):
         mixed, p = out
         rec.put_tokens(TraceNames.attnres(site), p.permute(1, 2, 0), ("batch", "token", "source"))
         rec.put(TraceNames.attnres_query_norm(site), proj.weight.detach().float().norm().reshape(()), ())
-        rec.trace.meta.setdefault("attnres_sources", {})[site] = list(names)
+        rec.trace.meta.setdefault(TraceNames.ATTNRES_SOURCES_META, {})[site] = list(names)
         return mixed
 
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
