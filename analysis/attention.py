@@ -87,11 +87,24 @@ def has_attention(trace: Trace) -> bool:
 def _require_attention(trace: Trace) -> list[tuple[int, str]]:
     found = _mla_attn_names(trace)
     if not found:
-        raise MissingTraceData(
-            "no MLA attention probabilities in this trace (mla.i.attn); the model has no "
-            "MLA layer or the trace was recorded without 'attn_probs' (use what='all')"
-        )
+        types = trace.meta.get("layer_types") or []
+        if types and "MLA" not in types:
+            why = "the model has no MLA layer"
+        elif "attn_probs" not in (trace.meta.get("what") or []):
+            why = (
+                "attention probabilities were not recorded: tick 'Record MLA attention probabilities' in the "
+                "sidebar (in Python: trace_run(..., what='all'))"
+            )
+        else:
+            why = "the input is longer than the attention-recording limit (max_attn_len), so none were kept"
+        raise MissingTraceData(f"no MLA attention probabilities in this trace: {why}")
     return found
+
+
+def attention_tokens(trace: Trace) -> int:
+    """The number of key positions of the recorded attention (0 without attention)."""
+    found = _mla_attn_names(trace)
+    return int(np.asarray(trace[found[0][1]]).shape[-1]) if found else 0
 
 
 def attention_entropy_table(trace: Trace) -> pd.DataFrame:
@@ -156,7 +169,7 @@ def attention_sink_table(trace: Trace, threshold: float = SINK_THRESHOLD) -> pd.
 def attention_received_table(trace: Trace, max_keys: int = 32) -> pd.DataFrame:
     """Mean attention received per MLA layer, head and key position (first ``max_keys`` keys).
 
-    Columns: layer, head, key, received.
+    Columns: layer, head, key, received; ``df.attrs["total_keys"]`` is the number of keys recorded.
     """
     frames = []
     for layer, name in _require_attention(trace):
@@ -172,7 +185,9 @@ def attention_received_table(trace: Trace, max_keys: int = 32) -> pd.DataFrame:
                 }
             )
         )
-    return tidy(pd.concat(frames, ignore_index=True), keys=["layer", "head", "key"], value="received")
+    table = tidy(pd.concat(frames, ignore_index=True), keys=["layer", "head", "key"], value="received")
+    table.attrs["total_keys"] = attention_tokens(trace)
+    return table
 
 
 def mla_gate_table(trace: Trace) -> pd.DataFrame:

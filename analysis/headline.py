@@ -51,7 +51,8 @@ _NAN = float("nan")
 
 
 def degradation_summary(trace: Trace) -> dict[str, float]:
-    """Mean causal-normalised MLA entropy, sink rate (share of MLA heads with first-token mass > 0.3), mean
+    """Mean causal-normalised MLA entropy, sink rate (share of MLA heads with first-token mass > 0.3; NaN below
+    ``analysis.attention.MIN_SINK_TOKENS`` tokens, where every head is a sink by construction), mean
     rank-collapse ratio and token cosine over depth, mean Block Influence, worst max/median |h| (first
     sequence); NaN where the trace lacks the data."""
     out = dict.fromkeys(
@@ -67,7 +68,8 @@ def degradation_summary(trace: Trace) -> dict[str, float]:
     )
     if at.has_attention(trace):
         out["mla_entropy_norm_mean"] = float(at.attention_entropy_table(trace)["entropy_norm"].mean())
-        out["sink_rate"] = at.sink_rate(at.attention_sink_table(trace)["first_token_mass"].to_numpy())
+        if at.attention_tokens(trace) >= at.MIN_SINK_TOKENS:  # fewer keys: "all sinks" by construction
+            out["sink_rate"] = at.sink_rate(at.attention_sink_table(trace)["first_token_mass"].to_numpy())
     if names.HIDDEN in trace:
         rc = hs.rank_collapse_table(trace)
         out["rank_collapse_mean"] = float(rc["ratio"].mean())

@@ -81,7 +81,7 @@ def test_attention_needs_square_matrix():
 
 
 def test_missing_data_is_reported():
-    with pytest.raises(MissingTraceData, match="attn_probs"):
+    with pytest.raises(MissingTraceData, match="not recorded"):
         at.attention_entropy_table(Trace())
     with pytest.raises(MissingTraceData, match="hidden"):
         hs.rank_collapse_table(Trace())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 from analysis import attention as at
 from analysis import hidden_states as hs
 from analysis.figures import degradation as fig_dg
-from analysis.headline import degradation_summary
+from analysis.headline import degradation_summary, headline_numbers
 from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
@@ -53,7 +55,27 @@ def test_real_trace_metrics_are_in_range(nano_ctx):
 def test_entropy_views_need_attention_probabilities(nano_ctx):
     model = nano_ctx.model
     ctx = trace_run(run_from_model(model), nano_ctx.input_ids, what=None, label="no-probs")
-    with pytest.raises(NotApplicable, match="attn_probs"):
+    with pytest.raises(NotApplicable, match="sidebar"):
         fig_dg.build_entropy_heatmap(ctx)
     fig, _ = fig_dg.build_rank_collapse(ctx)  # hidden states are recorded by default
     assert len(fig.data) == 3
+
+
+def test_sink_view_warns_when_too_few_tokens_and_headline_has_no_rate(nano_ctx):
+    model = nano_ctx.model
+    short = trace_run(run_from_model(model), nano_ctx.input_ids[:, :2], what="all", label="two")
+    fig, df = fig_dg.build_sink_mass(short)
+    # s_0 = (1 + A_10) / 2 >= 0.5 > 0.3 for every head: a "100% sink" that the figure must not present as a finding
+    assert (df["first_token_mass"] >= 0.5).all() and df.attrs["too_few_tokens"]
+    assert any("only 2 tokens" in (a.text or "") for a in fig.layout.annotations)
+    assert "sink rate" not in fig.layout.title.text
+    assert math.isnan(headline_numbers(short)["sink_rate"])
+    assert not math.isnan(headline_numbers(nano_ctx)["sink_rate"])
+
+
+def test_views_name_the_run_and_the_keys_shown(nano_ctx):
+    for view in fig_dg.VIEWS:
+        fig, _ = view.build(nano_ctx)
+        assert fig.layout.title.text.endswith("— nano"), view.key
+    fig, df = fig_dg.build_sink_profile(nano_ctx)
+    assert "first 32 of 48 keys" in fig.layout.title.text and df["key"].max() == 31

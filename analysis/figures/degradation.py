@@ -61,7 +61,7 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
         df,
         "entropy_norm",
         "MLA L",
-        "MLA attention entropy, causal-normalised (1 = uniform, 0 = one key)",
+        f"MLA attention entropy, causal-normalised (1 = uniform, 0 = one key) — {ctx.label}",
         "H / log(i+1)",
         zmin=0.0,
         zmax=1.0,
@@ -88,7 +88,7 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
     fig.update_yaxes(range=[0, 1.05])
     apply_style(
         fig,
-        "MLA attention entropy by query position (mean over heads)",
+        f"MLA attention entropy by query position (mean over heads) — {ctx.label}",
         "query position (token)",
         "normalised entropy H / log(i+1)",
     )
@@ -117,12 +117,27 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         annotation_position="top left",
     )
     fig.update_yaxes(range=[0, 1.0])
-    apply_style(
-        fig,
-        f"Attention sink: first-token mass per MLA head (sink rate {rate:.0%})",
-        "MLA layer / head",
-        "mean attention on token 0",
-    )
+    T = at.attention_tokens(ctx.trace)
+    title = f"Attention sink: first-token mass per MLA head (sink rate {rate:.0%}) — {ctx.label}"
+    if T < at.MIN_SINK_TOKENS:
+        # Query 0 sees only key 0, so s_0 >= 1/T: with T <= 3 every head is a 'sink' whatever the model does.
+        title = f"Attention sink: first-token mass per MLA head — {ctx.label}"
+        fig.add_annotation(
+            text=f"only {T} tokens: the first token takes a large share of attention by construction, so the sink "
+            f"rate ({rate:.0%}) means little below {at.MIN_SINK_TOKENS} tokens",
+            xref="paper",
+            yref="paper",
+            x=0.0,
+            y=1.0,
+            xanchor="left",
+            yanchor="top",
+            showarrow=False,
+            align="left",
+            bgcolor="rgba(255, 243, 205, 0.9)",
+            font={"size": 11},
+        )
+    df.attrs["too_few_tokens"] = T < at.MIN_SINK_TOKENS
+    apply_style(fig, title, "MLA layer / head", "mean attention on token 0")
     return fig, df
 
 
@@ -145,9 +160,11 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     )
     fig.update_xaxes(**ctx.token_axis(table.columns))
     fig.update_yaxes(autorange="reversed")
+    total = int(df.attrs.get("total_keys", table.shape[1]))
+    shown = f"first {table.shape[1]} of {total} keys" if total > table.shape[1] else f"all {total} keys"
     apply_style(
         fig,
-        "Attention received per key position (mean over the queries that see it)",
+        f"Attention received per key position ({shown}; mean over the queries that see it) — {ctx.label}",
         "key position (token)",
         "MLA layer / head",
         height=max(280, 80 + 28 * len(table)),
@@ -157,7 +174,8 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 def build_mla_gate(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = _guard(at.mla_gate_table, ctx)
-    fig = _heatmap(df, "gate_mean", "MLA L", "MLA output gate: mean sigmoid(W_g x) per head", "gate", 0.0, 1.0)
+    title = f"MLA output gate: mean sigmoid(W_g x) per head — {ctx.label}"
+    fig = _heatmap(df, "gate_mean", "MLA L", title, "gate", 0.0, 1.0)
     return fig, df
 
 
@@ -187,7 +205,9 @@ def build_rank_collapse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
     fig.update_yaxes(rangemode="tozero")
     apply_style(
-        fig, "Rank collapse over depth: ||X - 1 mean(X)||_F / ||X||_F, effective rank, token cosine", height=380
+        fig,
+        f"Rank collapse over depth: ||X - 1 mean(X)||_F / ||X||_F, effective rank, token cosine — {ctx.label}",
+        height=380,
     )
     fig.update_xaxes(title_text="depth (state entering layer)")
     return fig, df
@@ -216,7 +236,7 @@ def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
     )
     apply_style(
         fig,
-        "Layer redundancy: Block Influence (bars, by layer type) and CKA between input and output",
+        f"Layer redundancy: Block Influence (bars, by layer type) and CKA between input and output — {ctx.label}",
         "layer",
         "Block Influence (1 - mean cosine)",
     )
@@ -266,7 +286,7 @@ def build_massive_activations(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
     fig.update_yaxes(type="log")
     apply_style(
         fig,
-        "Massive activations: largest |h| per depth, median and their ratio (hover: token, channel)",
+        f"Massive activations: largest |h| per depth, median and their ratio (hover: token, channel) — {ctx.label}",
         "depth (state entering layer)",
         "|h| (log scale)",
     )
