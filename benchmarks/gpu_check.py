@@ -33,9 +33,10 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from k3core.cache import K3Cache  # noqa: E402
 from k3core.config import K3Config  # noqa: E402
 from k3core.layers.moe import grouped_mm_available  # noqa: E402
-from k3core.model import K3Cache, K3ForCausalLM  # noqa: E402
+from k3core.model import K3ForCausalLM  # noqa: E402
 from k3core.ops.kda import _fla_chunk_kda, kda_chunk, kda_recurrent  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

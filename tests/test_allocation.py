@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from analysis import allocation as al
+from k3core.cache import K3Cache
 from k3core.config import K3Config
-from k3core.model import K3Cache, K3ForCausalLM
+from k3core.model import K3ForCausalLM
 
 
 def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from benchmarks import bench_cache, bench_forward, bench_moe, gpu_check, run_all
 from benchmarks.bench_decode import generate_uncached
 from benchmarks.common import Row, side_by_side
+from k3core.cache import K3Cache
 from k3core.config import K3Config
 from k3core.generate import generate
-from k3core.model import K3Cache, K3ForCausalLM
+from k3core.model import K3ForCausalLM
 from k3core.ops.kda import kda_recurrent
 from k3core.trace import record
 

@@ -9,7 +9,7 @@ import torch
 
 from app import caching, page
 from app.inputs import MAX_TOKENS_CAP
-from k3core.model import K3Cache
+from k3core.cache import K3Cache
 
 inputs = page.inputs_or_stop()
 run = inputs.run
