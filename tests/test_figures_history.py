@@ -44,3 +44,40 @@ def test_history_views_overlay_runs_and_say_not_applicable():
     no_moe = AnalysisContext(trace=Trace(), config=CONFIG, metrics={"history": [{"step": 1, "loss": 1.0}]})
     with pytest.raises(NotApplicable, match="MoE"):
         fig_hist.build_moe(no_moe)
+
+
+SCALE_BIAS = {
+    "history": {
+        "attnres": [
+            {"step": 2, "mode": "scale_bias", "layers": {"0": {"attn_scale_mean": 1.0}, "1": {"attn_scale_mean": 0.5}}},
+            {"step": 4, "mode": "scale_bias", "layers": {"0": {"attn_scale_mean": 0.8}, "1": {"attn_scale_mean": 0.4}}},
+        ]
+    }
+}
+
+
+def test_history_figures_are_readable_and_keep_each_runs_colour():
+    # run A has no MoE statistics: B must still get the second colour in the MoE chart, as in the curves chart
+    b = {"history": [{"step": 0, "loss": 4.0, "maxvio": {"1": 0.5, "3": 0.9}}, {"step": 20, "loss": 2.0}]}
+    ctx = AnalysisContext(
+        trace=Trace(),
+        config=CONFIG,
+        metrics={"history": [{"step": 0, "loss": 5.0}]},
+        label="A",
+        options={"overlay_metrics": {"B": b}},
+    )
+    curves, _ = fig_hist.build_curves(ctx)
+    moe, df = fig_hist.build_moe(ctx)
+    colour_b = {t.line.color for t in curves.data if t.legendgroup == "B"}
+    assert colour_b == {t.line.color for t in moe.data} == {"#ff7f0e"}
+    mean_b = next(t for t in moe.data if t.name == "B mean")
+    assert list(mean_b.y) == [pytest.approx((0.5 + 0.9) / 2)]  # mean over the two MoE layers at step 0
+    for fig in (curves, moe):
+        assert fig.layout.legend.orientation == "v" and fig.layout.legend.x > 1  # right of the plots
+        assert all(fig.layout[k].title.text for k in fig.layout if k.startswith("yaxis"))
+    scale = AnalysisContext(trace=Trace(), config=CONFIG, metrics=SCALE_BIAS, label="sb")
+    fig, df = fig_hist.build_attnres(scale)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles == ["attention residual scale (mean)"] and "attn_scale_mean" not in str(titles)
+    assert list(fig.data[0].y) == [pytest.approx(0.75), pytest.approx(0.6)]  # mean over layers 0 and 1
+    assert fig.layout.yaxis.title.text == "scale"

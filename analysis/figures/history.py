@@ -34,6 +34,45 @@ def _x_axis(df: pd.DataFrame) -> tuple[str, str]:
     return "step", "training step"
 
 
+def run_colours(runs: dict[str, dict]) -> dict[str, str]:
+    """One colour per run, by its place among the runs: the same run keeps its colour in every chart, even
+    in a chart where an earlier run has no data."""
+    return {label: RUN_COLORS[n % len(RUN_COLORS)] for n, label in enumerate(runs)}
+
+
+# y-axis label per panel of the curves figure, and readable names of logged AttnRes / scale-bias fields
+PANEL_Y = {
+    "train loss": "nats/token",
+    "bits per byte": "bits/byte",
+    "val loss": "nats/token",
+    "MQAR accuracy": "accuracy (0..1)",
+}
+FIELD_NAMES = {
+    "embedding_weight": ("embedding weight (depth sink)", "mean depth weight"),
+    "max_weight": ("largest depth weight", "mean depth weight"),
+    "mix_entropy": ("depth-mix entropy (normalised)", "entropy / log n"),
+    "query_norm": ("pseudo-query norm ‖w‖", "‖w‖"),
+    "attn_scale_mean": ("attention residual scale (mean)", "scale"),
+    "mlp_scale_mean": ("FFN residual scale (mean)", "scale"),
+    "attn_bias_mean": ("attention residual bias (mean)", "bias"),
+    "mlp_bias_mean": ("FFN residual bias (mean)", "bias"),
+}
+
+
+def field_title(name: str) -> tuple[str, str]:
+    """(panel title, y-axis label) of a logged field: known fields by name, others made readable
+    ("attnres.foo_bar" -> "foo bar")."""
+    if name in FIELD_NAMES:
+        return FIELD_NAMES[name]
+    readable = name.split(".")[-1].replace("_", " ")
+    return readable, readable
+
+
+def _legend_right(fig: go.Figure) -> None:
+    """The legend in a column right of the plots, where it covers neither subplot titles nor data."""
+    fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
+
+
 def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
     """Train loss, bits/byte (val solid, train dotted), validation loss and MQAR accuracy over training,
     one colour per run."""
@@ -44,9 +83,9 @@ def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFram
     if "bits per byte" in panels and "val loss" in panels:
         panels.remove("val loss")  # the same numbers in another unit
     x, x_title = _x_axis(df)
+    colours = run_colours(runs)
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=panels, horizontal_spacing=0.08)
-    for n, (label, part) in enumerate(df.groupby("run", sort=False)):
-        colour = RUN_COLORS[n % len(RUN_COLORS)]
+    for label, part in df.groupby("run", sort=False):
         for col, panel in enumerate(panels, start=1):
             for curve, c in part[part["panel"] == panel].groupby("curve", sort=False):
                 dotted = curve.startswith("train") and panel == "bits per byte"
@@ -58,13 +97,16 @@ def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFram
                         name=label if not dotted else f"{label} (train)",
                         legendgroup=label,
                         showlegend=col == 1 or dotted,
-                        line={"color": colour, "dash": "dot" if dotted else None},
+                        line={"color": colours[label], "dash": "dot" if dotted else None},
                     ),
                     row=1,
                     col=col,
                 )
     apply_style(fig, "Training curves", height=380)
+    for col, panel in enumerate(panels, start=1):
+        fig.update_yaxes(title_text=PANEL_Y.get(panel, panel), row=1, col=col)
     fig.update_xaxes(title_text=x_title)
+    _legend_right(fig)
     return fig, df
 
 
@@ -74,39 +116,33 @@ def history_moe_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
     if df.empty:
         raise NotApplicable("metrics.json has no MoE load statistics (MaxVio / CV)")
     stats = [s for s in ("MaxVio", "CV") if s in set(df["stat"])]
-    fig = make_subplots(rows=1, cols=len(stats), subplot_titles=[f"{s} (mean and max over layers)" for s in stats])
-    for n, (label, part) in enumerate(df.groupby("run", sort=False)):
-        colour = RUN_COLORS[n % len(RUN_COLORS)]
+    colours = run_colours(runs)
+    titles = {"MaxVio": "MaxVio = max c / mean c - 1", "CV": "CV = std c / mean c"}
+    fig = make_subplots(
+        rows=1, cols=len(stats), subplot_titles=[f"{titles[s]} (mean and max over layers)" for s in stats]
+    )
+    for label, part in df.groupby("run", sort=False):
         for col, stat in enumerate(stats, start=1):
             agg = part[part["stat"] == stat].groupby("step")["value"].agg(["mean", "max"]).reset_index()
-            fig.add_trace(
-                go.Scatter(
-                    x=agg["step"],
-                    y=agg["mean"],
-                    mode="lines",
-                    name=f"{label} mean",
-                    legendgroup=label,
-                    showlegend=col == 1,
-                    line={"color": colour},
-                ),
-                row=1,
-                col=col,
-            )
-            fig.add_trace(
-                go.Scatter(
-                    x=agg["step"],
-                    y=agg["max"],
-                    mode="lines",
-                    name=f"{label} max",
-                    legendgroup=label,
-                    showlegend=col == 1,
-                    line={"color": colour, "dash": "dot"},
-                ),
-                row=1,
-                col=col,
-            )
+            for kind, dash in (("mean", None), ("max", "dot")):
+                fig.add_trace(
+                    go.Scatter(
+                        x=agg["step"],
+                        y=agg[kind],
+                        mode="lines",
+                        name=f"{label} {kind}",
+                        legendgroup=label,
+                        showlegend=col == 1,
+                        line={"color": colours[label], "dash": dash},
+                    ),
+                    row=1,
+                    col=col,
+                )
     apply_style(fig, "MoE load balance over training", height=380)
+    for col, stat in enumerate(stats, start=1):
+        fig.update_yaxes(title_text=stat, rangemode="tozero", row=1, col=col)
     fig.update_xaxes(title_text="training step")
+    _legend_right(fig)
     return fig, df
 
 
@@ -117,9 +153,9 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
     if df.empty:
         raise NotApplicable("metrics.json has no AttnRes summaries (history.attnres)")
     metrics = list(dict.fromkeys(df["metric"]))[:6]
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
-    for n, (label, part) in enumerate(df.groupby("run", sort=False)):
-        colour = RUN_COLORS[n % len(RUN_COLORS)]
+    colours = run_colours(runs)
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[field_title(m)[0] for m in metrics])
+    for label, part in df.groupby("run", sort=False):
         for col, metric in enumerate(metrics, start=1):
             agg = part[part["metric"] == metric].groupby("step", as_index=False)["value"].mean()
             fig.add_trace(
@@ -130,13 +166,16 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
                     name=label,
                     legendgroup=label,
                     showlegend=col == 1,
-                    line={"color": colour},
+                    line={"color": colours[label]},
                 ),
                 row=1,
                 col=col,
             )
     apply_style(fig, "AttnRes over training (mean over sites)", height=380)
+    for col, metric in enumerate(metrics, start=1):
+        fig.update_yaxes(title_text=field_title(metric)[1], row=1, col=col)
     fig.update_xaxes(title_text="training step")
+    _legend_right(fig)
     return fig, df
 
 
