@@ -511,6 +511,7 @@ class WeightSummary:
     expert_norms: pd.DataFrame | None = None  # only with experts=True
     notes: list[str] = field(default_factory=list)
     path: str = ""
+    expert_bytes: int = 0  # what experts=True reads on top (``expert_bytes``)
 
     @property
     def num_layers(self) -> int:
@@ -606,6 +607,7 @@ def summarize_source(
     summary.skipped = list(getattr(source, "skipped", []))
     summary.bytes_total = int(source.bytes_total)
     summary.bytes_read = int(source.bytes_read)
+    summary.expert_bytes = sum(int(tensors[n].nbytes) for n in expert_tensor_names(tensors))
     summary.seconds = time.perf_counter() - t0
     return summary
 

@@ -25,14 +25,25 @@ PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
 st.set_page_config(page_title="k3lab", page_icon=":material/biotech:", layout="wide", initial_sidebar_state="expanded")
 
 
-def _page(name: str, title: str, icon: str, default: bool = False):
-    # url_path per page: a link to /moe (or /overview, the default page's own path) opens that page.
-    return st.Page(str(PAGES_DIR / f"{name}.py"), title=title, icon=icon, default=default, url_path=name)
+def _page(name: str, title: str, icon: str, default: bool = False, url_path: str | None = None, hidden: bool = False):
+    # url_path per page: a link to /moe opens that page
+    return st.Page(
+        str(PAGES_DIR / f"{name}.py"),
+        title=title,
+        icon=icon,
+        default=default,
+        url_path=url_path or name,
+        visibility="hidden" if hidden else "visible",
+    )
 
 
 PAGES = {
     "Model": [
-        _page("overview", "Overview", ":material/home:", default=True),
+        # The default page is served at "/" (its own path, "home", is only reserved); the hidden twin
+        # makes a link to /overview open the Overview too, instead of Streamlit's "Page not found".
+        _page("overview", "Overview", ":material/home:", default=True, url_path="home"),
+        _page("overview", "Overview", ":material/home:", hidden=True),
+        _page("weights", "Weights", ":material/scale:"),
     ],
     "Mechanisms": [
         _page("density", "KDA & density", ":material/memory:"),

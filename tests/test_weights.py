@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -347,8 +348,23 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).double().numpy()
 
 
-@pytest.mark.slow
-def test_sparse_kimi_k3_checkpoint(tmp_path):
+@dataclass
+class SparseK3:
+    folder: Path
+    cfg: K3Config
+    shapes: dict[str, tuple]
+    planted: dict[str, np.ndarray]
+    rows: dict[int, dict[int, np.ndarray]]
+    extra: dict[str, tuple]
+    kda: list[int]
+
+
+@pytest.fixture(scope="module")
+def sparse_k3(tmp_path_factory) -> SparseK3:
+    """A checkpoint shaped exactly like the published Kimi K3 text model (every tensor of its 2.78T
+    parameters declared, ~5 GB shards, language_model. prefix, vision tensors, HF config.json), with the
+    small tensors planted and everything else left as file holes."""
+    tmp_path = tmp_path_factory.mktemp("sparse-k3")
     usage = os.statvfs(tmp_path)
     assert usage.f_bavail * usage.f_frsize > 2 * 1024**3, "needs about 200 MB of real disk (plus headroom)"
     cfg = K3Config.from_preset("kimi-k3")
@@ -404,6 +420,24 @@ def test_sparse_kimi_k3_checkpoint(tmp_path):
     assert dtypes["language_model.model.layers.5.self_attn.q_conv1d.weight"] == "F32"
     assert dtypes["language_model.model.layers.5.self_attn.q_proj.weight"] == "BF16"
 
+    return SparseK3(folder, cfg, shapes, planted, rows, extra, kda)
+
+
+@pytest.mark.slow
+def test_sparse_kimi_k3_checkpoint(sparse_k3, tmp_path):
+    folder, cfg, shapes, planted, rows, extra, kda = (
+        sparse_k3.folder,
+        sparse_k3.cfg,
+        sparse_k3.shapes,
+        sparse_k3.planted,
+        sparse_k3.rows,
+        sparse_k3.extra,
+        sparse_k3.kda,
+    )
+    L, H, d, E = cfg.num_hidden_layers, cfg.kda_num_heads, cfg.kda_head_dim, cfg.num_experts
+    files = sorted(folder.glob("*.safetensors"))
+    declared = sum(f.stat().st_size for f in files)
+    on_disk = sum(f.stat().st_blocks * 512 for f in files)
     out = tmp_path / "out"
     t0 = time.perf_counter()
     with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
@@ -477,3 +511,56 @@ def test_sparse_kimi_k3_checkpoint(tmp_path):
     assert (got["mean"], got["max"]) == pytest.approx((o.mean(), o.max()), rel=1e-12)
     heads = pd.read_csv(out / "figures" / "weights_kda_heads.csv")
     assert len(heads) == len(kda) * H  # the 32 padding entries of A_log are not heads
+
+
+# ============================================================================ the app's Weights page
+def _app(monkeypatch, tmp_path, *folders: Path):
+    from streamlit.testing.v1 import AppTest
+
+    from app import uploads
+    from app.settings import HOME_ENV
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))
+    monkeypatch.setenv(uploads.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
+    empty = tmp_path / "no-samples"
+    empty.mkdir(exist_ok=True)
+    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+    return AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=180)
+
+
+def test_app_weights_page_for_sample_runs_and_compare(monkeypatch, tmp_path):
+    at = _app(
+        monkeypatch, tmp_path, ROOT / "sample_checkpoints" / "k3-full", ROOT / "sample_checkpoints" / "scale-bias"
+    )
+    at.switch_page("app_pages/weights.py").run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == []
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Layers"] == "8"
+    assert len(at.get("plotly_chart")) >= 8  # every weights view but scale/bias and expert norms
+    assert any("scale/bias" in i.value for i in at.info)
+    at.selectbox(key="k3lab_weights_cmp").set_value("scale-bias").run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == []
+    charts = len(at.get("plotly_chart"))
+    # 9 side-by-side views; differences of the per-layer views both runs have: half-life, bias spread, norms, params
+    assert charts == 9 + 4
+    at.selectbox(key="k3lab_weights_cmp").set_value("(none)").run()
+    at.button(key="k3lab_weights_exp").click().run()  # the button names the bytes it will read
+    assert not at.exception, at.exception
+    assert len(at.get("plotly_chart")) == 9  # now with the expert weight norms
+
+
+@pytest.mark.slow
+def test_app_checkpoint_too_large_to_load_has_the_weights_page(sparse_k3, monkeypatch, tmp_path):
+    at = _app(monkeypatch, tmp_path, sparse_k3.folder)
+    at.run()
+    assert not at.exception, at.exception
+    errors = " ".join(e.value for e in at.error)
+    assert "cannot be loaded here" in errors and "Weights" in errors
+    at.switch_page("app_pages/weights.py").run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == []
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Layers"] == "93" and metrics["Parameters"].endswith("T")
+    assert len(at.get("plotly_chart")) >= 8
