@@ -44,7 +44,6 @@ from k3core.checkpoint_files import (
     WEIGHTS_NAME,
     CheckpointError,
     CheckpointFiles,
-    keep_fp32,
 )
 
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
@@ -155,28 +154,6 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
         fingerprint=fingerprint,
         files=files,
     )
-
-
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-TARGET_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def memory_needed(files: CheckpointFiles, dtype: str) -> int:
-    """Bytes the text model's tensors take once loaded in ``dtype``, from the headers.
-
-    sum over tensors of numel x element size, where a floating tensor takes the target dtype's size except
-    those of the keep-fp32 rule (``k3core.checkpoint_files.keep_fp32``: 4 bytes whatever the dtype), and any
-    other tensor keeps its stored size. Activations and the trace come on top."""
-    size = TARGET_BYTES.get(dtype)
-    if size is None:
-        raise LibraryError(f"unknown dtype {dtype!r}; choose one of {sorted(TARGET_BYTES)}")
-    total = 0
-    for info in files.tensors.values():
-        if info.dtype in FLOAT_DTYPES:
-            total += info.numel * (4 if keep_fp32(info.name) else size)
-        else:
-            total += info.nbytes
-    return total
 
 
 def summary_text(summary: Mapping[str, Any]) -> str:

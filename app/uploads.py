@@ -17,7 +17,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from app.library import LibraryError, RunsLibrary, describe_folder, human_bytes, memory_needed
+from app.library import LibraryError, RunsLibrary, human_bytes
 from app.settings import configured_roots, home_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -160,27 +160,39 @@ def available_memory(device: str) -> int | None:
     return None
 
 
+def _stamp(path: Path) -> tuple:
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
+
+
 @st.cache_data(show_spinner=False, max_entries=64)
-def _needed(path: str, stamp: tuple, dtype: str) -> int:
-    return memory_needed(describe_folder(path).files, dtype)
+def _plan(path: str, stamp: tuple, device: str, dtype: str):
+    from analysis.runs import DTYPES
+    from k3core.model import K3ForCausalLM
+
+    return K3ForCausalLM.plan_placement(path, device, DTYPES[dtype])
+
+
+def placement_plan(path: str | Path, device: str, dtype: str):
+    """k3core's placement plan (bytes and layers per device) for loading the checkpoint in ``dtype`` on
+    ``device`` ("auto": GPUs, then CPU, then disk), from config.json alone; cached per folder state."""
+    path = Path(path)
+    return _plan(str(path), _stamp(path), device, dtype)
 
 
 def fit_problem(ref: RunRef, device: str, dtype: str) -> str | None:
-    """A message when the run's weights (headers only) cannot fit in the device's free memory, else None."""
+    """A message when the run's weights cannot fit in the device's free memory, else None (config only, no load)."""
     if device == "auto":
         return None  # the placement spreads it over every device and disk
-    path = Path(ref.path)
     try:
-        stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
-        needed = _needed(str(path), stamp, dtype)
-    except (LibraryError, OSError):
-        return None  # the loader reports a bad checkpoint with its own message
+        needed = placement_plan(ref.path, device, dtype).total_bytes
+    except (OSError, ValueError):  # a bad checkpoint gets the loader's own message (CheckpointError), not this one
+        return None
     free = available_memory(device)
     if free is None or needed <= MEMORY_HEADROOM * free:
         return None
-    weights = (
-        " Its weights can still be read without loading it: see the **Weights** page." if WEIGHTS_PAGE.is_file() else ""
-    )
+    weights = ""
+    if WEIGHTS_PAGE.is_file():
+        weights = " Its weights can still be read without loading it: see the **Weights** page."
     return (
         f"**{ref.label}** needs {human_bytes(needed)} in {dtype} but {device} has {human_bytes(free)} free: it "
         f"cannot be loaded here. Pick a smaller dtype or another device in the sidebar.{weights}"

@@ -59,8 +59,8 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
     env[HOME_ENV] = str((Path(args.home).expanduser() if args.home else home_dir(env)).resolve())
     env[ROOTS_ENV] = os.pathsep.join(str(Path(r).expanduser().resolve()) for r in (args.root or [os.getcwd()]))
     env[MAX_UPLOAD_ENV] = str(args.max_upload_mb)
-    main_py = REPO_ROOT / "app" / "main.py"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(main_py),
+    # app.serve = `streamlit run app/main.py` with the app's libraries imported before the server listens.
+    cmd = [sys.executable, "-m", "app.serve",
            "--server.address", args.host,
            "--server.port", str(args.port),
            "--server.maxUploadSize", str(args.max_upload_mb),

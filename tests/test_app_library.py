@@ -114,6 +114,9 @@ def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
     assert not at.exception and _errors(at) == []
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Parameters"] == "211.6K" and metrics["Memory in float32"] == "826.5 KB"
+    plan = at.dataframe[0].value
+    assert list(plan["device"])[0] == "cpu" and list(plan["memory"])[0] == "826.5 KB"
+    assert list(plan["decoder layers"])[0] == "0-3"
     at.button(key="k3lab_open_add").click().run()
     assert at.session_state["k3lab_run"] == "nano-other"
     [entry] = RunsLibrary(env).entries()

@@ -24,7 +24,6 @@ from app.library import (
     summary_text,
 )
 from app.settings import DEFAULT_MAX_UPLOAD_MB, HOME_ENV, MAX_UPLOAD_ENV, home_dir, max_upload_mb
-from k3core.checkpoint import load_pretrained
 from k3core.model import K3ForCausalLM
 from tests.conftest import nano_model
 
@@ -80,7 +79,7 @@ def test_upload_is_stored_indexed_and_survives_a_restart(lib, ckpt):
     with sqlite3.connect(lib.home / "library.sqlite") as con:
         cols = [r[1] for r in con.execute("PRAGMA table_info(runs)")]
     assert cols == ["id", "name", "source", "location", "fingerprint", "config_summary", "size_bytes", "added_at"]
-    loaded = load_pretrained(again.entries()[0].path)
+    loaded = K3ForCausalLM.from_pretrained(again.entries()[0].path)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -213,7 +212,7 @@ def test_preset_is_seeded_and_large_presets_are_refused(lib, tmp_path):
     torch.manual_seed(123)
     assert torch.equal(torch.rand(3), before)  # the global RNG stream is not disturbed
     assert (entry.name, entry.source) == ("k3-nano-random", "preset")
-    weights = load_pretrained(entry.path).state_dict()
+    weights = K3ForCausalLM.from_pretrained(entry.path).state_dict()
     torch.manual_seed(5)
     expected = K3ForCausalLM.from_config("k3-nano").state_dict()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)

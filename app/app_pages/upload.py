@@ -7,7 +7,7 @@ import streamlit as st
 
 from app import caching, page, uploads
 from app.inputs import InputError, current_inputs
-from app.library import LibraryError, describe_folder, human_bytes, human_count, memory_needed, summary_text
+from app.library import LibraryError, describe_folder, human_bytes, human_count, summary_text
 from app.roots import PathRefused, confine_folder
 from k3core.checkpoint_files import CheckpointError
 
@@ -34,6 +34,17 @@ try:
 except LibraryError as exc:
     st.error(f"The runs library cannot be opened: {exc}. Start the app with `k3lab app --home DIR`.")
     st.stop()
+
+
+def _span(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[str] = []
+    for i in layers:
+        if parts and i == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{i}"
+        else:
+            parts.append(str(i))
+    return ", ".join(parts) or "-"
 
 
 def _added(entry, note: str = "") -> None:
@@ -99,24 +110,39 @@ with tab_path:
         except (PathRefused, LibraryError) as exc:
             st.error(str(exc))
         else:
-            needed = memory_needed(info.files, dtype)
+            plan = uploads.placement_plan(folder, device, dtype)
             free = uploads.available_memory(device)
             c1, c2, c3, c4 = st.columns(4)
             c1.metric("Size on disk", human_bytes(info.size_bytes))
             c2.metric("Parameters", human_count(info.num_parameters))
-            c3.metric(f"Memory in {dtype}", human_bytes(needed))
+            c3.metric(f"Memory in {dtype}", human_bytes(plan.total_bytes))
             c4.metric(f"Free on {device}", human_bytes(free) if free is not None else "unknown")
             st.caption(
                 f"{summary_text(info.summary)}; stored as "
                 + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.dtypes.items()))
                 + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
             )
+            auto = uploads.placement_plan(folder, "auto", dtype)
+            rows = []
+            for name, p in ((f"on {device}", plan), ("spread (GPUs, then CPU, then disk)", auto)):
+                for dev, nbytes in p.bytes_by_device.items():
+                    dev_free = uploads.available_memory(dev) if dev != "disk" else None
+                    rows.append(
+                        {
+                            "placement": name,
+                            "device": dev,
+                            "memory": human_bytes(nbytes),
+                            "free now": human_bytes(dev_free) if dev_free is not None else "",
+                            "decoder layers": _span(p.layers_by_device.get(dev, [])),
+                        }
+                    )
+            st.dataframe(rows, hide_index=True)
             ref = uploads.RunRef(folder.name, str(folder), "path")
             problem = uploads.fit_problem(ref, device, dtype)
             if problem:
                 st.warning(problem)
             else:
-                st.success(f"Fits: {human_bytes(needed)} of weights on {device} in {dtype}.")
+                st.success(f"Fits: {human_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
             path_name = st.text_input("Name", value=folder.name, key="k3lab_open_name")
             if st.button("Add to the runs library", key="k3lab_open_add", type="primary"):
                 try:
