@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from collections import Counter
 from typing import Any
 
+from analysis.format import format_count, format_number
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
 
@@ -138,19 +138,6 @@ def layer_map(cfg: K3Config) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- printing
-def _human(n: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return "-" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
-
-
 def format_layer_map(cfg: K3Config) -> str:
     rows = layer_map(cfg)
     block = cfg.residual == "block_attnres"
@@ -174,19 +161,19 @@ def format_report(cfg: K3Config, model, training: dict | None, headline: dict | 
     breakdown = parameter_breakdown(model)
     total = sum(v["total"] for v in breakdown.values())
     active = sum(v["active"] for v in breakdown.values())
-    out += ["", f"-- parameters: {_human(total)} total, {_human(active)} active per token ({total:,} / {active:,})"]
-    out += [
-        f"  {c:34s} {_human(v['total']):>9s} total {_human(v['active']):>9s} active  ({100 * v['total'] / total:5.1f}%)"
-        for c, v in breakdown.items()
-    ]
+    params = f"{format_count(total)} total, {format_count(active)} active per token ({total:,} / {active:,})"
+    out += ["", f"-- parameters: {params}"]
+    for c, v in breakdown.items():
+        n, n_active, share = format_count(v["total"]), format_count(v["active"]), 100 * v["total"] / total
+        out.append(f"  {c:34s} {n:>9s} total {n_active:>9s} active  ({share:5.1f}%)")
     out += ["", "-- layer map", *("  " + line for line in format_layer_map(cfg).splitlines())]
     if training:
-        out += ["", "-- training (metrics.json)"] + [f"  {k:24s} {_fmt(v)}" for k, v in training.items()]
+        out += ["", "-- training (metrics.json)"] + [f"  {k:24s} {format_number(v)}" for k, v in training.items()]
     if headline:
         from analysis.headline import HEADLINE_LABELS
 
         out += ["", "-- headline numbers (quick trace)"]
-        out += [f"  {HEADLINE_LABELS.get(k, k):40s} {_fmt(v)}" for k, v in headline.items() if k != "label"]
+        out += [f"  {HEADLINE_LABELS.get(k, k):40s} {format_number(v)}" for k, v in headline.items() if k != "label"]
     return "\n".join(out)
 
 

@@ -257,6 +257,7 @@ def cmd_weights(argv: list[str]) -> int:
 
 def cmd_presets(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
+    from analysis.format import format_count
     from k3core.config import PRESETS
     from k3core.model import K3ForCausalLM
 
@@ -267,16 +268,9 @@ def cmd_presets(argv: list[str]) -> int:
         layout = "".join("M" if t == "MLA" else "k" for t in cfg.layer_types())
         if len(layout) > 40:
             layout = layout[:37] + "..."
-        print(f"{name:18s} {cfg.num_hidden_layers:6d} {cfg.hidden_size:6d} "
-              f"{_human(model.num_parameters()):>12s} {_human(model.num_parameters(active=True)):>12s}  {layout}")
+        total, active = format_count(model.num_parameters()), format_count(model.num_parameters(active=True))
+        print(f"{name:18s} {cfg.num_hidden_layers:6d} {cfg.hidden_size:6d} {total:>12s} {active:>12s}  {layout}")
     return 0
-
-
-def _human(n: int) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
 def main(argv: list[str] | None = None) -> int:
