@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.report_html import Entry, render_html
+from analysis.views import AnalysisContext, View
 from k3core.runtime import configure_threads
 
 
@@ -76,7 +77,7 @@ def _labels(runs) -> list[str]:
     return list(distinct_labels(*names)) if len(names) == 2 else names
 
 
-def select_views(views, wanted: str | None = None, skip_model_views: bool = False) -> list:
+def select_views(views: list[View], wanted: str | None = None, skip_model_views: bool = False) -> list[View]:
     """Views whose key or section is in the comma-separated ``wanted`` (all when None), optionally without the
     ones that need the model."""
     if wanted:
@@ -87,7 +88,7 @@ def select_views(views, wanted: str | None = None, skip_model_views: bool = Fals
     return views
 
 
-def build_single(views, ctx, progress) -> list[Entry]:
+def build_single(views: list[View], ctx: AnalysisContext, progress: Any) -> list[Entry]:
     from analysis.views import NotApplicable
 
     entries = []
@@ -106,7 +107,7 @@ def build_single(views, ctx, progress) -> list[Entry]:
     return entries
 
 
-def build_comparison(views, a, b, progress) -> list[Entry]:
+def build_comparison(views: list[View], a: AnalysisContext, b: AnalysisContext, progress: Any) -> list[Entry]:
     """Per view, as the view declares (``View.compare``): side by side on shared axes (history views: one
     figure with run B overlaid) and, for views with a declared difference, A - B."""
     from analysis.compare import build_both, difference_view, has_difference, side_by_side

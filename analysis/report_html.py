@@ -11,13 +11,16 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import plotly.graph_objects as go
 
 from analysis.format import format_number
 from k3core.tokenizer import token_axis_labels
+
+if TYPE_CHECKING:
+    from analysis.runs import Run, SampleInput
 
 SECTION_TITLES = {
     "density": "KDA layer density allocation",
@@ -127,7 +130,14 @@ def _run_block(run, label: str) -> str:
     return "".join(parts)
 
 
-def render_html(entries: list[Entry], runs, labels, headlines, sample, timings: dict[str, float]) -> str:
+def render_html(
+    entries: list[Entry],
+    runs: list[Run],
+    labels: list[str],
+    headlines: list[dict[str, Any]],
+    sample: SampleInput,
+    timings: dict[str, float],
+) -> str:
     """The whole report as one HTML string (plotly.js inline once)."""
     from plotly.offline import get_plotlyjs
 

@@ -1,4 +1,4 @@
-"""analysis.attnres / analysis.figures.attnres: hand-computed cases and real k3-nano traces."""
+"""analysis.attnres: hand-computed cases and real k3-nano traces."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from analysis import attnres as ar
-from analysis.figures import attnres as fa
-from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM, scale_bias_init
 from k3core.trace import Trace, record
@@ -146,36 +144,3 @@ def test_scale_bias_stats_on_a_real_trace():
 
 
 # ----------------------------------------------------------------------------- views
-
-
-def _check(view, ctx):
-    fig, df = view.build(ctx)
-    assert fig.layout.title.text, view.key
-    assert len(fig.data) > 0 and len(df) > 0, view.key
-
-
-def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
-    model, trace = block_run
-    views = {v.key: v for v in fa.VIEWS}
-    assert len(views) == len(fa.VIEWS)
-    block_ctx = AnalysisContext(trace=trace, config=model.config)
-    for key, view in views.items():
-        if key == "attnres_scale_bias":
-            with pytest.raises(NotApplicable):
-                view.build(block_ctx)
-        else:
-            _check(view, block_ctx)
-
-    for mode in ("plain", "scale_bias", "full_attnres"):
-        m, ids = _run(residual=mode)
-        ctx = AnalysisContext(trace=_record(m, ids), config=m.config)
-        for key, view in views.items():
-            if key in ("attnres_hidden_rms", "attnres_scale_bias"):
-                applies = key == "attnres_hidden_rms" or mode == "scale_bias"
-            else:  # the depth-weight views
-                applies = mode == "full_attnres"
-            if applies:
-                _check(view, ctx)
-            else:
-                with pytest.raises(NotApplicable):
-                    view.build(ctx)

@@ -16,6 +16,7 @@ from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.trace import Trace, names
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,39 @@ def test_views_name_the_run_and_the_keys_shown(nano_ctx):
         assert fig.layout.title.text.endswith("— nano"), view.key
     fig, df = fig_dg.build_sink_profile(nano_ctx)
     assert "first 32 of 48 keys" in fig.layout.title.text and df["key"].max() == 31
+
+
+def test_attention_views_show_hand_computed_numbers():
+    T = 20
+    uniform = np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]  # row i: 1/(i+1) on keys 0..i
+    sink = np.zeros((T, T))
+    sink[:, 0] = 1.0  # every query on token 0
+    tr = Trace(meta={"layer_types": ["KDA", "MLA"], "what": ["attn_probs"]})
+    tr.add(names.mla_attn(1), np.stack([uniform, sink])[None], ("batch", "head", "query", "key"))
+    ctx = AnalysisContext(trace=tr, config=K3Config.from_preset("k3-nano"), label="hand")
+    fig, _ = fig_dg.build_entropy_heatmap(ctx)
+    np.testing.assert_allclose(np.asarray(fig.data[0].z, dtype=float), [[1.0, 0.0]], atol=1e-12)
+    fig, _ = fig_dg.build_sink_mass(ctx)
+    # uniform head: s_0 = (1/T) sum_i 1/(i+1) = H_T / T; sink head: 1
+    np.testing.assert_allclose(fig.data[0].y, [sum(1 / k for k in range(1, T + 1)) / T, 1.0])
+    assert "sink rate 50%" in fig.layout.title.text
+    fig, _ = fig_dg.build_sink_profile(ctx)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z[1, 0] == 1.0 and z[1, 1] == 0.0  # the sink head: key 0 gets everything, key 1 nothing
+    assert z[0, T - 1] == pytest.approx(1 / T)  # the last key is seen only by the last query, with 1/T
+
+
+def test_hidden_state_views_show_hand_computed_numbers():
+    h = np.zeros((2, 1, 3, 2))  # depth 2 (one layer + final), one sequence, 3 tokens, width 2
+    h[0, 0] = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # identical tokens: ratio 0, token cosine 1
+    h[1, 0] = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]
+    tr = Trace(meta={"layer_types": ["KDA"]})
+    tr.add(names.HIDDEN, h, ("depth", "batch", "token", "hidden"))
+    ctx = AnalysisContext(trace=tr, config=K3Config.from_preset("k3-nano"), label="hand")
+    fig, _ = fig_dg.build_rank_collapse(ctx)
+    assert list(fig.data[0].y)[0] == 0.0 and list(fig.data[2].y)[0] == pytest.approx(1.0)
+    # final: cosines (1,2) = 0, (1,3) = -1, (2,3) = 0: mean over the 3 pairs -1/3
+    assert list(fig.data[2].y)[1] == pytest.approx(-1 / 3)
+    fig, _ = fig_dg.build_layer_redundancy(ctx)
+    # per-token cosines between input and output: 1, 0, -1 -> mean 0 -> Block Influence 1
+    assert list(fig.data[0].y) == [pytest.approx(1.0)]

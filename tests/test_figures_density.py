@@ -11,7 +11,7 @@ from analysis.figures import density as fd
 from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.trace import record
+from k3core.trace import Trace, names, record
 
 
 def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
@@ -91,3 +91,31 @@ def test_kda_views_pool_heads_per_layer_when_there_are_many(nano_run, monkeypatc
     assert pooled.loc[1, "mean"] == pytest.approx(float(trace["kda.1.beta"].mean()), rel=1e-6)
     with pytest.raises(ValueError):
         km.kda_beta_stats(trace, by="token")
+
+
+def test_density_views_show_hand_computed_numbers():
+    cfg = K3Config.from_preset("k3-nano")
+    ctx = AnalysisContext(trace=Trace(), config=cfg, label="hand", options={"seq_len": 1000})
+    fig, table = fd.build_allocation(ctx)
+    # decode cache per sequence, by hand: a KDA layer holds its fp32 state 4 H d^2 plus bf16 conv tails
+    # (K - 1) 3 H d 2; an MLA layer (kv_lora + rope) T 2 bytes
+    H, d, K = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    kda = 4 * H * d * d + (K - 1) * 3 * H * d * 2
+    mla = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 1000 * 2
+    cache = {}
+    for tr in fig.data:
+        if tr.yaxis == "y3":
+            cache.update(zip(tr.x, tr.y))
+    assert cache == {i: (mla if t == "MLA" else kda) for i, t in enumerate(cfg.layer_types())}
+    # KDA decay: g = log 0.5 everywhere gives a horizon of 1 / (1 - 0.5) = 2 tokens in every channel
+    g = np.full((1, 4, 2, 3), np.log(0.5))
+    tr = Trace(meta={"config": {"kda_gate": "lower_bound", "kda_gate_lower_bound": -5.0}})
+    tr.add(names.kda_g(0), g, ("batch", "token", "head", "channel"))
+    tr.add(names.kda_beta(0), np.full((1, 4, 2), 0.25), ("batch", "token", "head"))
+    ctx = AnalysisContext(trace=tr, config=cfg, label="hand")
+    fig, _ = fd.build_kda_decay(ctx)
+    box = fig.data[0]
+    np.testing.assert_allclose(box.median, [2.0, 2.0])
+    np.testing.assert_allclose(fig.data[1].y, [0.0, 0.0])  # log 0.5 > 0.9 x (-5): nowhere near the bound
+    fig, _ = fd.build_kda_beta(ctx)
+    np.testing.assert_allclose(fig.data[0].median, [0.25, 0.25])

@@ -1,4 +1,4 @@
-"""analysis.moe / analysis.figures.moe: hand-computed routing cases and a real k3-nano trace."""
+"""analysis.moe: hand-computed routing cases and a real k3-nano trace."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from analysis import moe as mo
-from analysis.figures import moe as fm
-from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.trace import Trace, record
@@ -139,40 +137,3 @@ def test_moe_metrics_on_a_real_trace(nano_run):
     assert (df["top1_expert"] == trace["moe.2.experts"][..., 0].ravel()).all()
     bias = mo.router_bias_stats(trace)
     assert (bias["std"] == 0).all()  # e_bias is zero at init
-
-
-def _check(view, ctx):
-    fig, df = view.build(ctx)
-    assert fig.layout.title.text, view.key
-    assert len(fig.data) > 0 and len(df) > 0, view.key
-    return fig
-
-
-def test_every_moe_view_builds_on_a_real_k3_nano_trace(nano_run):
-    model, trace = nano_run
-    ctx = AnalysisContext(trace=trace, config=model.config)
-    keys = [v.key for v in fm.VIEWS]
-    assert len(keys) == len(set(keys))
-    for view in fm.VIEWS:
-        fig = _check(view, ctx)
-        if view.key in ("moe_coactivation", "moe_latent_pca"):
-            assert fig.layout.updatemenus and len(fig.layout.updatemenus[0].buttons) == 3  # one per MoE layer
-    one = AnalysisContext(trace=trace, config=model.config, options={"layer": 3})
-    fig = _check({v.key: v for v in fm.VIEWS}["moe_coactivation"], one)
-    assert len(fig.data) == 1 and "layer 3" in fig.layout.title.text
-    with pytest.raises(NotApplicable):
-        {v.key: v for v in fm.VIEWS}["moe_coactivation"].build(
-            AnalysisContext(trace=trace, config=model.config, options={"layer": 0})
-        )
-
-
-def test_moe_views_not_applicable_without_moe_and_plain_moe_pca_works():
-    model, trace = _record(T=12, num_experts=0)
-    ctx = AnalysisContext(trace=trace, config=model.config)
-    for view in fm.VIEWS:
-        with pytest.raises(NotApplicable):
-            view.build(ctx)
-    model, trace = _record(T=12, routed_expert_hidden_size=None)  # plain MoE: z = x
-    ctx = AnalysisContext(trace=trace, config=model.config)
-    fig = _check({v.key: v for v in fm.VIEWS}["moe_latent_pca"], ctx)
-    assert "plain MoE" in fig.layout.title.text

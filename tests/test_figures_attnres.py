@@ -1,0 +1,79 @@
+"""AttnRes views (analysis.figures.attnres): numbers against a hand-built trace, then real k3-nano traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from analysis.figures import attnres as fa
+from analysis.views import AnalysisContext, NotApplicable
+from k3core.config import K3Config
+from k3core.trace import Trace, names
+from tests.test_attnres import _hand_trace, _record, _run
+
+VIEW = {v.key: v for v in fa.VIEWS}
+CONFIG = K3Config.from_preset("k3-nano")
+
+
+@pytest.fixture(scope="module")
+def block_run():
+    model, ids = _run()
+    return model, _record(model, ids, randomize_queries=True)
+
+
+def _check(view, ctx):
+    fig, df = view.build(ctx)
+    assert fig.layout.title.text, view.key
+    assert len(fig.data) > 0 and len(df) > 0, view.key
+
+
+def test_attnres_views_show_the_hand_numbers():
+    ctx = AnalysisContext(trace=_hand_trace(), config=CONFIG, label="hand")
+    fig, _ = VIEW["attnres_depth_weights"].build(ctx)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    np.testing.assert_allclose(z[0, :2], [0.5, 0.5])  # site 1.attn: uniform over 2 sources
+    assert np.isnan(z[0, 2])  # it has no third source
+    np.testing.assert_allclose(z[1], [0.5, 0.0, 0.5])  # output: token 0 on the embedding, token 1 on block 2
+    fig, _ = VIEW["attnres_site_stats"].build(ctx)
+    by_name = {t.name: list(t.y) for t in fig.data}
+    assert by_name["entropy of mean mix (norm.)"] == pytest.approx([1.0, np.log(2) / np.log(3)])
+    assert by_name["per-token entropy (norm., mean)"] == pytest.approx([1.0, 0.0])
+    assert by_name["embedding weight (depth sink)"] == pytest.approx([0.5, 0.5])
+    fig, _ = VIEW["attnres_query_norms"].build(ctx)
+    assert sorted(v for t in fig.data for v in t.y) == [0.0, 2.5]
+
+
+def test_hidden_rms_view_shows_the_hand_numbers():
+    t = Trace()
+    t.add(names.HIDDEN_RMS, np.array([[[1.0, 3.0]], [[2.0, 2.0]], [[4.0, 4.0]]]), ("depth", "batch", "token"))
+    fig, _ = VIEW["attnres_hidden_rms"].build(AnalysisContext(trace=t, config=CONFIG, label="hand"))
+    mean = next(tr for tr in fig.data if tr.name == "mean over tokens")
+    assert list(mean.y) == [2.0, 2.0, 4.0]  # (1 + 3) / 2, (2 + 2) / 2, (4 + 4) / 2
+    assert list(fig.layout.xaxis.ticktext) == ["L0 in", "L1 in", "final"]
+
+
+def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
+    model, trace = block_run
+    views = {v.key: v for v in fa.VIEWS}
+    assert len(views) == len(fa.VIEWS)
+    block_ctx = AnalysisContext(trace=trace, config=model.config)
+    for key, view in views.items():
+        if key == "attnres_scale_bias":
+            with pytest.raises(NotApplicable):
+                view.build(block_ctx)
+        else:
+            _check(view, block_ctx)
+
+    for mode in ("plain", "scale_bias", "full_attnres"):
+        m, ids = _run(residual=mode)
+        ctx = AnalysisContext(trace=_record(m, ids), config=m.config)
+        for key, view in views.items():
+            if key in ("attnres_hidden_rms", "attnres_scale_bias"):
+                applies = key == "attnres_hidden_rms" or mode == "scale_bias"
+            else:  # the depth-weight views
+                applies = mode == "full_attnres"
+            if applies:
+                _check(view, ctx)
+            else:
+                with pytest.raises(NotApplicable):
+                    view.build(ctx)

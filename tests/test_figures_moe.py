@@ -1,0 +1,107 @@
+"""LatentMoE views (analysis.figures.moe): numbers against hand-computed routing, then a real k3-nano trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import moe as mo
+from analysis.figures import moe as fm
+from analysis.views import AnalysisContext, NotApplicable
+from k3core.config import K3Config
+from k3core.model import K3ForCausalLM
+from k3core.trace import Trace, names, record
+
+VIEW = {v.key: v for v in fm.VIEWS}
+CONFIG = K3Config.from_preset("k3-nano")
+
+
+def _record(seed: int = 0, T: int = 32, **overrides):
+    overrides.setdefault("kda_chunk_size", 16)
+    cfg = K3Config.from_preset("k3-nano", **overrides)
+    torch.manual_seed(seed)
+    model = K3ForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(seed))
+    with record(model, what="all", max_batch=2) as trace:
+        model(ids, labels=ids)
+    return model, trace
+
+
+@pytest.fixture(scope="module")
+def nano_run():
+    return _record()
+
+
+def _hand_ctx() -> AnalysisContext:
+    """One MoE layer (1), 4 experts, top-2, 3 tokens: {0, 1}, {0, 2}, {0, 1}; weights 0.75 / 0.25."""
+    experts = np.array([[[0, 1], [0, 2], [0, 1]]])
+    weights = np.tile([0.75, 0.25], (1, 3, 1))
+    t = Trace(meta={"config": {"num_experts": 4}})
+    t.add(names.moe_experts(1), experts, ("batch", "token", "rank"))
+    t.add(names.moe_weights(1), weights, ("batch", "token", "rank"))
+    t.add(names.moe_load(1), mo.load_counts(experts, 4), ("expert",))  # [3, 2, 1, 0]
+    t.add(names.moe_bias(1), np.array([0.1, -0.1, 0.2, 0.0]), ("expert",))
+    return AnalysisContext(trace=t, config=CONFIG, label="hand")
+
+
+def test_load_heatmap_and_imbalance_show_the_hand_numbers():
+    ctx = _hand_ctx()
+    fig, _ = VIEW["moe_load_heatmap"].build(ctx)
+    np.testing.assert_allclose(fig.data[0].z, [[3 / 6, 2 / 6, 1 / 6, 0.0]])  # 6 assignments
+    fig, _ = VIEW["moe_imbalance"].build(ctx)
+    bars = {t.name.split(" =")[0].split(" (")[0]: list(t.y) for t in fig.data}
+    mean = 6 / 4
+    assert bars["MaxVio"] == [pytest.approx(3 / mean - 1)]  # 1.0
+    assert bars["CV"] == [pytest.approx(np.std([3, 2, 1, 0]) / mean)]
+    assert bars["dead experts"] == [1]
+
+
+def test_weight_by_rank_reuse_and_coactivation_show_the_hand_numbers():
+    ctx = _hand_ctx()
+    fig, _ = VIEW["moe_weight_by_rank"].build(ctx)
+    assert list(fig.data[0].x) == [1, 2] and list(fig.data[0].y) == [0.75, 0.25]
+    fig, _ = VIEW["moe_reuse"].build(ctx)
+    # pairs (t, t+1): {0,1}->{0,2} shares 1 of 2, {0,2}->{0,1} shares 1 of 2: reuse 0.5; chance k/E = 2/4
+    assert list(fig.data[0].y) == [pytest.approx(0.5)] and list(fig.data[1].y) == [pytest.approx(0.5)]
+    fig, _ = VIEW["moe_coactivation"].build(ctx)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z[0, 1] == pytest.approx(2 / 3) and z[0, 2] == pytest.approx(1 / 3) and z[1, 2] == 0.0
+    assert np.isnan(z[0, 0])  # diagonal blank
+    fig, table = VIEW["moe_bias"].build(ctx)
+    assert list(fig.data[0].y) == [0.1, -0.1, 0.2, 0.0]
+    r = np.corrcoef([0.1, -0.1, 0.2, 0.0], [3, 2, 1, 0])[0, 1]
+    assert table["layer_load_corr"].iloc[0] == pytest.approx(r)
+
+
+def test_every_moe_view_builds_on_a_real_k3_nano_trace(nano_run):
+    model, trace = nano_run
+    ctx = AnalysisContext(trace=trace, config=model.config)
+    keys = [v.key for v in fm.VIEWS]
+    assert len(keys) == len(set(keys))
+    for view in fm.VIEWS:
+        fig, df = view.build(ctx)
+        assert fig.layout.title.text and len(fig.data) > 0 and len(df) > 0, view.key
+        if view.key in ("moe_coactivation", "moe_latent_pca"):
+            assert fig.layout.updatemenus and len(fig.layout.updatemenus[0].buttons) == 3  # one per MoE layer
+    # the heatmap's numbers are the trace's load counts over their sum
+    fig, _ = VIEW["moe_load_heatmap"].build(ctx)
+    load = np.asarray(trace[names.moe_load(3)], dtype=float)
+    row = list(fig.data[0].y).index("L3")
+    np.testing.assert_allclose(np.asarray(fig.data[0].z)[row], load / load.sum())
+    one = AnalysisContext(trace=trace, config=model.config, options={"layer": 3})
+    fig, _ = VIEW["moe_coactivation"].build(one)
+    assert len(fig.data) == 1 and "layer 3" in fig.layout.title.text
+    with pytest.raises(NotApplicable):
+        VIEW["moe_coactivation"].build(AnalysisContext(trace=trace, config=model.config, options={"layer": 0}))
+
+
+def test_moe_views_not_applicable_without_moe_and_plain_moe_pca_works():
+    model, trace = _record(T=12, num_experts=0)
+    ctx = AnalysisContext(trace=trace, config=model.config)
+    for view in fm.VIEWS:
+        with pytest.raises(NotApplicable):
+            view.build(ctx)
+    model, trace = _record(T=12, routed_expert_hidden_size=None)  # plain MoE: z = x
+    fig, _ = VIEW["moe_latent_pca"].build(AnalysisContext(trace=trace, config=model.config))
+    assert "plain MoE" in fig.layout.title.text
