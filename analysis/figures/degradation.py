@@ -1,4 +1,5 @@
-"""Figures for the attention degradation diagnostics (analysis.degradation): one View per figure."""
+"""Figures for the degradation diagnostics: MLA attention (analysis.attention), hidden states over depth
+(analysis.hidden_states) and their KDA counterparts (analysis.kda_memory). One View per figure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Figures for KDA layer density (analysis.density, analysis.importance): allocated vs measured, per depth.
+"""Figures for KDA layer density: allocated (analysis.allocation) vs measured (analysis.kda_memory,
+analysis.importance), per depth.
 
 Options read from ``ctx.options``: ``seq_len`` (tokens; default 131072) for FLOPs and the cache readout,
 ``dtype_bytes`` (default 2, bf16) for the MLA latent and KDA conv tails.
@@ -13,6 +14,7 @@ from plotly.subplots import make_subplots
 
 from analysis import allocation as al
 from analysis import kda_memory as km
+from analysis.format import format_tokens
 from analysis.importance import sublayer_importance
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
 from analysis.views import AnalysisContext, Comparison, NotApplicable, View
@@ -30,14 +32,6 @@ def _seq_len(ctx: AnalysisContext) -> int:
 
 def _dtype_bytes(ctx: AnalysisContext) -> int:
     return int(ctx.options.get("dtype_bytes", 2))
-
-
-def _fmt_tokens(T: int) -> str:
-    if T >= 2**20 and T % 2**20 == 0:
-        return f"{T // 2**20}M"
-    if T >= 1024 and T % 1024 == 0:
-        return f"{T // 1024}K"
-    return str(T)
 
 
 def _layer_bars(
@@ -84,8 +78,8 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         vertical_spacing=0.06,
         subplot_titles=(
             "active parameters per token (outline: all parameters)",
-            f"FLOPs per token at T = {_fmt_tokens(T)} (prefill average)",
-            f"decode cache per sequence at T = {_fmt_tokens(T)}",
+            f"FLOPs per token at T = {format_tokens(T)} (prefill average)",
+            f"decode cache per sequence at T = {format_tokens(T)}",
         ),
     )
     fig.add_trace(
@@ -143,7 +137,7 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
         x=np.log10(T),
         y=1.0,
         yref="paper",
-        text=f"T = {_fmt_tokens(T)}: {readout}",
+        text=f"T = {format_tokens(T)}: {readout}",
         showarrow=False,
         xanchor="right" if T > 2**15 else "left",
         yanchor="bottom",
@@ -180,7 +174,7 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
         vertical_spacing=0.06,
         subplot_titles=(
             "active parameters per token",
-            f"FLOPs per token at T = {_fmt_tokens(T)}",
+            f"FLOPs per token at T = {format_tokens(T)}",
             "measured importance: loss increase when the sub-layer output is zeroed",
         ),
     )
@@ -304,7 +298,9 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         row_heights=[0.7, 0.3] if lower_bound else None,
     )
     _box_from_quantiles(fig, x, shown, "horizon over key channels", LAYER_TYPE_COLORS["KDA"], hover, row=1)
-    fig.update_yaxes(type="log", title_text=f"memory horizon (tokens, capped at {_fmt_tokens(int(cap))})", row=1, col=1)
+    fig.update_yaxes(
+        type="log", title_text=f"memory horizon (tokens, capped at {format_tokens(int(cap))})", row=1, col=1
+    )
     if lower_bound:
         lb = ctx.config.kda_gate_lower_bound
         fig.add_trace(
