@@ -21,9 +21,10 @@ read only when ``torch.load(weights_only=True)`` accepts them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,6 @@ QUANTISED_SUFFIXES = (
     ".scales",
     ".g_idx",
 )
-_CHECK_ELEMENTS = 1 << 24  # NaN/Inf checked in slices of 16M elements: a bounded temporary
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -261,10 +261,36 @@ def refuse_quantised_config(folder: Path) -> None:
 
 
 def _finite(t: torch.Tensor) -> bool:
-    flat = t.reshape(-1)
-    return all(
-        bool(torch.isfinite(flat[i : i + _CHECK_ELEMENTS]).all()) for i in range(0, flat.numel(), _CHECK_ELEMENTS)
-    )
+    """No NaN/Inf in t: its min and max are finite (torch's min/max propagate NaN). One vectorised
+    pass without temporaries, about 30x faster than ``isfinite(t).all()`` on bf16 CPU tensors."""
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+@contextlib.contextmanager
+def _meta_init_is_free() -> Iterator[None]:
+    """nn.Embedding's constructor draws normal_ values; on the meta device torch runs that through a
+    Python decomposition whose first call costs over a second of imports. Shapes need no values."""
+    original = nn.init.normal_
+
+    def normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
+
+    nn.init.normal_ = normal_
+    try:
+        yield
+    finally:
+        nn.init.normal_ = original
+
+
+def build_meta_model(model_cls: type[nn.Module], config: K3Config, dtype: torch.dtype | None) -> nn.Module:
+    """``model_cls`` on the meta device in ``dtype`` (default fp32), keep-fp32 tensors switched to fp32."""
+    with _meta_init_is_free():
+        model = model_cls.from_config(config, device="meta", dtype=dtype or torch.float32)
+    keep_fp32_parameters(model)
+    return model
 
 
 def _read_exact(fh, view: memoryview, info: TensorInfo) -> None:
@@ -352,8 +378,19 @@ def stream_weights(
 
 
 def materialise(model: nn.Module, device: str | torch.device) -> nn.Module:
-    """Give a meta-device model uninitialised storage on ``device``, keeping tied weights tied."""
-    model.to_empty(device=device)
+    """Give a meta-device model uninitialised storage on ``device``, keeping tied weights tied.
+
+    (``Module.to_empty`` would do, but ``empty_like`` of a meta tensor runs a Python decomposition that
+    imports sympy on first use: a second for nothing.)"""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for leaf, t in list(table.items()):
+                if t is None:
+                    continue
+                empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                table[leaf] = (
+                    nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                )
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
@@ -387,8 +424,7 @@ def load_pretrained(
     """
     files = CheckpointFiles.open(path)
     refuse_quantised_config(files.folder)
-    model = model_cls.from_config(files.config, device="meta", dtype=dtype or torch.float32)
-    keep_fp32_parameters(model)
+    model = build_meta_model(model_cls, files.config, dtype)
     check_headers(files, expected_tensors(model))
     close = None
     if progress is True:

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import trace as _trace
 from .cache import K3Cache
-from .checkpoint import keep_fp32_parameters, load_config, load_pretrained, save_pretrained
+from .checkpoint import build_meta_model, load_config, load_pretrained, save_pretrained
 from .config import PRESETS, K3Config
 from .generate import generate as _generate
 from .layers.ffn import GatedMLP
@@ -353,9 +353,7 @@ class K3ForCausalLM(nn.Module):
             config = K3Config.from_preset(path_or_config)
         else:
             config = load_config(path_or_config)
-        model = cls.from_config(config, device="meta", dtype=dtype or torch.float32)
-        keep_fp32_parameters(model)
-        return plan_for_model(model, device, max_memory)
+        return plan_for_model(build_meta_model(cls, config, dtype), device, max_memory)
 
     def save_pretrained(
         self, path: str | Path, max_shard_bytes: int = 2 * 1024**3, config_format: str = "auto"

@@ -30,9 +30,9 @@ from torch import nn
 
 from .checkpoint import (
     ProgressFn,
+    build_meta_model,
     check_headers,
     expected_tensors,
-    keep_fp32_parameters,
     refuse_quantised_config,
     stream_weights,
     tqdm_progress,
@@ -204,8 +204,7 @@ def load_placed(
 
     files = CheckpointFiles.open(path)
     refuse_quantised_config(files.folder)
-    model = model_cls.from_config(files.config, device="meta", dtype=dtype or torch.float32)
-    keep_fp32_parameters(model)
+    model = build_meta_model(model_cls, files.config, dtype)
     check_headers(files, expected_tensors(model))
     plan = plan_for_model(model, device, max_memory)
     _allocate(model, plan)
