@@ -23,6 +23,7 @@ vocab-256 model). A run without one still loads; only text inputs are refused, w
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,11 @@ def dtype_name(dtype: str | torch.dtype | None) -> str:
 
 
 def load_run(
-    path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None, fingerprint: str | None = None
+    path: str | Path,
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = None,
+    fingerprint: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Run:
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
@@ -137,7 +142,7 @@ def load_run(
             f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
         )
     fingerprint = fingerprint or run_fingerprint(path)
-    model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype]).eval()
+    model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype], progress=progress).eval()
     configure_threads(model)
     metrics, note = read_metrics(path)
     card = model_card(model, metrics, read_card_text(path))

@@ -115,15 +115,35 @@ def run_fingerprint(path: str | Path) -> str:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
 
 
-@st.cache_resource(show_spinner="Loading the checkpoint...", max_entries=6)
-def _cached_run(fingerprint: str, device: str, dtype: str, _path: str) -> Run:
-    return runs.load_run(_path, device, dtype, fingerprint=fingerprint)
+@st.cache_resource(show_spinner=False, max_entries=6)
+def _run_slot(fingerprint: str, device: str, dtype: str) -> dict[str, Any]:
+    """A cached holder for one loaded run. The load itself happens outside the cached function, so its
+    progress bar can be drawn (elements drawn inside a cached function are replayed on every cache hit)."""
+    return {"lock": threading.Lock()}
+
+
+def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: str = "") -> Run:
+    slot = _run_slot(fingerprint, device, dtype)
+    with slot["lock"]:  # one load per (checkpoint, device, dtype), however many sessions ask at once
+        if "run" not in slot:
+            bar = st.empty()
+
+            def progress(done: int, total: int) -> None:
+                text = f"Loading {label or Path(_path).name}: {done / 2**20:,.0f} of {total / 2**20:,.0f} MB"
+                bar.progress(min(done / max(total, 1), 1.0), text=text)
+
+            try:
+                slot["run"] = runs.load_run(_path, device, dtype, fingerprint=fingerprint, progress=progress)
+            finally:
+                bar.empty()
+    return slot["run"]
 
 
 def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32") -> Run:
-    """The run (model shared across sessions), via analysis.runs.load_run. Raises CheckpointError / InputError."""
+    """The run (model shared across sessions), via analysis.runs.load_run, with a progress bar while it loads.
+    Raises CheckpointError / InputError."""
     check_device(device, dtype)
-    return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path)
+    return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path, ref.label)
 
 
 def run_metrics(ref: RunRef) -> dict | None:

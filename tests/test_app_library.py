@@ -170,3 +170,13 @@ def test_messages_name_the_run_not_the_folder(env, runs):
     text = uploads.message(f"{entry.path}: truncated; {entry.path.name}/model.safetensors bad", ref)
     assert text == "named: truncated; named/model.safetensors bad"
     assert os.fspath(env) not in text
+
+
+def test_loading_reports_progress_in_bytes(runs):
+    from analysis.runs import load_run
+
+    calls = []
+    run = load_run(runs["good"], progress=lambda done, total: calls.append((done, total)))
+    total = sum(t.numel() * t.element_size() for t in run.model.state_dict().values())
+    assert calls and calls[-1] == (total, total)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)  # never goes back
