@@ -41,7 +41,8 @@ from .checkpoint_files import CheckpointFiles
 
 NO_SPLIT_MODULE_CLASSES = ["K3DecoderLayer"]
 # Modules that may be offloaded as a whole (used only through their forward); the rest stays resident.
-OFFLOADABLE = ("self_attn", "mlp", "block_sparse_moe", "embed_tokens", "lm_head")
+# (The embedding stays resident: inputs are placed on the device of the model's first parameter.)
+OFFLOADABLE = ("self_attn", "mlp", "block_sparse_moe", "lm_head")
 
 
 @dataclass
@@ -114,7 +115,8 @@ def _refine(model: nn.Module, device_map: dict[str, str], main: str) -> dict[str
     """Split offloaded entries until only the big, forward-called blocks stay offloaded.
 
     An offloaded module's weights exist only inside its own forward call (accelerate's hook brings them
-    in). The attention / FFN blocks, the embedding and the LM head are used that way; AttnRes
+    in). The attention / FFN blocks and the LM head are used that way (the embedding too, but inputs go to
+    the device of the first parameter, so it stays resident); AttnRes
     pseudo-queries, their norms and residual scales are read directly by the depth mix, so they (a few
     vectors per layer) stay resident on the main device."""
     offload = {"disk"} | ({"cpu"} if main != "cpu" else set())

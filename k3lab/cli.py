@@ -135,6 +135,37 @@ def cmd_app(argv: list[str]) -> int:
         return 0
 
 
+DEVICE_HELP = (
+    "cpu (default), a GPU such as cuda:0, or auto: spread the decoder layers over every visible GPU, then "
+    "the CPU, then --offload-folder on disk (accelerate), printing the plan first"
+)
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """--device / --dtype / --offload-folder for a command that loads a model."""
+    parser.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="weights dtype (default float32); gates, convolutions and router biases stay float32")
+    parser.add_argument("--offload-folder", default=None, metavar="DIR",
+                        help="with --device auto: where weights that fit on no device go (default: a temp folder)")
+
+
+def load_model_for_cli(args: argparse.Namespace, prog: str):
+    """K3ForCausalLM.from_pretrained(args.run) with the device options and a tqdm progress bar on stderr;
+    with --device auto the placement plan (bytes per device, layers) is printed before loading."""
+    import torch
+
+    from k3core.model import K3ForCausalLM
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.device == "auto":
+        plan = K3ForCausalLM.plan_placement(args.run, device="auto", dtype=dtype)
+        print(f"{prog}: placement plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
+              file=sys.stderr)
+    return K3ForCausalLM.from_pretrained(args.run, device=args.device, dtype=dtype, progress=True,
+                                         offload_folder=args.offload_folder)
+
+
 def cmd_generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="k3lab generate",
@@ -147,16 +178,16 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_device_options(parser)
     args = parser.parse_args(argv)
 
     from k3core.checkpoint import CheckpointError
     from k3core.generate import generate_text
-    from k3core.model import K3ForCausalLM
     from k3core.runtime import configure_threads
     from k3core.tokenizer import TokenizerError, load_tokenizer
 
     try:
-        model = K3ForCausalLM.from_pretrained(args.run)
+        model = load_model_for_cli(args, "k3lab generate")
     except CheckpointError as exc:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
