@@ -26,13 +26,20 @@ RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", 
 def apply_style(
     fig: go.Figure, title: str, x_title: str | None = None, y_title: str | None = None, height: int = 420
 ) -> go.Figure:
-    """Title, axis labels (with units in the label text), white background, consistent margins."""
+    """Title, axis labels (with units in the label text), white background, consistent margins.
+
+    The legend sits in a row above the plot, or in a column on its right when subplot titles take that row."""
+    subplot_titles = any(a.yref == "paper" and a.y is not None and a.y >= 0.99 for a in fig.layout.annotations)
+    if subplot_titles:
+        legend = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
+    else:
+        legend = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1.0}
     fig.update_layout(
         title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 16}},
         font={"family": FONT, "size": 12},
         height=height,
         margin={"l": 70, "r": 30, "t": 60, "b": 60},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1.0},
+        legend=legend,
         hoverlabel={"font": {"family": FONT}},
     )
     if x_title is not None:
