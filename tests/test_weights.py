@@ -140,6 +140,34 @@ def test_samples_weight_only_matches_loaded_model(run):
         assert same[key] == doc[key]
 
 
+def test_kimi_linear_layout_softplus_gate(tmp_path):
+    """Kimi Linear's layout as transformers saves it: A_log as [1, 1, H, 1], the dense layer's MLP under
+    block_sparse_moe; softplus gate. The resting half-lives are those of the model's own gate at zero input."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    cfg = K3Config.from_preset("k3-nano", kda_gate="softplus", residual="plain")
+    model = K3ForCausalLM.from_config(cfg).eval()
+    folder = model.save_pretrained(tmp_path / "kimi-linear-like")
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("self_attn.A_log"):
+            v = v.reshape(1, 1, -1, 1)
+        state[k.replace(".mlp.", ".block_sparse_moe.")] = v.contiguous()
+    (folder / "model.safetensors").unlink()
+    save_file(state, str(folder / "model.safetensors"))
+    summary = wt.read_weight_summary(folder)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        g0 = layer.self_attn.decay(torch.zeros(1, 1, cfg.hidden_size)).double().numpy().reshape(cfg.kda_num_heads, -1)
+    row = summary.kda_layers.set_index("layer").loc[1]
+    assert row["half_life_median"] == pytest.approx(np.median(LN2 / -g0), rel=1e-6)
+    heads = summary.kda_heads[summary.kda_heads["layer"] == 1]
+    np.testing.assert_allclose(heads["A_log"], layer.self_attn.A_log.detach().double().numpy(), rtol=1e-12)
+    dense = summary.params[(summary.params["layer"] == 0) & (summary.params["kind"] == "dense FFN")]["params"]
+    assert dense.item() == sum(p.numel() for p in model.model.layers[0].mlp.parameters())
+
+
 def test_expert_norms_match_model():
     run = ROOT / "sample_checkpoints" / "k3-full"
     source = wt.open_source(run)
