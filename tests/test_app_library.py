@@ -180,3 +180,17 @@ def test_loading_reports_progress_in_bytes(runs):
     total = sum(t.numel() * t.element_size() for t in run.model.state_dict().values())
     assert calls and calls[-1] == (total, total)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)  # never goes back
+
+
+def test_overview_of_a_run_too_big_for_memory_says_so_and_loads_nothing(env, runs, monkeypatch):
+    monkeypatch.setattr(uploads, "available_memory", lambda device: 100_000)  # 100 KB free: nano needs 826 KB
+    loads = []
+    monkeypatch.setattr("analysis.runs.load_run", lambda *a, **k: loads.append(a))
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = 16
+    at.run()
+    assert not at.exception
+    [error] = _errors(at)
+    assert error.startswith("**nano-good** needs 826.5 KB in float32 but cpu has 97.7 KB free")
+    assert "**Weights** page" in error
+    assert loads == []  # the page stopped before loading
