@@ -181,10 +181,18 @@ def render_section(section: str, loaded: Loaded) -> int:
         return 0
     drawn = 0
     for view in views:
-        if view.needs_model and not importance_or_button(view, loaded):
-            continue
-        drawn += cards.render_view(view, loaded)
+        if view.needs_model:
+            importance_card(view, loaded)
+        else:
+            drawn += cards.render_view(view, loaded)
     return drawn
+
+
+@st.fragment
+def importance_card(view: View, loaded: Loaded) -> None:
+    """An importance view, measured on request; its button reruns only this card (st.fragment)."""
+    if importance_or_button(view, loaded):
+        cards.render_view(view, loaded)
 
 
 def prefetch_sections(loaded: Loaded) -> None:

@@ -463,3 +463,23 @@ def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
     next(b for b in at.button if b.label == "Prepare the report zip").click().run()
     assert not at.exception and _errors(at) == []
     assert [b.label for b in at.get("download_button") if b.key == "k3lab_all_download"]
+
+
+def test_a_long_input_asks_before_running_the_model(app_env, runs, monkeypatch):
+    from analysis import runs as runs_mod
+
+    calls = []
+    real_trace = runs_mod.trace_run
+    monkeypatch.setattr(runs_mod, "trace_run", lambda *a, **k: calls.append(1) or real_trace(*a, **k))
+    app_env(runs["good"])
+    n = inputs.LONG_INPUT_TOKENS + 52
+    at = _app(max_tokens=n)
+    at.run()
+    _page(at, "attnres")
+    assert not at.exception and _errors(at) == []
+    assert any(f"will read {n:,} tokens" in w.value for w in at.warning), [w.value for w in at.warning]
+    assert _charts(at) == 0 and calls == []  # nothing ran yet
+    next(b for b in at.button if b.label == f"Run on {n:,} tokens").click().run()
+    assert not at.exception and _errors(at) == []
+    assert _charts(at) >= 2 and calls == [1]
+    assert any(f"· {n:,} tokens of" in c.value for c in at.caption)
