@@ -20,12 +20,13 @@ def preload() -> None:
     """Import what the first script run needs, and build a small model on the meta device."""
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
+    # Not app.*: their Streamlit caches are made when the server's runtime exists.
+    import pandas  # noqa: F401 - imported to warm the module cache
+    import plotly.graph_objects  # noqa: F401
     import torch
 
-    import app.caching
-    import app.cards
-    import app.page
-    import app.sidebar  # noqa: F401 - imported for their side effect: warm modules
+    import analysis.headline  # noqa: F401
+    import analysis.runs  # noqa: F401
     from analysis.views import all_views
     from k3core.model import K3ForCausalLM
 
