@@ -13,15 +13,11 @@ between: its normalised entropy is defined as 0.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pandas as pd
 
 from k3core.config import K3Config
 from k3core.trace import Trace, names
-
-_SITE = re.compile(r"^attnres\.(\d+\.(?:attn|mlp)|output)$")
 
 
 def normalised_entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -50,7 +46,7 @@ def site_order(site: str, num_layers: int | None = None) -> tuple[int, int]:
 
 def sites(trace: Trace) -> list[str]:
     """AttnRes sites recorded in the trace, in depth order."""
-    found = [m.group(1) for name in trace.arrays if (m := _SITE.match(name))]
+    found = [site for name in trace.arrays if (site := names.attnres_site_of(name)) is not None]
     return sorted(found, key=site_order)
 
 
@@ -188,7 +184,7 @@ def scale_bias_stats(trace: Trace, config: K3Config | None = None) -> pd.DataFra
     """
     from k3core.model import scale_bias_init
 
-    layers = sorted({int(n.split(".")[1]) for n in trace.names("residual.") if n.split(".")[1].isdigit()})
+    layers = sorted({int(n.split(".")[1]) for n in trace.names(names.RESIDUAL_PREFIX) if n.split(".")[1].isdigit()})
     rows = []
     for i in layers:
         for side in ("attn", "mlp"):
