@@ -567,11 +567,17 @@ def _read_order(source: Any, names: list[str]) -> list[str]:
 
 
 def summarize_source(
-    source: Any, experts: bool = False, progress: Progress | None = None, label: str = "", path: str = ""
+    source: Any,
+    experts: bool = False,
+    progress: Progress | None = None,
+    label: str = "",
+    path: str = "",
+    started: float | None = None,
 ) -> WeightSummary:
     """Read the small tensors of ``source`` one at a time (router matrices reduced to row norms as they
-    arrive; expert matrices to sums of squares) and summarise them. ``progress(done, total)`` in bytes."""
-    t0 = time.perf_counter()
+    arrive; expert matrices to sums of squares) and summarise them. ``progress(done, total)`` in bytes;
+    ``started``: the ``time.perf_counter()`` when opening the source began (``seconds`` counts from there)."""
+    t0 = time.perf_counter() if started is None else started
     tensors = source.tensors
     config = getattr(source, "config", None)
     structure = layer_structure(tensors, config)
@@ -686,9 +692,11 @@ def read_weight_summary(
 ) -> WeightSummary:
     """Weight-only summary of a checkpoint folder: headers, then only the small tensors (plus every expert
     matrix with ``experts=True``), one at a time; never builds the model. Raises CheckpointError."""
+    started = time.perf_counter()
     source = open_source(path)
     p = Path(path)
-    return summarize_source(source, experts=experts, progress=progress, label=p.name or str(p), path=str(p))
+    label = p.resolve().name or str(p)
+    return summarize_source(source, experts=experts, progress=progress, label=label, path=str(p), started=started)
 
 
 def summary_of_model(model: Any, label: str = "run") -> WeightSummary:

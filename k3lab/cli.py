@@ -240,11 +240,14 @@ def cmd_weights(argv: list[str]) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
+    import time
+
     from tqdm import tqdm
 
     from analysis import weights as wt
     from k3core.checkpoint_files import CheckpointError
 
+    started = time.perf_counter()
     try:
         source = wt.open_source(args.path)
     except CheckpointError as exc:
@@ -264,7 +267,9 @@ def cmd_weights(argv: list[str]) -> int:
 
     label = Path(args.path).resolve().name
     try:
-        summary = wt.summarize_source(source, experts=args.experts, progress=progress, label=label, path=args.path)
+        summary = wt.summarize_source(
+            source, experts=args.experts, progress=progress, label=label, path=args.path, started=started
+        )
     except CheckpointError as exc:
         bar.close()
         print(f"k3lab weights: {exc}", file=sys.stderr)
