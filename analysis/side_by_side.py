@@ -158,7 +158,9 @@ def combine_side_by_side(
     titles = [
         _without_label((lay.get("title") or {}).get("text") or "", lab) for lay, lab in ((la, label_a), (lb, label_b))
     ]
-    per_run = titles[0] != titles[1]  # per-run numbers in the titles (e.g. a sink rate): shown under each label
+    per_run = (
+        all(titles) and titles[0] != titles[1]
+    )  # per-run numbers in the titles (e.g. a sink rate): shown under each label
     sub_titles = _subplot_titles_on_top(la) or _subplot_titles_on_top(lb)
     lift = 8 + (LABEL_ROW_PX if sub_titles else 0)
     for text, sub, domain in ((label_a, titles[0], LEFT_DOMAIN), (label_b, titles[1], RIGHT_DOMAIN)):

@@ -320,3 +320,12 @@ def test_plotly_draws_the_allocation_bars_inside_their_axes(seeds):
     lo, hi = full.layout.yaxis2.range
     assert lo <= math.log10(flops.min()) and hi >= math.log10(flops.max())
     assert tuple(full.layout.yaxis4.range) == tuple(full.layout.yaxis.range)
+
+
+def test_a_placeholder_half_adds_no_title_under_the_other_label(seeds):
+    a, b = seeds
+    view = next(v for v in all_views() if v.key == "attnres_scale_bias")
+    sb = trace_run(run_from_model(nano(3, residual="scale_bias")), IDS, label="sb")
+    fig, _ = cmp.side_by_side(view, a, sb)
+    labels = [ann.text for ann in fig.layout.annotations if ann.name == "run label"]
+    assert labels == ["<b>seed0</b>", "<b>sb</b>"]
