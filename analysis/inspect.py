@@ -1,12 +1,16 @@
-"""``k3lab inspect RUN``: a terminal summary of a checkpoint (or a preset name).
+"""``k3lab inspect RUN``: a terminal summary of a checkpoint (or a preset name), from headers alone.
 
     k3lab inspect RUN [--text FILE | --sample NAME] [--max-tokens N] [--json]
 
 Prints the key config fields, parameter counts (total and active per token, by component), the layer
-map (per layer: KDA/MLA, dense FFN/MoE, width multiplier, AttnRes block boundaries) and headline
-numbers: the final training numbers from metrics.json when present, and with ``--text`` / ``--sample``
-those of a quick trace (analysis.headline.headline_numbers). RUN may also be a preset name
-(``k3lab inspect kimi-k3``): its shapes are built on the meta device, so any size works, without weights.
+map (per layer: KDA/MLA, dense FFN/MoE, width multiplier, parameters, AttnRes block boundaries) and
+headline numbers: the final training numbers from metrics.json when present, and with ``--text`` /
+``--sample`` those of a quick trace (analysis.headline.headline_numbers). A checkpoint folder is read
+through ``k3core.checkpoint_files.CheckpointFiles``: config.json and the safetensors headers only
+(parameter counts from shapes, bytes by dtype, skipped multimodal tensors, names and shapes checked
+against the config), so a 5 TB checkpoint answers in seconds; only ``--text`` / ``--sample`` load
+weights. RUN may also be a preset name (``k3lab inspect kimi-k3``): its shapes are built on the meta
+device, so any size works, without weights.
 Exit codes: 0 success, 2 bad input.
 """
 
@@ -20,6 +24,7 @@ from collections import Counter
 from typing import Any
 
 from analysis.format import format_count, format_number
+from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
 
@@ -113,6 +118,67 @@ def parameter_breakdown(model) -> dict[str, dict[str, int]]:
     return {k: v for k, v in out.items() if v["total"]}
 
 
+def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[str, int]]:
+    """``parameter_breakdown`` from the safetensors headers alone (shapes; no tensor is read)."""
+    out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
+    share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
+    for name, info in files.tensors.items():
+        comp = component_of(name, cfg)
+        out[comp]["total"] += info.numel
+        out[comp]["active"] += round(info.numel * share) if comp == "MoE routed experts" else info.numel
+    return {k: v for k, v in out.items() if v["total"]}
+
+
+def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
+    """Declared bytes per stored dtype (``BF16``, ``F32``, ...), largest first."""
+    out: dict[str, int] = {}
+    for info in files.tensors.values():
+        out[info.dtype] = out.get(info.dtype, 0) + info.nbytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
+    """Parameters per decoder layer, from header shapes."""
+    out: dict[int, int] = {}
+    for name, info in files.tensors.items():
+        m = _LAYER_RE.match(name)
+        if m:
+            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + info.numel
+    return out
+
+
+def header_check(files: CheckpointFiles, cfg: K3Config) -> dict[str, Any]:
+    """How the headers compare with the config: tensor names missing / unexpected, shapes that differ."""
+    from k3core.checkpoint import build_meta_model, stored_shape_ok
+    from k3core.model import K3ForCausalLM
+
+    expected = {k: tuple(v.shape) for k, v in build_meta_model(K3ForCausalLM, cfg, None).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(files.tensors))
+    unexpected = sorted(set(files.tensors) - set(expected))
+    shapes = sorted(
+        k for k in set(expected) & set(files.tensors) if not stored_shape_ok(k, files.tensors[k].shape, expected[k])
+    )
+    return {"matches_config": not (missing or unexpected or shapes), "missing": missing, "unexpected": unexpected,
+            "mis_shaped": shapes}  # fmt: skip
+
+
+def checkpoint_summary(files: CheckpointFiles) -> dict[str, Any]:
+    """Everything ``k3lab inspect`` says about a checkpoint folder without reading a tensor."""
+    cfg = files.config
+    return {
+        "files": len(files.files),
+        "tensors": len(files.tensors),
+        "bytes_total": files.bytes_total,
+        "bytes_by_dtype": bytes_by_dtype(files),
+        "skipped_tensors": list(files.skipped),
+        "params_by_layer": params_by_layer(files),
+        "check": header_check(files, cfg),
+        "bytes_read": files.bytes_read,
+    }
+
+
 def layer_map(cfg: K3Config) -> list[dict[str, Any]]:
     """Per layer: index, mixer (KDA/MLA), FFN (dense FFN / MoE / LatentMoE), FFN width, width multiplier and
     the AttnRes block (block_attnres: a new block starts every attn_res_block_size layers)."""
@@ -138,12 +204,15 @@ def layer_map(cfg: K3Config) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- printing
-def format_layer_map(cfg: K3Config) -> str:
+def format_layer_map(cfg: K3Config, params: dict[int, int] | None = None) -> str:
     rows = layer_map(cfg)
     block = cfg.residual == "block_attnres"
-    lines = [f"{'layer':>5}  {'mixer':5}  {'ffn':10}  {'width':>6}  {'mult':>5}" + ("  attnres block" if block else "")]
+    head = f"{'layer':>5}  {'mixer':5}  {'ffn':10}  {'width':>6}  {'mult':>5}" + ("  params" if params else "")
+    lines = [head + ("  attnres block" if block else "")]
     for r in rows:
         line = f"{r['layer']:>5}  {r['mixer']:5}  {r['ffn']:10}  {r['ffn_width']:>6}  {r['width_mult']:>5.2g}"
+        if params:
+            line += f"  {format_count(params.get(r['layer'], 0)):>6s}"
         if block:
             line += f"  {'+-- ' if r['block_start'] else '|   '}block {r['attnres_block']}"
         lines.append(line)
@@ -155,10 +224,43 @@ def format_layer_map(cfg: K3Config) -> str:
     return "\n".join(lines)
 
 
-def format_report(cfg: K3Config, model, training: dict | None, headline: dict | None, source: str) -> str:
+def human_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB" (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def format_checkpoint(summary: dict[str, Any]) -> list[str]:
+    out = ["", f"-- checkpoint files (headers only): {summary['files']} file(s), {summary['tensors']:,} tensors, "
+           f"{human_bytes(summary['bytes_total'])} declared"]  # fmt: skip
+    out += [f"  {dtype:8s} {human_bytes(n):>12s}" for dtype, n in summary["bytes_by_dtype"].items()]
+    skipped = summary["skipped_tensors"]
+    if skipped:
+        more = f" ... (+{len(skipped) - 6})" if len(skipped) > 6 else ""
+        out.append(f"  skipped (not the text model): {len(skipped)}: {', '.join(skipped[:6])}{more}")
+    check = summary["check"]
+    if check["matches_config"]:
+        out.append("  every tensor the config needs is there, with its shape")
+    else:
+        for key in ("missing", "unexpected", "mis_shaped"):
+            if check[key]:
+                out.append(f"  {key.replace('_', '-')}: {len(check[key])}: {', '.join(check[key][:6])}")
+    return out
+
+
+def format_report(
+    cfg: K3Config,
+    breakdown: dict[str, dict[str, int]],
+    training: dict | None,
+    headline: dict | None,
+    source: str,
+    checkpoint: dict[str, Any] | None = None,
+) -> str:
     out = [f"== {source}", "", "-- config"]
     out += [f"  {k:24s} {v}" for k, v in config_summary(cfg).items()]
-    breakdown = parameter_breakdown(model)
     total = sum(v["total"] for v in breakdown.values())
     active = sum(v["active"] for v in breakdown.values())
     params = f"{format_count(total)} total, {format_count(active)} active per token ({total:,} / {active:,})"
@@ -166,7 +268,10 @@ def format_report(cfg: K3Config, model, training: dict | None, headline: dict | 
     for c, v in breakdown.items():
         n, n_active, share = format_count(v["total"]), format_count(v["active"]), 100 * v["total"] / total
         out.append(f"  {c:34s} {n:>9s} total {n_active:>9s} active  ({share:5.1f}%)")
-    out += ["", "-- layer map", *("  " + line for line in format_layer_map(cfg).splitlines())]
+    if checkpoint is not None:
+        out += format_checkpoint(checkpoint)
+    per_layer = checkpoint["params_by_layer"] if checkpoint else None
+    out += ["", "-- layer map", *("  " + line for line in format_layer_map(cfg, per_layer).splitlines())]
     if training:
         out += ["", "-- training (metrics.json)"] + [f"  {k:24s} {format_number(v)}" for k, v in training.items()]
     if headline:
@@ -182,37 +287,47 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="k3lab inspect",
-        description="Print a checkpoint's config, parameter counts, layer map and headline numbers.",
+        description="Print a checkpoint's config, parameter counts, layer map and headline numbers. A checkpoint "
+        "folder is answered from its config.json and safetensors headers alone (seconds, whatever its size: "
+        "parameter counts from shapes, bytes by dtype, skipped multimodal tensors, a check against the config); "
+        "only --text / --sample load the model.",
     )
     p.add_argument("run", help="checkpoint folder, or a preset name (shapes only)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", metavar="FILE", help="run a quick trace on this text for headline numbers")
-    src.add_argument("--sample", metavar="NAME", choices=SAMPLES, help="run a quick trace on a built-in input")
+    src.add_argument("--text", metavar="FILE", help="load the model and trace this text for headline numbers")
+    src.add_argument("--sample", metavar="NAME", choices=SAMPLES, help="load the model and trace a built-in input")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens for the quick trace")
+    p.add_argument("--device", default="cpu", help="device for --text/--sample: cpu, cuda:0, or auto (accelerate)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
 
     from pathlib import Path
 
     from analysis import runs as runs_mod
+    from analysis.history import final_numbers
     from k3core.checkpoint import CheckpointError
     from k3core.config import PRESETS
     from k3core.model import K3ForCausalLM
 
     path = Path(args.run)
-    training = headline = None
+    training = headline = checkpoint = None
     try:
         if not path.exists() and args.run in PRESETS:
             if args.text or args.sample:
                 raise ValueError("a preset has no weights: --text/--sample need a checkpoint folder")
             model = K3ForCausalLM.from_config(args.run, device="meta")
+            cfg, breakdown = model.config, parameter_breakdown(model)
             source = f"preset {args.run} (shapes only, no weights)"
         else:
-            run = runs_mod.load_run(path)
-            configure_threads(run.model)
-            model, source = run.model, f"checkpoint {path}"
-            training = run.card.get("training")
+            files = CheckpointFiles.open(path)
+            cfg, source = files.config, f"checkpoint {path}"
+            breakdown = header_breakdown(files, cfg)
+            checkpoint = checkpoint_summary(files)
+            metrics, _ = runs_mod.read_metrics(path)
+            training = final_numbers(metrics) if metrics else None
             if args.text or args.sample:
+                run = runs_mod.load_run(path, device=args.device)
+                configure_threads(run.model)
                 if args.text:
                     sample = runs_mod.text_input(
                         Path(args.text).read_text(encoding="utf-8", errors="replace"),
@@ -228,19 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"k3lab inspect: {exc}", file=sys.stderr)
         return 2
-    cfg = model.config
     if args.json:
         payload = {
             "source": source,
             "config": config_summary(cfg),
-            "parameters": parameter_breakdown(model),
+            "parameters": breakdown,
             "layer_map": layer_map(cfg),
+            "checkpoint": checkpoint,
             "training": training,
             "headline": headline,
         }
         print(json.dumps(payload, indent=1, default=str))
     else:
-        print(format_report(cfg, model, training, headline, source))
+        print(format_report(cfg, breakdown, training, headline, source, checkpoint))
     return 0
 
 

@@ -189,9 +189,10 @@ def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return _published_tensors(model)
 
 
-def _adapted_shape_ok(name: str, stored: tuple[int, ...], want: tuple[int, ...]) -> bool:
-    """Published layouts that differ from k3core's: Kimi Linear's A_log [1, 1, H, 1]; the K3 repo's
-    A_log padded with zeros to more entries than heads (the padding is checked when it is read)."""
+def stored_shape_ok(name: str, stored: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether a stored shape fits the model's ``want``: equal, or a published layout that differs from
+    k3core's: Kimi Linear's A_log [1, 1, H, 1]; the K3 repo's A_log padded with zeros to more entries
+    than heads (the padding is checked when it is read)."""
     if stored == want:
         return True
     if not name.endswith("self_attn.A_log"):
@@ -237,7 +238,7 @@ def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> 
     shapes = [
         f"{k}: checkpoint {files.tensors[k].shape} vs model {tuple(expected[k].shape)}"
         for k in sorted(set(files.tensors) & set(expected))
-        if not _adapted_shape_ok(k, files.tensors[k].shape, tuple(expected[k].shape))
+        if not stored_shape_ok(k, files.tensors[k].shape, tuple(expected[k].shape))
     ]
     if shapes:
         problems.append(f"{len(shapes)} mis-shaped tensor(s): {shapes[:6]}")
