@@ -85,7 +85,7 @@ class StateDictSource:
 
     A tied LM head is left out, as ``save_pretrained`` leaves it out of the files."""
 
-    def __init__(self, state: Any, config: K3Config | None = None):
+    def __init__(self, state: Any, config: K3Config | None = None) -> None:
         if hasattr(state, "state_dict"):
             config = config if config is not None else getattr(state, "config", None)
             state = state.state_dict()
@@ -107,13 +107,13 @@ class StateDictSource:
         self.bytes_total = sum(m.nbytes for m in self.tensors.values())
         self.bytes_read = 0
 
-    def read(self, name: str):
+    def read(self, name: str) -> Any:
         t = self._state[name].detach()
         self.bytes_read += self.tensors[name].nbytes
         return t.to("cpu")
 
 
-def open_source(path: str | Path):
+def open_source(path: str | Path) -> Any:
     """A checkpoint folder (or one .safetensors file) opened header-only (``k3core.checkpoint_files``);
     config.json is read when present (without it the KDA gate form is unknown, everything else works).
 
@@ -559,7 +559,7 @@ def expert_bytes(source: Any) -> int:
 def _read_order(source: Any, names: list[str]) -> list[str]:
     """Names sorted by (file, offset) when the reader knows them: sequential reads within each shard."""
 
-    def key(n: str):
+    def key(n: str) -> tuple[str, int, str]:
         meta = source.tensors[n]
         return (str(getattr(meta, "file", "")), int(getattr(meta, "begin", 0)), n)
 
