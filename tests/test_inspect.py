@@ -16,7 +16,7 @@ import torch
 
 from analysis import inspect as insp
 from k3core.checkpoint import build_meta_model
-from k3core.checkpoint_files import CheckpointFiles, keep_fp32
+from k3core.checkpoint_files import keep_fp32
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 
