@@ -79,6 +79,10 @@ _TORCH_DTYPES = {
 }
 
 
+class OffloadedWeights(ValueError):
+    """A loaded model's tensor holds no values here (meta device: offloaded to disk, or shapes only)."""
+
+
 class StateDictSource:
     """A loaded model (or a plain dict of tensors) seen through the reader's interface: ``tensors``
     (name -> meta), ``read(name)``, ``bytes_read``, ``bytes_total``, ``config``, ``skipped``.
@@ -109,6 +113,11 @@ class StateDictSource:
 
     def read(self, name: str) -> Any:
         t = self._state[name].detach()
+        if t.is_meta:
+            raise OffloadedWeights(
+                f"{name} has no values in memory (offloaded or shapes only): read the weights "
+                f"from the checkpoint folder instead (read_weight_summary)"
+            )
         self.bytes_read += self.tensors[name].nbytes
         return t.to("cpu")
 

@@ -219,6 +219,9 @@ def test_views_work_weight_only_and_in_compare():
     pd.testing.assert_frame_equal(view.build(from_model)[1], built["weights_kda_half_life"])
     with pytest.raises(NotApplicable):
         view.build(AnalysisContext(trace=None, config=model.config))
+    meta = K3ForCausalLM.from_config(model.config, device="meta")  # e.g. layers offloaded to disk
+    with pytest.raises(NotApplicable, match="not in memory"):
+        view.build(AnalysisContext(trace=None, config=model.config, model=meta))
 
 
 def test_params_by_depth_and_kind():

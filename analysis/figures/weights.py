@@ -49,7 +49,10 @@ def weights_of(ctx: AnalysisContext) -> wt.WeightSummary:
         raise NotApplicable("no weights: this context has neither a weight summary nor a model")
     summary = _FROM_MODEL.get(model)
     if summary is None:
-        summary = wt.summary_of_model(model, label=ctx.label)
+        try:
+            summary = wt.summary_of_model(model, label=ctx.label)
+        except wt.OffloadedWeights as exc:
+            raise NotApplicable(f"weights not in memory: {exc}") from exc
         _FROM_MODEL[model] = summary
     return summary
 
