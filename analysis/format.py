@@ -47,3 +47,12 @@ def format_tokens(n: int) -> str:
     if n >= 1 << 10 and n % (1 << 10) == 0:
         return f"{n >> 10}K"
     return str(n)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units, one decimal: 512 -> "512 B", 1536 -> "1.5 KiB", 98.25e9 -> "91.5 GiB"."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    i = 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"

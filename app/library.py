@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from analysis.format import format_bytes, format_count
 from app.safe_zip import ZipRefused, extract_run_zip
 from app.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
 from k3core.checkpoint_files import (
@@ -82,23 +83,9 @@ def clean_name(name: str, default: str) -> str:
     return _NAME_RE.sub("-", name.strip()).strip("-.")[:64] or default
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KB' (powers of 1024)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
 def human_count(n: int | None) -> str:
-    """211550 -> '211.6K'."""
-    if n is None:
-        return "?"
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
+    """analysis.format.format_count, '?' when unknown: 211550 -> '211.55K'."""
+    return "?" if n is None else format_count(n)
 
 
 # ------------------------------------------------------------------------------------- describe
@@ -446,7 +433,7 @@ class RunsLibrary:
         n = K3ForCausalLM.from_config(preset, device="meta").num_parameters()
         if n > self.max_preset_params:
             raise LibraryError(
-                f"{preset} has {human_count(n)} parameters ({human_bytes(4 * n)} in float32): too large to create "
+                f"{preset} has {human_count(n)} parameters ({format_bytes(4 * n)} in float32): too large to create "
                 f"here (limit {human_count(self.max_preset_params)}); use `k3lab inspect` for its shapes, or open a "
                 f"saved checkpoint by path"
             )

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
+from analysis.format import format_bytes
+
 MAX_ENTRIES = 2000
 MAX_RATIO = 200.0  # uncompressed / compressed; weights compress ~1.1x, text ~5-10x
 RATIO_MIN_BYTES = 1 << 20  # small files may compress well without being bombs
@@ -39,14 +41,6 @@ class Extracted:
     files: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     total_bytes: int = 0
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def _check_name(name: str) -> PurePosixPath:
@@ -141,7 +135,7 @@ def extract_run_zip(
         declared = sum(info.file_size for info, _ in kept)
         if declared > max_total_bytes:
             raise ZipRefused(
-                f"the zip would unpack to {_human(declared)}, over the limit of {_human(max_total_bytes)}; "
+                f"the zip would unpack to {format_bytes(declared)}, over the limit of {format_bytes(max_total_bytes)}; "
                 f"open a folder this large by path instead"
             )
         for info, name in kept:
@@ -154,7 +148,7 @@ def extract_run_zip(
         free = shutil.disk_usage(dest).free
         if declared > free:
             raise ZipRefused(
-                f"not enough disk space to unpack the zip ({_human(declared)} needed, {_human(free)} free)"
+                f"not enough disk space to unpack the zip ({format_bytes(declared)} needed, {format_bytes(free)} free)"
             )
         try:
             for info, name in kept:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from app.library import LibraryError, RunsLibrary, human_bytes
+from analysis.format import format_bytes
+from app.library import LibraryError, RunsLibrary
 from app.settings import configured_roots, home_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -194,6 +195,6 @@ def fit_problem(ref: RunRef, device: str, dtype: str) -> str | None:
     if WEIGHTS_PAGE.is_file():
         weights = " Its weights can still be read without loading it: see the **Weights** page."
     return (
-        f"**{ref.label}** needs {human_bytes(needed)} in {dtype} but {device} has {human_bytes(free)} free: it "
+        f"**{ref.label}** needs {format_bytes(needed)} in {dtype} but {device} has {format_bytes(free)} free: it "
         f"cannot be loaded here. Pick a smaller dtype or another device in the sidebar.{weights}"
     )

@@ -113,9 +113,9 @@ def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
     at.button(key="k3lab_open_check").click().run()
     assert not at.exception and _errors(at) == []
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Parameters"] == "211.6K" and metrics["Memory in float32"] == "826.5 KB"
+    assert metrics["Parameters"] == "211.57K" and metrics["Memory in float32"] == "826.5 KiB"
     plan = at.dataframe[0].value
-    assert list(plan["device"])[0] == "cpu" and list(plan["memory"])[0] == "826.5 KB"
+    assert list(plan["device"])[0] == "cpu" and list(plan["memory"])[0] == "826.5 KiB"
     assert list(plan["decoder layers"])[0] == "0-3"
     at.button(key="k3lab_open_add").click().run()
     assert at.session_state["k3lab_run"] == "nano-other"
@@ -157,7 +157,7 @@ def test_a_run_too_big_for_memory_gets_a_message_not_a_load(env, runs, monkeypat
     monkeypatch.setattr(uploads, "available_memory", lambda device: 100_000)  # 100 KB free
     ref = uploads.RunRef("nano-good", str(runs["good"]), "preloaded")
     problem = uploads.fit_problem(ref, "cpu", "float32")
-    assert problem.startswith("**nano-good** needs 826.5 KB in float32 but cpu has 97.7 KB free")
+    assert problem.startswith("**nano-good** needs 826.5 KiB in float32 but cpu has 97.7 KiB free")
     assert "in bfloat16" in uploads.fit_problem(ref, "cpu", "bfloat16")
     monkeypatch.setattr(uploads, "available_memory", lambda device: 10**12)
     assert uploads.fit_problem(ref, "cpu", "float32") is None
@@ -191,6 +191,6 @@ def test_overview_of_a_run_too_big_for_memory_says_so_and_loads_nothing(env, run
     at.run()
     assert not at.exception
     [error] = _errors(at)
-    assert error.startswith("**nano-good** needs 826.5 KB in float32 but cpu has 97.7 KB free")
+    assert error.startswith("**nano-good** needs 826.5 KiB in float32 but cpu has 97.7 KiB free")
     assert "**Weights** page" in error
     assert loads == []  # the page stopped before loading

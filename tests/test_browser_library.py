@@ -38,7 +38,7 @@ START_TIMEOUT_S = 120
 
 
 @contextmanager
-def _k3lab_app(home: Path, preload: Path, log: Path):
+def _k3lab_app(home: Path, preload: Path, log: Path, extra: tuple[str, ...] = ()):
     """`k3lab app` on a free port with the given library home; yields the base URL; stops the whole group."""
     port = free_port()
     env = dict(os.environ)
@@ -51,7 +51,7 @@ def _k3lab_app(home: Path, preload: Path, log: Path):
         OMP_NUM_THREADS=env.get("K3LAB_TEST_THREADS", "1"),
     )
     cmd = [sys.executable, "-m", "k3lab.cli", "app", "--headless", "--port", str(port), "--home", str(home)]
-    cmd.append(str(preload))
+    cmd += [*extra, str(preload)]
     with open(log, "ab") as out:
         # Own process group: `k3lab app` runs streamlit as a child, and both must stop at the end.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

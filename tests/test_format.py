@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis.format import format_count, format_number, format_tokens
+from analysis.format import format_bytes, format_count, format_number, format_tokens
 
 
 @pytest.mark.parametrize(
@@ -45,3 +45,12 @@ def test_format_count(n, shown):
 )
 def test_format_tokens(n, shown):
     assert format_tokens(n) == shown
+
+
+@pytest.mark.parametrize(
+    ("n", "shown"),
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (846296, "826.5 KiB"), (98.25e9, "91.5 GiB"),
+     (2.78e12 * 2, "5.1 TiB"), (3 * 1024**5, "3.0 PiB")],
+)  # fmt: skip
+def test_format_bytes(n, shown):
+    assert format_bytes(n) == shown

@@ -217,7 +217,7 @@ def test_preset_is_seeded_and_large_presets_are_refused(lib, tmp_path):
     expected = K3ForCausalLM.from_config("k3-nano").state_dict()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     assert "seed 5" in (entry.path / "README.md").read_text()
-    with pytest.raises(LibraryError, match=r"k3-small has 264.8M parameters .* too large"):
+    with pytest.raises(LibraryError, match=r"k3-small has 264.76M parameters .* too large"):
         RunsLibrary(tmp_path / "h2", max_preset_params=10**6).add_preset("k3-small")
     with pytest.raises(LibraryError, match="unknown preset"):
         lib.add_preset("k3-huge")

@@ -98,7 +98,7 @@ def test_zip_bomb_ratio_is_refused_before_writing(tmp_path):
 
 def test_total_size_over_the_limit_is_refused(tmp_path):
     src = _zip({"config.json": b"{}", "model.safetensors": b"w" * 5000})
-    with pytest.raises(ZipRefused, match=r"would unpack to 4\.9 KB, over the limit of 4\.0 KB"):
+    with pytest.raises(ZipRefused, match=r"would unpack to 4\.9 KiB, over the limit of 4\.0 KiB"):
         extract_run_zip(src, tmp_path, max_total_bytes=4096)
 
 

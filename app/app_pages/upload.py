@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import streamlit as st
 
+from analysis.format import format_bytes
 from app import caching, page, uploads
 from app.inputs import InputError, current_inputs
-from app.library import LibraryError, describe_folder, human_bytes, human_count, summary_text
+from app.library import LibraryError, describe_folder, human_count, summary_text
 from app.roots import PathRefused, confine_folder
 from k3core.checkpoint_files import CheckpointError
 
@@ -113,14 +114,19 @@ with tab_path:
             plan = uploads.placement_plan(folder, device, dtype)
             free = uploads.available_memory(device)
             c1, c2, c3, c4 = st.columns(4)
-            c1.metric("Size on disk", human_bytes(info.size_bytes))
+            c1.metric("Size on disk", format_bytes(info.size_bytes))
             c2.metric("Parameters", human_count(info.num_parameters))
-            c3.metric(f"Memory in {dtype}", human_bytes(plan.total_bytes))
-            c4.metric(f"Free on {device}", human_bytes(free) if free is not None else "unknown")
+            c3.metric(f"Memory in {dtype}", format_bytes(plan.total_bytes))
+            c4.metric(f"Free on {device}", format_bytes(free) if free is not None else "unknown")
             st.caption(
                 f"{summary_text(info.summary)}; stored as "
-                + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.dtypes.items()))
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
                 + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
+                + "; in memory: "
+                + ", ".join(
+                    f"{d} {format_bytes(uploads.placement_plan(folder, device, d).total_bytes)}"
+                    for d in ("float32", "bfloat16")
+                )
             )
             auto = uploads.placement_plan(folder, "auto", dtype)
             rows = []
@@ -131,8 +137,8 @@ with tab_path:
                         {
                             "placement": name,
                             "device": dev,
-                            "memory": human_bytes(nbytes),
-                            "free now": human_bytes(dev_free) if dev_free is not None else "",
+                            "memory": format_bytes(nbytes),
+                            "free now": format_bytes(dev_free) if dev_free is not None else "",
                             "decoder layers": _span(p.layers_by_device.get(dev, [])),
                         }
                     )
@@ -142,7 +148,7 @@ with tab_path:
             if problem:
                 st.warning(problem)
             else:
-                st.success(f"Fits: {human_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
+                st.success(f"Fits: {format_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
             path_name = st.text_input("Name", value=folder.name, key="k3lab_open_name")
             if st.button("Add to the runs library", key="k3lab_open_add", type="primary"):
                 try:
@@ -197,7 +203,7 @@ for entry in entries:
         c1, c2, c3, c4 = st.columns([6, 1, 1, 1])
         where = f" · `{entry.path}`" if entry.source == "path" else ""
         c1.markdown(
-            f"**{entry.name}** · {SOURCE_NAMES[entry.source]} · {human_bytes(entry.size_bytes)} · added "
+            f"**{entry.name}** · {SOURCE_NAMES[entry.source]} · {format_bytes(entry.size_bytes)} · added "
             f"{entry.added_at.replace('T', ' ')[:16]} UTC{where}"
         )
         c1.caption(f"{summary_text(entry.summary)} · fingerprint {entry.fingerprint[:12]}")
