@@ -76,6 +76,8 @@ def test_upload_survives_reload_and_restart(tmp_path):
     preload = K3ForCausalLM.from_config("k3-nano").save_pretrained(tmp_path / "nano-preloaded")
     torch.manual_seed(1)
     mine = K3ForCausalLM.from_config("k3-nano").save_pretrained(tmp_path / "to-upload")
+    big = K3ForCausalLM.from_config("k3-mini").save_pretrained(tmp_path / "too-big")  # 10 MB of weights
+    assert (big / "model.safetensors").stat().st_size > 1024**2
     home = tmp_path / "k3lab-home"
     log = tmp_path / "k3lab-app.log"
 
@@ -85,7 +87,7 @@ def test_upload_survives_reload_and_restart(tmp_path):
             with _k3lab_app(home, preload, log) as url:
                 page = browser.new_page(viewport={"width": 1440, "height": 1000})
                 page.goto(f"{url}/upload")
-                page.get_by_role("heading", name="Runs library").wait_for(timeout=RENDER_TIMEOUT_MS)
+                page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
                 settle(page)
                 page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(
                     [str(mine / "config.json"), str(mine / "model.safetensors")]
@@ -100,18 +102,31 @@ def test_upload_survives_reload_and_restart(tmp_path):
                 assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
 
                 page.reload()  # a browser reload: a new session, same server
-                page.get_by_role("heading", name="Runs library").wait_for(timeout=RENDER_TIMEOUT_MS)
+                page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
                 _wait_text(page, "persisted · uploaded")
                 settle(page)
                 assert str(home) not in page.locator("body").inner_text()  # no server paths of the library
 
-            with _k3lab_app(home, preload, log) as url:  # a server restart on the same home
+            # A server restart on the same home, this time with a 1 MB upload limit.
+            with _k3lab_app(home, preload, log, ("--max-upload-mb", "1")) as url:
                 page = browser.new_page(viewport={"width": 1440, "height": 1000})
                 page.goto(f"{url}/overview?run=persisted")
                 page.get_by_role("heading", name="persisted").wait_for(timeout=RENDER_TIMEOUT_MS)
                 settle(page)
                 assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
                 assert page.locator('[data-testid="stAlertContentError"]').count() == 0
+
+                # A weights file over the limit: the browser refuses it, and the app says why nothing loads.
+                page.goto(f"{url}/upload")
+                page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
+                settle(page)
+                page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(
+                    [str(big / "config.json"), str(big / "model.safetensors")]
+                )
+                _wait_text(page, "Up to 1 MB per file")
+                page.get_by_role("button", name="Add run").click()
+                _wait_text(page, "over the upload limit (1 MB per file)")
+                assert "no weights among the files (config.json)" in page.locator("body").inner_text()
         finally:
             browser.close()
     assert "serving on http://localhost:" in log.read_text()
