@@ -79,6 +79,8 @@ def config_summary(cfg: K3Config) -> dict[str, Any]:
 
 def component_of(name: str, cfg: K3Config) -> str:
     """Which component a parameter (by its state-dict name) belongs to."""
+    if ".block_sparse_moe.experts." in name:  # first: nearly every tensor of a big MoE checkpoint
+        return "MoE routed experts"
     if name.startswith("model.embed_tokens"):
         return "embedding"
     if name.startswith("lm_head"):
@@ -88,8 +90,6 @@ def component_of(name: str, cfg: K3Config) -> str:
     m = _LAYER_RE.match(name)
     if m and ".self_attn." in name:
         return "MLA attention" if cfg.is_mla_layer(int(m.group(1))) else "KDA attention"
-    if ".block_sparse_moe.experts." in name:
-        return "MoE routed experts"
     if ".block_sparse_moe.shared_experts." in name:
         return "MoE shared experts"
     if ".block_sparse_moe.gate." in name:
@@ -149,12 +149,10 @@ def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
 
 def header_check(files: CheckpointFiles, cfg: K3Config) -> dict[str, Any]:
     """How the headers compare with the config: tensor names missing / unexpected, shapes that differ."""
-    from k3core.checkpoint import build_meta_model, stored_shape_ok
+    from k3core.checkpoint import build_meta_model, published_shapes, stored_shape_ok
     from k3core.model import K3ForCausalLM
 
-    expected = {k: tuple(v.shape) for k, v in build_meta_model(K3ForCausalLM, cfg, None).state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected = published_shapes(build_meta_model(K3ForCausalLM, cfg, None))
     missing = sorted(set(expected) - set(files.tensors))
     unexpected = sorted(set(files.tensors) - set(expected))
     shapes = sorted(

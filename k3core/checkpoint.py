@@ -189,6 +189,22 @@ def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return _published_tensors(model)
 
 
+def published_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Published tensor name -> shape, as ``expected_tensors`` but without building 250K expert views
+    (stacked experts [E, ...] expand to E names ``experts.e.wN.weight``); tied LM head left out."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        head, _, leaf = name.rpartition(".")
+        if head.endswith(".experts") and leaf in ("w1", "w2", "w3"):
+            shape = tuple(t.shape[1:])
+            out.update({f"{head}.{e}.{leaf}.weight": shape for e in range(t.shape[0])})
+        else:
+            out[name] = tuple(t.shape)
+    if getattr(model.config, "tie_word_embeddings", False):
+        out.pop("lm_head.weight", None)
+    return out
+
+
 def stored_shape_ok(name: str, stored: tuple[int, ...], want: tuple[int, ...]) -> bool:
     """Whether a stored shape fits the model's ``want``: equal, or a published layout that differs from
     k3core's: Kimi Linear's A_log [1, 1, H, 1]; the K3 repo's A_log padded with zeros to more entries

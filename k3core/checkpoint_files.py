@@ -21,6 +21,7 @@ Pickle files (``pytorch_model.bin`` and friends) have no header; they are read w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -97,8 +98,13 @@ def canonical_name(raw: str) -> str | None:
         elif kind == "skip" and name.startswith(pattern):
             return None
         elif kind == "rename":
-            name = re.sub(pattern, replacement, name)
+            name = _compiled(pattern).sub(replacement, name)
     return name
+
+
+@functools.cache
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern)
 
 
 def keep_fp32(name: str) -> bool:

@@ -585,3 +585,12 @@ def test_meta_build_reads_each_tensor_once(saved):
     stream_weights(model, files)
     assert files.bytes_read == files.bytes_total == (saved[1] / WEIGHTS_NAME).stat().st_size - 8 - int.from_bytes(
         (saved[1] / WEIGHTS_NAME).read_bytes()[:8], "little")  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_published_shapes_match_the_state_dict(tied):
+    from k3core.checkpoint import published_shapes
+
+    model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", tie_word_embeddings=tied), device="meta")
+    want = {k: tuple(v.shape) for k, v in export_state_dict.__globals__["_published_tensors"](model).items()}
+    assert published_shapes(model) == want
