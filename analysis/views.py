@@ -118,7 +118,7 @@ class View:
     build: Callable[[AnalysisContext], tuple[go.Figure, pd.DataFrame]]
     needs_model: bool = False
     description: str = ""
-    compare: Comparison = field(default_factory=lambda: Comparison())
+    compare: Comparison = field(default_factory=Comparison)
 
 
 def all_views() -> list[View]:
