@@ -18,6 +18,10 @@ Steps (each prints one line; the exit status is 1 if a check fails):
 4. moe     the first LatentMoE layer: dispatch "grouped" (grouped GEMM when available) vs the masked loop,
            output and gradient (w.r.t. the input and the experts' gate weights) max relative errors.
 5. decode  cached decoding (prefill + one token per step) vs one full forward, logits max relative error.
+6. stream  (with ``--stream DIR``) the model of step 1 saved as bf16 safetensors shards of 5 GB in DIR (once;
+           skipped with a message when the disk cannot hold it), then, in a fresh process, streamed back
+           with ``K3ForCausalLM.from_pretrained(DIR, device, dtype)``: load time, peak host RSS (VmHWM; the
+           target is about one tensor, not the model), then a forward with ``record()`` tracing.
 """
 
 from __future__ import annotations
@@ -176,6 +180,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch CPU threads (default: 1 without CUDA, where shared cores make more erratic)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--stream",
+        metavar="DIR",
+        default=None,
+        help="step 6: save the model as bf16 shards in DIR (once) and stream it back in a fresh process "
+        "(load time, peak host RSS, traced forward)",
+    )
     args = ap.parse_args(argv)
     threads = args.threads if args.threads is not None else (None if cuda else 1)
     if threads is not None:
@@ -257,9 +268,76 @@ def main(argv: list[str] | None = None) -> dict:
         f"decode   cached vs full forward: max rel err {dec['rel_err']:.2e} (tol {dec['tol']:g}) "
         f"{'ok' if dec['ok'] else 'FAIL'}; cache {dec['cache_bytes'] / 2**20:.1f} MiB"
     )
-    report["ok"] = all(report[k]["ok"] for k in ("kda", "moe", "decode") if k in report)
+    if args.stream:
+        saved = save_for_stream(model, pathlib.Path(args.stream))
+        del model  # free the device for the fresh process that loads it back
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report["stream"] = st = stream_back(saved, device, args.dtype, T)
+        print(
+            f"stream   {st['message']}"
+            if not st["ok"] or "load_s" not in st
+            else f"stream   {st['gb']:.1f} GB in {st['load_s']:.1f} s ({st['gb'] / st['load_s']:.2f} GB/s), peak host "
+            f"RSS {st['host_peak_gib']:.2f} GiB, traced forward {st['trace_items']} items in {st['forward_s']:.2f} s"
+        )
+    report["ok"] = all(report[k]["ok"] for k in ("kda", "moe", "decode", "stream") if k in report)
     print("gpu_check:", "all checks passed" if report["ok"] else "SOME CHECKS FAILED")
     return report
+
+
+_STREAM_CHILD = r"""
+import json, sys, time, torch
+from k3core.model import K3ForCausalLM
+from k3core.trace import record
+path, device, dtype, T = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3]), int(sys.argv[4])
+t0 = time.perf_counter()
+model = K3ForCausalLM.from_pretrained(path, device=device, dtype=dtype)
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+load_s = time.perf_counter() - t0
+hwm = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
+t0 = time.perf_counter()
+with torch.inference_mode(), record(model) as trace:
+    model(ids)
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+print(json.dumps({"load_s": load_s, "host_peak_gib": hwm / 2**30, "forward_s": time.perf_counter() - t0,
+                  "trace_items": len(trace.names())}))
+"""
+
+
+def save_for_stream(model, folder: pathlib.Path) -> dict:
+    """Save ``model`` as 5 GB shards in ``folder`` (once; skipped when the disk cannot hold it)."""
+    import shutil
+
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / ".complete").is_file():
+        free = shutil.disk_usage(folder).free
+        if free < 1.1 * nbytes:
+            return {"folder": None, "message": f"skipped: {nbytes / 1e9:.0f} GB checkpoint, {free / 1e9:.0f} GB "
+                    f"free in {folder} (use a smaller --preset or another folder)"}  # fmt: skip
+        model.save_pretrained(folder, max_shard_bytes=5 * 10**9)
+        (folder / ".complete").write_text("ok\n")
+    return {"folder": folder, "gb": nbytes / 1e9}
+
+
+def stream_back(saved: dict, device: torch.device, dtype: str, tokens: int) -> dict:
+    """Stream a saved checkpoint onto ``device`` in a fresh process: load time, host VmHWM, traced forward."""
+    import json
+    import os
+    import subprocess
+
+    if saved["folder"] is None:
+        return {"ok": True, "message": saved["message"]}
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-c", _STREAM_CHILD, str(saved["folder"]), str(device), name, str(min(tokens, 1024))]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        return {"ok": False, "message": f"FAIL: {out.stderr[-2000:]}"}
+    return {"ok": True, "gb": saved["gb"], **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
 if __name__ == "__main__":
