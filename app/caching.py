@@ -61,14 +61,18 @@ class _SharedExclusive:
         self._cond = threading.Condition()
         self._shared = 0
         self._exclusive = False
+        self._waiting = 0  # exclusive jobs waiting: new forwards queue behind them, so they are not starved
 
     @contextlib.contextmanager
     def hold(self, exclusive: bool) -> Iterator[None]:
         with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive and (not exclusive or self._shared == 0))
             if exclusive:
+                self._waiting += 1
+                self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+                self._waiting -= 1
                 self._exclusive = True
             else:
+                self._cond.wait_for(lambda: not self._exclusive and self._waiting == 0)
                 self._shared += 1
         try:
             yield

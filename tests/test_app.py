@@ -422,14 +422,23 @@ def test_model_use_lets_forwards_share_and_hooks_wait():
     assert inside.wait(5)
     with caching.model_use(model):  # a second forward does not wait for the first
         order.append("b in")
+
+    def late_reader() -> None:
+        with caching.model_use(model):
+            order.append("c in")
+
     hooks = threading.Thread(target=writer)
     hooks.start()
     hooks.join(0.2)
     assert hooks.is_alive()  # the hook-installing job waits for the running forward
+    late = threading.Thread(target=late_reader)
+    late.start()
+    late.join(0.2)
+    assert late.is_alive()  # a new forward queues behind the waiting job (no starvation)
     release.set()
-    first.join(5)
-    hooks.join(5)
-    assert order == ["a in", "b in", "a out", "hooks"]
+    for thread in (first, hooks, late):
+        thread.join(5)
+    assert order == ["a in", "b in", "a out", "hooks", "c in"]
 
 
 # ------------------------------------------------------------------------------------ download all
@@ -483,3 +492,31 @@ def test_a_long_input_asks_before_running_the_model(app_env, runs, monkeypatch):
     assert not at.exception and _errors(at) == []
     assert _charts(at) >= 2 and calls == [1]
     assert any(f"· {n:,} tokens of" in c.value for c in at.caption)
+
+
+def test_two_sessions_trace_one_shared_model_at_the_same_time(runs):
+    """No global lock: two threads trace the same cached model on two texts at once, each gets its own trace."""
+    import threading
+
+    from analysis import runs as runs_mod
+
+    ref = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+    choices = [inputs.TextChoice(inputs.TEXT_REPEAT, 38), inputs.TextChoice(inputs.TEXT_MQAR, 36)]
+    run = caching.load_run(ref)
+    expected = [runs_mod.trace_run(run, caching.make_tokens(c, run).sample).trace["token_nll"] for c in choices]
+    start = threading.Barrier(2)
+    results: dict[int, object] = {}
+
+    def session(i: int) -> None:
+        start.wait(5)
+        results[i] = caching.load(ref, choices[i])
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == [0, 1]
+    for i in range(2):
+        got = results[i].ctx.trace["token_nll"]
+        assert got.shape == expected[i].shape and np.allclose(got, expected[i], atol=1e-6, equal_nan=True)
