@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import streamlit as st
-from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from analysis import runs
 from analysis.runs import Run
@@ -314,33 +313,6 @@ def build_view(view, loaded: Loaded):
     if na is not None:
         raise na
     return fig, df
-
-
-_PREFETCHED: set[tuple] = set()
-_PREFETCH_LOCK = threading.Lock()
-
-
-def prefetch(views: list, loaded: Loaded) -> None:
-    """Build these views' figures for a loaded run in a background thread, once per run key.
-
-    Called at the end of a page, so the first visit to another page finds its figures in the cache (a
-    page switch then only sends them). Views that run the model (importance) are left to their button."""
-    todo = [v for v in views if not v.needs_model]
-    with _PREFETCH_LOCK:
-        if loaded.key in _PREFETCHED or not todo:
-            return
-        _PREFETCHED.add(loaded.key)
-
-    def work() -> None:
-        for view in todo:
-            try:
-                _cached_view(view.key, loaded.key, view.build, loaded.ctx)
-            except Exception:  # noqa: BLE001, S112 - the page that shows the view reports its error
-                continue
-
-    thread = threading.Thread(target=work, name="k3lab-prefetch", daemon=True)
-    add_script_run_ctx(thread, get_script_run_ctx())
-    thread.start()
 
 
 @st.cache_resource(show_spinner=False, max_entries=64)

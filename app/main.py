@@ -17,7 +17,7 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import links, sidebar  # noqa: E402
+from app import links, prefetch, sidebar  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
@@ -62,6 +62,7 @@ PAGES = {
 }
 
 navigation = st.navigation(PAGES)
-sidebar.sidebar()
-links.show_notes(navigation.url_path)
-navigation.run()
+with prefetch.script_run():  # background figure builds wait while a page is being drawn
+    sidebar.sidebar()
+    links.show_notes(navigation.url_path)
+    navigation.run()

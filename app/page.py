@@ -19,6 +19,7 @@ from app import caching, cards, uploads
 from app.caching import Loaded
 from app.inputs import LONG_INPUT_TOKENS, MAX_TOKENS_CAP, InputError, Inputs, TextChoice, current_inputs
 from app.links import SECTIONS
+from app.prefetch import prefetch
 from app.uploads import RunRef
 from k3core.checkpoint import CheckpointError, load_config
 from k3core.trace import Trace
@@ -196,8 +197,8 @@ def importance_card(view: View, loaded: Loaded) -> None:
 
 
 def prefetch_sections(loaded: Loaded) -> None:
-    """Build the other mechanism pages' figures for this run and text in the background (app.caching.prefetch)."""
-    caching.prefetch([v for v in all_views() if v.section in SECTIONS], loaded)
+    """Build the other mechanism pages' figures for this run and text in the background (app.prefetch)."""
+    prefetch([v for v in all_views() if v.section in SECTIONS], loaded)
 
 
 def section_page(section: str, title: str, intro: str) -> None:

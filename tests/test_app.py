@@ -520,3 +520,34 @@ def test_two_sessions_trace_one_shared_model_at_the_same_time(runs):
     for i in range(2):
         got = results[i].ctx.trace["token_nll"]
         assert got.shape == expected[i].shape and np.allclose(got, expected[i], atol=1e-6, equal_nan=True)
+
+
+def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
+    import threading
+
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    from analysis.views import View
+    from app import prefetch
+
+    loaded = caching.load(
+        uploads.RunRef("nano-a", str(runs["good"]), "preloaded"), inputs.TextChoice(inputs.TEXT_MQAR, 34)
+    )
+    built = threading.Event()
+    calls = []
+
+    def build(ctx):
+        calls.append(ctx.label)
+        built.set()
+        return go.Figure(), pd.DataFrame({"n": [len(ctx.input_ids[0])]})
+
+    view = View("prefetch_probe", "probe", "attnres", build)
+    with prefetch.script_run():  # a page is being drawn: the background build waits
+        prefetch.prefetch([view], loaded)
+        assert not built.wait(0.3) and calls == []
+    assert built.wait(10) and calls == ["nano-a"]
+    fig, df = caching.build_view(view, loaded)  # the page then finds it in the cache
+    assert calls == ["nano-a"] and df["n"].tolist() == [34]
+    prefetch.prefetch([view], loaded)  # once per run key
+    assert calls == ["nano-a"]
