@@ -351,7 +351,10 @@ class RunsLibrary:
             if len(files) > 1:
                 raise LibraryError("Upload either one zip of the run folder or the files themselves, not both.")
             return self.add_zip(files[0][1], name or Path(files[0][0]).stem)
-        names = [Path(n.replace("\\", "/")).name for n, _ in files]
+        paths = [Path(n.replace("\\", "/")) for n, _ in files]
+        names = [p.name for p in paths]
+        tops = {p.parts[0] for p in paths if len(p.parts) > 1}
+        folder = tops.pop() if len(tops) == 1 and all(len(p.parts) > 1 for p in paths) else ""
         unknown = sorted({n for n in names if not accepted_name(n)})
         if unknown and not skip_unknown:
             raise LibraryError(
@@ -362,7 +365,7 @@ class RunsLibrary:
         dupes = sorted({n for n in names if names.count(n) > 1 and accepted_name(n)})
         if dupes:
             raise LibraryError(f"file(s) uploaded twice: {dupes}")
-        label = clean_name(name, "uploaded")
+        label = clean_name(name, clean_name(folder, "uploaded"))  # a folder upload is named after its folder
         with self._staging() as staging:
             for fname, data in zip(names, (d for _, d in files)):
                 if accepted_name(fname):

@@ -35,6 +35,7 @@ if not CHROMIUM.exists():
     pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
 START_TIMEOUT_S = 120
+DROPZONE = '[data-testid="stFileUploaderDropzoneInput"]'
 
 
 @contextmanager
@@ -76,6 +77,7 @@ def test_upload_survives_reload_and_restart(tmp_path):
     preload = K3ForCausalLM.from_config("k3-nano").save_pretrained(tmp_path / "nano-preloaded")
     torch.manual_seed(1)
     mine = K3ForCausalLM.from_config("k3-nano").save_pretrained(tmp_path / "to-upload")
+    (mine / "notes.txt").write_text("not part of a checkpoint")
     big = K3ForCausalLM.from_config("k3-mini").save_pretrained(tmp_path / "too-big")  # 10 MB of weights
     assert (big / "model.safetensors").stat().st_size > 1024**2
     home = tmp_path / "k3lab-home"
@@ -89,9 +91,7 @@ def test_upload_survives_reload_and_restart(tmp_path):
                 page.goto(f"{url}/upload")
                 page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
                 settle(page)
-                page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(
-                    [str(mine / "config.json"), str(mine / "model.safetensors")]
-                )
+                page.locator(DROPZONE).set_input_files([str(mine / "config.json"), str(mine / "model.safetensors")])
                 page.wait_for_function(
                     "() => document.querySelectorAll('[data-testid=\"stFileChip\"]').length === 2",
                     timeout=RENDER_TIMEOUT_MS,
@@ -107,6 +107,18 @@ def test_upload_survives_reload_and_restart(tmp_path):
                 settle(page)
                 assert str(home) not in page.locator("body").inner_text()  # no server paths of the library
 
+                # A whole folder in one go (the browser drops files of other types, e.g. notes.txt).
+                page.get_by_text("A whole folder", exact=True).click()
+                page.wait_for_selector(f"{DROPZONE}[webkitdirectory]", state="attached", timeout=RENDER_TIMEOUT_MS)
+                settle(page)
+                page.locator(f"{DROPZONE}[webkitdirectory]").set_input_files(str(mine))
+                page.wait_for_function(
+                    "() => document.querySelectorAll('[data-testid=\"stFileChip\"]').length >= 2",
+                    timeout=RENDER_TIMEOUT_MS,
+                )
+                page.get_by_role("button", name="Add run").click()
+                _wait_text(page, "Added to-upload to the runs library")
+
             # A server restart on the same home, this time with a 1 MB upload limit.
             with _k3lab_app(home, preload, log, ("--max-upload-mb", "1")) as url:
                 page = browser.new_page(viewport={"width": 1440, "height": 1000})
@@ -120,9 +132,7 @@ def test_upload_survives_reload_and_restart(tmp_path):
                 page.goto(f"{url}/upload")
                 page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
                 settle(page)
-                page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(
-                    [str(big / "config.json"), str(big / "model.safetensors")]
-                )
+                page.locator(DROPZONE).set_input_files([str(big / "config.json"), str(big / "model.safetensors")])
                 _wait_text(page, "Up to 1 MB per file")
                 page.get_by_role("button", name="Add run").click()
                 _wait_text(page, "over the upload limit (1 MB per file)")

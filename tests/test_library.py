@@ -152,8 +152,10 @@ def test_unknown_files_are_refused_or_skipped(lib, ckpt):
 
 def test_folder_upload_names_keep_only_the_base_name(lib, ckpt):
     folder, _ = ckpt
-    entry, _ = lib.add_files([(f"nano/{n}", d) for n, d in _files(folder)], "folder")
+    entry, _ = lib.add_files([(f"nano/{n}", d) for n, d in _files(folder)])
+    assert entry.name == "nano"  # named after the uploaded folder
     assert sorted(p.name for p in entry.path.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert lib.add_files([(f"nano/{n}", d) for n, d in _files(folder)], "given")[0].name == "given"
     assert all(p.parent == entry.path for p in entry.path.rglob("*"))
 
 
