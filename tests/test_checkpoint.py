@@ -594,3 +594,40 @@ def test_published_shapes_match_the_state_dict(tied):
     model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", tie_word_embeddings=tied), device="meta")
     want = {k: tuple(v.shape) for k, v in export_state_dict.__globals__["_published_tensors"](model).items()}
     assert published_shapes(model) == want
+
+
+def _file_mapped_at(ptr: int) -> str | None:
+    """The file mapped at address ``ptr`` in this process (Linux /proc/self/maps), or None."""
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= ptr < end:
+            return parts[5] if len(parts) == 6 else None
+    return None
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_zero_copy_parameters_are_private_maps_of_the_file(saved, tokens):
+    """Large tensors stored in the parameter's dtype are mapped, not copied; writes never reach the file."""
+    model, path = saved
+    loaded = load_pretrained(path)
+    emb = loaded.model.embed_tokens.weight  # 256 x 64 fp32 = 64 KiB: mapped
+    assert (_file_mapped_at(emb.data_ptr()) or "").endswith(WEIGHTS_NAME)
+    small = loaded.model.norm.weight  # 256 bytes: read into its own memory
+    assert _file_mapped_at(small.data_ptr()) is None or not _file_mapped_at(small.data_ptr()).endswith(WEIGHTS_NAME)
+    before = (path / WEIGHTS_NAME).read_bytes()
+    with torch.no_grad():
+        emb.add_(1.0)  # copy-on-write: this process only
+    assert (path / WEIGHTS_NAME).read_bytes() == before
+    assert torch.equal(emb, model.model.embed_tokens.weight + 1.0)
+    _assert_same_model(model, load_pretrained(path), tokens)
+    # a copy loaded the other way round is the same model
+    from k3core.checkpoint import build_meta_model, materialise, stream_weights
+    from k3core.checkpoint_files import CheckpointFiles
+
+    files = CheckpointFiles.open(path)
+    copied = materialise(build_meta_model(K3ForCausalLM, files.config, None), "cpu")
+    stream_weights(copied, files, zero_copy=False)
+    assert _file_mapped_at(copied.model.embed_tokens.weight.data_ptr()) is None or not _file_mapped_at(
+        copied.model.embed_tokens.weight.data_ptr()).endswith(WEIGHTS_NAME)  # fmt: skip
+    _assert_same_model(model, copied.eval(), tokens)
