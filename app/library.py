@@ -100,7 +100,7 @@ class FolderInfo:
     skipped: list[str]  # stored tensors that are not part of the text model (vision tower, ...)
     summary: dict[str, Any]
     fingerprint: str
-    files: Any  # the CheckpointFiles (config, tensor table) for a placement plan
+    files: CheckpointFiles  # the config and the tensor table, read from the headers
 
 
 def folder_size(folder: Path) -> int:
