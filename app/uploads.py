@@ -19,6 +19,7 @@ import streamlit as st
 
 from analysis.format import format_bytes
 from app.library import LibraryError, RunsLibrary
+from app.roots import PathRefused, confine_folder
 from app.settings import configured_roots, home_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -116,10 +117,21 @@ def ref_of(entry) -> RunRef:
     return RunRef(label=entry.name, path=str(entry.path), origin=ORIGIN_OF_SOURCE[entry.source], run_id=entry.id)
 
 
-def library_runs() -> list[RunRef]:
-    """The library's runs whose files are there, oldest first ([] with a logged reason when it cannot be opened)."""
+def path_refusal(entry) -> str | None:
+    """Why a folder-on-the-server entry may not be opened now (the roots are those of this server start), or None."""
+    if entry.source != "path":
+        return None
     try:
-        return [ref_of(e) for e in library().entries() if e.available]
+        confine_folder(entry.path, allowed_roots())
+    except PathRefused as exc:
+        return str(exc)
+    return None
+
+
+def library_runs() -> list[RunRef]:
+    """The library's runs whose files are there and may be opened, oldest first ([] when it cannot be opened)."""
+    try:
+        return [ref_of(e) for e in library().entries() if e.available and path_refusal(e) is None]
     except LibraryError:
         return []
 

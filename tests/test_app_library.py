@@ -121,6 +121,18 @@ def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
     assert at.session_state["k3lab_run"] == "nano-other"
     [entry] = RunsLibrary(env).entries()
     assert (entry.source, entry.path) == ("path", runs["other"].resolve())
+    assert "nano-other · folder" in at.selectbox(key="k3lab_run").options
+
+    # Started again with other roots: the entry stays in the library but is not offered any more.
+    uploads._library.clear()
+    other_root = tmp_path / "other-root"
+    other_root.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ROOTS_ENV, str(other_root))
+        again = _library_page()
+        assert "nano-other · folder" not in again.selectbox(key="k3lab_run").options
+        assert any("Not offered in the run picker" in w.value and "outside" in w.value for w in again.warning)
+    assert uploads.path_refusal(entry) is None  # back with the original roots
 
     outside = tmp_path / "outside"
     shutil.copytree(runs["other"], outside)

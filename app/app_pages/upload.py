@@ -207,8 +207,11 @@ for entry in entries:
             f"{entry.added_at.replace('T', ' ')[:16]} UTC{where}"
         )
         c1.caption(f"{summary_text(entry.summary)} · fingerprint {entry.fingerprint[:12]}")
+        refused = uploads.path_refusal(entry) if entry.available else None
         if not entry.available:
             c1.warning("The files of this run are gone (a folder moved or a disk unmounted); delete the entry.")
+        elif refused:
+            c1.warning(f"Not offered in the run picker: {refused}")
         elif c2.button("Select", key=f"k3lab_lib_select_{entry.id}"):
             ss["k3lab_pending_run"] = str(entry.path)
             st.rerun()
