@@ -144,10 +144,18 @@ DEVICE_HELP = (
 def add_device_options(parser: argparse.ArgumentParser) -> None:
     """--device / --dtype / --offload-folder for a command that loads a model."""
     parser.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="weights dtype (default float32); gates, convolutions and router biases stay float32")
-    parser.add_argument("--offload-folder", default=None, metavar="DIR",
-                        help="with --device auto: where weights that fit on no device go (default: a temp folder)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="weights dtype (default float32); gates, convolutions and router biases stay float32",
+    )
+    parser.add_argument(
+        "--offload-folder",
+        default=None,
+        metavar="DIR",
+        help="with --device auto: where weights that fit on no device go (default: a temp folder)",
+    )
 
 
 def load_model_for_cli(args: argparse.Namespace, prog: str):
@@ -160,10 +168,13 @@ def load_model_for_cli(args: argparse.Namespace, prog: str):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.device == "auto":
         plan = K3ForCausalLM.plan_placement(args.run, device="auto", dtype=dtype)
-        print(f"{prog}: placement plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
-              file=sys.stderr)
-    return K3ForCausalLM.from_pretrained(args.run, device=args.device, dtype=dtype, progress=True,
-                                         offload_folder=args.offload_folder)
+        print(
+            f"{prog}: placement plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
+            file=sys.stderr,
+        )
+    return K3ForCausalLM.from_pretrained(
+        args.run, device=args.device, dtype=dtype, progress=True, offload_folder=args.offload_folder
+    )
 
 
 def cmd_generate(argv: list[str]) -> int:
