@@ -106,3 +106,16 @@ def test_disk_offload_streams_modules_out(tmp_path_factory, tmp_path, tokens):
     assert "model.layers.3.block_sparse_moe.experts.w1.dat" in names
     with torch.no_grad():
         assert torch.equal(placed(tokens).logits, model(tokens).logits)
+
+
+def test_cli_generate_device_auto_prints_the_plan(saved, capsys):
+    from k3lab.cli import main
+
+    _, path = saved
+    assert main(["generate", str(path), "--tokens", "5", "--temperature", "0", "--prompt", "ab"]) == 0
+    plain = capsys.readouterr().out
+    assert (
+        main(["generate", str(path), "--tokens", "5", "--temperature", "0", "--prompt", "ab", "--device", "auto"]) == 0
+    )
+    out = capsys.readouterr()
+    assert out.out == plain and "placement plan" in out.err and "cpu" in out.err
