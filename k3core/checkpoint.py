@@ -9,10 +9,11 @@ Loading streams, so that it works for any size (see :func:`load_pretrained`):
    rule switched to fp32;
 3. every check that headers can answer runs before any data is read: quantised tensors, missing /
    unexpected / mis-shaped tensors, byte counts;
-4. storage is allocated on the target device(s) and the tensors are read one at a time, file by file
-   in offset order, straight into their parameter (no copy at all when a CPU parameter has the stored
-   dtype), each checked for NaN/Inf as it lands. Peak host memory: what the model occupies on the CPU
-   plus the largest single tensor.
+4. storage is allocated on the target device(s) and the tensors are read file by file in offset
+   order by a few threads (``os.preadv``), each straight into its parameter, and checked for NaN/Inf
+   as it lands. A large CPU tensor already stored in the parameter's dtype is not copied at all: the
+   parameter becomes a copy-on-write map of the file. Peak host memory: what the model occupies on
+   the CPU plus one tensor per reading thread (a GPU target: only the latter).
 
 Everything a user can get wrong raises one error type, ``CheckpointError``, whose message names the
 file, the tensor and what was expected. Pickle files (``.pt``, ``.bin``) are never unpickled; they are
