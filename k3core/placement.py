@@ -19,8 +19,10 @@ offload folder (``<name>.dat`` + ``index.json``) as soon as a module is complete
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,4 +273,6 @@ def load_placed(
             )
     model.placement = plan
     model.offload_folder = folder
+    if folder is not None and offload_folder is None:
+        weakref.finalize(model, shutil.rmtree, folder, True)  # our temporary folder goes with the model
     return model.eval()

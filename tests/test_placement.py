@@ -98,6 +98,18 @@ def test_disk_offload_gives_identical_logits_and_traces(saved, tmp_path, tokens)
     assert torch.equal(plain.generate(tokens, max_new_tokens=4), placed.generate(tokens, max_new_tokens=4))
 
 
+def test_temporary_offload_folder_goes_with_the_model(saved):
+    import gc
+
+    _, path = saved
+    placed = K3ForCausalLM.from_pretrained(path, max_memory={"cpu": _cpu_budget(path)})
+    folder = placed.offload_folder
+    assert folder is not None and any(folder.glob("*.dat"))
+    del placed
+    gc.collect()
+    assert not folder.exists()
+
+
 def test_disk_offload_streams_modules_out(tmp_path_factory, tmp_path, tokens):
     """Offloaded expert stacks are assembled from their per-expert tensors, then written to the offload folder."""
     model, path = _saved(tmp_path_factory, "block_attnres")
