@@ -534,4 +534,5 @@ def load_pretrained(
     finally:
         if close is not None:
             close()
+    model.skipped_tensors = list(files.skipped)  # stored tensors that are not the text model (vision, ...)
     return model.eval()

@@ -273,6 +273,7 @@ def load_placed(
             )
     model.placement = plan
     model.offload_folder = folder
+    model.skipped_tensors = list(files.skipped)
     if folder is not None and offload_folder is None:
         weakref.finalize(model, shutil.rmtree, folder, True)  # our temporary folder goes with the model
     return model.eval()

@@ -523,11 +523,10 @@ def test_multimodal_tensors_are_skipped_and_listed(saved, tmp_path, tokens):
     tensors["mm_projector.linear_1.weight"] = torch.ones(2, 2)
     shutil.copy(path / "config.json", tmp_path / "config.json")
     save_file(tensors, str(tmp_path / WEIGHTS_NAME))
-    _assert_same_model(model, load_pretrained(tmp_path), tokens)
-    assert CheckpointFiles.open(tmp_path).skipped == [
-        "mm_projector.linear_1.weight",
-        "vision_tower.blocks.0.attn.qkv.weight",
-    ]
+    loaded = load_pretrained(tmp_path)
+    _assert_same_model(model, loaded, tokens)
+    listed = ["mm_projector.linear_1.weight", "vision_tower.blocks.0.attn.qkv.weight"]
+    assert CheckpointFiles.open(tmp_path).skipped == listed and loaded.skipped_tensors == listed
 
 
 @pytest.mark.parametrize(
