@@ -630,3 +630,37 @@ def test_zero_copy_parameters_are_private_maps_of_the_file(saved, tokens):
     assert _file_mapped_at(copied.model.embed_tokens.weight.data_ptr()) is None or not _file_mapped_at(
         copied.model.embed_tokens.weight.data_ptr()).endswith(WEIGHTS_NAME)  # fmt: skip
     _assert_same_model(model, copied.eval(), tokens)
+
+
+_PEAK_CHILD = """
+import sys, torch
+from k3core.model import K3ForCausalLM
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
+torch.ones(1) + 1  # torch's own lazy allocations before the baseline
+base = status("VmRSS:")
+model = K3ForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[2]))
+print(status("VmHWM:") - base)
+"""
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs /proc/self/status")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peak_host_memory_is_about_the_model(tmp_path, dtype):
+    """Streaming: the load adds the model's bytes plus about one tensor per reading thread, not 2-3 models
+    (the old loader built a random fp32 model, then read every tensor, then copied)."""
+    import subprocess
+    import sys
+
+    cfg = K3Config.from_preset("k3-nano", vocab_size=16384, hidden_size=512, intermediate_size=2048, num_experts=0,
+                               kda_num_heads=4, kda_head_dim=64, num_attention_heads=4, residual="plain")  # fmt: skip
+    torch.manual_seed(0)
+    K3ForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model_bytes = K3ForCausalLM.plan_placement(cfg, device="cpu", dtype=getattr(torch, dtype)).total_bytes
+    largest = 16384 * 512 * 4  # the embedding / LM head, fp32 in the file
+    env = {**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path), dtype], capture_output=True, text=True,
+                         env=env, check=True)  # fmt: skip
+    added = int(out.stdout.strip().splitlines()[-1])
+    assert model_bytes > 60 * 2**20
+    assert added < model_bytes + 2 * largest + 16 * 2**20, (added, model_bytes)
