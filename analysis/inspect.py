@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from analysis.format import format_count, format_number
+from analysis.format import format_bytes, format_count, format_number
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
@@ -222,19 +222,10 @@ def format_layer_map(cfg: K3Config, params: dict[int, int] | None = None) -> str
     return "\n".join(lines)
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> "1.5 KiB" (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 def format_checkpoint(summary: dict[str, Any]) -> list[str]:
     out = ["", f"-- checkpoint files (headers only): {summary['files']} file(s), {summary['tensors']:,} tensors, "
-           f"{human_bytes(summary['bytes_total'])} declared"]  # fmt: skip
-    out += [f"  {dtype:8s} {human_bytes(n):>12s}" for dtype, n in summary["bytes_by_dtype"].items()]
+           f"{format_bytes(summary['bytes_total'])} declared"]  # fmt: skip
+    out += [f"  {dtype:8s} {format_bytes(n):>12s}" for dtype, n in summary["bytes_by_dtype"].items()]
     skipped = summary["skipped_tensors"]
     if skipped:
         more = f" ... (+{len(skipped) - 6})" if len(skipped) > 6 else ""
