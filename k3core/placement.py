@@ -30,16 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import (
-    ProgressFn,
-    build_meta_model,
-    check_headers,
-    expected_tensors,
-    refuse_quantised_config,
-    stream_weights,
-    tqdm_progress,
-)
+from .checkpoint import build_meta_model, check_headers, refuse_quantised_config
 from .checkpoint_files import CheckpointFiles
+from .streaming import ProgressFn, published_tensors, stream_weights, tqdm_progress
 
 NO_SPLIT_MODULE_CLASSES = ["K3DecoderLayer"]
 # Modules that may be offloaded as a whole (used only through their forward); the rest stays resident.
@@ -209,7 +202,7 @@ def load_placed(
     files = CheckpointFiles.open(path)
     refuse_quantised_config(files.folder)
     model = build_meta_model(model_cls, files.config, dtype)
-    check_headers(files, expected_tensors(model))
+    check_headers(files, published_tensors(model))
     plan = plan_for_model(model, device, max_memory)
     _allocate(model, plan)
 

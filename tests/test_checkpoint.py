@@ -576,8 +576,8 @@ def test_nan_found_while_streaming_names_file_and_tensor(bad):
 
 
 def test_meta_build_reads_each_tensor_once(saved):
-    from k3core.checkpoint import materialise, stream_weights
     from k3core.checkpoint_files import CheckpointFiles
+    from k3core.streaming import materialise, stream_weights
 
     files = CheckpointFiles.open(saved[1])
     model = materialise(K3ForCausalLM.from_config(files.config, device="meta"), "cpu")
@@ -589,9 +589,10 @@ def test_meta_build_reads_each_tensor_once(saved):
 @pytest.mark.parametrize("tied", [False, True])
 def test_published_shapes_match_the_state_dict(tied):
     from k3core.checkpoint import published_shapes
+    from k3core.streaming import published_tensors
 
     model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", tie_word_embeddings=tied), device="meta")
-    want = {k: tuple(v.shape) for k, v in export_state_dict.__globals__["_published_tensors"](model).items()}
+    want = {k: tuple(v.shape) for k, v in published_tensors(model).items()}
     assert published_shapes(model) == want
 
 
@@ -621,8 +622,9 @@ def test_zero_copy_parameters_are_private_maps_of_the_file(saved, tokens):
     assert torch.equal(emb, model.model.embed_tokens.weight + 1.0)
     _assert_same_model(model, load_pretrained(path), tokens)
     # a copy loaded the other way round is the same model
-    from k3core.checkpoint import build_meta_model, materialise, stream_weights
+    from k3core.checkpoint import build_meta_model
     from k3core.checkpoint_files import CheckpointFiles
+    from k3core.streaming import materialise, stream_weights
 
     files = CheckpointFiles.open(path)
     copied = materialise(build_meta_model(K3ForCausalLM, files.config, None), "cpu")
