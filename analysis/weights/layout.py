@@ -1,0 +1,163 @@
+"""A checkpoint's layout from its tensor names and header shapes alone: which decoder layer a tensor is in,
+each layer's mixer (KDA / MLA) and FFN (dense / MoE), parameters by depth and kind, and which tensors the
+weight summary reads."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from k3core.config import K3Config
+
+EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+KINDS = ("KDA", "MLA", "dense FFN", "routed experts", "shared experts", "norms/other", "embedding / LM head")
+NORMS = {  # label -> tensor suffix inside a decoder layer
+    "input": "input_layernorm.weight",
+    "post_attention": "post_attention_layernorm.weight",
+    "kda_o_norm": "self_attn.o_norm.weight",
+    "latent_expert_norm": "block_sparse_moe.routed_expert_norm.weight",
+}
+
+
+def numel(meta: Any) -> int:
+    """Element count of a tensor meta: its ``numel``, else the product of its ``shape``."""
+    n = getattr(meta, "numel", None)
+    return int(n) if n is not None else int(np.prod(meta.shape, dtype=np.int64))
+
+
+def layer_of(name: str) -> tuple[int | None, str]:
+    """(decoder layer index, name inside the layer) for ``model.layers.i.<rest>``; (None, name) otherwise."""
+    # str methods, not a regex: this runs for every tensor name (250k for Kimi K3), several times
+    if not name.startswith("model.layers."):
+        return None, name
+    idx, _, rest = name[13:].partition(".")
+    return (int(idx), rest) if idx.isdigit() and rest else (None, name)
+
+
+def num_layers_of(names: Iterable[str], config: K3Config | None = None) -> int:
+    """Decoder layer count: the config's, else one more than the largest ``model.layers.i`` index."""
+    if config is not None:
+        return int(config.num_hidden_layers)
+    idx = [i for i, _ in map(layer_of, names) if i is not None]
+    return max(idx) + 1 if idx else 0
+
+
+def layer_structure(names: Iterable[str], config: K3Config | None = None) -> pd.DataFrame:
+    """Per decoder layer: mixer ("kda" if it has ``self_attn.A_log`` / ``dt_bias``, "mla" otherwise) and
+    ffn ("moe" if it has a router ``block_sparse_moe.gate.weight``, else "dense"). Without any
+    ``self_attn`` tensor in a layer the config decides."""
+    names = list(names)
+    n = num_layers_of(names, config)
+    kda, mla, moe = set(), set(), set()
+    for name in names:
+        i, rest = layer_of(name)
+        if i is None:
+            continue
+        if rest in ("self_attn.A_log", "self_attn.dt_bias"):
+            kda.add(i)
+        elif rest.startswith("self_attn."):
+            mla.add(i)
+        if rest == "block_sparse_moe.gate.weight":
+            moe.add(i)
+    rows = []
+    for i in range(n):
+        if i in kda:
+            mixer = "kda"
+        elif i in mla or config is None:
+            mixer = "mla"
+        else:
+            mixer = "mla" if config.is_mla_layer(i) else "kda"
+        rows.append({"layer": i, "mixer": mixer, "ffn": "moe" if i in moe else "dense"})
+    return pd.DataFrame(rows, columns=["layer", "mixer", "ffn"])
+
+
+def tensor_kind(name: str, mixer: str | None = None) -> str:
+    """Which part of the model a (canonical) tensor belongs to, for parameters by depth and kind:
+
+    - "KDA" / "MLA": ``self_attn.*`` of a KDA / MLA layer;
+    - "dense FFN": ``mlp.*`` (and transformers' dense ``block_sparse_moe.{gate,up,down}_proj``);
+    - "routed experts": the routed path of a MoE layer: router, selection bias, latent down/up projections
+      and norm, and the experts;
+    - "shared experts": ``block_sparse_moe.shared_experts.*``;
+    - "norms/other": layer norms, AttnRes pseudo-queries and key norms, scale/bias residuals, final norm
+      and the output mix;
+    - "embedding / LM head": ``model.embed_tokens``, ``lm_head``.
+    """
+    return _kind(layer_of(name)[1], mixer)
+
+
+_DENSE_UNDER_MOE = frozenset(f"block_sparse_moe.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
+def _kind(rest: str, mixer: str | None) -> str:
+    """tensor_kind from the name inside the layer (the whole name outside layers)."""
+    if rest.startswith("model.embed_tokens") or rest.startswith("lm_head"):
+        return "embedding / LM head"
+    if rest.startswith("self_attn."):
+        return "MLA" if mixer == "mla" else "KDA"
+    if rest.startswith("mlp.") or rest in _DENSE_UNDER_MOE:
+        return "dense FFN"
+    if rest.startswith("block_sparse_moe.shared_experts."):
+        return "shared experts"
+    if rest.startswith("block_sparse_moe."):
+        return "routed experts"
+    return "norms/other"
+
+
+def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.DataFrame:
+    """Parameters (elements, from header shapes) per depth and kind. Columns: layer (-1 = embedding,
+    n = output: LM head, final norm, output mix), depth ("embedding", "L0".., "output"), kind, params.
+    Only (depth, kind) pairs with parameters appear."""
+    mixers = dict(zip(structure["layer"], structure["mixer"]))
+    n = len(structure)
+    totals: dict[tuple[int, str], int] = {}
+    for name, meta in shapes.items():
+        i, rest = layer_of(name)
+        if i is None:
+            i = -1 if name.startswith("model.embed_tokens") else n
+        kind = _kind(rest, mixers.get(i))
+        totals[(i, kind)] = totals.get((i, kind), 0) + numel(meta)
+    rows = [
+        {"layer": i, "depth": _depth_label(i, n), "kind": kind, "params": p}
+        for (i, kind), p in sorted(totals.items(), key=lambda kv: (kv[0][0], KINDS.index(kv[0][1])))
+    ]
+    df = pd.DataFrame(rows, columns=["layer", "depth", "kind", "params"])
+    df.attrs["keys"] = ["layer", "depth", "kind"]
+    return df
+
+
+def _depth_label(i: int, n: int) -> str:
+    return "embedding" if i < 0 else ("output" if i >= n else f"L{i}")
+
+
+def small_tensor_names(names: Iterable[str], structure: pd.DataFrame) -> list[str]:
+    """The tensors a weight summary reads: KDA A_log / dt_bias, the norms of ``NORMS``, AttnRes
+    pseudo-queries, scale/bias residuals, router biases and router weights. Nothing else."""
+    wanted_rest = {
+        "self_attn.A_log",
+        "self_attn.dt_bias",
+        "self_attention_res_proj.weight",
+        "mlp_res_proj.weight",
+        "self_attention_res_scale",
+        "self_attention_res_bias",
+        "mlp_res_scale",
+        "mlp_res_bias",
+        "block_sparse_moe.gate.e_score_correction_bias",
+        "block_sparse_moe.gate.weight",
+        *NORMS.values(),
+    }
+    out = []
+    for name in names:
+        i, rest = layer_of(name)
+        if (i is not None and rest in wanted_rest) or name == "model.output_attn_res_proj.weight":
+            out.append(name)
+    return out
+
+
+def expert_tensor_names(names: Iterable[str]) -> list[str]:
+    """Every routed expert matrix (``model.layers.i.block_sparse_moe.experts.E.w{1,2,3}.weight``)."""
+    return [n for n in names if (lambda p: p[0] is not None and EXPERT_RE.match(p[1]))(layer_of(n))]
