@@ -229,3 +229,32 @@ def test_l2_norm_is_the_reference_form():
     # |x|^2 = 2.5e-7 for the small row: 5e-4 / sqrt(1.25e-6) = 0.4472..., F.normalize would give 1.0
     torch.testing.assert_close(got[0], torch.tensor([3e-4, 4e-4]) / (1.25e-6) ** 0.5)
     torch.testing.assert_close(got[1], torch.tensor([0.6, 0.8]))
+
+
+def test_transformers_bf16_shards_load_with_their_fp32_tensors(tmp_path):
+    """transformers' own bf16 save, sharded with an index: k3lab reads it in bf16 keeping the F32 tensors
+    in fp32, and in fp32 it gives transformers' fp32 logits from the same files."""
+    from k3core.checkpoint_files import CheckpointFiles, keep_fp32
+
+    torch.manual_seed(3)
+    model = KimiLinearForCausalLM(hf_config(**HF_CASES["q_lora"])).eval()
+    perturb(model, seed=4)
+    model.save_pretrained(tmp_path / "fp32")
+    # transformers' own bf16 load keeps its fp32 modules (router bias, dt_bias, ...) in fp32; its save keeps them
+    bf16 = KimiLinearForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
+    bf16.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    files = CheckpointFiles.open(tmp_path)
+    assert len(files.files) >= 2
+    stored = {name: info.dtype for name, info in files.tensors.items()}
+    assert stored["model.layers.4.block_sparse_moe.gate.e_score_correction_bias"] == "F32"
+    assert stored["model.layers.4.block_sparse_moe.experts.0.w1.weight"] == "BF16"
+    ours = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, value in ours.state_dict().items():
+        assert value.dtype == (torch.float32 if keep_fp32(name) else torch.bfloat16), name
+    x = ids()
+    theirs = KimiLinearForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = theirs(x).logits
+        got = K3ForCausalLM.from_pretrained(tmp_path)(x).logits
+    assert relative_difference(got, want) <= 1e-5
