@@ -111,13 +111,17 @@ def _refine(model: nn.Module, device_map: dict[str, str], main: str) -> dict[str
 
     An offloaded module's weights exist only inside its own forward call (accelerate's hook brings them
     in). The attention / FFN blocks and the LM head are used that way (the embedding too, but inputs go to
-    the device of the first parameter, so it stays resident); AttnRes
+    the device of the first parameter, so it stays resident; a tied LM head stays with it); AttnRes
     pseudo-queries, their norms and residual scales are read directly by the depth mix, so they (a few
     vectors per layer) stay resident on the main device."""
     offload = {"disk"} | ({"cpu"} if main != "cpu" else set())
+    tied = getattr(model.config, "tie_word_embeddings", False)
     out: dict[str, str] = {}
 
     def place(key: str, dev: str) -> None:
+        if tied and key == "lm_head" and dev in offload:
+            out[key] = main
+            return
         if dev not in offload or key.rpartition(".")[2] in OFFLOADABLE:
             out[key] = dev
             return

@@ -98,6 +98,15 @@ def test_disk_offload_gives_identical_logits_and_traces(saved, tmp_path, tokens)
     assert torch.equal(plain.generate(tokens, max_new_tokens=4), placed.generate(tokens, max_new_tokens=4))
 
 
+def test_tied_embeddings_offload(tmp_path, tokens):
+    model = nano_model(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "ckpt")
+    placed = K3ForCausalLM.from_pretrained(tmp_path / "ckpt", max_memory={"cpu": 1}, offload_folder=tmp_path / "o")
+    assert placed.placement.offloaded and placed.lm_head.weight is placed.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(placed(tokens).logits, model(tokens).logits)
+
+
 def test_temporary_offload_folder_goes_with_the_model(saved):
     import gc
 
