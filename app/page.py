@@ -17,7 +17,15 @@ from analysis.importance import sublayer_importance
 from analysis.views import AnalysisContext, View, all_views
 from app import caching, cards, uploads
 from app.caching import Loaded
-from app.inputs import LONG_INPUT_TOKENS, MAX_TOKENS_CAP, InputError, Inputs, TextChoice, current_inputs
+from app.inputs import (
+    LONG_INPUT_TOKENS,
+    MAX_TOKENS_CAP,
+    InputError,
+    Inputs,
+    TextChoice,
+    current_inputs,
+    options_key,
+)
 from app.links import SECTIONS
 from app.prefetch import prefetch
 from app.uploads import RunRef
@@ -210,6 +218,19 @@ def section_page(section: str, title: str, intro: str) -> None:
     run_line(loaded)
     render_section(section, loaded)
     prefetch_sections(loaded)
+
+
+def config_context(inputs: Inputs, ref: RunRef | None = None) -> Loaded:
+    """A context for views drawn from the config alone (the layer map): no tokens, no forward pass, so a
+    page can show them before it runs the model. The run must already be loaded (model_or_stop)."""
+    ref = ref or inputs.run
+    run = caching.load_run(ref, inputs.device, inputs.dtype)
+    options = inputs.options()
+    ctx = AnalysisContext(
+        trace=Trace(), config=run.config, metrics=run.metrics, label=ref.label, options=options, tokenizer=run.tokenizer
+    )
+    key = ("config", run.fingerprint, inputs.device, inputs.dtype, ref.label, options_key(options))
+    return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=None)
 
 
 def history_context(ref: RunRef, overlays: list[RunRef]) -> Loaded | None:

@@ -111,9 +111,23 @@ def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: fl
             proc.wait(timeout=15)
 
 
+# The page is done: the script run is over (Streamlit's own state attribute and its running widget),
+# no element of the previous run is left (stale), and every chart box holds a drawn plotly figure.
+DONE_JS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  const state = app && app.getAttribute('data-test-script-state');
+  if (!app || state === 'running' || state === 'rerunRequested') return false;
+  if (document.querySelector('[data-testid="stStatusWidget"]')) return false;
+  if (document.querySelector('[data-stale="true"]')) return false;
+  const boxes = document.querySelectorAll('[data-testid="stPlotlyChart"]').length;
+  const drawn = document.querySelectorAll('[data-testid="stPlotlyChart"] .js-plotly-plot').length;
+  return boxes === drawn;
+}"""
+
+
 def settle(page, timeout_ms: int = RENDER_TIMEOUT_MS) -> None:
-    """Wait until Streamlit has finished the script run (no 'running' status widget)."""
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_ms)
+    """Wait until the script run is over and the page is fully drawn (DONE_JS)."""
+    page.wait_for_function(DONE_JS, timeout=timeout_ms)
 
 
 def open_page(browser, url: str, timeout_ms: int = RENDER_TIMEOUT_MS):
@@ -129,7 +143,8 @@ def open_page(browser, url: str, timeout_ms: int = RENDER_TIMEOUT_MS):
 
 
 def switch_page(page, link: str, url_path: str, heading: str, timeout_ms: int = RENDER_TIMEOUT_MS) -> float:
-    """Click a sidebar page link; seconds until that page's heading, a chart, and the finished script run."""
+    """Click a sidebar page link; seconds until that page's heading is shown, its script run is over and every
+    chart on it is drawn (DONE_JS)."""
     start = time.perf_counter()
     page.get_by_role("link", name=link, exact=True).click()
     page.wait_for_url(f"**/{url_path}*", timeout=timeout_ms)

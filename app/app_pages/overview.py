@@ -56,26 +56,14 @@ c[4].metric(
 
 # ------------------------------------------------------------------- headline numbers
 st.markdown("#### Headline numbers")
-loaded = None
-if inputs.text_error:
-    st.error(inputs.text_error)
-else:
-    loaded = page.load_or_stop(inputs)
-    page.show_input_notes(loaded)
-    page.run_line(loaded)
-    cards.headline_metrics(loaded)
-    if loaded.ctx.token_strings is not None:  # the tokens the model read, as its own tokenizer splits them
-        with st.expander(f"Input tokens ({loaded.ctx.tokenizer.name})"):
-            st.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
+headline_box = st.container()  # filled last: the forward pass runs after everything drawn from the config
 
 # ------------------------------------------------------------------- layer map
 st.markdown("#### Layer map")
 st.markdown(cards.layer_badges(cfg))
 allocation = [v for v in cards.section_views("density") if v.key == LAYER_MAP_VIEW]
-if loaded is not None and allocation:
-    cards.render_view(allocation[0], loaded)
-if loaded is not None:
-    page.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read
+if allocation:
+    cards.render_view(allocation[0], page.config_context(inputs))
 with st.expander("Layer table"):
     st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
 
@@ -115,3 +103,17 @@ if inputs.text_error:
     st.caption(f"Not available: {inputs.text_error}")
 else:
     download_all([run], inputs.text)
+
+# ------------------------------------------------------------------- headline numbers (the forward pass)
+with headline_box:
+    if inputs.text_error:
+        st.error(inputs.text_error)
+    else:
+        loaded = page.load_or_stop(inputs)
+        page.show_input_notes(loaded)
+        page.run_line(loaded)
+        cards.headline_metrics(loaded)
+        if loaded.ctx.token_strings is not None:  # the tokens the model read, as its own tokenizer splits them
+            with st.expander(f"Input tokens ({loaded.ctx.tokenizer.name})"):
+                st.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
+        page.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read
