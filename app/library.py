@@ -428,8 +428,8 @@ class RunsLibrary:
         """A freshly initialised model of a named configuration (seeded), saved into the library."""
         import torch
 
-        from k3core.config import PRESETS
         from k3core.model import K3ForCausalLM
+        from k3core.presets import PRESETS
 
         if preset not in PRESETS:
             raise LibraryError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

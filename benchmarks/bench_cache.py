@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from k3core.config import K3Config
 from k3core.generate import decode_cache_bytes
+from k3core.presets import from_preset
 
 from .common import Row
 
@@ -27,7 +28,7 @@ def all_mla(config: K3Config) -> K3Config:
 
 
 def cache_rows(preset: str, device: str, lengths=LENGTHS, target_at: int = 131072) -> list[Row]:
-    cfg = K3Config.from_preset(preset)
+    cfg = from_preset(preset)
     rows = []
     for T in lengths:
         k3 = decode_cache_bytes(cfg, T, device=device)

@@ -31,6 +31,7 @@ from torch import nn
 
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 from .common import Row, inference, side_by_side
 
@@ -92,7 +93,7 @@ def ffn_active_weights(model: K3ForCausalLM, layer_idx: int) -> int:
 
 def baseline_for(config: K3Config | str) -> PlainTransformer:
     """The equal-width baseline of a K3 config, FFN widths matched to K3's active FFN weights."""
-    cfg = K3Config.from_preset(config) if isinstance(config, str) else config
+    cfg = from_preset(config) if isinstance(config, str) else config
     meta = K3ForCausalLM.from_config(cfg, device="meta")
     D = cfg.hidden_size
     widths = [max(64, round(ffn_active_weights(meta, i) / (3 * D) / 64) * 64) for i in range(cfg.num_hidden_layers)]
@@ -101,7 +102,7 @@ def baseline_for(config: K3Config | str) -> PlainTransformer:
 
 def matmul_weights_per_token(config: K3Config | str) -> int:
     """Active matmul weights per token: all nn.Linear (LM head included), routers, k of E experts, convs."""
-    cfg = K3Config.from_preset(config) if isinstance(config, str) else config
+    cfg = from_preset(config) if isinstance(config, str) else config
     model = K3ForCausalLM.from_config(cfg, device="meta")
     total = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
     for moe in model.moe_layers():
@@ -112,7 +113,7 @@ def matmul_weights_per_token(config: K3Config | str) -> int:
 
 def forward_flops_per_token(config: K3Config | str, T: int) -> dict[str, float]:
     """Forward FLOPs per token at sequence length T, by part (see the module docstring), and the total."""
-    cfg = K3Config.from_preset(config) if isinstance(config, str) else config
+    cfg = from_preset(config) if isinstance(config, str) else config
     n_mla = sum(cfg.is_mla_layer(i) for i in range(cfg.num_hidden_layers))
     n_kda = cfg.num_hidden_layers - n_mla
     H, d, C = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_chunk_size

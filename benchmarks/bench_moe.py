@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3core.config import K3Config
 from k3core.layers.moe import StackedExperts
+from k3core.presets import from_preset
 
 from .common import Row, inference, side_by_side
 
@@ -20,7 +20,7 @@ from .common import Row, inference, side_by_side
 def make_dispatch_problem(N: int, E: int, k: int, L: int = 384, m: int = 384, seed: int = 0):
     """(experts module, z [N, L], expert ids [N, k], weights [N, k]) with random weights and routing."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = K3Config.from_preset("k3-small", num_experts=E, num_experts_per_token=k)
+    cfg = from_preset("k3-small", num_experts=E, num_experts_per_token=k)
     ex = StackedExperts(cfg, E, L, m)
     with torch.no_grad():
         for p in ex.parameters():

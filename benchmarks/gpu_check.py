@@ -42,6 +42,7 @@ from k3core.config import K3Config  # noqa: E402
 from k3core.layers.moe import grouped_mm_available  # noqa: E402
 from k3core.model import K3ForCausalLM  # noqa: E402
 from k3core.ops.kda import _fla_chunk_kda, kda_chunk, kda_recurrent  # noqa: E402
+from k3core.presets import from_preset  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    cfg = K3Config.from_preset(args.preset)
+    cfg = from_preset(args.preset)
     report: dict = {"preset": args.preset, "device": str(device), "dtype": args.dtype}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)

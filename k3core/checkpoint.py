@@ -45,6 +45,7 @@ from .checkpoint_files import (
 )
 from .config import K3Config
 from .files import atomic_write_bytes
+from .hf_config import config_to_hf, hf_incompatibility
 from .streaming import ProgressFn, materialise, published_tensors, stream_weights, tqdm_progress
 
 __all__ = [
@@ -100,8 +101,8 @@ def save_pretrained(
     if config_format not in ("auto", "hf", "k3lab"):
         raise ValueError(f"config_format must be 'auto', 'hf' or 'k3lab', got {config_format!r}")
     config = model.config
-    hf = config_format == "hf" or (config_format == "auto" and config.hf_incompatibility() is None)
-    config_text = json.dumps(config.to_hf_dict(), indent=2) if hf else config.to_json()
+    hf = config_format == "hf" or (config_format == "auto" and hf_incompatibility(config) is None)
+    config_text = json.dumps(config_to_hf(config), indent=2) if hf else config.to_json()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     live = published_tensors(model)

@@ -28,10 +28,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .config import ConfigError, K3Config
+from .hf_config import config_from_hf, is_hf_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -194,6 +196,11 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
     return header, data_start
 
 
+def config_from_json(data: Any) -> K3Config:
+    """A parsed config.json as a K3Config: a Hugging Face Kimi K3 / Kimi Linear one, or k3lab's own."""
+    return config_from_hf(data) if is_hf_config(data) else K3Config.from_dict(data)
+
+
 def read_config(folder: Path) -> K3Config:
     """The K3Config of a checkpoint folder's config.json (k3lab's own or a Hugging Face one)."""
     cfg_path = folder / CONFIG_NAME
@@ -206,7 +213,7 @@ def read_config(folder: Path) -> K3Config:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{folder.name}/config.json is not valid JSON ({exc})") from exc
     try:
-        return K3Config.from_dict(data)
+        return config_from_json(data)
     except (ConfigError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{folder.name}/config.json: invalid config: {exc}") from exc
 

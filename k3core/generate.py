@@ -27,6 +27,7 @@ from .cache import K3Cache
 from .config import K3Config
 from .layers.kda import KDACache, KimiDeltaAttention
 from .layers.mla import MLACache, MultiHeadLatentAttention
+from .presets import from_preset
 from .tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["filter_logits", "next_token", "generate", "generate_text", "build_decode_cache", "decode_cache_bytes"]
@@ -207,7 +208,7 @@ def _attention_modules(
 ) -> tuple[K3Config, list[nn.Module], torch.dtype]:
     """(config, per-layer attention modules, activation dtype) from a model or a config / preset name."""
     if isinstance(model_or_config, (str, K3Config)):
-        cfg = K3Config.from_preset(model_or_config) if isinstance(model_or_config, str) else model_or_config
+        cfg = from_preset(model_or_config) if isinstance(model_or_config, str) else model_or_config
         dtype = dtype or torch.bfloat16
         # Attention shapes do not depend on the layer index: one module of each kind serves every layer.
         kinds = {}

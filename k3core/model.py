@@ -29,7 +29,7 @@ from torch import nn
 from . import trace as _trace
 from .cache import K3Cache
 from .checkpoint import build_meta_model, load_config, load_pretrained, save_pretrained
-from .config import PRESETS, K3Config
+from .config import K3Config
 from .generate import generate as _generate
 from .layers.ffn import GatedMLP
 from .layers.kda import KDACache, KimiDeltaAttention
@@ -38,6 +38,7 @@ from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
 from .ops.attnres import attnres_mix
 from .placement import Plan, load_placed, plan_for_model
+from .presets import PRESETS, from_preset
 from .trace import TraceNames
 
 
@@ -296,7 +297,7 @@ class K3ForCausalLM(nn.Module):
     ) -> K3ForCausalLM:
         """Build a randomly initialised model. ``device="meta"`` builds shapes only (any size)."""
         if isinstance(config, str):
-            config = K3Config.from_preset(config)
+            config = from_preset(config)
         if dtype is None:
             with torch.device(device):
                 return cls(config)
@@ -350,7 +351,7 @@ class K3ForCausalLM(nn.Module):
         if isinstance(path_or_config, K3Config):
             config = path_or_config
         elif isinstance(path_or_config, str) and path_or_config in PRESETS:
-            config = K3Config.from_preset(path_or_config)
+            config = from_preset(path_or_config)
         else:
             config = load_config(path_or_config)
         return plan_for_model(build_meta_model(cls, config, dtype), device, max_memory)

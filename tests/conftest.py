@@ -9,6 +9,7 @@ import torch
 
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 # The tests run tiny models on a small shared CPU: with several threads per process every small op pays for
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.
@@ -18,7 +19,7 @@ torch.set_num_threads(int(os.environ.get("K3LAB_TEST_THREADS", "1")))
 def nano_config(**overrides) -> K3Config:
     """The k3-nano preset (every mechanism on) with a small KDA chunk so that short inputs stay cheap."""
     overrides.setdefault("kda_chunk_size", 8)
-    return K3Config.from_preset("k3-nano", **overrides)
+    return from_preset("k3-nano", **overrides)
 
 
 def nano_model(seed: int = 0, **overrides) -> K3ForCausalLM:

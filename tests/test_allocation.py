@@ -7,14 +7,14 @@ import torch
 
 from analysis import allocation as al
 from k3core.cache import K3Cache
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 
 def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
     overrides.setdefault("kda_chunk_size", 16)
     torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", **overrides)).eval()
+    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
 
 
 def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
@@ -45,7 +45,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("preset,overrides", VARIANTS)
 def test_parameter_counts_match_the_model_per_layer_and_in_total(preset, overrides):
-    cfg = K3Config.from_preset(preset, **overrides)
+    cfg = from_preset(preset, **overrides)
     small = cfg.hidden_size <= 512  # build the small ones for real, the published sizes on the meta device
     model = K3ForCausalLM.from_config(cfg, device="cpu" if small else "meta")
     alloc = al.layer_allocation(cfg)
@@ -56,7 +56,7 @@ def test_parameter_counts_match_the_model_per_layer_and_in_total(preset, overrid
 
 
 def test_parameter_counts_match_kimi_k3_on_meta():
-    cfg = K3Config.from_preset("kimi-k3")
+    cfg = from_preset("kimi-k3")
     model = K3ForCausalLM.from_config(cfg, device="meta")
     alloc = al.layer_allocation(cfg)
     assert alloc["params"].sum() == model.num_parameters()
@@ -66,7 +66,7 @@ def test_parameter_counts_match_kimi_k3_on_meta():
 
 
 def test_allocation_columns_for_k3_nano_by_hand():
-    cfg = K3Config.from_preset("k3-nano")  # D 64, KDA H 2 d 16 conv 4, dense FFN 128 in layer 0
+    cfg = from_preset("k3-nano")  # D 64, KDA H 2 d 16 conv 4, dense FFN 128 in layer 0
     alloc = al.layer_allocation(cfg, seq_len=1000).set_index("part")
     # KDA matmuls: q,k,v,o 4*64*32 + convs 3*32*4 + f_a 64*16 + f_b 16*32 + b 64*2 + gate 64*32; FFN 3*64*128
     kda_mm = 4 * 64 * 32 + 3 * 32 * 4 + 64 * 16 + 16 * 32 + 64 * 2 + 64 * 32
@@ -84,14 +84,14 @@ def test_allocation_columns_for_k3_nano_by_hand():
 
 
 def test_decode_mode_counts_all_keys():
-    cfg = K3Config.from_preset("k3-nano")
+    cfg = from_preset("k3-nano")
     assert al.sequence_mixing_flops(cfg, 3, 100, mode="decode") == 2 * 2 * 40 * 100
     with pytest.raises(ValueError, match="mode"):
         al.sequence_mixing_flops(cfg, 3, 100, mode="train")
 
 
 def test_depth_mix_sources_follow_the_block_layout():
-    cfg = K3Config.from_preset("k3-nano")  # 4 layers, block size 2
+    cfg = from_preset("k3-nano")  # 4 layers, block size 2
     assert al.depth_mix_sources(cfg) == {
         "0.mlp": 2,
         "1.attn": 2,
@@ -102,7 +102,7 @@ def test_depth_mix_sources_follow_the_block_layout():
         "3.mlp": 3,
         "output": 3,
     }
-    assert al.depth_mix_sources(K3Config.from_preset("kimi-k3"))["output"] == 9
+    assert al.depth_mix_sources(from_preset("kimi-k3"))["output"] == 9
     full = al.depth_mix_sources(cfg.replace(residual="full_attnres"))
     assert full["1.attn"] == 3 and full["1.mlp"] == 4 and full["output"] == 9
     assert al.depth_mix_sources(cfg.replace(residual="plain")) == {}
@@ -120,7 +120,7 @@ def test_cache_bytes_match_a_real_decode_cache():
 
 
 def test_cache_bytes_by_length_kda_flat_mla_linear():
-    cfg = K3Config.from_preset("kimi-k3")
+    cfg = from_preset("kimi-k3")
     table = al.cache_bytes_by_length(cfg)
     assert table["seq_len"].min() == 1024 and table["seq_len"].max() == 2**20
     kda = table[table["layer_type"] == "KDA"].set_index("seq_len")["bytes_per_layer"]

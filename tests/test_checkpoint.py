@@ -21,8 +21,9 @@ from k3core.checkpoint import (
     save_pretrained,
 )
 from k3core.checkpoint_files import keep_fp32
-from k3core.config import K3Config
+from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 from .conftest import nano_model, randomize_attnres_queries
 
@@ -239,8 +240,8 @@ TINY_K3_TEXT = {
 
 def test_hf_k3_release_layout_loads(tmp_path, tokens):
     """config.json with a kimi_k3 wrapper, keys under language_model., A_log padded to head_dim with zeros."""
-    cfg = K3Config.from_dict({"model_type": "kimi_k3", "text_config": TINY_K3_TEXT})
-    assert cfg.replace(name="k3-nano") == K3Config.from_preset("k3-nano")
+    cfg = config_from_hf({"model_type": "kimi_k3", "text_config": TINY_K3_TEXT})
+    assert cfg.replace(name="k3-nano") == from_preset("k3-nano")
     torch.manual_seed(0)
     model = K3ForCausalLM.from_config(cfg).eval()
     tensors = {}
@@ -591,7 +592,7 @@ def test_published_shapes_match_the_state_dict(tied):
     from k3core.checkpoint import published_shapes
     from k3core.streaming import published_tensors
 
-    model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", tie_word_embeddings=tied), device="meta")
+    model = K3ForCausalLM.from_config(from_preset("k3-nano", tie_word_embeddings=tied), device="meta")
     want = {k: tuple(v.shape) for k, v in published_tensors(model).items()}
     assert published_shapes(model) == want
 
@@ -654,7 +655,7 @@ def test_peak_host_memory_is_about_the_model(tmp_path, dtype):
     import subprocess
     import sys
 
-    cfg = K3Config.from_preset("k3-nano", vocab_size=16384, hidden_size=512, intermediate_size=2048, num_experts=0,
+    cfg = from_preset("k3-nano", vocab_size=16384, hidden_size=512, intermediate_size=2048, num_experts=0,
                                kda_num_heads=4, kda_head_dim=64, num_attention_heads=4, residual="plain")  # fmt: skip
     torch.manual_seed(0)
     K3ForCausalLM.from_config(cfg).save_pretrained(tmp_path)

@@ -17,12 +17,12 @@ from k3core.checkpoint_files import (
     keep_fp32,
     read_safetensors_header,
 )
-from k3core.config import K3Config
+from k3core.presets import from_preset
 
 
 @pytest.fixture
 def folder(tmp_path):
-    cfg = K3Config.from_preset("k3-nano")
+    cfg = from_preset("k3-nano")
     (tmp_path / "config.json").write_text(cfg.to_json())
     return tmp_path
 

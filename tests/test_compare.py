@@ -16,8 +16,8 @@ from analysis.difference import difference_table
 from analysis.figures import degradation as fig_dg
 from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext, Comparison, NotApplicable, View, all_views
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 IDS = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
 METRICS_A = {
@@ -31,7 +31,7 @@ METRICS_B = {
 def nano(seed: int, **overrides) -> K3ForCausalLM:
     torch.manual_seed(seed)
     overrides.setdefault("kda_chunk_size", 16)
-    return K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", **overrides)).eval()
+    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import pytest
 
 from analysis.figures import attnres as fa
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.config import K3Config
+from k3core.presets import from_preset
 from k3core.trace import Trace, names
 from tests.test_attnres import _hand_trace, _record, _run
 
 VIEW = {v.key: v for v in fa.VIEWS}
-CONFIG = K3Config.from_preset("k3-nano")
+CONFIG = from_preset("k3-nano")
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ from analysis.figures import degradation as fig_dg
 from analysis.headline import degradation_summary, headline_numbers
 from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 from k3core.trace import Trace, names
 
 
 @pytest.fixture(scope="module")
 def nano_ctx() -> AnalysisContext:
     torch.manual_seed(0)
-    model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", kda_chunk_size=16)).eval()
+    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     return trace_run(run_from_model(model), ids, what="all", label="nano")
 
@@ -89,7 +89,7 @@ def test_attention_views_show_hand_computed_numbers():
     sink[:, 0] = 1.0  # every query on token 0
     tr = Trace(meta={"layer_types": ["KDA", "MLA"], "what": ["attn_probs"]})
     tr.add(names.mla_attn(1), np.stack([uniform, sink])[None], ("batch", "head", "query", "key"))
-    ctx = AnalysisContext(trace=tr, config=K3Config.from_preset("k3-nano"), label="hand")
+    ctx = AnalysisContext(trace=tr, config=from_preset("k3-nano"), label="hand")
     fig, _ = fig_dg.build_entropy_heatmap(ctx)
     np.testing.assert_allclose(np.asarray(fig.data[0].z, dtype=float), [[1.0, 0.0]], atol=1e-12)
     fig, _ = fig_dg.build_sink_mass(ctx)
@@ -108,7 +108,7 @@ def test_hidden_state_views_show_hand_computed_numbers():
     h[1, 0] = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]
     tr = Trace(meta={"layer_types": ["KDA"]})
     tr.add(names.HIDDEN, h, ("depth", "batch", "token", "hidden"))
-    ctx = AnalysisContext(trace=tr, config=K3Config.from_preset("k3-nano"), label="hand")
+    ctx = AnalysisContext(trace=tr, config=from_preset("k3-nano"), label="hand")
     fig, _ = fig_dg.build_rank_collapse(ctx)
     assert list(fig.data[0].y)[0] == 0.0 and list(fig.data[2].y)[0] == pytest.approx(1.0)
     # final: cosines (1,2) = 0, (1,3) = -1, (2,3) = 0: mean over the 3 pairs -1/3

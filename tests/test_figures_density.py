@@ -9,15 +9,15 @@ import torch
 from analysis import kda_memory as km
 from analysis.figures import density as fd
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 from k3core.trace import Trace, names, record
 
 
 def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
     overrides.setdefault("kda_chunk_size", 16)
     torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", **overrides)).eval()
+    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
 
 
 def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
@@ -94,7 +94,7 @@ def test_kda_views_pool_heads_per_layer_when_there_are_many(nano_run, monkeypatc
 
 
 def test_density_views_show_hand_computed_numbers():
-    cfg = K3Config.from_preset("k3-nano")
+    cfg = from_preset("k3-nano")
     ctx = AnalysisContext(trace=Trace(), config=cfg, label="hand", options={"seq_len": 1000})
     fig, table = fd.build_allocation(ctx)
     # decode cache per sequence, by hand: a KDA layer holds its fp32 state 4 H d^2 plus bf16 conv tails

@@ -6,11 +6,11 @@ import pytest
 
 from analysis.figures import history as fig_hist
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.config import K3Config
+from k3core.presets import from_preset
 from k3core.trace import Trace
 from tests.test_history import METRICS, NATIVE
 
-CONFIG = K3Config.from_preset("k3-nano")
+CONFIG = from_preset("k3-nano")
 
 
 def test_history_views_draw_the_native_metrics():

@@ -9,17 +9,17 @@ import torch
 from analysis import moe as mo
 from analysis.figures import moe as fm
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 from k3core.trace import Trace, names, record
 
 VIEW = {v.key: v for v in fm.VIEWS}
-CONFIG = K3Config.from_preset("k3-nano")
+CONFIG = from_preset("k3-nano")
 
 
 def _record(seed: int = 0, T: int = 32, **overrides):
     overrides.setdefault("kda_chunk_size", 16)
-    cfg = K3Config.from_preset("k3-nano", **overrides)
+    cfg = from_preset("k3-nano", **overrides)
     torch.manual_seed(seed)
     model = K3ForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(seed))

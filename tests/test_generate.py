@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from k3core.cache import K3Cache
-from k3core.config import K3Config
 from k3core.generate import (
     build_decode_cache,
     decode_cache_bytes,
@@ -18,6 +17,7 @@ from k3core.generate import (
 from k3core.layers.kda import KDACache
 from k3core.layers.mla import MLACache
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
 # fp32. Cached decoding and the full forward take different code paths (recurrent vs chunked KDA, conv tails,
@@ -29,7 +29,7 @@ TOL = 1e-5
 def make_model(residual: str = "block_attnres", seed: int = 0, **overrides) -> K3ForCausalLM:
     """k3-nano (KDA layers 1-3, MLA layer 4), chunk 8 so that short prompts span several KDA chunks,
     with a larger init and random residual parameters so that every path carries signal."""
-    cfg = K3Config.from_preset("k3-nano", residual=residual, kda_chunk_size=8, initializer_range=0.05, **overrides)
+    cfg = from_preset("k3-nano", residual=residual, kda_chunk_size=8, initializer_range=0.05, **overrides)
     torch.manual_seed(seed)
     model = K3ForCausalLM.from_config(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -246,7 +246,7 @@ def test_build_decode_cache_matches_a_real_run():
 
 
 def test_decode_cache_bytes_of_a_config_on_meta():
-    cfg = K3Config.from_preset("k3-small")
+    cfg = from_preset("k3-small")
     all_mla = cfg.replace(full_attn_layers=list(range(1, cfg.num_hidden_layers + 1)))
     a, b = decode_cache_bytes(cfg, 4096), decode_cache_bytes(cfg, 8192)
     n_mla = len(cfg.full_attn_layers)

@@ -11,8 +11,8 @@ import torch
 from analysis import headline as hl
 from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 from k3core.trace import Trace, names
 
 METRICS = {"history": [{"step": 10, "val_bpb": 3.2}, {"step": 20, "val_bpb": 2.9}]}
@@ -56,7 +56,7 @@ def test_attnres_embedding_weight_hand_case():
 
 def test_headline_numbers_of_a_real_trace():
     torch.manual_seed(0)
-    model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", kda_chunk_size=16)).eval()
+    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     ctx = trace_run(run_from_model(model, metrics=METRICS), ids, label="A")
     h = hl.headline_numbers(ctx)
@@ -77,7 +77,7 @@ def test_headline_numbers_of_a_real_trace():
 def test_headline_numbers_without_optional_data():
     tr = Trace()
     tr.add(names.TOKENS, np.zeros((1, 3), dtype=np.int64), ("batch", "token"))
-    ctx = AnalysisContext(trace=tr, config=K3Config.from_preset("k3-nano"), label="bare")
+    ctx = AnalysisContext(trace=tr, config=from_preset("k3-nano"), label="bare")
     h = hl.headline_numbers(ctx)
     assert math.isnan(h["loss"]) and math.isnan(h["sink_rate"]) and math.isnan(h["moe_maxvio_max"])
     assert math.isnan(h["kda_horizon_median"]) and h["tokens"] == 3

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from k3core.config import K3Config
+from k3core.hf_config import hf_incompatibility
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -214,8 +216,8 @@ def test_k3lab_save_loads_in_transformers_with_the_same_logits(case, tmp_path):
 
 
 def test_non_kimi_linear_configs_keep_the_k3lab_config(tmp_path):
-    cfg = K3Config.from_preset("k3-nano")
-    assert cfg.hf_incompatibility() is not None
+    cfg = from_preset("k3-nano")
+    assert hf_incompatibility(cfg) is not None
     K3ForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == cfg.to_dict()
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from analysis import importance as im
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 
 def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
     overrides.setdefault("kda_chunk_size", 16)
     torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", **overrides)).eval()
+    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
 
 
 def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:

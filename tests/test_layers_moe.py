@@ -9,17 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from k3core import trace as trace_mod
-from k3core.config import K3Config
 from k3core.layers.ffn import activation
 from k3core.layers.moe import LatentMoE, grouped_mm_available
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 from .conftest import nano_model
 
 
 def make_moe(k: int = 2, E: int = 8, seed: int = 0, **overrides) -> LatentMoE:
     """The first LatentMoE of a k3-nano with k of E experts, weights re-drawn large enough to matter."""
-    cfg = K3Config.from_preset("k3-nano", num_experts=E, num_experts_per_token=k, **overrides)
+    cfg = from_preset("k3-nano", num_experts=E, num_experts_per_token=k, **overrides)
     torch.manual_seed(seed)
     moe = K3ForCausalLM.from_config(cfg).moe_layers()[0]
     gen = torch.Generator().manual_seed(seed)

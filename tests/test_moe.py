@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from analysis import moe as mo
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 from k3core.trace import Trace, record
 
 
 def _record(seed: int = 0, T: int = 32, **overrides):
     overrides.setdefault("kda_chunk_size", 16)
-    cfg = K3Config.from_preset("k3-nano", **overrides)
+    cfg = from_preset("k3-nano", **overrides)
     torch.manual_seed(seed)
     model = K3ForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(seed))

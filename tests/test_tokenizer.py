@@ -335,11 +335,11 @@ def test_digest_follows_the_files(tmp_path, bpe_folder):
 
 # ----------------------------------------------------------------------------- a run's tokenizer (analysis.runs)
 def _save_nano(folder: Path, vocab_size: int) -> Path:
-    from k3core.config import K3Config
     from k3core.model import K3ForCausalLM
+    from k3core.presets import from_preset
 
     torch.manual_seed(0)
-    cfg = K3Config.from_preset("k3-nano", kda_chunk_size=16, vocab_size=vocab_size)
+    cfg = from_preset("k3-nano", kda_chunk_size=16, vocab_size=vocab_size)
     K3ForCausalLM.from_config(cfg).save_pretrained(folder)
     return folder
 

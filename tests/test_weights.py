@@ -21,7 +21,9 @@ import torch
 from analysis import weights as wt
 from analysis.views import AnalysisContext, NotApplicable
 from k3core.config import K3Config
+from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = sorted(p for p in (ROOT / "sample_checkpoints").iterdir() if (p / "config.json").is_file())
@@ -146,7 +148,7 @@ def test_kimi_linear_layout_softplus_gate(tmp_path):
     from safetensors.torch import save_file
 
     torch.manual_seed(3)
-    cfg = K3Config.from_preset("k3-nano", kda_gate="softplus", residual="plain")
+    cfg = from_preset("k3-nano", kda_gate="softplus", residual="plain")
     model = K3ForCausalLM.from_config(cfg).eval()
     folder = model.save_pretrained(tmp_path / "kimi-linear-like")
     state = {}
@@ -398,9 +400,9 @@ def sparse_k3(tmp_path_factory) -> SparseK3:
     tmp_path = tmp_path_factory.mktemp("sparse-k3")
     usage = os.statvfs(tmp_path)
     assert usage.f_bavail * usage.f_frsize > 2 * 1024**3, "needs about 200 MB of real disk (plus headroom)"
-    cfg = K3Config.from_preset("kimi-k3")
+    cfg = from_preset("kimi-k3")
     hf = kimi_k3_hf_config(cfg)
-    assert K3Config.from_dict(hf).to_dict() | {"name": ""} == cfg.to_dict() | {"name": "", "balancing": "sign"}
+    assert config_from_hf(hf).to_dict() | {"name": ""} == cfg.to_dict() | {"name": "", "balancing": "sign"}
     with torch.device("meta"):
         meta = K3ForCausalLM(cfg)
     shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from ..config import PRESETS, ConfigError, K3Config
+from ..checkpoint_files import config_from_json
+from ..config import ConfigError, K3Config
 from ..data import Corpus, load_shakespeare, load_text_path
+from ..presets import PRESETS, from_preset
 
 #: TrainConfig fields that may change when resuming: they do not change the weights a run ends with.
 RUNTIME_FIELDS = frozenset(
@@ -166,12 +168,12 @@ def resolve_model_config(spec: str, overrides: dict[str, Any] | None = None) -> 
     """A K3Config from a preset name, a config.json path or a checkpoint folder, with field overrides."""
     path = Path(spec)
     if spec in PRESETS:
-        cfg = K3Config.from_preset(spec)
+        cfg = from_preset(spec)
     elif path.is_dir() and (path / "config.json").is_file():
-        cfg = K3Config.load(path / "config.json")
+        cfg = config_from_json(json.loads((path / "config.json").read_text()))
     elif path.is_file():
         try:
-            cfg = K3Config.load(path)
+            cfg = config_from_json(json.loads(path.read_text()))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TrainError(f"{path}: not a JSON config ({exc})") from exc
     else:
