@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from benchmarks import bench_cache, bench_forward, bench_moe, gpu_check, run_all
 from benchmarks.bench_decode import generate_uncached
 from benchmarks.common import Row, side_by_side
 from k3core.cache import K3Cache
-from k3core.config import K3Config
 from k3core.generate import generate
+from k3core.layers.kda import l2_norm
 from k3core.model import K3ForCausalLM
 from k3core.ops.kda import kda_recurrent
+from k3core.presets import from_preset
 from k3core.trace import record
 
 
@@ -54,7 +54,7 @@ def test_flop_count_matches_published_active_size_and_attention_term():
     flops = bench_forward.forward_flops_per_token("kimi-k3", 4096)
     # matmuls = 2 * active weights; Kimi K3 has about 104B active parameters (reference, section 1)
     assert 2 * 100e9 < flops["matmul"] < 2 * 108e9
-    cfg = K3Config.from_preset("k3-small")
+    cfg = from_preset("k3-small")
     a, b = (bench_forward.forward_flops_per_token(cfg, T) for T in (511, 1023))
     assert b["mla_attention"] - a["mla_attention"] == 3 * 6 * (96 + 128) * 512  # 3 MLA layers, 6 heads
     assert a["kda_chunked"] == b["kda_chunked"] == 9 * 6 * (8 * 64 * 128 + 6 * 128**2 + 2 * 64**2 / 3)
@@ -121,7 +121,7 @@ def test_suite_cli_runs_one_suite(capsys):
 
 def test_trace_state_norms_match_a_recurrent_reference():
     """kda.i.state_norm (from affine chunk maps) equals ||S|| at chunk ends of the token-by-token recurrence."""
-    cfg = K3Config.from_preset("k3-nano", kda_chunk_size=8)
+    cfg = from_preset("k3-nano", kda_chunk_size=8)
     torch.manual_seed(0)
     model = K3ForCausalLM.from_config(cfg).eval()
     layer = model.model.layers[1].self_attn
@@ -135,8 +135,8 @@ def test_trace_state_norms_match_a_recurrent_reference():
     B, T, _ = x.shape
     H, d = layer.num_heads, layer.head_dim
     with torch.no_grad():
-        q = F.normalize(layer.q_conv1d(layer.q_proj(x))[0].view(B, T, H, d), dim=-1, eps=1e-6)
-        k = F.normalize(layer.k_conv1d(layer.k_proj(x))[0].view(B, T, H, d), dim=-1, eps=1e-6)
+        q = l2_norm(layer.q_conv1d(layer.q_proj(x))[0].view(B, T, H, d))
+        k = l2_norm(layer.k_conv1d(layer.k_proj(x))[0].view(B, T, H, d))
         v = layer.v_conv1d(layer.v_proj(x))[0].view(B, T, H, d)
         beta, g = torch.sigmoid(layer.b_proj(x)), layer.decay(x)
         want, state = [], None
