@@ -23,6 +23,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+from analysis.cli_options import add_device_options
 from analysis.format import format_bytes, format_count, format_number
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--text", metavar="FILE", help="load the model and trace this text for headline numbers")
     src.add_argument("--sample", metavar="NAME", choices=SAMPLES, help="load the model and trace a built-in input")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens for the quick trace")
-    p.add_argument("--device", default="cpu", help="device for --text/--sample: cpu, cuda:0, or auto (accelerate)")
+    add_device_options(p, when="with --text/--sample: ")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
 
@@ -295,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     from analysis import runs as runs_mod
     from analysis.history import final_numbers
     from k3core.checkpoint import CheckpointError
-    from k3core.config import PRESETS
     from k3core.model import K3ForCausalLM
+    from k3core.presets import PRESETS
 
     path = Path(args.run)
     training = headline = checkpoint = None
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics, _ = runs_mod.read_metrics(path)
             training = final_numbers(metrics) if metrics else None
             if args.text or args.sample:
-                run = runs_mod.load_run(path, device=args.device)
+                run = runs_mod.load_run(path, device=args.device, dtype=args.dtype)
                 configure_threads(run.model)
                 if args.text:
                     sample = runs_mod.text_input(

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from analysis.cli_options import add_device_options
 from analysis.report_html import Entry, render_html
 from analysis.views import AnalysisContext, View
 from k3core.runtime import configure_threads
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
     p.add_argument("--no-static", action="store_true", help="skip PNG/SVG export (no browser start; fastest)")
+    add_device_options(p)
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = []
         for path in args.runs:
-            runs.append(runs_mod.load_run(path))
+            runs.append(runs_mod.load_run(path, device=args.device, dtype=args.dtype))
             configure_threads(runs[-1].model)
             progress.update(1)
         timings["load"] = time.perf_counter() - t_start
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": headlines,
         "input": {"name": sample.name, "description": sample.description, "tokens": int(sample.input_ids.shape[1])},
         "checkpoints": [
-            {"label": lab, "path": str(r.path), "fingerprint": r.fingerprint} for r, lab in zip(runs, labels)
+            {"label": lab, "path": str(r.path), "fingerprint": r.fingerprint, "device": r.device, "dtype": r.dtype}
+            for r, lab in zip(runs, labels)
         ],
     }
     if len(headlines) == 2:

@@ -1,12 +1,12 @@
 """The ``k3lab`` command: one entry point wiring the same functions the app uses.
 
-    k3lab app [RUN ...]        open the Streamlit app (default: the shipped sample checkpoints)
-    k3lab train ...            train a config (see k3lab train --help)
-    k3lab report RUN [RUN2]    headless HTML report with every figure and its data
-    k3lab inspect RUN          config, parameter counts, layer map, headline numbers
-    k3lab weights PATH --out DIR   weight-only diagnostics of a checkpoint of any size (no model built)
-    k3lab generate RUN         sample text from a checkpoint
-    k3lab presets              list the named configurations and their sizes
+k3lab app [RUN ...]        open the Streamlit app (default: the shipped sample checkpoints)
+k3lab train ...            train a config (see k3lab train --help)
+k3lab report RUN [RUN2]    headless HTML report with every figure and its data
+k3lab inspect RUN          config, parameter counts, layer map, headline numbers
+k3lab weights PATH --out DIR   weight-only diagnostics of a checkpoint of any size (no model built)
+k3lab generate RUN         sample text from a checkpoint
+k3lab presets              list the named configurations and their sizes
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from analysis.cli_options import add_device_options
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = REPO_ROOT / "sample_checkpoints"
@@ -135,29 +137,6 @@ def cmd_app(argv: list[str]) -> int:
         return 0
 
 
-DEVICE_HELP = (
-    "cpu (default), a GPU such as cuda:0, or auto: spread the decoder layers over every visible GPU, then "
-    "the CPU, then --offload-folder on disk (accelerate), printing the plan first"
-)
-
-
-def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """--device / --dtype / --offload-folder for a command that loads a model."""
-    parser.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="weights dtype (default float32); gates, convolutions and router biases stay float32",
-    )
-    parser.add_argument(
-        "--offload-folder",
-        default=None,
-        metavar="DIR",
-        help="with --device auto: where weights that fit on no device go (default: a temp folder)",
-    )
-
-
 def load_model_for_cli(args: argparse.Namespace, prog: str):
     """K3ForCausalLM.from_pretrained(args.run) with the device options and a tqdm progress bar on stderr;
     with --device auto the placement plan (bytes per device, layers) is printed before loading."""
@@ -189,7 +168,7 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    add_device_options(parser)
+    add_device_options(parser, offload_folder=True)
     args = parser.parse_args(argv)
 
     from k3core.checkpoint import CheckpointError
@@ -238,15 +217,21 @@ skipped with a message). Exit codes: 0 done, 1 some figure failed, 2 bad checkpo
 
 
 def cmd_weights(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="k3lab weights", description=WEIGHTS_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", metavar="PATH",
-                        help="checkpoint folder (config.json + model.safetensors, or shards + index; the Kimi K3 "
-                        "repo's language_model. prefix and vision tensors are handled) or one .safetensors file")
+    parser = argparse.ArgumentParser(
+        prog="k3lab weights", description=WEIGHTS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint folder (config.json + model.safetensors, or shards + index; the Kimi K3 "
+        "repo's language_model. prefix and vision tensors are handled) or one .safetensors file",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
-    parser.add_argument("--experts", action="store_true",
-                        help="also read every routed expert matrix for per-expert weight norms (reads most of "
-                        "the checkpoint)")
+    parser.add_argument(
+        "--experts",
+        action="store_true",
+        help="also read every routed expert matrix for per-expert weight norms (reads most of the checkpoint)",
+    )
     parser.add_argument("--no-static", action="store_true", help="skip PNG/SVG (no browser start; fastest)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -264,13 +249,23 @@ def cmd_weights(argv: list[str]) -> int:
     except CheckpointError as exc:
         print(f"k3lab weights: {exc}", file=sys.stderr)
         return 2
-    print(f"k3lab weights: {len(source.tensors):,} tensors, {wt.human_bytes(source.bytes_total)} declared"
-          + (f", {len(source.skipped)} skipped (not the text model)" if source.skipped else ""))
+    print(
+        f"k3lab weights: {len(source.tensors):,} tensors, {wt.human_bytes(source.bytes_total)} declared"
+        + (f", {len(source.skipped)} skipped (not the text model)" if source.skipped else "")
+    )
     if args.experts:
         n = wt.expert_bytes(source)
         print(f"k3lab weights: --experts will read {n:,} bytes ({wt.human_bytes(n)}) of expert matrices")
-    bar = tqdm(total=0, desc="reading", unit="B", unit_scale=True, unit_divisor=1024, disable=args.quiet,
-               file=sys.stderr, leave=False)
+    bar = tqdm(
+        total=0,
+        desc="reading",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=args.quiet,
+        file=sys.stderr,
+        leave=False,
+    )
 
     def progress(done: int, total: int) -> None:
         bar.total = total
@@ -288,12 +283,18 @@ def cmd_weights(argv: list[str]) -> int:
     bar.close()
     result = wt.write_outputs(summary, args.out, static=not args.no_static)
     share = 100 * summary.bytes_read / max(summary.bytes_total, 1)
-    print(f"k3lab weights: read {wt.human_bytes(summary.bytes_read)} ({share:.4f}% of declared) in "
-          f"{summary.seconds:.2f} s; {summary.total_params:,} parameters in {summary.num_layers} layers")
+    print(
+        f"k3lab weights: read {wt.human_bytes(summary.bytes_read)} ({share:.4f}% of declared) in "
+        f"{summary.seconds:.2f} s; {summary.total_params:,} parameters in {summary.num_layers} layers"
+    )
     for note in summary.notes:
         print(f"k3lab weights: note: {note}")
-    static_msgs = {m for files in result["figures"].values() for f, m in files.items()
-                   if f in ("png", "svg") and not isinstance(m, Path)}
+    static_msgs = {
+        m
+        for files in result["figures"].values()
+        for f, m in files.items()
+        if f in ("png", "svg") and not isinstance(m, Path)
+    }
     for message in sorted(static_msgs)[:1]:
         print(f"k3lab weights: PNG/SVG not written: {message}", file=sys.stderr)
     for key, message in result["errors"].items():
@@ -305,8 +306,8 @@ def cmd_weights(argv: list[str]) -> int:
 def cmd_presets(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
     from analysis.format import format_count
-    from k3core.config import PRESETS
     from k3core.model import K3ForCausalLM
+    from k3core.presets import PRESETS
 
     print(f"{'preset':18s} {'layers':>6s} {'width':>6s} {'total':>12s} {'active':>12s}  layout")
     for name in PRESETS:

@@ -12,8 +12,8 @@ from analysis import inspect as insp
 from analysis import report, runs
 from analysis.views import all_views
 from k3core.checkpoint import CheckpointError
-from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
+from k3core.presets import from_preset
 
 METRICS = {
     "history": [
@@ -26,7 +26,7 @@ FAST = ["--no-static", "--max-tokens", "40", "--skip-model-views", "--quiet"]
 
 def save_nano(path, seed: int, metrics: dict | None = None):
     torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(K3Config.from_preset("k3-nano", kda_chunk_size=16))
+    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16))
     model.save_pretrained(path)
     if metrics is not None:
         (path / "metrics.json").write_text(json.dumps(metrics))
@@ -101,13 +101,19 @@ def test_report_bad_inputs_exit_2(ckpts, tmp_path, capsys):
 
 
 def test_report_on_a_text_file(ckpts, tmp_path):
+    """Through the k3lab command, with the device options generate has: the run is loaded as asked."""
+    from k3lab.cli import main as k3lab_main
+
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 3)
     out = tmp_path / "txt"
-    assert report.main([str(ckpts[1]), "--text", str(text), "--out", str(out), "--views", "degradation", *FAST]) == 0
+    args = [str(ckpts[1]), "--text", str(text), "--out", str(out), "--views", "degradation"]
+    assert k3lab_main(["report", *args, "--device", "cpu", "--dtype", "float32", *FAST]) == 0
     page = (out / "report.html").read_text()
     assert "To be, or not to be" in page and 'id="fig-degradation_sink"' in page
     assert 'id="fig-history_curves"' not in page  # not selected
+    checkpoint = json.loads((out / "headline.json").read_text())["checkpoints"][0]
+    assert (checkpoint["device"], checkpoint["dtype"]) == ("cpu", "float32")
 
 
 @pytest.mark.browser
@@ -143,7 +149,7 @@ def test_load_run_and_samples(ckpts):
     with pytest.raises(ValueError, match="unknown sample"):
         runs.sample_input("nope", run.config)
     with pytest.raises(ValueError, match="vocab"):
-        runs.encode_text("hello", K3Config.from_preset("k3-nano", vocab_size=512))
+        runs.encode_text("hello", from_preset("k3-nano", vocab_size=512))
     with pytest.raises(CheckpointError):
         runs.load_run(ckpts[0] / "missing")
 
@@ -152,7 +158,7 @@ def test_load_run_and_samples(ckpts):
 def test_inspect_prints_config_params_and_layer_map(ckpts, capsys):
     assert insp.main([str(ckpts[0])]) == 0
     text = capsys.readouterr().out
-    cfg = K3Config.from_preset("k3-nano")
+    cfg = from_preset("k3-nano")
     assert "-- layer map" in text and "attnres block" in text and "+-- block 1" in text
     for i in range(cfg.num_hidden_layers):
         mixer = "MLA" if cfg.is_mla_layer(i) else "KDA"
@@ -168,5 +174,10 @@ def test_inspect_parameter_counts_add_up(ckpts, capsys):
     assert insp.main([str(ckpts[0]), "--json", "--sample", "shakespeare", "--max-tokens", "32"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["headline"]["tokens"] == 32 and len(data["layer_map"]) == model.config.num_hidden_layers
+    # --dtype reaches the model: bf16 weights move the loss a little, never by much
+    args = [str(ckpts[0]), "--json", "--sample", "shakespeare", "--max-tokens", "32", "--device", "cpu"]
+    assert insp.main([*args, "--dtype", "bfloat16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)["headline"]["loss"]
+    assert bf16 != data["headline"]["loss"] and bf16 == pytest.approx(data["headline"]["loss"], rel=1e-2)
     assert insp.main(["k3-mini"]) == 0 and "preset k3-mini" in capsys.readouterr().out
     assert insp.main([str(ckpts[0] / "nope")]) == 2

@@ -1,0 +1,37 @@
+"""The --device / --dtype (/ --offload-folder) options of every command that loads a model: k3lab generate,
+report and inspect. Kept free of torch so that ``k3lab --help`` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+def add_device_options(parser: argparse.ArgumentParser, offload_folder: bool = False, when: str = "") -> None:
+    """Add --device (cpu, cuda, cuda:N, auto) and --dtype; with ``offload_folder`` also --offload-folder.
+    ``when`` prefixes the help (e.g. "with --text/--sample: ") for commands that load a model only sometimes."""
+    auto = (
+        "then --offload-folder on disk (accelerate), printing the plan first"
+        if offload_folder
+        else "then a temporary folder on disk (accelerate)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help=f"{when}cpu (default), a GPU such as cuda or cuda:0, or auto: spread the decoder layers over every "
+        f"visible GPU, then the CPU, {auto}",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPE_CHOICES,
+        help=f"{when}weights dtype (default float32); gates, convolutions and router biases stay float32",
+    )
+    if offload_folder:
+        parser.add_argument(
+            "--offload-folder",
+            default=None,
+            metavar="DIR",
+            help="with --device auto: where weights that fit on no device go (default: a temp folder)",
+        )
