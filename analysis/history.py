@@ -1,6 +1,6 @@
 """Training history from a run's ``metrics.json``: a tolerant reader that turns it into tidy tables.
 
-The native layout is the one ``k3core.train`` writes (``format`` "k3lab-metrics", version 1)::
+The native layout is the one ``k3core.training`` writes (``format`` "k3lab-metrics", version 1)::
 
     {"status": ..., "step": 120, "params": {...}, "data": {"unigram_baseline_bpb": ...},
      "history": {"train":   [{"step", "tokens", "lr", "loss", "bpb", "grad_norm", ...}],

@@ -46,7 +46,7 @@ def test_history_long_and_final_numbers():
     assert final["final_mqar_acc"] == 0.4 and final["tokens_seen"] == 8192 and final["last_step"] == 20
 
 
-NATIVE = {  # the layout k3core.train writes (format "k3lab-metrics", version 1), abridged
+NATIVE = {  # the layout k3core.training writes (format "k3lab-metrics", version 1), abridged
     "format": "k3lab-metrics",
     "version": 1,
     "status": "finished",
