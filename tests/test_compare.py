@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from analysis import compare as cmp
+from analysis import weights as wt
 from analysis.difference import difference_table
 from analysis.figures import degradation as fig_dg
 from analysis.runs import run_from_model, trace_run
@@ -34,21 +36,38 @@ def nano(seed: int, **overrides) -> K3ForCausalLM:
     return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
 
 
+def with_expert_norms(ctx: AnalysisContext) -> AnalysisContext:
+    """The run with its weight summary read as ``k3lab weights --experts`` reads it (every expert matrix), so
+    the expert-norm view applies; the other weight views give the same numbers as from the model alone."""
+    summary = wt.summarize_source(wt.StateDictSource(ctx.model), experts=True, label=ctx.label)
+    return replace(ctx, weights=summary)
+
+
 @pytest.fixture(scope="module")
 def seeds() -> tuple[AnalysisContext, AnalysisContext]:
-    """Two runs of one architecture, different weights."""
+    """Two runs of one architecture (AttnRes), different weights, expert norms read."""
     a = trace_run(run_from_model(nano(0), metrics=METRICS_A), IDS, label="seed0")
     b = trace_run(run_from_model(nano(1), metrics=METRICS_B), IDS, label="seed1")
-    return a, b
+    return with_expert_norms(a), with_expert_norms(b)
+
+
+@pytest.fixture(scope="module")
+def scale_bias_seeds() -> tuple[AnalysisContext, AnalysisContext]:
+    """Two scale-bias runs of one architecture, different weights: the seeds pair for the views of that
+    residual mode (which apply to neither AttnRes seed)."""
+    a = trace_run(run_from_model(nano(3, residual="scale_bias"), metrics=METRICS_A), IDS, label="sb3")
+    b = trace_run(run_from_model(nano(4, residual="scale_bias"), metrics=METRICS_B), IDS, label="sb4")
+    return with_expert_norms(a), with_expert_norms(b)
 
 
 @pytest.fixture(scope="module")
 def shapes() -> tuple[AnalysisContext, AnalysisContext]:
-    """Two runs of different shapes: 4 vs 6 layers, AttnRes vs scale-bias residuals, one vs two MLA layers."""
+    """Two runs of different shapes: 4 vs 6 layers, AttnRes vs scale-bias residuals, one vs two MLA layers;
+    expert norms read for A only (B's half is the placeholder)."""
     a = trace_run(run_from_model(nano(0), metrics=METRICS_A), IDS, label="four")
     big = nano(2, num_hidden_layers=6, full_attn_layers=[3, 6], residual="scale_bias")
     b = trace_run(run_from_model(big, metrics=METRICS_B), IDS, label="six")
-    return a, b
+    return with_expert_norms(a), b
 
 
 # ----------------------------------------------------------------------------- independent checks of a figure
@@ -148,8 +167,10 @@ VIEWS = [v for v in all_views() if not v.compare.overlay]
 def test_every_view_side_by_side_keeps_both_runs_numbers_and_covers_them(view, pair_name, request):
     a, b = request.getfixturevalue(pair_name)
     built = cmp.build_both(view, a, b)
-    if all(isinstance(r, NotApplicable) for r in built):
-        pytest.skip(f"{view.key} applies to neither run of {pair_name}")
+    if pair_name == "seeds" and all(isinstance(r, NotApplicable) for r in built):
+        a, b = request.getfixturevalue("scale_bias_seeds")  # a view of the other residual mode
+        built = cmp.build_both(view, a, b)
+    assert not all(isinstance(r, NotApplicable) for r in built), f"{view.key} applies to neither run of {pair_name}"
     fig, table = cmp.side_by_side(view, a, b, built=built)
     where = f"{view.key}/{pair_name}"
     n_a = len(built[0][0].data) if not isinstance(built[0], NotApplicable) else 0  # a placeholder has none
@@ -186,19 +207,16 @@ DIFF_VIEWS = [v for v in all_views() if cmp.has_difference(v)]
 
 
 @pytest.mark.parametrize("view", DIFF_VIEWS, ids=lambda v: v.key)
-def test_declared_difference_is_a_minus_b(view, seeds):
+def test_declared_difference_is_a_minus_b(view, seeds, scale_bias_seeds):
     a, b = seeds
+    if all(isinstance(r, NotApplicable) for r in cmp.build_both(view, a, b)):
+        a, b = scale_bias_seeds  # a view of the other residual mode
     try:
         fig, diff = cmp.difference_view(view, a, b)
     except NotApplicable as exc:
-        if view.compare.same_weights:
-            assert "one checkpoint" in str(exc)
-            fig, diff = cmp.difference_view(view, a, a.with_options(label="again"))
-            b = a
-        else:
-            built = cmp.build_both(view, a, b)
-            assert any(isinstance(r, NotApplicable) for r in built), f"{view.key}: {exc}"
-            return
+        assert view.compare.same_weights and "one checkpoint" in str(exc), f"{view.key}: {exc}"
+        fig, diff = cmp.difference_view(view, a, a.with_options(label="again"))
+        b = a
     spec = view.compare
     value = spec.difference[0]
     keys = [k for k in (spec.keys or diff.attrs["keys"]) if k not in spec.reduce]
@@ -322,10 +340,10 @@ def test_plotly_draws_the_allocation_bars_inside_their_axes(seeds):
     assert tuple(full.layout.yaxis4.range) == tuple(full.layout.yaxis.range)
 
 
-def test_a_placeholder_half_adds_no_title_under_the_other_label(seeds):
-    a, b = seeds
+def test_a_placeholder_half_adds_no_title_under_the_other_label(seeds, scale_bias_seeds):
+    a, _ = seeds
+    sb, _ = scale_bias_seeds
     view = next(v for v in all_views() if v.key == "attnres_scale_bias")
-    sb = trace_run(run_from_model(nano(3, residual="scale_bias")), IDS, label="sb")
     fig, _ = cmp.side_by_side(view, a, sb)
     labels = [ann.text for ann in fig.layout.annotations if ann.name == "run label"]
-    assert labels == ["<b>seed0</b>", "<b>sb</b>"]
+    assert labels == ["<b>seed0</b>", "<b>sb3</b>"]
