@@ -28,6 +28,7 @@ SECTION_TITLES = {
     "moe": "LatentMoE expert load and routing",
     "degradation": "Attention degradation diagnostics",
     "history": "Training history",
+    "weights": "Weights (from the checkpoint's tensors)",
 }
 
 

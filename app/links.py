@@ -8,7 +8,7 @@ query parameters, written on every run and read on a session's first run:
     device   cpu | cuda                          dtype    float32 | bfloat16 | float16
     attn     0: do not record MLA attention      mode     compare: runs | texts
     b        compare: run B label                text_b   compare: text B (as ``text``)
-    section  compare: density | attnres | moe | degradation
+    section  compare: density | attnres | moe | degradation | weights
 
 An unknown value gets a warning that names it, and the default is used instead. Pasted and uploaded
 texts are not put in links (they can be large and private): such a link opens with the text source
@@ -32,7 +32,13 @@ TEXT_SLUGS = {
     "upload": inp.TEXT_UPLOAD,
 }
 SLUG_OF_TEXT = {v: k for k, v in TEXT_SLUGS.items()}
-SECTIONS = {"density": "KDA & density", "attnres": "AttnRes", "moe": "LatentMoE", "degradation": "Degradation"}
+SECTIONS = {
+    "density": "KDA & density",
+    "attnres": "AttnRes",
+    "moe": "LatentMoE",
+    "degradation": "Degradation",
+    "weights": "Weights",
+}
 TWO_RUNS, TWO_TEXTS = "Two runs, same text", "One run, two texts"
 MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS}
 SLUG_OF_MODE = {v: k for k, v in MODES.items()}

@@ -551,3 +551,23 @@ def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
     assert calls == ["nano-a"] and df["n"].tolist() == [34]
     prefetch.prefetch([view], loaded)  # once per run key
     assert calls == ["nano-a"]
+
+
+def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
+    """The Weights section on Compare: the weight views of two loaded runs side by side (summaries from the
+    models' parameters), the views that need what a loaded nano lacks said in a note."""
+    from analysis.views import all_views
+
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"b": "nano-b", "section": "weights", "mode": "runs"})
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert at.radio(key="k3lab_cmp_section").value == "weights"
+    assert at.query_params["section"] == "weights"
+    weights_views = [v for v in all_views() if v.section == "weights"]
+    notes = [i.value for i in at.info]
+    not_applicable = [v for v in weights_views if any(i.startswith(f"**{v.title}**") for i in notes)]
+    assert {v.key for v in not_applicable} == {"weights_scale_bias", "weights_expert_norms"}  # AttnRes; not read
+    assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
