@@ -18,6 +18,15 @@ def _finite_or_none(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+_HALF_LIFE_FIELDS = {"median": "half_life_median", "p10": "half_life_p10", "p90": "half_life_p90"}
+_BIAS_FIELDS = {"mean": "mean", "std": "std", "min": "min", "max": "max"}
+
+
+def _fields(row: Any, fields: dict[str, str]) -> dict[str, float | None] | None:
+    """``{key: row.column}`` for each ``fields`` item (non-finite numbers as None); None without a row."""
+    return None if row is None else {key: _finite_or_none(getattr(row, col)) for key, col in fields.items()}
+
+
 def weights_json(summary: WeightSummary) -> dict[str, Any]:
     """The ``weights.json`` document (stable format; non-finite numbers become null):
 
@@ -35,31 +44,16 @@ def weights_json(summary: WeightSummary) -> dict[str, Any]:
     layers = []
     for r in summary.structure.itertuples():
         i = int(r.layer)
-        k = kda.get(i)
-        b = rb.get(i)
         layers.append(
             {
                 "index": i,
                 "mixer": r.mixer,
                 "ffn": r.ffn,
                 "params": int(r.params),
-                "kda_half_life": None
-                if k is None
-                else {
-                    "median": _finite_or_none(k.half_life_median),
-                    "p10": _finite_or_none(k.half_life_p10),
-                    "p90": _finite_or_none(k.half_life_p90),
-                },
+                "kda_half_life": _fields(kda.get(i), _HALF_LIFE_FIELDS),
                 "attn_res_query_norm": _finite_or_none(qmap.get((i, "attn"))),
                 "mlp_res_query_norm": _finite_or_none(qmap.get((i, "mlp"))),
-                "router_bias": None
-                if b is None
-                else {
-                    "mean": _finite_or_none(b.mean),
-                    "std": _finite_or_none(b.std),
-                    "min": _finite_or_none(b.min),
-                    "max": _finite_or_none(b.max),
-                },
+                "router_bias": _fields(rb.get(i), _BIAS_FIELDS),
             }
         )
     return {

@@ -12,18 +12,24 @@ import pandas as pd
 from .layout import EXPERT_RE, layer_of
 
 
+def _layer_expert_table(values: Mapping[str, np.ndarray], num_layers: int, tensor: str, column: str) -> pd.DataFrame:
+    """One value per MoE layer and expert from the vector stored as ``model.layers.{i}.{tensor}``.
+    Columns: layer, expert, ``column``; keys layer, expert."""
+    frames = []
+    for i in range(num_layers):
+        v = values.get(f"model.layers.{i}.{tensor}")
+        if v is not None:
+            v = np.asarray(v, np.float64).reshape(-1)
+            frames.append(pd.DataFrame({"layer": i, "expert": np.arange(v.size), column: v}))
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["layer", "expert", column])
+    df.attrs["keys"] = ["layer", "expert"]
+    return df
+
+
 def router_bias_table(values: Mapping[str, np.ndarray], num_layers: int) -> pd.DataFrame:
     """Router selection bias e_bias per MoE layer and expert (it shifts which experts are chosen,
     top_k(s + e_bias), not their weights). Columns: layer, expert, bias."""
-    frames = []
-    for i in range(num_layers):
-        b = values.get(f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias")
-        if b is not None:
-            b = np.asarray(b, np.float64).reshape(-1)
-            frames.append(pd.DataFrame({"layer": i, "expert": np.arange(b.size), "bias": b}))
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["layer", "expert", "bias"])
-    df.attrs["keys"] = ["layer", "expert"]
-    return df
+    return _layer_expert_table(values, num_layers, "block_sparse_moe.gate.e_score_correction_bias", "bias")
 
 
 def bias_stats(bias: np.ndarray) -> dict[str, float]:
@@ -52,15 +58,7 @@ def row_norms(matrix: np.ndarray) -> np.ndarray:
 def router_norm_table(values: Mapping[str, np.ndarray], num_layers: int) -> pd.DataFrame:
     """Router weight row norm ||W_router[e]|| per MoE layer and expert. Columns: layer, expert, weight_norm.
     (``values`` holds the row norms already: the reader reduces each router matrix as it reads it.)"""
-    frames = []
-    for i in range(num_layers):
-        n = values.get(f"model.layers.{i}.block_sparse_moe.gate.weight")
-        if n is not None:
-            n = np.asarray(n, np.float64).reshape(-1)
-            frames.append(pd.DataFrame({"layer": i, "expert": np.arange(n.size), "weight_norm": n}))
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["layer", "expert", "weight_norm"])
-    df.attrs["keys"] = ["layer", "expert"]
-    return df
+    return _layer_expert_table(values, num_layers, "block_sparse_moe.gate.weight", "weight_norm")
 
 
 def expert_norm_table(sums: Mapping[str, float], num_layers: int) -> pd.DataFrame:
