@@ -10,6 +10,7 @@ import torch
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
+from k3core.trace import Trace, record
 
 # The tests run tiny models on a small shared CPU: with several threads per process every small op pays for
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.
@@ -26,6 +27,27 @@ def nano_model(seed: int = 0, **overrides) -> K3ForCausalLM:
     """A freshly initialised k3-nano (eval mode), deterministic for a given seed."""
     torch.manual_seed(seed)
     return K3ForCausalLM.from_config(nano_config(**overrides)).eval()
+
+
+def random_ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
+    """[B, T] random byte ids from a generator of their own (the global RNG is left alone)."""
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def traced(model: K3ForCausalLM, ids: torch.Tensor) -> Trace:
+    """Everything recorded (``what="all"``, both sequences) on one forward with labels."""
+    with record(model, what="all", max_batch=2) as trace:
+        model(ids, labels=ids)
+    return trace
+
+
+def traced_nano(seed: int = 0, T: int = 40, **overrides) -> tuple[K3ForCausalLM, torch.Tensor, Trace]:
+    """The analysis tests' run: a k3-nano (KDA chunk 16 unless given) of ``seed``, traced on [2, T] random ids
+    of the same seed."""
+    overrides.setdefault("kda_chunk_size", 16)
+    model = nano_model(seed, **overrides)
+    ids = random_ids(T, 2, seed)
+    return model, ids, traced(model, ids)
 
 
 def randomize_attnres_queries(model: K3ForCausalLM, std: float = 0.5, seed: int = 1) -> None:

@@ -10,16 +10,7 @@ from k3core.cache import K3Cache
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 
-
-def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
-    overrides.setdefault("kda_chunk_size", 16)
-    torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
-
-
-def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
-
+from .conftest import nano_model, random_ids
 
 VARIANTS = [
     ("k3-nano", {}),
@@ -109,12 +100,12 @@ def test_depth_mix_sources_follow_the_block_layout():
 
 
 def test_cache_bytes_match_a_real_decode_cache():
-    model = _nano()
+    model = nano_model(kda_chunk_size=16)
     cfg = model.config
     cache = K3Cache.for_config(cfg)
     T = 37
     with torch.no_grad():
-        model(_ids(T, B=1), cache=cache)
+        model(random_ids(T, B=1), cache=cache)
     expected = sum(al.layer_cache_bytes(cfg, i, T, dtype_bytes=4) for i in range(cfg.num_hidden_layers))
     assert cache.nbytes() == expected
 

@@ -7,36 +7,17 @@ import pytest
 import torch
 
 from analysis import attnres as ar
-from k3core.model import K3ForCausalLM, scale_bias_init
-from k3core.presets import from_preset
-from k3core.trace import Trace, record
+from k3core.model import scale_bias_init
+from k3core.trace import Trace
 
-
-def _run(seed: int = 0, T: int = 24, **overrides):
-    overrides.setdefault("kda_chunk_size", 16)
-    cfg = from_preset("k3-nano", **overrides)
-    torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(seed))
-    return model, ids
-
-
-def _record(model, ids, randomize_queries: bool = False):
-    if randomize_queries:
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("res_proj.weight"):
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    with record(model, what="all", max_batch=2) as trace:
-        model(ids, labels=ids)
-    return trace
+from .conftest import nano_model, random_ids, randomize_attnres_queries, traced, traced_nano
 
 
 @pytest.fixture(scope="module")
 def block_run():
-    model, ids = _run()
-    return model, _record(model, ids, randomize_queries=True)
+    model = nano_model(kda_chunk_size=16)
+    randomize_attnres_queries(model)
+    return model, traced(model, random_ids(24))
 
 
 # ----------------------------------------------------------------------------- metrics by hand
@@ -109,8 +90,7 @@ def test_hidden_rms_by_depth_by_hand():
 
 
 def test_zero_queries_give_uniform_mixes_on_a_real_model():
-    model, ids = _run()
-    trace = _record(model, ids)  # fresh model: every pseudo-query is zero
+    model, _, trace = traced_nano(T=24)  # fresh model: every pseudo-query is zero
     stats = ar.site_stats(trace)
     assert (stats["query_norm"] == 0).all()
     assert np.allclose(stats["entropy"], 1.0) and np.allclose(stats["token_entropy"], 1.0)
@@ -130,10 +110,10 @@ def test_block_sites_and_sources_on_a_real_trace(block_run):
 
 
 def test_scale_bias_stats_on_a_real_trace():
-    model, ids = _run(residual="scale_bias")
+    model = nano_model(kda_chunk_size=16, residual="scale_bias")
     with torch.no_grad():
         model.model.layers[1].mlp_res_bias.fill_(0.25)
-    trace = _record(model, ids)
+    trace = traced(model, random_ids(24))
     table = ar.scale_bias_stats(trace, model.config).set_index(["layer", "side"])
     assert len(table) == 2 * 4
     for i in range(4):

@@ -8,13 +8,11 @@ import math
 from dataclasses import replace
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
 from analysis import compare as cmp
 from analysis import weights as wt
-from analysis.difference import difference_table
 from analysis.figures import degradation as fig_dg
 from analysis.runs import run_from_model, trace_run
 from analysis.views import AnalysisContext, Comparison, NotApplicable, View, all_views
@@ -260,20 +258,6 @@ def test_hidden_rms_difference_is_bars_over_depth_not_a_diagonal(seeds):
     ta, tb = view.build(a)[1], view.build(b)[1]
     np.testing.assert_allclose(fig.data[0].y, ta["mean"].to_numpy() - tb["mean"].to_numpy())
     assert list(fig.data[0].x) == list(ta["label"])
-
-
-def test_difference_table_hand_case_and_refusals():
-    a = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "v": [1.0, 2.0, 3.0, 4.0], "const": 7})
-    b = pd.DataFrame({"layer": [1, 1, 0, 0], "head": [1, 0, 1, 0], "v": [0.5, 0.5, 0.5, 0.5], "const": 7})
-    diff = difference_table(a, b, ["layer", "head"], ["v"])
-    np.testing.assert_allclose(diff.sort_values(["layer", "head"])["v_diff"], [0.5, 1.5, 2.5, 3.5])
-    assert "const_diff" not in diff
-    with pytest.raises(NotApplicable, match="rows"):
-        difference_table(a, a.iloc[:2], ["layer", "head"], ["v"])
-    with pytest.raises(NotApplicable, match="do not match"):
-        difference_table(a, a.assign(layer=[5, 5, 6, 6]), ["layer", "head"], ["v"])
-    with pytest.raises(NotApplicable, match="uniquely"):
-        difference_table(a, a, ["layer"], ["v"])
 
 
 def test_expert_rows_differ_only_for_one_checkpoint_on_two_texts(seeds):

@@ -4,33 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from analysis import kda_memory as km
 from analysis.figures import density as fd
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 from k3core.trace import Trace, names, record
 
-
-def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
-    overrides.setdefault("kda_chunk_size", 16)
-    torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
-
-
-def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+from .conftest import nano_model, random_ids, traced_nano
 
 
 @pytest.fixture(scope="module")
 def nano_run():
-    model = _nano()
-    ids = _ids()
-    with record(model, what="all", max_batch=2) as trace:
-        model(ids, labels=ids)
-    return model, ids, trace
+    return traced_nano()
 
 
 def _check_view(view, ctx):
@@ -65,8 +51,8 @@ def test_density_views_without_model_or_kda_are_not_applicable(nano_run):
     with pytest.raises(NotApplicable):
         view["density_allocated_vs_measured"].build(ctx)
     # an all-MLA model has no KDA memory to show, but still an allocation
-    mla = _nano(full_attn_layers=[1, 2, 3, 4])
-    tokens = _ids(12)
+    mla = nano_model(kda_chunk_size=16, full_attn_layers=[1, 2, 3, 4])
+    tokens = random_ids(12)
     with record(mla, what={"kda", "mla", "moe"}) as trace2:
         mla(tokens)
     ctx2 = AnalysisContext(trace=trace2, config=mla.config)

@@ -4,33 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from analysis import moe as mo
 from analysis.figures import moe as fm
 from analysis.views import AnalysisContext, NotApplicable
-from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
-from k3core.trace import Trace, names, record
+from k3core.trace import Trace, names
+
+from .conftest import traced_nano
 
 VIEW = {v.key: v for v in fm.VIEWS}
 CONFIG = from_preset("k3-nano")
 
 
-def _record(seed: int = 0, T: int = 32, **overrides):
-    overrides.setdefault("kda_chunk_size", 16)
-    cfg = from_preset("k3-nano", **overrides)
-    torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(seed))
-    with record(model, what="all", max_batch=2) as trace:
-        model(ids, labels=ids)
-    return model, trace
-
-
 @pytest.fixture(scope="module")
 def nano_run():
-    return _record()
+    model, _, trace = traced_nano(T=32)
+    return model, trace
 
 
 def _hand_ctx() -> AnalysisContext:
@@ -97,11 +87,11 @@ def test_every_moe_view_builds_on_a_real_k3_nano_trace(nano_run):
 
 
 def test_moe_views_not_applicable_without_moe_and_plain_moe_pca_works():
-    model, trace = _record(T=12, num_experts=0)
+    model, _, trace = traced_nano(T=12, num_experts=0)
     ctx = AnalysisContext(trace=trace, config=model.config)
     for view in fm.VIEWS:
         with pytest.raises(NotApplicable):
             view.build(ctx)
-    model, trace = _record(T=12, routed_expert_hidden_size=None)  # plain MoE: z = x
+    model, _, trace = traced_nano(T=12, routed_expert_hidden_size=None)  # plain MoE: z = x
     fig, _ = VIEW["moe_latent_pca"].build(AnalysisContext(trace=trace, config=model.config))
     assert "plain MoE" in fig.layout.title.text

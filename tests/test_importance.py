@@ -6,23 +6,13 @@ import pytest
 import torch
 
 from analysis import importance as im
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
 
-
-def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
-    overrides.setdefault("kda_chunk_size", 16)
-    torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
-
-
-def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+from .conftest import nano_model, random_ids
 
 
 def test_ablation_of_a_silent_sublayer_is_zero_and_of_a_live_one_matches_a_manual_ablation():
-    model = _nano(seed=1)
-    ids = _ids(24)
+    model = nano_model(1, kda_chunk_size=16)
+    ids = random_ids(24)
     with torch.no_grad():
         model.model.layers[2].self_attn.o_proj.weight.zero_()  # this sub-layer's output is exactly zero
     imp = im.ablation_importance(model, ids).set_index(["layer", "sublayer"])
@@ -37,8 +27,8 @@ def test_ablation_of_a_silent_sublayer_is_zero_and_of_a_live_one_matches_a_manua
 
 
 def test_gradient_x_activation_zero_for_a_silent_sublayer_and_first_order_close_to_ablation():
-    model = _nano(seed=2)
-    ids = _ids(24)
+    model = nano_model(2, kda_chunk_size=16)
+    ids = random_ids(24)
     with torch.no_grad():
         model.model.layers[2].self_attn.o_proj.weight.zero_()
         model.model.layers[1].self_attn.o_proj.weight.mul_(0.05)  # small output: the first-order estimate is good
@@ -50,7 +40,7 @@ def test_gradient_x_activation_zero_for_a_silent_sublayer_and_first_order_close_
 
 
 def test_importance_rejects_bad_input():
-    model = _nano()
+    model = nano_model(kda_chunk_size=16)
     with pytest.raises(ValueError, match="integer"):
         im.ablation_importance(model, torch.zeros(1, 5))
     with pytest.raises(ValueError, match="2 tokens"):

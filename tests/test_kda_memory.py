@@ -6,31 +6,16 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from analysis import kda_memory as km
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
-from k3core.trace import Trace, names, record
+from k3core.trace import Trace, names
 
-
-def _nano(seed: int = 0, **overrides) -> K3ForCausalLM:
-    overrides.setdefault("kda_chunk_size", 16)
-    torch.manual_seed(seed)
-    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
-
-
-def _ids(T: int = 40, B: int = 2, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+from .conftest import traced_nano
 
 
 @pytest.fixture(scope="module")
 def nano_run():
-    model = _nano()
-    ids = _ids()
-    with record(model, what="all", max_batch=2) as trace:
-        model(ids, labels=ids)
-    return model, ids, trace
+    return traced_nano()
 
 
 def test_memory_horizon():

@@ -4,28 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from analysis import moe as mo
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
-from k3core.trace import Trace, record
+from k3core.trace import Trace
 
-
-def _record(seed: int = 0, T: int = 32, **overrides):
-    overrides.setdefault("kda_chunk_size", 16)
-    cfg = from_preset("k3-nano", **overrides)
-    torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(seed))
-    with record(model, what="all", max_batch=2) as trace:
-        model(ids, labels=ids)
-    return model, trace
+from .conftest import traced_nano
 
 
 @pytest.fixture(scope="module")
 def nano_run():
-    return _record()
+    model, _, trace = traced_nano(T=32)
+    return model, trace
 
 
 # ----------------------------------------------------------------------------- metrics by hand
