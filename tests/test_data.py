@@ -1,4 +1,4 @@
-"""Tests for k3core.data: tokenizer, corpora, baselines, batching and MQAR."""
+"""Tests for k3core.data: corpora, baselines, batching and MQAR."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 from k3core.data import (
     DEFAULT_VAL_PLAYS,
     IGNORE_INDEX,
-    ByteTokenizer,
     Corpus,
     clean_play_markdown,
     eval_window_starts,
@@ -26,32 +25,6 @@ from k3core.data import (
     unigram_cross_entropy_bits,
     windows,
 )
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("text", ["", "hello, world\n", "Grüße — naïve café ☕ 日本語 🙂", "\x00\x7f"])
-def test_byte_tokenizer_round_trip(text):
-    tok = ByteTokenizer()
-    ids = tok.encode(text)
-    assert tok.vocab_size == 256
-    assert all(isinstance(i, int) and 0 <= i < 256 for i in ids)
-    assert ids == list(text.encode("utf-8"))
-    assert tok.decode(ids) == text
-    assert tok.decode(torch.tensor(ids, dtype=torch.int64)) == text
-    assert tok.decode(np.array(ids, dtype=np.uint8)) == text
-
-
-def test_byte_tokenizer_decode_invalid_utf8_and_range():
-    tok = ByteTokenizer()
-    assert tok.decode([0xFF, 0x41]) == "\ufffdA"
-    with pytest.raises(ValueError):
-        tok.decode([256])
-    with pytest.raises(ValueError):
-        tok.decode([IGNORE_INDEX])
-
 
 # --------------------------------------------------------------------------------------------
 # Shakespeare corpus

@@ -25,6 +25,8 @@ from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 
+from .conftest import kimi_k3_hf_dict
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = sorted(p for p in (ROOT / "sample_checkpoints").iterdir() if (p / "config.json").is_file())
 LN2 = math.log(2.0)
@@ -266,50 +268,6 @@ SHARD_BYTES = 5 * 10**9
 A_LOG_PAD = 128
 
 
-def kimi_k3_hf_config(cfg: K3Config) -> dict:
-    """config.json in the Hugging Face Kimi K3 layout (text_config inside a multimodal wrapper)."""
-    return {
-        "model_type": "kimi_k3",
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "vision_config": {"hidden_size": 1152},
-        "text_config": {
-            "model_type": "kimi_k3_text",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "rms_norm_eps": cfg.rms_norm_eps,
-            "tie_word_embeddings": False,
-            "linear_attn_config": {
-                "full_attn_layers": cfg.full_attn_layers,
-                "num_heads": cfg.kda_num_heads,
-                "head_dim": cfg.kda_head_dim,
-                "short_conv_kernel_size": cfg.kda_conv_size,
-                "gate_lower_bound": cfg.kda_gate_lower_bound,
-                "use_full_rank_gate": True,
-            },
-            "num_attention_heads": cfg.num_attention_heads,
-            "q_lora_rank": cfg.q_lora_rank,
-            "kv_lora_rank": cfg.kv_lora_rank,
-            "qk_nope_head_dim": cfg.qk_nope_head_dim,
-            "qk_rope_head_dim": cfg.qk_rope_head_dim,
-            "v_head_dim": cfg.v_head_dim,
-            "mla_use_output_gate": True,
-            "activation_situ_beta": 4.0,
-            "activation_situ_linear_beta": 25.0,
-            "intermediate_size": cfg.intermediate_size,
-            "num_experts": cfg.num_experts,
-            "num_experts_per_token": cfg.num_experts_per_token,
-            "num_shared_experts": cfg.num_shared_experts,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
-            "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
-            "latent_moe_use_norm": True,
-            "routed_scaling_factor": 1.0,
-            "first_k_dense_replace": cfg.first_k_dense_replace,
-            "attn_res_block_size": cfg.attn_res_block_size,
-        },
-    }
-
-
 def _bytes(value: np.ndarray, dtype: str) -> bytes:
     if dtype == "F32":
         return np.ascontiguousarray(value, dtype=np.float32).tobytes()
@@ -401,7 +359,7 @@ def sparse_k3(tmp_path_factory) -> SparseK3:
     usage = os.statvfs(tmp_path)
     assert usage.f_bavail * usage.f_frsize > 2 * 1024**3, "needs about 200 MB of real disk (plus headroom)"
     cfg = from_preset("kimi-k3")
-    hf = kimi_k3_hf_config(cfg)
+    hf = kimi_k3_hf_dict()  # the published config.json
     assert config_from_hf(hf).to_dict() | {"name": ""} == cfg.to_dict() | {"name": "", "balancing": "sign"}
     with torch.device("meta"):
         meta = K3ForCausalLM(cfg)
