@@ -21,13 +21,16 @@ import json
 import re
 import sys
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from analysis.cli_options import add_device_options
 from analysis.format import format_bytes, format_count, format_number
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
+
+if TYPE_CHECKING:  # k3core.model imports torch: loaded only where a model is built
+    from k3core.model import K3ForCausalLM
 
 COMPONENTS = (
     "embedding",
@@ -102,7 +105,7 @@ def component_of(name: str, cfg: K3Config) -> str:
     return "norms"
 
 
-def parameter_breakdown(model) -> dict[str, dict[str, int]]:
+def parameter_breakdown(model: K3ForCausalLM) -> dict[str, dict[str, int]]:
     """{component: {"total": n, "active": n}}; routed experts count k of E per token as active."""
     cfg = model.config
     out = {c: {"total": 0, "active": 0} for c in COMPONENTS}

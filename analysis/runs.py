@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
+
+if TYPE_CHECKING:  # imported where a run is loaded (load_run), not when this module is
+    from k3core.model import K3ForCausalLM
 
 METRICS_NAME = "metrics.json"
 CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
@@ -176,7 +179,7 @@ def run_tokenizer(path: str | Path, vocab_size: int) -> tuple[Tokenizer | None, 
         return None, f"text inputs unavailable: {exc}"
 
 
-def model_card(model, metrics: dict | None = None, card_text: str | None = None) -> dict[str, Any]:
+def model_card(model: K3ForCausalLM, metrics: dict | None = None, card_text: str | None = None) -> dict[str, Any]:
     """A JSON-able summary: name, sizes, layer layout, residual/MoE settings and the final training numbers."""
     cfg: K3Config = model.config
     layout = "".join("M" if t == "MLA" else "k" for t in cfg.layer_types())
@@ -348,7 +351,7 @@ def trace_run(
     )
 
 
-def run_from_model(model, path: str | Path = "in-memory", metrics: dict | None = None) -> Run:
+def run_from_model(model: K3ForCausalLM, path: str | Path = "in-memory", metrics: dict | None = None) -> Run:
     """Wrap an in-memory model as a Run (no checkpoint folder; fingerprint 'unsaved'; bytes for vocab 256)."""
     return Run(
         model=model.eval(),
