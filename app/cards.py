@@ -10,6 +10,8 @@ import functools
 import inspect
 import logging
 import tempfile
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import streamlit as st
 from analysis.export import export_figure, static_export_available
 from analysis.format import format_number
 from analysis.headline import HEADLINE_LABELS, headline_table
+from analysis.style import screen_figure
 from analysis.views import NotApplicable, View, all_views
 from app import caching
 from app.caching import Loaded
@@ -131,12 +134,31 @@ def table_downloads(table: pd.DataFrame, stem: str, key: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- figures
+_SCREEN: dict[int, tuple[weakref.ref, Any]] = {}
+_SCREEN_LOCK = threading.Lock()
+
+
+def screen_copy(fig):
+    """analysis.style.screen_figure of a figure, made once per figure object (the figures themselves are held by
+    the figure cache, so a rerun or another session finds the copy); exports keep using ``fig``."""
+    with _SCREEN_LOCK:
+        held = _SCREEN.get(id(fig))
+        if held is not None and held[0]() is fig:
+            return held[1]
+    light = screen_figure(fig)
+    key = id(fig)
+    with _SCREEN_LOCK:  # the entry goes when the cache lets go of the figure
+        _SCREEN[key] = (weakref.ref(fig, lambda _ref, k=key: _SCREEN.pop(k, None)), light)
+    return light
+
+
 def figure_card(fig, df, key: str, stem: str, description: str = "") -> None:
-    """A figure with its caption and an Export popover."""
+    """A figure with its caption and an Export popover. The browser gets the lighter screen copy (float32, rounded
+    floats, the template trimmed to what the figure uses); the exports are built from ``fig`` at full precision."""
     with st.container(border=True):
         # theme=None: the figure keeps its own look (analysis.style, the same as its exported files), and the
         # browser skips re-theming it (0.1-0.2 s less to draw a page of ten figures, measured in Chromium)
-        st.plotly_chart(fig, key=f"fig-{key}", config=PLOTLY_CONFIG, theme=None, **_CHART_KW)
+        st.plotly_chart(screen_copy(fig), key=f"fig-{key}", config=PLOTLY_CONFIG, theme=None, **_CHART_KW)
         left, right = st.columns([5, 1])
         if description:
             left.caption(description)

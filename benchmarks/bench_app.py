@@ -11,7 +11,7 @@ waited on through its health URL, then opened in a fresh Chromium context (the s
   the server process is up, nothing is cached);
 - page switch (first visit): a sidebar link click -> the page's heading, its charts, and the script run
   finished, on the run the Overview loaded (model and trace cached, this page's figures not);
-- page switch (again): back to a page already drawn (everything cached).
+- page switch (again): back to each page already drawn (everything cached).
 
 With ``--before`` both apps run one after the other in one process, on the same sample, and the table
 gives after / before. The test suite uses the same driver (tests/test_browser.py) and prints its times.
@@ -43,7 +43,11 @@ CHROMIUM_ARGS = [
 CHART = '[data-testid="stPlotlyChart"] .js-plotly-plot'  # a drawn plotly figure, not the loading skeleton
 EXCEPTION = '[data-testid="stException"]'
 RENDER_TIMEOUT_MS = 180_000
-SWITCH_PAGES = (("AttnRes", "attnres", "AttnRes"), ("Degradation", "degradation", "Attention degradation"))
+SWITCH_PAGES = (
+    ("AttnRes", "attnres", "AttnRes"),
+    ("Degradation", "degradation", "Attention degradation"),
+    ("LatentMoE", "moe", "LatentMoE"),
+)
 
 
 def free_port() -> int:
@@ -162,8 +166,8 @@ def measure(url: str, pw) -> dict[str, float]:
         times = {"cold open to first chart": cold}
         for link, path, heading in SWITCH_PAGES:
             times[f"switch to {link} (first visit)"] = switch_page(page, link, path, heading)
-        link, path, heading = SWITCH_PAGES[0]
-        times[f"switch to {link} (again)"] = switch_page(page, link, path, heading)
+        for link, path, heading in SWITCH_PAGES:
+            times[f"switch to {link} (again)"] = switch_page(page, link, path, heading)
         return times
     finally:
         browser.close()
@@ -179,11 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds (a fresh server each); the best time of each is shown"
     )
+    parser.add_argument(
+        "--streamlit-run",
+        action="store_true",
+        help="also time this checkout served by `streamlit run app/main.py` (by default only `python -m app.serve`, "
+        "as `k3lab app` serves it; --before is served the same way where it has app/serve.py)",
+    )
     args = parser.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
-    apps = [("before", args.before.resolve(), False)] if args.before else []
-    apps += [("after, streamlit run", REPO, False), ("after, app.serve", REPO, True)]
+    apps = [("before", args.before.resolve(), True)] if args.before else []
+    if args.streamlit_run:
+        apps.append(("after, streamlit run", REPO, False))
+    apps.append(("after, app.serve", REPO, True))
     results: dict[str, dict[str, float]] = {}
     env = {"K3LAB_RUNS": str(args.run.resolve())}
     with sync_playwright() as pw:

@@ -84,6 +84,14 @@ def test_every_moe_view_builds_on_a_real_k3_nano_trace(nano_run):
     assert len(fig.data) == 1 and "layer 3" in fig.layout.title.text
     with pytest.raises(NotApplicable):
         VIEW["moe_coactivation"].build(AnalysisContext(trace=trace, config=model.config, options={"layer": 0}))
+    # latent PCA: one trace per top-1 expert; its hover names the expert, its points carry position, id and weight
+    fig, table = VIEW["moe_latent_pca"].build(AnalysisContext(trace=trace, config=model.config, options={"layer": 3}))
+    assert {t.name for t in fig.data} == {str(e) for e in table["top1_expert"].unique()}
+    for t in fig.data:
+        rows = table[table["top1_expert"] == int(t.name)]
+        assert f"top-1 expert {t.name} (weight %{{customdata[2]:.3f}})" in t.hovertemplate
+        np.testing.assert_array_equal(np.asarray(t.customdata)[:, :2], rows[["token", "token_id"]].to_numpy())
+        np.testing.assert_allclose(np.asarray(t.customdata)[:, 2], rows["top1_weight"], rtol=1e-6)
 
 
 def test_moe_views_not_applicable_without_moe_and_plain_moe_pca_works():

@@ -275,6 +275,13 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         before = len(fig.data)
         if palette is not None:
             for e, g in df.groupby("top1_expert"):
+                # One trace per expert: the expert goes into the hover text, not into every point's data.
+                # float32: positions and token ids (< 2**24) stay exact, the weight is printed with 3 decimals;
+                # half the bytes of float64 for the browser (the table keeps full precision).
+                hover_e = (
+                    f"layer {layer}, token %{{customdata[0]}} %{{text}} (id %{{customdata[1]}})<br>top-1 expert {e} "
+                    "(weight %{customdata[2]:.3f})<extra></extra>"
+                )
                 fig.add_trace(
                     go.Scatter(
                         x=g["pc1"],
@@ -283,9 +290,9 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                         name=f"{e}",
                         visible=n == 0,
                         marker={"size": 5, "color": palette[int(e) % len(palette)], "opacity": 0.75},
-                        customdata=g[["token", "token_id", "top1_expert", "top1_weight"]].to_numpy(),
+                        customdata=g[["token", "token_id", "top1_weight"]].to_numpy(dtype=np.float32),
                         text=ctx.token_texts(g["token_id"]),
-                        hovertemplate=hover,
+                        hovertemplate=hover_e,
                         legendgroup=f"e{e}",
                     )
                 )
