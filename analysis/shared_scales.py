@@ -151,14 +151,21 @@ def _is_text(arr: np.ndarray) -> bool:
     return arr.dtype == object and any(isinstance(v, str) for v in arr.ravel())
 
 
-def _heatmap_edges(trace: dict, letter: str, values: np.ndarray) -> np.ndarray:
-    """A heatmap's numeric cell coordinates widened by half a cell on each side (plotly draws cells
-    centred on the coordinates)."""
-    if trace.get("type") != "heatmap" or values.size == 0 or values.dtype == object:
+def _cell_edges(trace: dict, letter: str, values: np.ndarray) -> np.ndarray:
+    """Numeric positions of heatmap cells or bars widened by half a cell (or bar slot) on each side:
+    plotly draws both centred on their coordinates, so a range over the centres alone cuts the edge
+    cells and bars in half. Other traces and value axes come back unchanged."""
+    kind = trace.get("type")
+    on_positions = kind == "heatmap" or (kind == "bar" and letter != _value_axis(trace))
+    if not on_positions or values.size == 0 or values.dtype == object:
         return values
     v = np.unique(values[np.isfinite(values)])
     half = float(np.diff(v).min()) / 2 if v.size > 1 else 0.5
     return np.concatenate([values, [v.min() - half, v.max() + half]]) if v.size else values
+
+
+def _has_cell_edges(trace: dict, letter: str) -> bool:
+    return trace.get("type") == "heatmap" or (trace.get("type") == "bar" and letter != _value_axis(trace))
 
 
 # ----------------------------------------------------------------------------- shared ranges
@@ -180,7 +187,9 @@ def _groups(pairs: Iterable[tuple[str, str]], names: Iterable[str]) -> list[set[
     return list(groups.values())
 
 
-def _numeric_range(values: np.ndarray, log: bool, include_zero: bool) -> tuple[float, float] | None:
+def _numeric_range(
+    values: np.ndarray, log: bool, include_zero: bool, pad_fraction: float = 0.05
+) -> tuple[float, float] | None:
     v = values[np.isfinite(values)]
     if log:
         v = v[v > 0]
@@ -193,7 +202,7 @@ def _numeric_range(values: np.ndarray, log: bool, include_zero: bool) -> tuple[f
         return None
     lo, hi = float(v.min()), float(v.max())
     span = hi - lo
-    pad = 0.05 * span if span > 0 else (0.1 if log else max(abs(hi) * 0.1, 0.5))
+    pad = pad_fraction * span if span > 0 else (0.1 if log else max(abs(hi) * 0.1, 0.5))
     lo, hi = lo - pad, hi + pad
     if include_zero and not log:  # bars start at zero: no padding below a zero base
         lo = 0.0 if float(values[np.isfinite(values)].min(initial=0.0)) >= 0 else lo
@@ -204,7 +213,8 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
     """Give every group of axes (``pairs`` of axis layout names that must agree, plus each figure's own
     ``matches``) one explicit range covering every trace on them, in place.
 
-    Numeric axes: [min, max] of the data padded by 5% (bars from 0), widened to any explicit range the
+    Numeric axes: [min, max] of the data padded by 5% (bars from 0; heatmap cells and bar slots by
+    their own half width instead), widened to any explicit range the
     figures already set (e.g. a 0..1 share axis stays 0..1). Log axes: the same in log10 units over the
     positive values. Category axes: the union of both runs' categories in order, positions -0.5..n-0.5.
     ``autorange="reversed"`` axes keep their direction."""
@@ -217,6 +227,7 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
             links.append((name, axis_name(match[0], _ref_number(match, match[0]))))
     values: dict[str, list[np.ndarray]] = {}
     bar_axes: set[str] = set()
+    unedged_axes: set[str] = set()  # axes with a trace that is not heatmap cells or bar positions
     for tr in fig.get("data", []):
         if not is_cartesian(tr):
             continue
@@ -224,7 +235,9 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
             name = axis_name(letter, _ref_number(tr.get(f"{letter}axis"), letter))
             vals = trace_axis_values(tr, letter)
             if vals.size:
-                values.setdefault(name, []).append(_heatmap_edges(tr, letter, vals))
+                values.setdefault(name, []).append(_cell_edges(tr, letter, vals))
+                if not _has_cell_edges(tr, letter):
+                    unedged_axes.add(name)
             if tr.get("type") == "bar" and letter == _value_axis(tr) and vals.size and vals.dtype != object:
                 bar_axes.add(name)
     names |= set(values)
@@ -251,7 +264,8 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
             log = "log" in kinds
             allv = np.concatenate(data).astype(np.float64)
             zero = bar or any(ax.get("rangemode") in ("tozero", "nonnegative") for ax in axes)
-            found = _numeric_range(allv, log, zero)
+            # cell and bar edges already frame the data; padding them again leaves a blank band
+            found = _numeric_range(allv, log, zero, 0.05 if group & unedged_axes else 0.0)
             if found is None:
                 continue
             lo, hi = found

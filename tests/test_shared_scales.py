@@ -57,8 +57,23 @@ def test_categories_are_the_union_in_order_and_reversed_axes_stay_reversed():
 def test_numeric_heatmap_cells_are_covered_to_their_edges():
     fig = {"data": [{"type": "heatmap", "z": [[1, 2, 3]], "x": [0, 1, 2]}], "layout": {}}
     shared_axis_ranges(fig, [])
-    lo, hi = fig["layout"]["xaxis"]["range"]
-    assert lo <= -0.5 and hi >= 2.5
+    assert fig["layout"]["xaxis"]["range"] == [-0.5, 2.5]  # exactly the cell edges: no blank band
+
+
+def test_bar_slots_are_covered_to_their_edges_on_both_runs_axes():
+    """Bars at 1..7 (run A) and 1..5 (run B) on matched x axes: plotly draws each bar centred on its
+    position, one slot wide, so the shared range is 0.5..7.5, not the centres' 1..7 padded by 5%."""
+    fig = {
+        "data": [
+            {"type": "bar", "x": [1, 2, 3, 4, 5, 6, 7], "y": [3, 1, 2, 2, 1, 4, 2]},
+            {"type": "bar", "x": [1, 2, 3, 4, 5], "y": [1, 1, 1, 5, 1], "xaxis": "x2", "yaxis": "y2"},
+        ],
+        "layout": {},
+    }
+    shared_axis_ranges(fig, [("xaxis", "xaxis2"), ("yaxis", "yaxis2")])
+    assert fig["layout"]["xaxis"]["range"] == [0.5, 7.5] == fig["layout"]["xaxis2"]["range"]
+    lo, hi = fig["layout"]["yaxis"]["range"]
+    assert lo == 0.0 and hi == 5 + 0.05 * 5  # values from the zero base, padded 5%
 
 
 def test_paired_heatmaps_share_one_colour_range_and_one_bar():
