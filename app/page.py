@@ -34,6 +34,8 @@ from k3core.trace import Trace
 
 log = logging.getLogger("k3lab.app")
 
+LAZY_SECTION = 6  # a section with more views than this draws its first EAGER_VIEWS, the rest on request
+EAGER_VIEWS = 4
 IMPORTANCE = "sublayer_importance"  # the AnalysisContext.once key of analysis.figures.density's importance
 
 
@@ -182,18 +184,47 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
     return True
 
 
-def render_section(section: str, loaded: Loaded) -> int:
-    """Every View of a section, in catalogue order (importance on request). Returns how many were drawn."""
-    views = cards.section_views(section)
-    if not views:
-        st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
-        return 0
+def _render_views(views: list[View], loaded: Loaded) -> int:
     drawn = 0
     for view in views:
         if view.needs_model:
             importance_card(view, loaded)
         else:
             drawn += cards.render_view(view, loaded)
+    return drawn
+
+
+def _show_the_rest(section: str, rest: list[View]) -> bool:
+    """A toggle that draws the section's other figures; the choice is kept for the session (Streamlit forgets a
+    widget's value when its page is left, so it is copied to a key of its own)."""
+    keep, widget = f"k3lab_show_all_{section}", f"k3lab_show_all_{section}_toggle"
+    if widget not in st.session_state:
+        st.session_state[widget] = bool(st.session_state.get(keep, False))
+    titles = "; ".join(v.title for v in rest)
+    on = st.toggle(
+        f"Show the other {len(rest)} figures",
+        key=widget,
+        help=f"{titles}. Drawn on request: the page opens faster with the first {EAGER_VIEWS} figures.",
+    )
+    st.session_state[keep] = on
+    if not on:
+        st.caption(f"Also on this page: {titles}.")
+    return on
+
+
+def render_section(section: str, loaded: Loaded) -> int:
+    """Every View of a section, in catalogue order (importance on request). Returns how many were drawn.
+
+    A section of more than LAZY_SECTION views draws its first EAGER_VIEWS at once and the others when the user
+    turns them on: each chart costs the browser 30-100 ms to draw, so ten of them make a page switch take ~1 s."""
+    views = cards.section_views(section)
+    if not views:
+        st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
+        return 0
+    eager, rest = (views[:EAGER_VIEWS], views[EAGER_VIEWS:]) if len(views) > LAZY_SECTION else (views, [])
+    drawn = _render_views(eager, loaded)
+    if rest and _show_the_rest(section, rest):
+        drawn += _render_views(rest, loaded)
     return drawn
 
 

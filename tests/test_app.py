@@ -571,3 +571,31 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     not_applicable = [v for v in weights_views if any(i.startswith(f"**{v.title}**") for i in notes)]
     assert {v.key for v in not_applicable} == {"weights_scale_bias", "weights_expert_norms"}  # AttnRes; not read
     assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
+
+
+def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env, runs):
+    """Degradation (10 views): the first EAGER_VIEWS at once, the others behind a toggle that names them and stays
+    on for the session when the user leaves the page and comes back."""
+    app_env(runs["good"])
+    at = _app().run()
+    views = cards.section_views("degradation")
+    assert len(views) > page_mod.LAZY_SECTION
+
+    def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it
+        notes = sum(1 for i in at.info if any(f"**{v.title}**" in i.value for v in shown))
+        return len(at.get("plotly_chart")) + notes
+
+    _page(at, "degradation")
+    assert not at.exception and _errors(at) == []
+    first = [c.proto.spec for c in at.get("plotly_chart")]
+    assert accounted(views[: page_mod.EAGER_VIEWS]) == page_mod.EAGER_VIEWS
+    toggle = at.toggle(key="k3lab_show_all_degradation_toggle")
+    assert toggle.value is False
+    assert all(v.title in toggle.help for v in views[page_mod.EAGER_VIEWS :])
+    toggle.set_value(True).run()
+    assert not at.exception and _errors(at) == []
+    every = [c.proto.spec for c in at.get("plotly_chart")]
+    assert every[: len(first)] == first and accounted(views) == len(views)
+    _page(at, "attnres")
+    _page(at, "degradation")
+    assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere

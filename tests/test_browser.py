@@ -30,6 +30,7 @@ from benchmarks.bench_app import (
     app_server,
     open_page,
     settle,
+    show_the_rest,
     switch_page,
 )
 
@@ -290,6 +291,7 @@ def _run_figures(browser, url: str, path: str, run: str, query: str, log: Path) 
     try:
         _no_errors(page, log)
         assert f"{run} · 64 tokens of MQAR" in _body(page)
+        show_the_rest(page)  # a long section draws its first figures, the others on request: all of them here
         return _figures(page)
     finally:
         page.context.close()
