@@ -56,7 +56,9 @@ def test_screen_figure_is_a_lighter_copy_with_the_same_numbers_and_look():
     rng = np.random.default_rng(0)
     y = rng.normal(size=400)
     custom = np.stack([np.arange(400.0), rng.random(400)], axis=1)
-    fig = go.Figure(go.Scatter(x=np.arange(400), y=y, customdata=custom, hovertemplate="%{customdata[1]:.3f}"))
+    # the template named: importing streamlit makes its own template plotly's default
+    scatter = go.Scatter(x=np.arange(400), y=y, customdata=custom, hovertemplate="%{customdata[1]:.3f}")
+    fig = go.Figure(scatter, layout={"template": "plotly_white"})
     fig.add_trace(go.Heatmap(z=rng.random((4, 5))))
     apply_style(fig, "t", "x", "y")
     fig.update_xaxes(
