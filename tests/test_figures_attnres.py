@@ -9,7 +9,8 @@ from analysis.figures import attnres as fa
 from analysis.views import AnalysisContext, NotApplicable
 from k3core.presets import from_preset
 from k3core.trace import Trace, names
-from tests.test_attnres import _hand_trace, _record, _run
+from tests.conftest import nano_model, random_ids, randomize_attnres_queries, traced
+from tests.test_attnres import _hand_trace
 
 VIEW = {v.key: v for v in fa.VIEWS}
 CONFIG = from_preset("k3-nano")
@@ -17,8 +18,9 @@ CONFIG = from_preset("k3-nano")
 
 @pytest.fixture(scope="module")
 def block_run():
-    model, ids = _run()
-    return model, _record(model, ids, randomize_queries=True)
+    model = nano_model(kda_chunk_size=16)
+    randomize_attnres_queries(model)
+    return model, traced(model, random_ids(24))
 
 
 def _check(view, ctx):
@@ -65,8 +67,8 @@ def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
             _check(view, block_ctx)
 
     for mode in ("plain", "scale_bias", "full_attnres"):
-        m, ids = _run(residual=mode)
-        ctx = AnalysisContext(trace=_record(m, ids), config=m.config)
+        m = nano_model(kda_chunk_size=16, residual=mode)
+        ctx = AnalysisContext(trace=traced(m, random_ids(24)), config=m.config)
         for key, view in views.items():
             if key in ("attnres_hidden_rms", "attnres_scale_bias"):
                 applies = key == "attnres_hidden_rms" or mode == "scale_bias"
