@@ -237,20 +237,21 @@ def _layer_expert_heatmap(
     return fig
 
 
+def _layer_expert_view(
+    ctx: AnalysisContext, table: pd.DataFrame | None, value: str, title: str, colorbar: str, diverging: bool
+) -> tuple[go.Figure, pd.DataFrame]:
+    """One layer x expert heatmap of ``table[value]``, titled with the run; NotApplicable without MoE layers."""
+    if table is None or table.empty:
+        raise NotApplicable("no routed experts in this checkpoint (no MoE layers)")
+    s = weights_of(ctx)
+    return _layer_expert_heatmap(table, value, f"{title} — {_label(ctx, s)}", colorbar, diverging, ""), table
+
+
 def build_router_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Selection bias e_bias per MoE layer x expert (diverging colour, 0 = white)."""
-    s = weights_of(ctx)
-    if s.router_bias.empty:
-        raise NotApplicable("no router selection biases (no MoE layers)")
-    fig = _layer_expert_heatmap(
-        s.router_bias,
-        "bias",
-        f"Router selection bias e_bias per layer and expert — {_label(ctx, s)}",
-        "e_bias<br>(score units)",
-        True,
-        "",
-    )
-    return fig, s.router_bias
+    table = weights_of(ctx).router_bias
+    title = "Router selection bias e_bias per layer and expert"
+    return _layer_expert_view(ctx, table, "bias", title, "e_bias<br>(score units)", True)
 
 
 def build_router_bias_spread(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
@@ -297,36 +298,18 @@ def build_router_bias_spread(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
 
 def build_router_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Router weight row norm ||W_router[e]|| per MoE layer x expert."""
-    s = weights_of(ctx)
-    if s.router_norms.empty:
-        raise NotApplicable("no router weights (no MoE layers)")
-    fig = _layer_expert_heatmap(
-        s.router_norms,
-        "weight_norm",
-        f"Router weight norm per expert ‖W_router[e]‖ — {_label(ctx, s)}",
-        "‖W_router[e]‖",
-        False,
-        "",
-    )
-    return fig, s.router_norms
+    table = weights_of(ctx).router_norms
+    title = "Router weight norm per expert ‖W_router[e]‖"
+    return _layer_expert_view(ctx, table, "weight_norm", title, "‖W_router[e]‖", False)
 
 
 def build_expert_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Routed expert weight norm sqrt(|w1|² + |w2|² + |w3|²) per MoE layer x expert (``--experts``)."""
-    s = weights_of(ctx)
-    if s.expert_norms is None:
+    table = weights_of(ctx).expert_norms
+    if table is None:
         raise NotApplicable("expert norms were not read (run `k3lab weights PATH --experts`)")
-    if s.expert_norms.empty:
-        raise NotApplicable("no routed experts in this checkpoint")
-    fig = _layer_expert_heatmap(
-        s.expert_norms,
-        "norm",
-        f"Routed expert weight norm per layer and expert — {_label(ctx, s)}",
-        "Frobenius norm<br>(w1, w2, w3)",
-        False,
-        "",
-    )
-    return fig, s.expert_norms
+    title = "Routed expert weight norm per layer and expert"
+    return _layer_expert_view(ctx, table, "norm", title, "Frobenius norm<br>(w1, w2, w3)", False)
 
 
 # ----------------------------------------------------------------------------- norms, parameters
