@@ -19,7 +19,6 @@ own folders (``redact`` turns any such path that slips through into the run's na
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -34,7 +33,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from analysis.format import format_bytes, format_count
+from analysis.format import format_bytes
+from app.run_folders import (
+    FolderInfo,
+    LibraryError,
+    content_fingerprint,
+    describe_folder,
+    human_count,
+)
 from app.safe_zip import ZipRefused, extract_run_zip
 from app.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
 from k3core.checkpoint_files import (
@@ -43,8 +49,6 @@ from k3core.checkpoint_files import (
     PICKLE_NAMES,
     TOKENIZER_FILES,
     WEIGHTS_NAME,
-    CheckpointError,
-    CheckpointFiles,
 )
 
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
@@ -69,10 +73,6 @@ CREATE TABLE IF NOT EXISTS runs (
 """
 
 
-class LibraryError(ValueError):
-    """Something about a run the user added or chose; the message says what and how to fix it."""
-
-
 def accepted_name(name: str) -> bool:
     """A file name that belongs in a checkpoint folder (config, weights, shards, index, tokenizer, card)."""
     return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, *PICKLE_NAMES, *EXTRA_NAMES) or bool(SHARD_RE.match(name))
@@ -81,95 +81,6 @@ def accepted_name(name: str) -> bool:
 def clean_name(name: str, default: str) -> str:
     """A run name of letters, digits, '.', '_' and '-' (at most 64 characters)."""
     return _NAME_RE.sub("-", name.strip()).strip("-.")[:64] or default
-
-
-def human_count(n: int | None) -> str:
-    """analysis.format.format_count, '?' when unknown: 211550 -> '211.55K'."""
-    return "?" if n is None else format_count(n)
-
-
-# ------------------------------------------------------------------------------------- describe
-@dataclass(frozen=True)
-class FolderInfo:
-    """What a checkpoint folder holds, from its headers: no tensor data is read (except pickle files)."""
-
-    size_bytes: int  # every file in the folder
-    weight_bytes: int  # the text model's tensors
-    num_parameters: int
-    dtypes: dict[str, int]  # bytes per stored dtype
-    skipped: list[str]  # stored tensors that are not part of the text model (vision tower, ...)
-    summary: dict[str, Any]
-    fingerprint: str
-    files: CheckpointFiles  # the config and the tensor table, read from the headers
-
-
-def folder_size(folder: Path) -> int:
-    """Bytes of the regular files directly in ``folder`` (links followed, as the loader would)."""
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-
-
-def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
-    """Size, parameter count, dtypes and a config summary of a checkpoint folder. Raises LibraryError."""
-    folder = Path(folder)
-    try:
-        files = CheckpointFiles.open(folder)
-        fingerprint = files.fingerprint()
-    except CheckpointError as exc:
-        raise LibraryError(_rename(str(exc), folder.name, label)) from exc
-    except OSError as exc:
-        raise LibraryError(f"{label or folder.name}: cannot read the checkpoint ({exc.strerror})") from exc
-    cfg = files.config
-    dtypes: dict[str, int] = {}
-    for info in files.tensors.values():
-        dtypes[info.dtype] = dtypes.get(info.dtype, 0) + info.nbytes
-    summary = {
-        "model_type": getattr(cfg, "model_type", "k3"),
-        "layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "experts": cfg.num_experts,
-        "parameters": files.num_parameters,
-        "dtypes": sorted(dtypes),
-    }
-    return FolderInfo(
-        size_bytes=folder_size(folder),
-        weight_bytes=files.bytes_total,
-        num_parameters=files.num_parameters,
-        dtypes=dtypes,
-        skipped=list(files.skipped),
-        summary=summary,
-        fingerprint=fingerprint,
-        files=files,
-    )
-
-
-def summary_text(summary: Mapping[str, Any]) -> str:
-    """'4 layers · width 64 · vocab 256 · 8 experts · 211.6K params' from a config summary."""
-    parts = [f"{summary.get('layers', '?')} layers", f"width {summary.get('hidden_size', '?')}"]
-    parts.append(f"vocab {summary.get('vocab_size', '?'):,}" if summary.get("vocab_size") else "vocab ?")
-    if summary.get("experts"):
-        parts.append(f"{summary['experts']} experts")
-    parts.append(f"{human_count(summary.get('parameters'))} params")
-    return " · ".join(parts)
-
-
-def _rename(message: str, folder_name: str, label: str | None) -> str:
-    """CheckpointError messages name the folder or a file in it; say the run's name instead (and first)."""
-    if not label:
-        return message
-    message = message.replace(folder_name, label) if folder_name else message
-    return message if message.startswith(label) else f"{label}: {message}"
-
-
-def content_fingerprint(folder: Path) -> str:
-    """SHA-256 over every file's name and bytes, in name order: equal for equal uploads, whatever the mtimes."""
-    h = hashlib.sha256()
-    for file in sorted(p for p in folder.iterdir() if p.is_file()):
-        h.update(file.name.encode() + b"\0" + str(file.stat().st_size).encode() + b"\0")
-        with open(file, "rb") as fh:
-            while block := fh.read(_CHUNK):
-                h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------- entries

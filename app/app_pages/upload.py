@@ -8,8 +8,9 @@ import streamlit as st
 from analysis.format import format_bytes
 from app import caching, page, uploads
 from app.inputs import InputError, current_inputs
-from app.library import LibraryError, describe_folder, human_count, summary_text
+from app.library import LibraryError
 from app.roots import PathRefused, confine_folder
+from app.run_folders import describe_folder, human_count, summary_text
 from k3core.checkpoint_files import CheckpointError
 
 page.page_header(

@@ -11,7 +11,7 @@ from analysis import weights as wt
 from analysis.compare import difference_view, side_by_side
 from analysis.views import AnalysisContext, NotApplicable
 from app import caching, cards, page
-from app.library import human_count
+from app.run_folders import human_count
 from k3core.checkpoint_files import CheckpointError
 
 
