@@ -22,7 +22,7 @@ vocab-256 model). A run without one still loads; only text inputs are refused, w
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from analysis.views import AnalysisContext
 from k3core.checkpoint import CheckpointError
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
+from k3core.files import open_for_reading, parse_json, read_bytes_limited
 from k3core.runtime import configure_threads
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # imported where a run is loaded (load_run), not when this mo
     from k3core.model import K3ForCausalLM
 
 METRICS_NAME = "metrics.json"
+MAX_METRICS_BYTES = 64 * 1024**2
 CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
 SAMPLES = ("shakespeare", "mqar", "repeat")
 DEFAULT_SAMPLE = "shakespeare"
@@ -82,15 +84,15 @@ def read_metrics(path: str | Path) -> tuple[dict | None, str | None]:
     """``metrics.json`` of a run folder as a dict, or (None, reason). Never raises for a bad file."""
     file = Path(path) / METRICS_NAME
     if not file.is_file():
-        return None, f"no {METRICS_NAME} in {path}"
+        return None, f"no {METRICS_NAME} in the run folder"
     try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{file}: unreadable ({exc})"
+        data = parse_json(read_bytes_limited(file, MAX_METRICS_BYTES), METRICS_NAME)
+    except (OSError, ValueError) as exc:
+        return None, f"{METRICS_NAME}: unreadable ({str(exc)[:200]})"
     if isinstance(data, list):
         data = {"history": data}
     if not isinstance(data, dict):
-        return None, f"{file}: expected a JSON object, got {type(data).__name__}"
+        return None, f"{METRICS_NAME}: expected a JSON object, got {type(data).__name__}"
     return data, None
 
 
@@ -99,8 +101,9 @@ def read_card_text(path: str | Path, max_chars: int = 4000) -> str | None:
     for name in CARD_NAMES:
         file = Path(path) / name
         if file.is_file():
-            try:
-                text = file.read_text(errors="replace")
+            try:  # at most 4 bytes per character: a huge README is never read whole
+                with os.fdopen(open_for_reading(file), "rb") as fh:
+                    text = fh.read(4 * max_chars + 4).decode("utf-8", errors="replace")
             except OSError:
                 return None
             return text if len(text) <= max_chars else text[:max_chars] + "\n..."
