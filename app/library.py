@@ -254,9 +254,9 @@ class RunsLibrary:
     @staticmethod
     def _check_tokenizer(folder: Path, name: str, info: FolderInfo) -> None:
         """Tokenizer files that come with an upload must load and fit the model (checked before it is kept)."""
-        from k3core.tokenizer import TOKENIZER_FILES as LOADED, TokenizerError, load_tokenizer
+        from k3core.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
 
-        if not any((folder / f).is_file() for f in LOADED) or info.files.config is None:
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES) or info.files.config is None:
             return
         try:
             load_tokenizer(folder, info.files.config.vocab_size)

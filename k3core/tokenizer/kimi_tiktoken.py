@@ -77,7 +77,8 @@ def read_tiktoken_ranks(path: str | Path, max_ranks: int | None = None) -> dict[
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise TokenizerError(
-            f"{path.name}: {len(missing)} single bytes have no rank (e.g. 0x{missing[0]:02X}); byte-level BPE needs all 256"
+            f"{path.name}: {len(missing)} single bytes have no rank (e.g. 0x{missing[0]:02X}); byte-level BPE "
+            "needs all 256"
         )
     return ranks
 
