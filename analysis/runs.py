@@ -289,6 +289,18 @@ def sample_input(
     raise ValueError(f"unknown sample {name!r}; choose one of {SAMPLES}")
 
 
+COUNT_CHARS = 1 << 20  # texts up to this many characters are counted exactly
+
+
+def count_tokens(text: str, tokenizer: Tokenizer, max_chars: int = COUNT_CHARS) -> tuple[int, bool]:
+    """(tokens in ``text``, exact?). Up to ``max_chars`` characters the count is exact; a longer text is never
+    tokenized whole: its first ``max_chars`` are, and the count is scaled by characters (total ≈ n · len / max)."""
+    if len(text) <= max_chars:
+        return len(tokenizer.encode(text)), True
+    head = len(tokenizer.encode(text[:max_chars]))
+    return round(head * len(text) / max_chars), False
+
+
 def text_input(
     text: str,
     config: K3Config,

@@ -194,12 +194,18 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     n = int(sample.input_ids.shape[1])
-    total = len(runs.text_tokenizer(config, tokenizer).encode(choice.text)) if choice.text is not None else n
+    total, exact = n, True
+    if choice.text is not None:  # a long text is counted from its first megabyte, never tokenized whole
+        total, exact = runs.count_tokens(choice.text, runs.text_tokenizer(config, tokenizer))
     source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
     if sample.description and choice.text is None:
         source = sample.description
     return Tokens(
-        sample=sample, source=source, total=max(total, n), digest=token_digest(sample.input_ids, sample.targets)
+        sample=sample,
+        source=source,
+        total=max(total, n),
+        digest=token_digest(sample.input_ids, sample.targets),
+        total_exact=exact,
     )
 
 

@@ -78,6 +78,7 @@ class Tokens:
     source: str  # description for captions
     total: int  # tokens before truncation
     digest: str  # sha256 of ids and targets: the cache key of the input
+    total_exact: bool = True  # False: total is scaled from the text's first megabyte (a longer text)
 
     @property
     def n(self) -> int:

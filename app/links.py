@@ -23,6 +23,7 @@ from typing import Any
 import streamlit as st
 
 from app import inputs as inp
+from app.errors import md_escape
 
 TEXT_SLUGS = {
     "shakespeare": inp.TEXT_SHAKESPEARE,
@@ -47,6 +48,11 @@ APPLIED = "k3lab_link_applied"
 NOTES = "k3lab_link_notes"
 
 
+def _shown(value: str) -> str:
+    """A query value as the notes quote it: at most 60 characters (the notes are escaped where shown)."""
+    return repr(value if len(value) <= 60 else value[:60] + "...")
+
+
 def _choice(name: str, value: str, allowed: dict[str, Any] | Sequence[str], notes: list[str]) -> Any:
     """The session value for a query value from a fixed set, or None (with a note) when unknown."""
     if isinstance(allowed, dict):
@@ -58,7 +64,7 @@ def _choice(name: str, value: str, allowed: dict[str, Any] | Sequence[str], note
             return value
         shown = list(allowed)
     more = f" (and {len(shown) - 8} more)" if len(shown) > 8 else ""
-    notes.append(f"The link's {name}={value!r} is not known here; showing the default. Known: {shown[:8]}{more}.")
+    notes.append(f"The link's {name}={_shown(value)} is not known here; showing the default. Known: {shown[:8]}{more}.")
     return None
 
 
@@ -68,7 +74,7 @@ def _int(name: str, value: str, low: int, high: int, notes: list[str]) -> int | 
     except ValueError:
         n = None
     if n is None or not low <= n <= high:
-        notes.append(f"The link's {name}={value!r} is not a whole number in {low}..{high}; showing the default.")
+        notes.append(f"The link's {name}={_shown(value)} is not a whole number in {low}..{high}; showing the default.")
         return None
     return n
 
@@ -112,7 +118,9 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
         put("k3lab_cmp_section", _choice("section", params["section"], list(SECTIONS), notes))
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
-        notes.append(f"The link's parameter(s) {unknown} are not known here and were ignored.")
+        notes.append(
+            f"The link's parameter(s) {', '.join(_shown(u) for u in unknown[:8])} are not known here and were ignored."
+        )
     return out, notes
 
 
@@ -138,8 +146,8 @@ def show_notes(page: str) -> None:
     if ss.setdefault(NOTES + "_page", page) != page:
         ss[NOTES] = []
         return
-    for note in notes:
-        st.warning(note, icon=":material/link_off:")
+    for note in notes:  # the notes quote the link's values: shown as text, never as Markdown
+        st.warning(md_escape(note), icon=":material/link_off:")
 
 
 def params_of(inputs: inp.Inputs) -> dict[str, str]:

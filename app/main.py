@@ -17,7 +17,10 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import links, prefetch, sidebar  # noqa: E402
+from app import links, prefetch, sidebar, uploads  # noqa: E402
+from app.errors import shown_errors  # noqa: E402
+from app.roots import descriptor_check  # noqa: E402
+from k3core.files import checked_opens  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
@@ -62,7 +65,13 @@ PAGES = {
 }
 
 navigation = st.navigation(PAGES)
-with prefetch.script_run():  # background figure builds wait while a page is being drawn
-    sidebar.sidebar()
+# Every checkpoint file this script run opens is checked on its descriptor: a regular file with one link,
+# inside the folders the app may read (a link or hard link swapped in after a check is refused at open).
+with prefetch.script_run(), checked_opens(descriptor_check(uploads.readable_folders)):
+    # Whatever the sidebar or a page raises (a damaged library index, a hostile checkpoint) becomes a message
+    # on the page; the server keeps serving every session.
+    with shown_errors("The sidebar"):
+        sidebar.sidebar()
     links.show_notes(navigation.url_path)
-    navigation.run()
+    with shown_errors():
+        navigation.run()

@@ -141,6 +141,13 @@ def allowed_roots() -> list[Path]:
     return configured_roots(home=library().home)
 
 
+def readable_folders() -> list[Path]:
+    """Every folder the app reads checkpoints from: the roots (with the library home), the shipped samples and
+    the folders given to ``k3lab app`` (K3LAB_RUNS). Files opened outside them are refused (app.roots)."""
+    given = [Path(p).expanduser() for p in os.environ.get(RUNS_ENV, "").split(os.pathsep) if p.strip()]
+    return [*allowed_roots(), Path(SAMPLES_DIR), *given]
+
+
 def message(exc: BaseException | str, ref: RunRef | None = None) -> str:
     """An error's text with server folders replaced by run names (the run's own, the library's)."""
     text = str(exc)

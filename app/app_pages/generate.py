@@ -8,6 +8,7 @@ import streamlit as st
 import torch
 
 from app import caching, page
+from app.errors import md_escape, plain
 from app.inputs import MAX_TOKENS_CAP
 from k3core.cache import K3Cache
 
@@ -24,9 +25,11 @@ loaded_run = caching.load_run(run, inputs.device, inputs.dtype)  # cached: the m
 tok = loaded_run.tokenizer
 if tok is None:
     why = [note for note in loaded_run.card["notes"] if "tokenizer" in note]
-    st.error(f"**{run.label}** cannot be prompted with text: {why[0] if why else 'it has no tokenizer'}")
+    st.error(
+        f"**{md_escape(run.label)}** cannot be prompted with text: {plain(why[0]) if why else 'it has no tokenizer'}"
+    )
     st.stop()
-st.caption(f"Tokenizer: {tok.name}")
+st.caption(f"Tokenizer: {md_escape(tok.name)}")
 with st.form("k3lab_generate"):
     prompt = st.text_area("Prompt", value="ROMEO:\n", height=100, key="k3lab_prompt")
     c = st.columns(4)
