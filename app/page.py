@@ -151,7 +151,7 @@ def run_line(loaded: Loaded) -> None:
     loss = loaded.ctx.loss
     loss_txt = f" · loss {loss:.3f} nats/token" if loss is not None else ""
     st.caption(
-        f"**{md_escape(loaded.ctx.label)}** · {loaded.tokens.n:,} tokens of {md_escape(loaded.tokens.source)}"
+        f"**{loaded.ctx.label}** · {loaded.tokens.n:,} tokens of {md_escape(loaded.tokens.source)}"
         f"{loss_txt} · {loaded.run.device}/{loaded.run.dtype}"
     )
 

@@ -173,7 +173,7 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
                 f"{file.name}: not a safetensors file (header length {n} does not fit in {size} bytes)"
             )
         header_bytes = fh.read(n)
-    header = parse_json(header_bytes, f"{file.name}: corrupt safetensors header", CheckpointError)
+    header = parse_json(header_bytes, f"{file.name}: corrupt safetensors header", CheckpointError, check_ints=False)
     if not isinstance(header, dict):
         raise CheckpointError(
             f"{file.name}: corrupt safetensors header (a JSON {type(header).__name__}, "
@@ -222,11 +222,11 @@ def _check_extent(where: str, key: str, dtype: str, shape: list[int], offsets: l
             f"{where}: corrupt safetensors header: tensor {name} has a shape of {len(shape)} dimension(s) out of "
             f"range (at most {MAX_DIMS}, each below 2**63)"
         )
-    nbytes = offsets[1] - offsets[0]
-    if math.prod(shape) * DTYPE_BITS[dtype] != 8 * nbytes:
+    nbytes, bits = offsets[1] - offsets[0], math.prod(shape) * DTYPE_BITS[dtype]
+    if bits != 8 * nbytes:
         raise CheckpointError(
-            f"{where}: corrupt safetensors data: tensor {name} has {nbytes} bytes for shape {shape} of {dtype} "
-            f"({math.prod(shape) * DTYPE_BITS[dtype] / 8:g} expected)"
+            f"{where}: corrupt safetensors data: tensor {name} has {nbytes:,} bytes for shape {shape} of {dtype} "
+            f"({bits // 8 if bits % 8 == 0 else bits / 8:,} expected)"
         )
 
 

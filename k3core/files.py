@@ -127,12 +127,14 @@ def _json_constant(name: str) -> Any:
     raise _Refused(f"{name} is not a JSON value")
 
 
-def parse_json(data: bytes | str, where: str, error: type[Exception] = ValueError) -> Any:
+def parse_json(data: bytes | str, where: str, error: type[Exception] = ValueError, check_ints: bool = True) -> Any:
     """JSON from a file a user supplied, every failure raised as ``error`` naming ``where``: invalid JSON,
     nesting too deep for the parser, integers over MAX_JSON_INT_DIGITS digits, NaN / Infinity, floats that
-    overflow (1e999)."""
+    overflow (1e999). ``check_ints=False`` leaves integers to Python's own limit (4,300 digits) for files of
+    millions of integers that the caller range-checks itself (a per-integer hook costs 3x the parse)."""
+    int_hook = _json_int if check_ints else None
     try:
-        return json.loads(data, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+        return json.loads(data, parse_int=int_hook, parse_float=_json_float, parse_constant=_json_constant)
     except _Refused as exc:
         raise error(f"{where}: {exc}") from None
     except RecursionError:
