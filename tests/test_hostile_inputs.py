@@ -16,10 +16,10 @@ import os
 import resource
 import shutil
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
-import struct
 import time
 import tracemalloc
 import zipfile
