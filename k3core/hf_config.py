@@ -63,7 +63,7 @@ def config_from_hf(data: dict[str, Any]) -> K3Config:
         return _from_hf(data)
     except KeyError as exc:
         raise ConfigError(f"Hugging Face config is missing the field {exc}") from exc
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:  # a value of the wrong JSON type
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"Hugging Face config has an invalid value: {str(exc)[:200]}") from exc
@@ -74,6 +74,8 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
     if not isinstance(text, dict):
         raise ConfigError(f"text_config must be a JSON object, got {type(text).__name__}")
     lac = text.get("linear_attn_config") or {}
+    if not isinstance(lac, dict):
+        raise ConfigError(f"linear_attn_config must be a JSON object, got {type(lac).__name__}")
     n_layers = int(text["num_hidden_layers"])
     check_limit("num_hidden_layers", n_layers)  # before any per-layer list is built from it
     full = _hf_full_attn_layers(text, lac, n_layers)
