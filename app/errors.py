@@ -31,12 +31,16 @@ USER_ERRORS = (CheckpointError, ConfigError, TokenizerError, LibraryError, PathR
 MAX_MESSAGE_CHARS = 1000
 _PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")  # every ASCII punctuation character may be backslash-escaped
 _ABSOLUTE_PATH = re.compile(r"(?<![\w:/])/(?:[^\s'\"/:,;()\[\]]+/)+([^\s'\"/:,;()\[\]]*)")
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?i:(?<=www)(?=\.))|(?<=@)")  # GFM links these even in escaped text
+ZERO_WIDTH = "\u200b"
 
 
 def md_escape(text: object) -> str:
-    """``text`` as Markdown that shows exactly these characters: no links, images, code spans, emphasis,
-    colour directives, icons or math (CommonMark backslash-escapes every ASCII punctuation character)."""
-    return _PUNCTUATION.sub(r"\\\1", str(text))
+    """``text`` as Markdown that shows these characters and nothing more: no links, images, code spans,
+    emphasis, colour directives, icons or math (CommonMark backslash-escapes every ASCII punctuation
+    character). GFM also links bare URLs, www. names and e-mail addresses after escapes are resolved, so
+    those get an invisible zero-width space (``http:\u200b//``) that their pattern does not match."""
+    return _PUNCTUATION.sub(r"\\\1", _AUTOLINK.sub(ZERO_WIDTH, str(text)))
 
 
 def strip_paths(text: str) -> str:

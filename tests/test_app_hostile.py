@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 from streamlit.testing.v1 import AppTest
 
 from app import uploads
-from app.errors import markdown_card, md_escape, plain, strip_paths
+from app.errors import ZERO_WIDTH, markdown_card, md_escape, plain, strip_paths
 from app.library import RunsLibrary
 from app.settings import HOME_ENV, ROOTS_ENV
 from k3core.model import K3ForCausalLM
@@ -32,6 +34,9 @@ from tests.test_hostile_inputs import (
 
 APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
 TIMEOUT = 180
+COMMONMARK = MarkdownIt("commonmark").enable(["strikethrough", "table"])
+# what GFM's literal autolinks start from (remark-gfm links them in text whose escapes are already resolved)
+AUTOLINK_STARTS = re.compile(r"(?i)://|www\.|@\w")
 PAGE_S = 10.0  # an AppTest rerun of the whole page (sidebar, widgets) on a shared 2-core machine
 
 
@@ -63,8 +68,8 @@ def env(monkeypatch, tmp_path, runs):
 
 
 def _shown(value: str) -> str:
-    """Markdown-escaped text as the browser shows it."""
-    return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", value)
+    """Markdown-escaped text as the browser shows it (escapes resolved, the invisible unlinking spaces read past)."""
+    return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", value).replace(ZERO_WIDTH, "")
 
 
 def _errors(at: AppTest) -> list[str]:
@@ -198,13 +203,13 @@ def test_a_link_cannot_put_markdown_in_the_app(env, runs):
 
 
 def test_markdown_escaping_shows_the_text_exactly():
-    md = MarkdownIt("commonmark")
     for text in (
         "![x](http://e/i.png) [a](http://b) `code` **bold** _em_ <b>html</b> $x$ :red[red] :material/home:",
         "tensor 'w`])<script>' # heading\n- item\n1. item | a | b |",
-        "back\\slash & ampersand ~strike~ {curly} http://bare.example",
+        "back\\slash & ampersand ~strike~ {curly} http://bare.example www.bare.example mail@bare.example",
     ):
-        html = md.render(md_escape(text))
+        html = COMMONMARK.render(md_escape(text))
+        assert not AUTOLINK_STARTS.search(html), html
         for tag in ("<img", "<a ", "<code", "<strong", "<em", "<h1", "<li", "<b>"):
             assert tag not in html, (text, html)
         assert _shown(md_escape(text)) == text
@@ -212,3 +217,13 @@ def test_markdown_escaping_shows_the_text_exactly():
     assert strip_paths("/srv/k3/runs/abc/config.json: bad; see /tmp/x/y") == "config.json: bad; see y"
     assert strip_paths("http://host/a/b and 2024/01/02") == "http://host/a/b and 2024/01/02"
     assert "secret" not in plain(FileNotFoundError(2, "No such file or directory", "/srv/secret/run"))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=80))
+def test_escaped_text_never_becomes_a_link_an_image_or_markup(text):
+    html = COMMONMARK.render(md_escape(text)).replace("<pre><code>", "<pre>")  # indented lines: shown verbatim
+    for tag in ("<a ", "<img", "<em", "<strong", "<code>", "<h1", "<script", "<del"):
+        assert tag not in html, (text, html)
+    assert not AUTOLINK_STARTS.search(html), html
+    assert _shown(md_escape(text)) == text
