@@ -288,7 +288,8 @@ def check_pickle_zip(file: Path, fh: BinaryIO) -> None:
     size = os.fstat(fh.fileno()).st_size
     if not zipfile.is_zipfile(fh):
         raise CheckpointError(
-            f"{file.name}: not a torch.save zip archive (older pickle formats are not read); convert it to safetensors"
+            f"{file.name}: refusing to load this pickle file: not a torch.save zip archive (older pickle formats "
+            f"are not read); convert it to safetensors"
         )
     try:
         with zipfile.ZipFile(fh) as archive:
@@ -300,8 +301,9 @@ def check_pickle_zip(file: Path, fh: BinaryIO) -> None:
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
             raise CheckpointError(
-                f"{file.name}: the zip entry {info.filename[:120]!r} is compressed; torch.save never compresses, "
-                f"and a compressed entry can unpack to far more than the file holds: refused"
+                f"{file.name}: refusing to load this pickle file: the zip entry {info.filename[:120]!r} is "
+                f"compressed (torch.save never compresses, and a compressed entry can unpack to far more than the "
+                f"file holds); convert it to safetensors"
             )
         total += info.file_size
     if total > size:

@@ -11,7 +11,6 @@ real browser, tests/test_browser_hostile.py.
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import shutil
@@ -182,25 +181,29 @@ def test_hostile_safetensors_headers_fail_fast(case, nano, tmp_path, library):
 
 
 def test_parameter_counting_is_linear_in_the_header(tmp_path):
-    """Headers of many 8-dimensional shapes are legal; reading and counting them stays linear in their number."""
+    """Headers of many 8-dimensional shapes are legal; reading and counting them stays linear in their number
+    (before the bounds, one long shape of 2s cost time quadratic in the header's size)."""
 
-    def seconds(n: int) -> float:
+    def header_file(n: int) -> Path:
         dims = [2**10] * 4 + [1] * (MAX_DIMS - 4)  # 2**40 bytes each, all the same bytes of one sparse file
-        header = {f"t{i}": {"dtype": "U8", "shape": dims, "data_offsets": [0, 0]} for i in range(n)}
-        for entry in header.values():
-            entry["data_offsets"] = [0, math.prod(entry["shape"])]
+        header = {f"t{i}": {"dtype": "U8", "shape": dims, "data_offsets": [0, 2**40]} for i in range(n)}
         path = tmp_path / f"h{n}.safetensors"
         raw = json.dumps(header).encode()
         with open(path, "wb") as fh:  # a sparse file: the declared bytes are not written
             fh.write(len(raw).to_bytes(8, "little") + raw)
             fh.truncate(8 + len(raw) + 2**40)
-        start = time.perf_counter()
-        files = CheckpointFiles.open(path, require_config=False)
-        assert files.num_parameters == n * 2**40
-        return time.perf_counter() - start
+        return path
 
-    small, large = seconds(2_000), seconds(20_000)
-    assert large < 2.0 and large < 10 * small * 3  # 10x the entries: about 10x the time, never 100x
+    def best_seconds(path: Path, n: int) -> float:
+        times = []
+        for _ in range(3):  # best of three: the machine is shared
+            start = time.perf_counter()
+            assert CheckpointFiles.open(path, require_config=False).num_parameters == n * 2**40
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    small, large = best_seconds(header_file(2_000), 2_000), best_seconds(header_file(20_000), 20_000)
+    assert large < LIMIT_S and large < 40 * small  # 10x the entries: about 10x the time, never 100x
 
 
 # ----------------------------------------------------------------------------------------- config.json

@@ -29,7 +29,7 @@ if tok is None:
         f"**{md_escape(run.label)}** cannot be prompted with text: {plain(why[0]) if why else 'it has no tokenizer'}"
     )
     st.stop()
-st.caption(f"Tokenizer: {md_escape(tok.name)}")
+st.caption(f"Tokenizer: {tok.name}")  # file name and counts: no user text
 with st.form("k3lab_generate"):
     prompt = st.text_area("Prompt", value="ROMEO:\n", height=100, key="k3lab_prompt")
     c = st.columns(4)
