@@ -23,7 +23,6 @@ import pytest
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
-    CHROMIUM_ARGS,
     EXCEPTION,
     RENDER_TIMEOUT_MS,
     REPO,
@@ -55,12 +54,10 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+    from tests.test_browser_library import chromium
+
+    with chromium() as launched:
+        yield launched
 
 
 def _keep(path: Path) -> None:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from app.library import RunsLibrary
-from benchmarks.bench_app import CHROMIUM, CHROMIUM_ARGS, EXCEPTION, RENDER_TIMEOUT_MS, settle
+from benchmarks.bench_app import CHROMIUM, EXCEPTION, RENDER_TIMEOUT_MS, settle
 from k3core.model import K3ForCausalLM
-from tests.test_browser_library import DROPZONE, _k3lab_app, _wait_text
+from tests.test_browser_library import DROPZONE, _k3lab_app, _wait_text, chromium, open_library_page
 from tests.test_hostile_inputs import _deflated_pickle, _own, _tiktoken_files, _zip_of_zeros
 
 pytestmark = pytest.mark.browser
@@ -59,47 +59,41 @@ def test_hostile_uploads_and_links_in_a_browser(tmp_path):
     home = tmp_path / "k3lab-home"
     log = tmp_path / "k3lab-app.log"
 
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            with _k3lab_app(home, good, log) as url:
-                page = browser.new_page(viewport={"width": 1440, "height": 1000})
-                for case, (files, expected) in cases.items():
-                    page.goto(f"{url}/upload")
-                    page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
-                    settle(page)
-                    page.locator(DROPZONE).set_input_files([str(f) for f in files])
-                    page.wait_for_function(
-                        "n => document.querySelectorAll('[data-testid=\"stFileChip\"]').length === n",
-                        arg=len(files),
-                        timeout=RENDER_TIMEOUT_MS,
-                    )
-                    page.get_by_role("button", name="Add run").click()
-                    _wait_text(page, "This checkpoint cannot be used")
-                    settle(page)
-                    shown = page.locator(ERROR_BOX).first.inner_text()
-                    assert expected in shown, (case, shown)
-                    body = page.locator("body").inner_text()
-                    assert page.locator(EXCEPTION).count() == 0, (case, log.read_text()[-3000:])
-                    assert "Traceback" not in body and str(tmp_path) not in body, case
-                    assert RunsLibrary(home).entries() == [], case
-                    assert list((home / "runs").iterdir()) == [], case
-
-                    page.goto(f"{url}/overview")  # the next page load works
-                    page.get_by_role("heading", name="nano-good").wait_for(timeout=RENDER_TIMEOUT_MS)
-                    settle(page)
-                    assert page.locator(EXCEPTION).count() == 0 and page.locator(ERROR_BOX).count() == 0, case
-
-                evil = urllib.parse.quote("![x](http://evil.example/i) [a](http://phish.example)")
-                page.goto(f"{url}/overview?run={evil}")
-                _wait_text(page, "is not known here")
+    with chromium() as browser:
+        with _k3lab_app(home, good, log) as url:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            for case, (files, expected) in cases.items():
+                open_library_page(page, url)
+                page.locator(DROPZONE).set_input_files([str(f) for f in files])
+                page.wait_for_function(
+                    "n => document.querySelectorAll('[data-testid=\"stFileChip\"]').length === n",
+                    arg=len(files),
+                    timeout=RENDER_TIMEOUT_MS,
+                )
+                page.get_by_role("button", name="Add run").click()
+                _wait_text(page, "This checkpoint cannot be used")
                 settle(page)
-                assert page.locator("img[src*='evil.example']").count() == 0
-                assert page.locator("a[href*='phish.example']").count() == 0
-                shown = page.locator("body").inner_text().replace("\u200b", "")  # the invisible unlinking space
-                assert "![x](http://evil.example/i) [a](http://phish.example)" in shown  # shown as text
+                shown = page.locator(ERROR_BOX).first.inner_text()
+                assert expected in shown, (case, shown)
+                body = page.locator("body").inner_text()
+                assert page.locator(EXCEPTION).count() == 0, (case, log.read_text()[-3000:])
+                assert "Traceback" not in body and str(tmp_path) not in body, case
+                assert RunsLibrary(home).entries() == [], case
+                assert list((home / "runs").iterdir()) == [], case
 
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=30) as reply:  # still serving
-                    assert reply.read() == b"ok"
-        finally:
-            browser.close()
+                page.goto(f"{url}/overview")  # the next page load works
+                page.get_by_role("heading", name="nano-good").wait_for(timeout=RENDER_TIMEOUT_MS)
+                settle(page)
+                assert page.locator(EXCEPTION).count() == 0 and page.locator(ERROR_BOX).count() == 0, case
+
+            evil = urllib.parse.quote("![x](http://evil.example/i) [a](http://phish.example)")
+            page.goto(f"{url}/overview?run={evil}")
+            _wait_text(page, "is not known here")
+            settle(page)
+            assert page.locator("img[src*='evil.example']").count() == 0
+            assert page.locator("a[href*='phish.example']").count() == 0
+            shown = page.locator("body").inner_text().replace("\u200b", "")  # the invisible unlinking space
+            assert "![x](http://evil.example/i) [a](http://phish.example)" in shown  # shown as text
+
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=30) as reply:  # still serving
+                assert reply.read() == b"ok"
