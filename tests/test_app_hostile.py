@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     )
     torch.manual_seed(1)
     wide = K3ForCausalLM.from_config(from_preset("k3-nano", vocab_size=512)).save_pretrained(root / "nano-512")
-    return {"good": good, "wide": wide, "root": root}
+    named = shutil.copytree(good, root / "nano-named")  # a config name with a backtick and an image
+    data = json.loads((named / "config.json").read_text())
+    data["name"] = "a`b ![x](http://evil.example/i.png)"
+    (named / "config.json").write_text(json.dumps(data))
+    return {"good": good, "wide": wide, "named": named, "root": root}
 
 
 @pytest.fixture
@@ -58,7 +64,7 @@ def env(monkeypatch, tmp_path, runs):
     home = tmp_path / "home"
     monkeypatch.setenv(HOME_ENV, str(home))
     monkeypatch.setenv(ROOTS_ENV, str(runs["root"]))
-    monkeypatch.setenv(uploads.RUNS_ENV, f"{runs['good']}:{runs['wide']}")
+    monkeypatch.setenv(uploads.RUNS_ENV, f"{runs['good']}:{runs['wide']}:{runs['named']}")
     empty = tmp_path / "no-samples"
     empty.mkdir()
     monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
@@ -227,3 +233,40 @@ def test_escaped_text_never_becomes_a_link_an_image_or_markup(text):
         assert tag not in html, (text, html)
     assert not AUTOLINK_STARTS.search(html), html
     assert _shown(md_escape(text)) == text
+
+
+def test_names_from_files_are_shown_as_text(env, runs, tmp_path):
+    """A config name with a backtick and an image, and a zip entry's name in "Skipped:", stay text."""
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = 16
+    at.run()
+    at.selectbox(key="k3lab_run").select("nano-named").run()
+    assert not at.exception and _errors(at) == []
+    [caption] = [c.value for c in at.caption if "config name" in c.value]
+    html = COMMONMARK.render(caption)
+    assert "<img" not in html and "<code" not in html and "a`b ![x](http://evil.example/i.png)" in _shown(caption)
+
+    archive = tmp_path / "run.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name in ("config.json", "model.safetensors"):
+            zf.write(runs["good"] / name, name)
+        zf.writestr("![x](http:evil.example) [a](http:phish.example).txt", "junk")
+    page = at.switch_page("app_pages/upload.py").run()
+    page.get("file_uploader")[0].upload("run.zip", archive.read_bytes())
+    page.button(key="k3lab_upload_add").click().run()
+    assert not page.exception and _errors(page) == []
+    [done] = [s.value for s in page.success if "Skipped" in s.value]
+    html = COMMONMARK.render(done)
+    assert "<img" not in html and "<a " not in html and "[a](http:phish.example).txt" in _shown(done)
+
+
+def test_a_long_pasted_text_is_counted_from_its_first_megabyte(env, runs):
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = 16
+    at.session_state["k3lab_text_source"] = "Paste text"
+    at.session_state["k3lab_paste"] = "to be or not to be " * 150_000  # 2.85 MB
+    at.run()
+    assert not at.exception and _errors(at) == []
+    assert any("Reading the first 16 of about 2,850,000 tokens" in _shown(w.value) for w in at.warning), [
+        w.value for w in at.warning
+    ]
