@@ -19,9 +19,9 @@ from analysis import attnres as ar
 from analysis import hidden_states as hs
 from analysis import kda_memory as km
 from analysis import moe as mo
+from analysis.context import AnalysisContext
 from analysis.history import final_numbers
 from analysis.tables import MissingTraceData
-from analysis.views import AnalysisContext
 from k3core.trace import Trace, names
 
 HEADLINE_LABELS = {

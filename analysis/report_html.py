@@ -105,7 +105,7 @@ def _figure_div(fig: go.Figure, div_id: str) -> str:
 
 
 def _run_block(run, label: str) -> str:
-    from analysis.inspect import config_summary
+    from analysis.checkpoint_summary import config_summary
 
     card = {k: v for k, v in run.card.items() if k not in ("card_text", "notes", "training")}
     parts = [

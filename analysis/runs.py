@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from analysis.views import AnalysisContext
+from analysis.context import AnalysisContext
 from k3core.checkpoint import CheckpointError
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
@@ -128,14 +128,16 @@ def load_run(
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
     fingerprint: str | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | bool | None = None,
+    offload_folder: str | Path | None = None,
 ) -> Run:
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
     The model is in eval mode on ``device`` in ``dtype``; torch's thread count is set for its size
     (``k3core.runtime.configure_threads``). ``fingerprint`` (from ``run_fingerprint``) may be passed
-    when the caller already has it. Raises CheckpointError (missing folder, bad config, bad weights)
-    and ValueError (unknown dtype)."""
+    when the caller already has it; ``progress`` is a (bytes done, total) callback or True for a tqdm bar;
+    ``offload_folder`` is where ``device="auto"`` puts weights that fit on no device. Raises CheckpointError
+    (missing folder, bad config, bad weights) and ValueError (unknown dtype)."""
     from k3core.model import K3ForCausalLM
 
     path = Path(path)
@@ -145,7 +147,9 @@ def load_run(
             f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
         )
     fingerprint = fingerprint or run_fingerprint(path)
-    model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype], progress=progress).eval()
+    model = K3ForCausalLM.from_pretrained(
+        path, device=device, dtype=DTYPES[dtype], progress=progress, offload_folder=offload_folder
+    ).eval()
     configure_threads(model)
     metrics, note = read_metrics(path)
     card = model_card(model, metrics, read_card_text(path))

@@ -33,8 +33,9 @@ from typing import Any
 import streamlit as st
 
 from analysis import runs
+from analysis.context import AnalysisContext
 from analysis.runs import Run
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
@@ -47,7 +48,8 @@ from app.inputs import (
     options_key,
     token_digest,
 )
-from app.uploads import RunRef
+from app.run_folders import folder_stamp
+from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
 from k3core.trace import WHAT_ALL, WHAT_DEFAULT
 
@@ -96,14 +98,6 @@ def model_use(model: Any, exclusive: bool = False) -> contextlib.AbstractContext
 
 
 # ----------------------------------------------------------------------------------------- runs
-def _folder_stamp(path: Path) -> tuple:
-    """(name, size, mtime) of every file in a checkpoint folder: changes whenever the content may have."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-
-
 @st.cache_data(show_spinner=False, max_entries=64)
 def _fingerprint(path: str, stamp: tuple) -> str:
     return runs.run_fingerprint(path)
@@ -113,7 +107,7 @@ def run_fingerprint(path: str | Path) -> str:
     """analysis.runs.run_fingerprint of a folder, recomputed only when a file's size or mtime changes."""
     path = Path(path)
     try:
-        return _fingerprint(str(path), _folder_stamp(path))
+        return _fingerprint(str(path), folder_stamp(path))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
 

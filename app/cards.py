@@ -22,7 +22,8 @@ from analysis.export import export_figure, static_export_available
 from analysis.format import format_number
 from analysis.headline import HEADLINE_LABELS, headline_table
 from analysis.style import screen_figure
-from analysis.views import NotApplicable, View, all_views
+from analysis.view import NotApplicable, View
+from analysis.views import all_views
 from app import caching
 from app.caching import Loaded
 from app.inputs import InputError

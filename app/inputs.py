@@ -17,7 +17,7 @@ import torch
 from analysis.runs import DTYPES, SampleInput
 
 if TYPE_CHECKING:
-    from app.uploads import RunRef
+    from app.run_list import RunRef
 
 MAX_TOKENS_DEFAULT = 512
 MAX_TOKENS_CAP = 8192  # hard upper bound of the max-tokens input (CPU-friendly)

@@ -13,9 +13,11 @@ import time
 
 import streamlit as st
 
+from analysis.context import AnalysisContext
 from analysis.importance import sublayer_importance
-from analysis.views import AnalysisContext, View, all_views
-from app import caching, cards, uploads
+from analysis.view import View
+from analysis.views import all_views
+from app import caching, cards, error_text, memory_fit
 from app.caching import Loaded
 from app.inputs import (
     LONG_INPUT_TOKENS,
@@ -28,7 +30,7 @@ from app.inputs import (
 )
 from app.links import SECTIONS
 from app.prefetch import prefetch
-from app.uploads import RunRef
+from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError, load_config
 from k3core.trace import Trace
 
@@ -60,7 +62,7 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
     try:
         return caching.load_run(ref, inputs.device, inputs.dtype).model
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
+        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
@@ -70,7 +72,7 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
 
 def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
     """A run whose weights cannot fit in the device's free memory gets a message, never an out-of-memory crash."""
-    problem = uploads.fit_problem(ref, inputs.device, inputs.dtype)
+    problem = memory_fit.fit_problem(ref, inputs.device, inputs.dtype)
     if problem:
         st.error(problem)
         st.stop()
@@ -119,7 +121,7 @@ def load_or_stop(
     try:
         loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
+        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be run on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"

@@ -13,9 +13,11 @@ import torch
 
 from analysis import compare as cmp
 from analysis import weights as wt
+from analysis.context import AnalysisContext
 from analysis.figures import degradation as fig_dg
 from analysis.runs import run_from_model, trace_run
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View, all_views
+from analysis.view import Comparison, NotApplicable, View
+from analysis.views import all_views
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 

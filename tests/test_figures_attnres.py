@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from analysis.context import AnalysisContext
 from analysis.figures import attnres as fa
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from k3core.presets import from_preset
 from k3core.trace import Trace, names
 from tests.conftest import nano_model, random_ids, randomize_attnres_queries, traced

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from analysis import kda_memory as km
+from analysis.context import AnalysisContext
 from analysis.figures import density as fd
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from k3core.presets import from_preset
 from k3core.trace import Trace, names, record
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from analysis import moe as mo
+from analysis.context import AnalysisContext
 from analysis.figures import moe as fm
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from k3core.presets import from_preset
 from k3core.trace import Trace, names
 

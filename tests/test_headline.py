@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from analysis import headline as hl
+from analysis.context import AnalysisContext
 from analysis.runs import run_from_model, trace_run
-from analysis.views import AnalysisContext
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 from k3core.trace import Trace, names

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from analysis import weights as wt
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.context import AnalysisContext
+from analysis.view import NotApplicable
 from k3core.config import K3Config
 from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
@@ -83,7 +84,7 @@ def test_samples_weight_only_matches_loaded_model(run):
     model = K3ForCausalLM.from_pretrained(run)
     cfg = model.config
     assert summary.bytes_read < summary.bytes_total / 20
-    doc = json.loads(json.dumps(summary.to_json()))
+    doc = json.loads(json.dumps(wt.weights_json(summary)))
     layers = doc["layers"]
     assert [entry["mixer"] for entry in layers] == [t.lower() for t in cfg.layer_types()]
     assert [entry["ffn"] for entry in layers] == ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(len(layers))]
@@ -139,7 +140,7 @@ def test_samples_weight_only_matches_loaded_model(run):
         assert doc["output_attn_res_query_norm"] is None
     assert summary.scale_bias.empty == (cfg.residual != "scale_bias")
     # The loaded model seen through StateDictSource gives the same document (bytes and timing aside).
-    same = wt.summary_of_model(model).to_json()
+    same = wt.weights_json(wt.summary_of_model(model))
     for key in ("total_params", "output_attn_res_query_norm", "layers"):
         assert same[key] == doc[key]
 
@@ -508,14 +509,14 @@ def test_sparse_kimi_k3_checkpoint(sparse_k3, tmp_path):
 def _app(monkeypatch, tmp_path, *folders: Path):
     from streamlit.testing.v1 import AppTest
 
-    from app import uploads
+    from app import run_list
     from app.settings import HOME_ENV
 
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))
-    monkeypatch.setenv(uploads.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
+    monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
     empty = tmp_path / "no-samples"
     empty.mkdir(exist_ok=True)
-    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
     return AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=180)
 
 

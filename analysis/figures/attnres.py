@@ -9,8 +9,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis import attnres as ar
+from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 
 
 def _require_attnres(ctx: AnalysisContext) -> None:

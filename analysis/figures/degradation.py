@@ -11,9 +11,10 @@ from plotly.subplots import make_subplots
 from analysis import attention as at
 from analysis import hidden_states as hs
 from analysis import kda_memory as km
+from analysis.context import AnalysisContext
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.tables import MissingTraceData
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 
 
 def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:

@@ -14,10 +14,11 @@ from plotly.subplots import make_subplots
 
 from analysis import allocation as al
 from analysis import kda_memory as km
+from analysis.context import AnalysisContext
 from analysis.format import format_tokens
 from analysis.importance import sublayer_importance
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 from k3core.trace import names
 
 DEFAULT_SEQ_LEN = 131072

@@ -14,8 +14,9 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from analysis import moe as mo
+from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 from k3core.trace import names
 
 COACT_CELL_BUDGET = 1_000_000  # E * E * layers shown in one co-activation figure

@@ -13,8 +13,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis import weights as wt
+from analysis.context import AnalysisContext
 from analysis.style import DIVERGING, LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 
 KIND_COLORS = {
     "KDA": LAYER_TYPE_COLORS["KDA"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from analysis.checkpoint_summary import config_summary, layer_map, parameter_breakdown
 from analysis.format import format_count
-from analysis.inspect import config_summary, layer_map, parameter_breakdown
 from app import caching, cards, page
 from app.download_all import download_all
 

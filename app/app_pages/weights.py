@@ -9,7 +9,8 @@ import streamlit as st
 
 from analysis import weights as wt
 from analysis.compare import difference_view, side_by_side
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.context import AnalysisContext
+from analysis.view import NotApplicable
 from app import caching, cards, page
 from app.run_folders import human_count
 from k3core.checkpoint_files import CheckpointError
@@ -74,7 +75,7 @@ if summary.skipped:
 left, right = st.columns([1, 3])
 left.download_button(
     "weights.json",
-    json.dumps(summary.to_json(), indent=1),
+    json.dumps(wt.weights_json(summary), indent=1),
     file_name=f"{cards.slug(ref.label)}_weights.json",
     mime="application/json",
     key="k3lab_weights_json",
