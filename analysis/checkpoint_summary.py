@@ -14,29 +14,14 @@ device, so any size works, without weights.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
+from analysis.weights.layout import COMPONENTS, layer_of, tensor_kind
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
 
 if TYPE_CHECKING:  # k3core.model imports torch: loaded only where a model is built
     from k3core.model import K3ForCausalLM
-
-COMPONENTS = (
-    "embedding",
-    "KDA attention",
-    "MLA attention",
-    "dense FFN",
-    "MoE router",
-    "MoE routed experts",
-    "MoE shared experts",
-    "MoE latent projections",
-    "residual (AttnRes / scale-bias)",
-    "norms",
-    "LM head",
-)
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def config_summary(cfg: K3Config) -> dict[str, Any]:
@@ -72,27 +57,10 @@ def config_summary(cfg: K3Config) -> dict[str, Any]:
 
 
 def component_of(name: str, cfg: K3Config) -> str:
-    """Which component a parameter (by its state-dict name) belongs to."""
-    if ".block_sparse_moe.experts." in name:  # first: nearly every tensor of a big MoE checkpoint
-        return "MoE routed experts"
-    if name.startswith("model.embed_tokens"):
-        return "embedding"
-    if name.startswith("lm_head"):
-        return "LM head"
-    if "_res_" in name or "output_attn_res" in name:
-        return "residual (AttnRes / scale-bias)"
-    m = _LAYER_RE.match(name)
-    if m and ".self_attn." in name:
-        return "MLA attention" if cfg.is_mla_layer(int(m.group(1))) else "KDA attention"
-    if ".block_sparse_moe.shared_experts." in name:
-        return "MoE shared experts"
-    if ".block_sparse_moe.gate." in name:
-        return "MoE router"
-    if ".block_sparse_moe." in name:
-        return "MoE latent projections"
-    if ".mlp." in name:
-        return "dense FFN"
-    return "norms"
+    """Which component a parameter (by its state-dict name) belongs to: ``analysis.weights.layout.tensor_kind``
+    with the layer's mixer from the config."""
+    i = layer_of(name)[0]
+    return tensor_kind(name, None if i is None else ("mla" if cfg.is_mla_layer(i) else "kda"))
 
 
 def parameter_breakdown(model: K3ForCausalLM) -> dict[str, dict[str, int]]:
@@ -135,9 +103,9 @@ def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
     """Parameters per decoder layer, from header shapes."""
     out: dict[int, int] = {}
     for name, info in files.tensors.items():
-        m = _LAYER_RE.match(name)
-        if m:
-            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + info.numel
+        i = layer_of(name)[0]
+        if i is not None:
+            out[i] = out.get(i, 0) + info.numel
     return out
 
 

@@ -184,24 +184,11 @@ def run_tokenizer(path: str | Path, vocab_size: int) -> tuple[Tokenizer | None, 
 
 
 def model_card(model: K3ForCausalLM, metrics: dict | None = None, card_text: str | None = None) -> dict[str, Any]:
-    """A JSON-able summary: name, sizes, layer layout, residual/MoE settings and the final training numbers."""
-    cfg: K3Config = model.config
-    layout = "".join("M" if t == "MLA" else "k" for t in cfg.layer_types())
+    """A JSON-able card: parameter counts, notes and the final training numbers (the config's own summary is
+    ``analysis.checkpoint_summary.config_summary``)."""
     card: dict[str, Any] = {
-        "name": cfg.name,
         "parameters": int(model.num_parameters()),
         "active_parameters": int(model.num_parameters(active=True)),
-        "layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "layout": layout,
-        "mla_layers_1based": list(cfg.full_attn_layers),
-        "residual": cfg.residual,
-        "experts": f"{cfg.num_experts} routed (top-{cfg.num_experts_per_token}) + {cfg.num_shared_experts} shared"
-        if cfg.num_experts
-        else "dense",
-        "kda_gate": cfg.kda_gate,
-        "activation": cfg.hidden_act,
         "notes": [],
     }
     if metrics:

@@ -52,3 +52,6 @@ class View:
     needs_model: bool = False
     description: str = ""
     compare: Comparison = field(default_factory=Comparison)
+    # Drawn from the checkpoint's weights alone (``ctx.weights``, or a loaded model's parameters), so it needs
+    # no trace: the Weights page and ``k3lab weights`` draw every such view, whatever its section.
+    from_weights: bool = False

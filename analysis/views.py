@@ -16,3 +16,11 @@ MODULES = (density, attnres, moe, degradation, history, weights)
 def all_views() -> list[View]:
     """Every registered view, in report order."""
     return [view for module in MODULES for view in module.VIEWS]
+
+
+def section_views(section: str) -> list[View]:
+    """The views one page shows: a section's, in catalogue order; for "weights", every view drawn from the
+    checkpoint's weights alone (``View.from_weights``), whatever its section."""
+    if section == "weights":
+        return [view for view in all_views() if view.from_weights]
+    return [view for view in all_views() if view.section == section]

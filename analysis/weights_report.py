@@ -9,16 +9,11 @@ from typing import Any
 
 from analysis.context import AnalysisContext
 from analysis.export import export_many
-from analysis.figures.weights import VIEWS
 from analysis.format import format_bytes
-from analysis.view import NotApplicable, View
+from analysis.view import NotApplicable
+from analysis.views import section_views
 from analysis.weights.document import weights_json, write_weights_json
 from analysis.weights.summary import WeightSummary
-
-
-def weight_views() -> list[View]:
-    """The registered views of the "weights" section (analysis.figures.weights.VIEWS)."""
-    return list(VIEWS)
 
 
 def write_outputs(summary: WeightSummary, out_dir: str | Path, static: bool = True) -> dict[str, Any]:
@@ -32,7 +27,7 @@ def write_outputs(summary: WeightSummary, out_dir: str | Path, static: bool = Tr
     json_path = write_weights_json(summary, out / "weights.json")
     ctx = AnalysisContext(trace=None, config=summary.config, label=summary.label, weights=summary)
     built, skipped, errors = [], {}, {}
-    for view in weight_views():
+    for view in section_views("weights"):
         try:
             fig, df = view.build(ctx)
         except NotApplicable as exc:

@@ -36,6 +36,7 @@ from analysis import runs
 from analysis.context import AnalysisContext
 from analysis.runs import Run
 from analysis.view import NotApplicable
+from analysis.weights import WeightSummary, read_weight_summary
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
@@ -263,12 +264,24 @@ def load(
 
     Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options).
     """
+    run = load_run(ref, device, dtype)
+    return trace(ref, run, make_tokens(choice, run), record_attn, options, label)
+
+
+def trace(
+    ref: RunRef,
+    run: Run,
+    tokens: Tokens,
+    record_attn: bool = True,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+) -> Loaded:
+    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens and trace items), under
+    ``label`` and the view ``options``. Raises InputError for bad options."""
     options = dict(options or {})
     check_options(options)
-    run = load_run(ref, device, dtype)
-    tokens = make_tokens(choice, run)
     what = trace_items(record_attn)
-    base = _cached_trace(run.fingerprint, device, dtype, tokens.digest, what, run, tokens)
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -276,8 +289,8 @@ def load(
         notes.append(f"The forward pass gave a non-finite loss ({ctx.loss}); try float32.")
     key = (
         run.fingerprint,
-        device,
-        dtype,
+        run.device,
+        run.dtype,
         tokens.digest,
         what,
         label,
@@ -285,6 +298,22 @@ def load(
         metrics_digest(run.metrics),
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------- weights
+@st.cache_resource(show_spinner="Reading the checkpoint's small tensors...", max_entries=8)
+def _weight_summary(fingerprint: str, path: str, experts: bool, _progress=None) -> WeightSummary:
+    return read_weight_summary(path, experts=experts, progress=_progress)
+
+
+def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
+    """A context for the views drawn from the weights alone (``analysis.weights.read_weight_summary``: headers
+    and small tensors, no model built), cached per folder state; ``experts`` also reads every expert matrix.
+    Raises CheckpointError / OSError / ValueError."""
+    fingerprint = run_fingerprint(ref.path)
+    summary = _weight_summary(fingerprint, str(ref.path), experts, progress)
+    ctx = AnalysisContext(trace=None, config=summary.config, label=ref.label, weights=summary)
+    return Loaded(ref=ref, run=None, ctx=ctx, key=("weights", fingerprint, experts, ref.label), tokens=None)
 
 
 # ----------------------------------------------------------------------------------------- views

@@ -15,8 +15,9 @@ import streamlit as st
 
 from analysis.context import AnalysisContext
 from analysis.importance import sublayer_importance
+from analysis.runs import Run
 from analysis.view import View
-from analysis.views import all_views
+from analysis.views import all_views, section_views
 from app import caching, cards, error_text, memory_fit
 from app.caching import Loaded
 from app.inputs import (
@@ -25,6 +26,7 @@ from app.inputs import (
     InputError,
     Inputs,
     TextChoice,
+    Tokens,
     current_inputs,
     options_key,
 )
@@ -78,13 +80,8 @@ def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
         st.stop()
 
 
-def _confirm_long_input(inputs: Inputs, ref: RunRef, choice: TextChoice) -> None:
+def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Tokens, choice: TextChoice) -> None:
     """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
-    try:
-        run = caching.load_run(ref, inputs.device, inputs.dtype)
-        tokens = caching.make_tokens(choice, run)
-    except (CheckpointError, InputError):
-        return  # load_or_stop reports it
     what = caching.trace_items(inputs.record_attn)
     key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
     confirmed = st.session_state.setdefault("k3lab_confirmed", set())
@@ -109,7 +106,8 @@ def load_or_stop(
     label: str | None = None,
     text_error: str | None = None,
 ) -> Loaded:
-    """Run + trace + context for a run; on a bad checkpoint or text shows st.error and stops the page."""
+    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
+    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
@@ -117,9 +115,11 @@ def load_or_stop(
         st.error(text_error)
         st.stop()
     _stop_if_too_big(inputs, ref)
-    _confirm_long_input(inputs, ref, choice)
     try:
-        loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
+        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        tokens = caching.make_tokens(choice, run)
+        _confirm_long_input(inputs, ref, run, tokens, choice)
+        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
     except (CheckpointError, InputError) as exc:
         error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
@@ -219,7 +219,7 @@ def render_section(section: str, loaded: Loaded) -> int:
 
     A section of more than LAZY_SECTION views draws its first EAGER_VIEWS at once and the others when the user
     turns them on: each chart costs the browser 30-100 ms to draw, so ten of them make a page switch take ~1 s."""
-    views = cards.section_views(section)
+    views = section_views(section)
     if not views:
         st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
         return 0

@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     from analysis import weights as wt
+    from analysis.format import format_bytes
     from analysis.weights_report import write_outputs
     from k3core.checkpoint_files import CheckpointError
 
@@ -62,12 +63,12 @@ def main(argv: list[str]) -> int:
         print(f"k3lab weights: {exc}", file=sys.stderr)
         return 2
     print(
-        f"k3lab weights: {len(source.tensors):,} tensors, {wt.human_bytes(source.bytes_total)} declared"
+        f"k3lab weights: {len(source.tensors):,} tensors, {format_bytes(source.bytes_total)} declared"
         + (f", {len(source.skipped)} skipped (not the text model)" if source.skipped else "")
     )
     if args.experts:
         n = wt.expert_bytes(source)
-        print(f"k3lab weights: --experts will read {n:,} bytes ({wt.human_bytes(n)}) of expert matrices")
+        print(f"k3lab weights: --experts will read {n:,} bytes ({format_bytes(n)}) of expert matrices")
     bar = tqdm(
         total=0,
         desc="reading",
@@ -96,7 +97,7 @@ def main(argv: list[str]) -> int:
     result = write_outputs(summary, args.out, static=not args.no_static)
     share = 100 * summary.bytes_read / max(summary.bytes_total, 1)
     print(
-        f"k3lab weights: read {wt.human_bytes(summary.bytes_read)} ({share:.4f}% of declared) in "
+        f"k3lab weights: read {format_bytes(summary.bytes_read)} ({share:.4f}% of declared) in "
         f"{summary.seconds:.2f} s; {summary.total_params:,} parameters in {summary.num_layers} layers"
     )
     for note in summary.notes:

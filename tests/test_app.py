@@ -556,7 +556,7 @@ def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
 def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     """The Weights section on Compare: the weight views of two loaded runs side by side (summaries from the
     models' parameters), the views that need what a loaded nano lacks said in a note."""
-    from analysis.views import all_views
+    from analysis.views import section_views
 
     app_env(runs["good"], runs["other"])
     at = _app()
@@ -566,10 +566,10 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     assert not at.exception and _errors(at) == []
     assert at.radio(key="k3lab_cmp_section").value == "weights"
     assert at.query_params["section"] == "weights"
-    weights_views = [v for v in all_views() if v.section == "weights"]
+    weights_views = section_views("weights")
     notes = [i.value for i in at.info]
     not_applicable = [v for v in weights_views if any(i.startswith(f"**{v.title}**") for i in notes)]
-    assert {v.key for v in not_applicable} == {"weights_scale_bias", "weights_expert_norms"}  # AttnRes; not read
+    assert {v.key for v in not_applicable} == {"attnres_scale_bias", "weights_expert_norms"}  # AttnRes; not read
     assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
 
 

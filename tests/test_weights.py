@@ -195,15 +195,17 @@ def test_expert_norms_match_model():
 
 def test_views_work_weight_only_and_in_compare():
     from analysis.compare import side_by_side
-    from analysis.figures.weights import VIEWS
+    from analysis.views import section_views
 
+    VIEWS = section_views("weights")
     a = wt.read_weight_summary(ROOT / "sample_checkpoints" / "k3-full", experts=True)
     b = wt.read_weight_summary(ROOT / "sample_checkpoints" / "scale-bias")
     ctx_a = AnalysisContext(trace=None, config=a.config, label="k3-full", weights=a)
     ctx_b = AnalysisContext(trace=None, config=b.config, label="scale-bias", weights=b)
     built = {}
+    assert {v.key for v in VIEWS} >= {"attnres_query_norms", "attnres_scale_bias", "moe_bias", "weights_params"}
     for view in VIEWS:
-        assert view.section == "weights"
+        assert view.from_weights
         try:
             fig, df = view.build(ctx_a)
         except NotApplicable as exc:
@@ -213,7 +215,7 @@ def test_views_work_weight_only_and_in_compare():
         built[view.key] = df
         side, table = side_by_side(view, ctx_a, ctx_b)
         assert set(table["run"]) <= {"k3-full", "scale-bias"}
-    assert "scale/bias" in built["weights_scale_bias"]  # Block AttnRes run: no scale/bias parameters
+    assert "scale/bias" in built["attnres_scale_bias"]  # Block AttnRes run: no scale/bias parameters
     assert isinstance(built["weights_expert_norms"], pd.DataFrame)
     with pytest.raises(NotApplicable, match="--experts"):
         next(v for v in VIEWS if v.key == "weights_expert_norms").build(ctx_b)

@@ -338,36 +338,6 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     return fig, pd.concat(frames, ignore_index=True)
 
 
-def build_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Distribution of the router selection bias e_bias over experts, per MoE layer."""
-    _require_moe(ctx)
-    table = mo.router_bias(ctx.trace)
-    if table.empty:
-        raise NotApplicable("trace has no moe.*.bias arrays")
-    stats = mo.router_bias_stats(ctx.trace).set_index("layer")
-    fig = go.Figure()
-    for layer, g in table.groupby("layer"):
-        r = stats.loc[layer, "load_corr"]
-        fig.add_trace(
-            go.Box(
-                y=g["bias"],
-                name=f"L{layer}",
-                marker_color=RUN_COLORS[0],
-                boxpoints="all",
-                jitter=0.4,
-                pointpos=0,
-                marker={"size": 3},
-                customdata=g[["expert"]].to_numpy(),
-                showlegend=False,
-                hovertemplate=f"layer {layer}, expert %{{customdata[0]}}<br>e_bias = %{{y:.4g}}"
-                f"<br>corr(bias, load) = {r:.2f}<extra></extra>",
-            )
-        )
-    apply_style(fig, f"Router selection bias e_bias per layer — {ctx.label}", "MoE layer", "e_bias")
-    table = table.merge(stats.reset_index().rename(columns=lambda c: c if c == "layer" else f"layer_{c}"), on="layer")
-    return fig, table
-
-
 VIEWS: list[View] = [
     View(
         "moe_load_heatmap",
@@ -418,15 +388,5 @@ VIEWS: list[View] = [
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
         compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
-    ),
-    View(
-        "moe_bias",
-        "Router bias distribution",
-        "moe",
-        build_bias,
-        description="Selection bias e_bias per expert, per MoE layer.",
-        compare=Comparison(
-            no_difference="expert i of one run is not expert i of another; the bias spread is in the two halves"
-        ),
     ),
 ]

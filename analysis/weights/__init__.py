@@ -30,9 +30,9 @@ norms, expert norms), ``summary`` (``WeightSummary``, ``summarize_values``), ``r
 a summary), ``document`` (``weights.json``). The ``k3lab weights`` output folder is ``analysis.weights_report``.
 """
 
-from analysis.format import format_bytes as human_bytes  # the one byte formatter, under its callers' name
+from analysis.kda_memory import LN2, half_life
 
-from .decay import LN2, half_life, kda_tables, live_a_log, resting_decay, spread
+from .decay import kda_tables, live_a_log, resting_decay, spread
 from .document import weights_json, write_weights_json
 from .layout import (
     EXPERT_RE,
@@ -75,7 +75,6 @@ __all__ = [
     "expert_norm_table",
     "expert_tensor_names",
     "half_life",
-    "human_bytes",
     "kda_tables",
     "layer_of",
     "layer_structure",
