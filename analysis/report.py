@@ -147,7 +147,7 @@ class ReportResult:
 
 def report_input(
     runs: list[runs_mod.Run], text_file: str | Path | None, sample: str | None, max_tokens: int
-) -> runs_mod.SampleInput:
+) -> runs_mod.Input:
     """The one input every run reads: ``text_file`` (UTF-8) or the built-in ``sample`` (default Shakespeare),
     read with the first run's tokenizer. Raises ValueError when the runs cannot read the same token ids."""
     cfg = runs[0].config

@@ -1,8 +1,8 @@
 """Streamlit caching around analysis' one run-and-trace path; nothing here computes a metric or draws.
 
-    checkpoint folder --run_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
+    checkpoint folder --folder_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
     (fingerprint, device, dtype) --analysis.runs.load_run--> Run          st.cache_resource
-    (text choice, vocab) --analysis.runs.sample_input/text_input--> Tokens   st.cache_resource
+    (text choice, vocab) --analysis.runs.sample_input/text_input--> Input   st.cache_resource
     (run, tokens, trace items) --analysis.runs.trace_run--> AnalysisContext  st.cache_resource
     (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
 
@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import streamlit as st
 
 from analysis import runs
 from analysis.context import AnalysisContext
-from analysis.runs import Run
+from analysis.runs import Input, Run
 from analysis.view import NotApplicable
 from analysis.weights import WeightSummary, read_weight_summary
 from app.inputs import (
@@ -42,16 +42,15 @@ from app.inputs import (
     SAMPLE_OF_SOURCE,
     InputError,
     TextChoice,
-    Tokens,
     check_device,
     check_options,
     check_text,
     options_key,
-    token_digest,
 )
 from app.run_folders import folder_stamp
 from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
+from k3core.checkpoint_files import folder_fingerprint
 from k3core.trace import WHAT_ALL, WHAT_DEFAULT
 
 
@@ -101,11 +100,12 @@ def model_use(model: Any, exclusive: bool = False) -> contextlib.AbstractContext
 # ----------------------------------------------------------------------------------------- runs
 @st.cache_data(show_spinner=False, max_entries=64)
 def _fingerprint(path: str, stamp: tuple) -> str:
-    return runs.run_fingerprint(path)
+    return folder_fingerprint(path)
 
 
 def run_fingerprint(path: str | Path) -> str:
-    """analysis.runs.run_fingerprint of a folder, recomputed only when a file's size or mtime changes."""
+    """k3core.checkpoint_files.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
+    file's size or mtime changes (``app.run_folders.folder_stamp``)."""
     path = Path(path)
     try:
         return _fingerprint(str(path), folder_stamp(path))
@@ -172,7 +172,7 @@ def metrics_digest(metrics: dict | None) -> str:
 
 # ----------------------------------------------------------------------------------------- tokens
 @st.cache_resource(show_spinner=False, max_entries=32)
-def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run) -> Tokens:
+def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run) -> Input:
     choice, config, tokenizer = _choice, _run.config, _run.tokenizer
     try:
         if choice.source in SAMPLE_OF_SOURCE:
@@ -193,12 +193,10 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
     if sample.description and choice.text is None:
         source = sample.description
-    return Tokens(
-        sample=sample, source=source, total=max(total, n), digest=token_digest(sample.input_ids, sample.targets)
-    )
+    return replace(sample, source=source, total=max(total, n))
 
 
-def make_tokens(choice: TextChoice, run: Run) -> Tokens:
+def make_tokens(choice: TextChoice, run: Run) -> Input:
     """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
@@ -215,11 +213,11 @@ _TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forwar
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
 def _cached_trace(
-    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Tokens
+    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Input
 ) -> AnalysisContext:
     start = time.perf_counter()
     with model_use(_run.model):
-        ctx = runs.trace_run(_run, _tokens.sample, what=list(what), max_attn_len=MAX_ATTN_LEN)
+        ctx = runs.trace_run(_run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN)
     _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
     return ctx
 
@@ -243,7 +241,7 @@ class Loaded:
     run: Run | None  # None for contexts without a model (training history)
     ctx: AnalysisContext
     key: tuple
-    tokens: Tokens | None
+    tokens: Input | None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -271,7 +269,7 @@ def load(
 def trace(
     ref: RunRef,
     run: Run,
-    tokens: Tokens,
+    tokens: Input,
     record_attn: bool = True,
     options: dict[str, Any] | None = None,
     label: str | None = None,
@@ -354,15 +352,13 @@ def cached_build(view, *loadeds: Loaded):
     """The same View, its build served from the figure cache for these loaded runs' contexts.
 
     Lets analysis.compare build side-by-side and difference figures without recomputing a view."""
-    import dataclasses
-
     by_ctx = {id(loaded.ctx): loaded for loaded in loadeds}
 
     def build(ctx):
         loaded = by_ctx.get(id(ctx))
         return build_view(view, loaded) if loaded is not None else view.build(ctx)
 
-    return dataclasses.replace(view, build=build)
+    return replace(view, build=build)
 
 
 @st.cache_resource(show_spinner=False, max_entries=256)

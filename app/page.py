@@ -15,7 +15,7 @@ import streamlit as st
 
 from analysis.context import AnalysisContext
 from analysis.importance import sublayer_importance
-from analysis.runs import Run
+from analysis.runs import Input, Run
 from analysis.view import View
 from analysis.views import all_views, section_views
 from app import caching, cards, error_text, memory_fit
@@ -23,10 +23,11 @@ from app.caching import Loaded
 from app.inputs import (
     LONG_INPUT_TOKENS,
     MAX_TOKENS_CAP,
+    TEXT_PASTE,
+    TEXT_UPLOAD,
     InputError,
     Inputs,
     TextChoice,
-    Tokens,
     current_inputs,
     options_key,
 )
@@ -80,7 +81,7 @@ def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
         st.stop()
 
 
-def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Tokens, choice: TextChoice) -> None:
+def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, choice: TextChoice) -> None:
     """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
     what = caching.trace_items(inputs.record_attn)
     key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
@@ -141,7 +142,7 @@ def show_input_notes(loaded: Loaded) -> None:
             f"Reading the first {tok.n:,} of {tok.total:,} tokens of the text (max tokens in the sidebar, at "
             f"most {MAX_TOKENS_CAP:,})."
         )
-        if tok.user_text:
+        if tok.source.startswith((TEXT_PASTE, TEXT_UPLOAD)):  # the user's own text
             st.warning(msg)
         else:
             st.caption(msg)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
+from analysis import runs as runs_mod
 from app import caching, cards, inputs, run_list
 from app import page as page_mod
 from app.settings import HOME_ENV
@@ -215,9 +216,10 @@ def test_text_checks_and_token_digest():
     with pytest.raises(inputs.InputError, match="not UTF-8"):
         inputs.decode_upload(b"caf\xe9", "x.txt")
     ids = torch.arange(5)[None]
-    assert inputs.token_digest(ids) == inputs.token_digest(ids.clone())
-    assert inputs.token_digest(ids) != inputs.token_digest(ids, torch.full_like(ids, -100))
-    assert inputs.token_digest(ids) != inputs.token_digest(torch.arange(1, 6)[None])
+    digest = runs_mod.Input("a", ids).digest
+    assert digest == runs_mod.Input("b", ids.clone()).digest
+    assert digest != runs_mod.Input("a", ids, targets=torch.full_like(ids, -100)).digest
+    assert digest != runs_mod.Input("a", torch.arange(1, 6)[None]).digest
     # Same text and length, same cache key; any change, a new key.
     a = inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello")
     assert a.key() == inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello").key()
@@ -301,7 +303,7 @@ def test_loaded_context_is_the_traced_one_with_the_page_options(app_env, runs):
     large = caching.load(ref, choice, options={"seq_len": 4096}, label="other label")
     # one trace, one token tensor, shared; only the label and options differ
     assert small.ctx.trace is large.ctx.trace and small.ctx.input_ids is large.ctx.input_ids
-    assert small.ctx.input_ids is small.tokens.sample.input_ids
+    assert small.ctx.input_ids is small.tokens.input_ids
     assert (small.ctx.options["seq_len"], large.ctx.options["seq_len"]) == (1024, 4096)
     assert large.ctx.label == "other label" and small.ctx.label == "nano-a"
     assert small.key != large.key
@@ -503,7 +505,7 @@ def test_two_sessions_trace_one_shared_model_at_the_same_time(runs):
     ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
     choices = [inputs.TextChoice(inputs.TEXT_REPEAT, 38), inputs.TextChoice(inputs.TEXT_MQAR, 36)]
     run = caching.load_run(ref)
-    expected = [runs_mod.trace_run(run, caching.make_tokens(c, run).sample).trace["token_nll"] for c in choices]
+    expected = [runs_mod.trace_run(run, caching.make_tokens(c, run)).trace["token_nll"] for c in choices]
     start = threading.Barrier(2)
     results: dict[int, object] = {}
 
