@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3lab.options import add_device_options
+from k3lab.options import add_device_options, add_output_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SAMPLES,
         help=f"built-in input: {', '.join(SAMPLES)} (default: held-out Shakespeare)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
-    p.add_argument("--no-static", action="store_true", help="skip PNG/SVG export (no browser start; fastest)")
+    add_output_options(p)
     add_device_options(p)
     p.add_argument(
         "--max-tokens",
@@ -50,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip views that rerun the model (importance by ablation / gradients: the slow ones)",
     )
     p.add_argument("--save-trace", action="store_true", help="also write each run's trace (.npz)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 

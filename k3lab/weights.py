@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from k3lab.options import add_output_options
+
 WEIGHTS_HELP = """\
 Weight-only diagnostics: what a checkpoint learned, read from its small tensors without building
 the model, so a 5 TB checkpoint (Kimi K3) answers in seconds on a laptop.
@@ -37,14 +39,12 @@ def main(argv: list[str]) -> int:
         help="checkpoint folder (config.json + model.safetensors, or shards + index; the Kimi K3 "
         "repo's language_model. prefix and vision tensors are handled) or one .safetensors file",
     )
-    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
     parser.add_argument(
         "--experts",
         action="store_true",
         help="also read every routed expert matrix for per-expert weight norms (reads most of the checkpoint)",
     )
-    parser.add_argument("--no-static", action="store_true", help="skip PNG/SVG (no browser start; fastest)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_options(parser)
     args = parser.parse_args(argv)
 
     import time

@@ -86,6 +86,13 @@ def test_architecture_names_only_what_exists():
     assert unknown_dotted_names(text) == []
 
 
+def test_diagnostics_names_only_functions_that_exist():
+    text = (ROOT / "docs" / "DIAGNOSTICS.md").read_text(encoding="utf-8")
+    table = section(text, "One function per quantity")
+    assert len(_DOTTED.findall(table)) > 20  # the table was read
+    assert unknown_dotted_names(text) == []
+
+
 def test_architecture_names_every_package_folder():
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     named = set(tree_paths(section(text, "Module map")))

@@ -7,6 +7,8 @@ Per-layer figures (co-activation, latent PCA) show one MoE layer at a time with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -32,6 +34,14 @@ def _require_moe(ctx: AnalysisContext) -> list[int]:
             else "the trace was recorded without 'moe'"
         )
         raise NotApplicable(f"no MoE routing data: {why}")
+    return layers
+
+
+def _layers_with(ctx: AnalysisContext, array: Callable[[int], str], hint: str = "") -> list[int]:
+    """The MoE layers whose ``array(i)`` is in the trace; NotApplicable (naming the array) when none is."""
+    layers = [i for i in _require_moe(ctx) if array(i) in ctx.trace]
+    if not layers:
+        raise NotApplicable(f"trace has no {array('*')} arrays{hint}")
     return layers
 
 
@@ -176,10 +186,7 @@ def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
 
 def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Expert co-activation: share of tokens choosing both i and j (diagonal: tokens choosing i), per layer."""
-    layers = _require_moe(ctx)
-    layers = [i for i in layers if names.moe_experts(i) in ctx.trace]
-    if not layers:
-        raise NotApplicable("trace has no moe.*.experts arrays")
+    layers = _layers_with(ctx, names.moe_experts)
     E = mo.num_experts_of(ctx.trace, layers[0])
     shown = _pick_layers(ctx, layers, E * E, COACT_CELL_BUDGET)
     table = mo.coactivation_table(ctx.trace, shown)
@@ -254,10 +261,7 @@ def build_reuse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """2-D PCA of the routed-expert inputs z per token, coloured by top-1 expert (one layer at a time)."""
-    layers = _require_moe(ctx)
-    layers = [i for i in layers if names.moe_latent(i) in ctx.trace]
-    if not layers:
-        raise NotApplicable("trace has no moe.*.latent arrays (record with 'latent')")
+    layers = _layers_with(ctx, names.moe_latent, " (record with 'latent')")
     n_tok = int(np.prod(ctx.trace[names.moe_latent(layers[0])].shape[:2]))
     shown = _pick_layers(ctx, layers, n_tok, PCA_POINT_BUDGET)
     E = mo.num_experts_of(ctx.trace, shown[0])
