@@ -17,6 +17,10 @@ from k3core.trace import Trace
 
 @dataclass
 class AnalysisContext:
+    """What every view draws from: a run's trace on one input (``analysis.runs.trace_run``), or a checkpoint's
+    weight summary (``weights``, no trace) on the weights path; plus the config, the model when loaded, the
+    tokens, the training metrics, the label and the view options. Views never change it."""
+
     trace: Trace
     config: K3Config
     model: Any = None  # K3ForCausalLM, needed by importance views only

@@ -54,6 +54,9 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 @dataclass
 class Run:
+    """A loaded checkpoint: the first step of the flow (``load_run``: folder -> Run). ``trace_run`` runs it on an
+    ``Input`` and returns the ``AnalysisContext`` the views draw from."""
+
     model: Any  # K3ForCausalLM in eval mode
     config: K3Config
     metrics: dict | None

@@ -235,7 +235,9 @@ def tokens_per_second(fingerprint: str, device: str, dtype: str) -> float | None
 
 @dataclass
 class Loaded:
-    """A run ready for analysis: the Run, its traced context, the tokens, and the key its figures are cached under."""
+    """What an app page draws from: the picked run (``RunRef``), its ``Run`` (None on the weights path and for
+    the training history), the ``AnalysisContext``, the ``Input`` it read, and the key its figures are cached
+    under (``build_view``). Made by ``load`` / ``trace`` (``app.page.load_or_stop``) and ``load_weights``."""
 
     ref: RunRef
     run: Run | None  # None for contexts without a model (training history)

@@ -23,7 +23,8 @@ LIBRARY_ORIGINS = tuple(ORIGIN_OF_SOURCE.values())
 
 @dataclass(frozen=True)
 class RunRef:
-    """A checkpoint folder the user can pick."""
+    """A checkpoint folder the user can pick in the sidebar (``discover_runs``); ``app.caching.load_run`` turns it
+    into an ``analysis.runs.Run``, ``app.caching.load_weights`` into the weights path's context."""
 
     label: str
     path: str

@@ -18,6 +18,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from analysis import runs as runs_mod
+from analysis.views import section_views
 from app import caching, cards, inputs, run_list
 from app import page as page_mod
 from app.settings import HOME_ENV
@@ -252,7 +253,7 @@ def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch
         # The export files themselves (built on click in the browser) hold the figure's data.
         run = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
         loaded = caching.load(run, inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32))
-        fig, df = caching.build_view(cards.section_views("attnres")[0], loaded)
+        fig, df = caching.build_view(section_views("attnres")[0], loaded)
         assert cards.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
         assert b"<html" in cards.figure_bytes(fig, df, "t", "html")[:500].lower()
     finally:
@@ -580,7 +581,7 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
     on for the session when the user leaves the page and comes back."""
     app_env(runs["good"])
     at = _app().run()
-    views = cards.section_views("degradation")
+    views = section_views("degradation")
     assert len(views) > page_mod.LAZY_SECTION
 
     def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it

@@ -17,6 +17,7 @@ from analysis import weights as wt
 from analysis.context import AnalysisContext
 from analysis.style import DIVERGING, LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.view import Comparison, NotApplicable, View
+from k3core.model import scale_bias_init
 
 KIND_COLORS = {
     "KDA": LAYER_TYPE_COLORS["KDA"],
@@ -180,7 +181,8 @@ def build_query_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_scale_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Scale/bias residual: mean scale and bias per depth and site, bars = std over channels."""
+    """Scale/bias residual: mean scale and bias per depth and site, bars = std over channels; the initial scale
+    (``k3core.model.scale_bias_init``) dashed."""
     s = weights_of(ctx)
     table = s.scale_bias
     if table.empty:
@@ -206,6 +208,20 @@ def build_scale_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                 row=1,
                 col=col,
             )
+    if s.config is not None:  # the initial scale, for reference (the bias starts at 0)
+        layers = sorted(table["layer"].unique())
+        fig.add_trace(
+            go.Scatter(
+                x=layers,
+                y=[scale_bias_init(s.config, int(i)) for i in layers],
+                mode="lines",
+                name="scale at init",
+                line={"color": "#777", "dash": "dash"},
+                hovertemplate="layer %{x}<br>initial scale = %{y:.3f}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
     fig.update_xaxes(title_text="layer (0-based)")
     fig.update_yaxes(title_text="scale (multiplier)", row=1, col=1)
     fig.update_yaxes(title_text="bias (hidden units)", row=1, col=2)
@@ -426,8 +442,8 @@ VIEWS: list[View] = [
         "Residual scale and bias per depth",
         "attnres",
         build_scale_bias,
-        description="Scale/bias residual runs: learned scale and bias per depth and site, mean with the "
-        "standard deviation over channels.",
+        description="Scale/bias residual runs: learned scale and bias per depth and site (mean, with the "
+        "standard deviation over channels), against the initial scale.",
         from_weights=True,
         compare=Comparison(difference=("scale_mean", "bias_mean"), keys=("layer", "site")),
     ),
