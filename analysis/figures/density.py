@@ -68,7 +68,8 @@ def _decoder_rows(alloc: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Params / active params, FLOPs per token and cache bytes per decoder layer, from the config."""
+    """Active params, FLOPs per token and cache bytes per decoder layer, from the config (all parameters by layer
+    are one view, ``weights_params``, drawn from the weights)."""
     T = _seq_len(ctx)
     alloc = al.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
     layers = _decoder_rows(alloc)
@@ -78,23 +79,10 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         shared_xaxes=True,
         vertical_spacing=0.06,
         subplot_titles=(
-            "active parameters per token (outline: all parameters)",
+            "active parameters per token (all parameters: the Weights page, parameters by depth)",
             f"FLOPs per token at T = {format_tokens(T)} (prefill average)",
             f"decode cache per sequence at T = {format_tokens(T)}",
         ),
-    )
-    fig.add_trace(
-        go.Bar(
-            x=layers["layer"],
-            y=layers["params"],
-            width=0.8,
-            name="all parameters",
-            showlegend=True,
-            marker={"color": "rgba(0,0,0,0)", "line": {"color": "#444", "width": 1}},
-            hovertemplate="layer %{x}<br>all parameters = %{y:,.0f}<extra></extra>",
-        ),
-        row=1,
-        col=1,
     )
     _layer_bars(fig, layers, "active_params", 1, "active parameters", ",.0f", True)
     _layer_bars(fig, layers, "flops", 2, "FLOPs/token", ".3s", False)
