@@ -317,7 +317,7 @@ def test_plotly_draws_the_allocation_bars_inside_their_axes(seeds):
     view = next(v for v in all_views() if v.key == "density_allocation")
     fig, table = cmp.side_by_side(view, a, b)
     full = fig.full_figure_for_development(warn=False)
-    params = table[table["part"].str.startswith("L")]["params"]
+    params = table[table["part"].str.startswith("L")]["active_params"]  # the top panel: active per token
     lo, hi = full.layout.yaxis.range
     assert lo <= 0 and hi >= params.max()
     flops = table[table["part"].str.startswith("L")]["flops"]
