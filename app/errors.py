@@ -49,12 +49,12 @@ def strip_paths(text: str) -> str:
 
 
 def plain(exc: BaseException | str) -> str:
-    """An error's message for users: library folders named as runs (``app.uploads.message``), other server
+    """An error's message for users: library folders named as runs (``app.error_text.message``), other server
     paths cut to their last component, at most MAX_MESSAGE_CHARS, escaped for Markdown."""
-    from app import uploads
+    from app.error_text import message
 
     text = str(exc) if not isinstance(exc, OSError) or not exc.strerror else exc.strerror
-    text = strip_paths(uploads.message(text))
+    text = strip_paths(message(text))
     if len(text) > MAX_MESSAGE_CHARS:
         text = text[:MAX_MESSAGE_CHARS] + " ..."
     return md_escape(text)

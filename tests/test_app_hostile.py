@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 from streamlit.testing.v1 import AppTest
 
-from app import uploads
+from app import library_home, run_list
 from app.errors import ZERO_WIDTH, markdown_card, md_escape, plain, strip_paths
 from app.library import RunsLibrary
 from app.settings import HOME_ENV, ROOTS_ENV
@@ -64,13 +64,13 @@ def env(monkeypatch, tmp_path, runs):
     home = tmp_path / "home"
     monkeypatch.setenv(HOME_ENV, str(home))
     monkeypatch.setenv(ROOTS_ENV, str(runs["root"]))
-    monkeypatch.setenv(uploads.RUNS_ENV, f"{runs['good']}:{runs['wide']}:{runs['named']}")
+    monkeypatch.setenv(run_list.RUNS_ENV, f"{runs['good']}:{runs['wide']}:{runs['named']}")
     empty = tmp_path / "no-samples"
     empty.mkdir()
-    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
-    uploads._library.clear()
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
+    library_home._library.clear()
     yield home
-    uploads._library.clear()
+    library_home._library.clear()
 
 
 def _shown(value: str) -> str:
@@ -86,7 +86,7 @@ def _library_page() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = 16
     at.run()
-    return at.switch_page("app_pages/upload.py").run()
+    return at.switch_page("app_pages/runs_library.py").run()
 
 
 def _hostile(kind: str, good: Path, where: Path) -> list[tuple[str, bytes]]:
@@ -158,7 +158,7 @@ def test_damaged_library_index_is_a_message_on_every_page(env, runs):
     at = _library_page()
     assert not at.exception and _errors(at) == []
     (env / "library.sqlite").write_bytes(b"not a database" * 64)
-    uploads._library.clear()
+    library_home._library.clear()
     at.run()
     assert not at.exception
     assert any("library.sqlite" in e and "move it away" in e for e in _errors(at)), _errors(at)
@@ -251,7 +251,7 @@ def test_names_from_files_are_shown_as_text(env, runs, tmp_path):
         for name in ("config.json", "model.safetensors"):
             zf.write(runs["good"] / name, name)
         zf.writestr("![x](http:evil.example) [a](http:phish.example).txt", "junk")
-    page = at.switch_page("app_pages/upload.py").run()
+    page = at.switch_page("app_pages/runs_library.py").run()
     page.get("file_uploader")[0].upload("run.zip", archive.read_bytes())
     page.button(key="k3lab_upload_add").click().run()
     assert not page.exception and _errors(page) == []
