@@ -23,7 +23,8 @@ def test_describe_counts_from_headers(ckpt):
     assert info.num_parameters == stored
     assert info.weight_bytes == 4 * stored and info.dtypes == {"F32": info.weight_bytes}
     assert info.size_bytes == sum(p.stat().st_size for p in folder.iterdir())
-    assert info.summary["layers"] == model.config.num_hidden_layers and info.files.bytes_read == 0
+    assert info.summary["num_hidden_layers"] == model.config.num_hidden_layers and info.files.bytes_read == 0
+    assert info.summary["parameters"] == stored and info.summary["dtypes"] == ["F32"]
     assert summary_text(info.summary).startswith(f"{model.config.num_hidden_layers} layers · width 64")
 
 
