@@ -16,7 +16,7 @@ from typing import Any
 
 from analysis.checkpoint_summary import config_summary
 from analysis.format import format_count
-from k3core.checkpoint_files import CheckpointError, CheckpointFiles
+from k3core.checkpoint_files import CheckpointError, CheckpointFiles, folder_fingerprint
 
 _CHUNK = 1 << 20
 
@@ -64,7 +64,7 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
     folder = Path(folder)
     try:
         files = CheckpointFiles.open(folder)
-        fingerprint = files.fingerprint()
+        fingerprint = folder_fingerprint(folder)
     except CheckpointError as exc:
         raise LibraryError(_rename(str(exc), folder.name, label)) from exc
     except OSError as exc:
