@@ -58,12 +58,13 @@ def inputs_or_stop() -> Inputs:
     return inputs
 
 
-def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
-    """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page."""
+def run_or_stop(inputs: Inputs, ref: RunRef | None = None) -> Run:
+    """The loaded run (cached); on a bad checkpoint, device or failure shows st.error and stops the page. A page
+    loads it once and hands it on (``config_context``, ``load_or_stop(run=...)``)."""
     ref = ref or inputs.run
     _stop_if_too_big(inputs, ref)
     try:
-        return caching.load_run(ref, inputs.device, inputs.dtype).model
+        return caching.load_run(ref, inputs.device, inputs.dtype)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
@@ -71,6 +72,11 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
         error = f"**{md_escape(ref.label)}** could not be loaded on {inputs.device}/{inputs.dtype}: {describe(exc)}"
     st.error(error)
     st.stop()
+
+
+def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
+    """The run's model (``run_or_stop``)."""
+    return run_or_stop(inputs, ref).model
 
 
 def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
@@ -83,10 +89,11 @@ def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
 
 def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, choice: TextChoice) -> None:
     """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
-    what = caching.trace_items(inputs.record_attn)
-    key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
+    if tokens.n <= LONG_INPUT_TOKENS:
+        return
+    key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, caching.trace_items(inputs.record_attn))
     confirmed = st.session_state.setdefault("k3lab_confirmed", set())
-    if tokens.n <= LONG_INPUT_TOKENS or key in confirmed or caching.is_traced(key):
+    if key in confirmed or caching.is_traced(key):
         return
     speed = caching.tokens_per_second(run.fingerprint, inputs.device, inputs.dtype)
     estimate = f"about {tokens.n / speed:,.0f} s" if speed else "not measured yet for this run"
@@ -106,18 +113,21 @@ def load_or_stop(
     choice: TextChoice | None = None,
     label: str | None = None,
     text_error: str | None = None,
+    run: Run | None = None,
 ) -> Loaded:
-    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
-    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page."""
+    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace; ``run``
+    when the page has loaded it already); a long input waits for the user's go; on a bad checkpoint or text shows
+    st.error and stops the page."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
     if text_error:
         st.error(md_escape(text_error))
         st.stop()
-    _stop_if_too_big(inputs, ref)
+    if run is None:
+        _stop_if_too_big(inputs, ref)
     try:
-        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        run = run or caching.load_run(ref, inputs.device, inputs.dtype)
         tokens = caching.make_tokens(choice, run)
         _confirm_long_input(inputs, ref, run, tokens, choice)
         loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
@@ -255,11 +265,10 @@ def section_page(section: str, title: str, intro: str) -> None:
     prefetch_sections(loaded)
 
 
-def config_context(inputs: Inputs, ref: RunRef | None = None) -> Loaded:
+def config_context(inputs: Inputs, run: Run, ref: RunRef | None = None) -> Loaded:
     """A context for views drawn from the config alone (the layer map): no tokens, no forward pass, so a
-    page can show them before it runs the model. The run must already be loaded (model_or_stop)."""
+    page can show them before it runs the model (``run`` from ``run_or_stop``)."""
     ref = ref or inputs.run
-    run = caching.load_run(ref, inputs.device, inputs.dtype)
     options = inputs.options()
     ctx = AnalysisContext(
         trace=Trace(), config=run.config, metrics=run.metrics, label=ref.label, options=options, tokenizer=run.tokenizer
