@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from analysis.weights.layout import COMPONENTS, layer_of, tensor_kind
+from analysis.weights.layout import COMPONENTS, layer_of, layer_structure, num_layers_of, params_by_depth, tensor_kind
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.config import K3Config
 
@@ -100,13 +100,10 @@ def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
-    """Parameters per decoder layer, from header shapes."""
-    out: dict[int, int] = {}
-    for name, info in files.tensors.items():
-        i = layer_of(name)[0]
-        if i is not None:
-            out[i] = out.get(i, 0) + info.numel
-    return out
+    """Parameters per decoder layer, from header shapes: ``analysis.weights.layout.params_by_depth`` over its kinds."""
+    table = params_by_depth(files.tensors, layer_structure(files.tensors, files.config))
+    layers = table[(table["layer"] >= 0) & (table["layer"] < num_layers_of(files.tensors, files.config))]
+    return {int(i): int(n) for i, n in layers.groupby("layer")["params"].sum().items()}
 
 
 def header_check(files: CheckpointFiles, cfg: K3Config) -> dict[str, Any]:
