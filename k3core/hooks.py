@@ -44,8 +44,10 @@ lists a model's points with their axes):
     blocks.i.moe.latent             [batch, token, latent]            z = W_down x (plain MoE: x)
     blocks.i.moe.routed_out         [batch, token, hidden]            routed experts' output (after W_up)
     blocks.i.moe.shared_out         [batch, token, hidden]            shared experts' output
-    blocks.i.attn_res.weights|mlp_res.weights  [batch, token, source]  AttnRes depth weights of the site
-    blocks.i.attn_res.mix|mlp_res.mix          [batch, token, hidden]  the site's mixed output
+    blocks.i.attn_res.weights       [batch, token, source]            AttnRes depth weights, attention input site
+    blocks.i.attn_res.mix           [batch, token, hidden]            its mixed output (= resid_in)
+    blocks.i.mlp_res.weights        [batch, token, source]            depth weights, FFN input site
+    blocks.i.mlp_res.mix            [batch, token, hidden]            its mixed output (= ffn_in)
     output_res.weights              [batch, token, source]            the final depth mix (AttnRes)
     output_res.mix                  [batch, token, hidden]
     final_stream                    [source, batch, token, hidden]    depth state before the output (on request)
