@@ -184,6 +184,11 @@ def activation_patching(
         with torch.no_grad():
             corrupt = metric(model(corrupted_ids).logits, clean_ids)
         span = clean - corrupt
+        if span == 0:
+            raise PatchingError(
+                f"the clean and the corrupted input give the same metric ({clean:.6g}): nothing to restore "
+                "(does the corruption come before the position the metric reads?)"
+            )
         rows = []
         for k, (layer, site, points, position) in enumerate(plan):
             if should_stop is not None and should_stop():
@@ -198,7 +203,7 @@ def activation_patching(
                     site=site,
                     position=-1 if position is None else position,
                     metric=value,
-                    fraction_restored=(value - corrupt) / span if span != 0 else float("nan"),
+                    fraction_restored=(value - corrupt) / span,
                 )
             )
         if progress:

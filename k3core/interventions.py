@@ -451,6 +451,49 @@ def edits_from_json(text: str) -> list[Edit]:
     return [edit_from_dict(d) for d in (data if isinstance(data, list) else [data])]
 
 
+def _short_value(text: str) -> Any:
+    """ "3" -> 3, "0.5" -> 0.5, "1,2" -> [1, 2], "2:6" -> [2, 6], anything else stays a string."""
+    if ":" in text and all(p.strip().lstrip("-").isdigit() for p in text.split(":")):
+        return [int(p) for p in text.split(":")]
+    if "," in text:
+        return [_short_value(p) for p in text.split(",") if p]
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+_LIST_FIELDS = ("layers", "heads", "channels", "experts", "sources")
+
+
+def parse_edit(text: str) -> Edit:
+    """One edit from JSON (``{"kind": ...}``) or the short form ``KIND.OP key=value ...``, e.g.
+    ``moe.ban layer=2 experts=1,5``, ``value.zero point=mixer_out layers=2``, ``attnres.uniform
+    site=3.attn``, ``kda.pin_g layer=1 value=0 tokens=4:9``, ``mla.mask_keys layer=3 keys=0:1``
+    (lists with commas, ranges start:stop; for attnres the OP is the mode)."""
+    text = text.strip()
+    if text.startswith("{"):
+        return edits_from_json(text)[0]
+    head, *pairs = text.split()
+    kind, _, op = head.partition(".")
+    if kind not in EDIT_KINDS:
+        raise EditError(f"unknown edit kind {kind!r} in {text!r}; kinds: {', '.join(EDIT_KINDS)}")
+    data: dict[str, Any] = {"kind": kind}
+    if op:
+        data["mode" if kind == "attnres" else "op"] = op
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise EditError(f"expected key=value in {text!r}, got {pair!r}")
+        parsed = _short_value(value)
+        if key in _LIST_FIELDS and not isinstance(parsed, list):
+            parsed = [parsed]
+        data[key] = parsed
+    return edit_from_dict(data)
+
+
 def compile_edits(config: Any, edits: Iterable[Edit]) -> dict[str, list[Callable]]:
     """{hook point: write hooks} for the edits on a model of this config (validated: EditError)."""
     table: dict[str, list[Callable]] = {}

@@ -6,6 +6,9 @@ k3lab report RUN [RUN2]    headless HTML report with every figure and its data
 k3lab inspect RUN          config, parameter counts, layer map, headline numbers
 k3lab weights PATH --out DIR   weight-only diagnostics of a checkpoint of any size (no model built)
 k3lab generate RUN         sample text from a checkpoint
+k3lab experiment RUN --edit E --text T --out DIR   an edited forward beside the baseline, per token
+k3lab patch RUN --clean A --corrupted B --out DIR  activation patching
+k3lab attribute RUN --prompt P --target Y --out DIR  Captum attribution per output x input token
 k3lab presets              list the named configurations and their sizes
 """
 
@@ -29,6 +32,9 @@ COMMANDS = {
     "inspect": "print config, parameter counts, layer map and headline numbers",
     "weights": "weight-only diagnostics (decay, depth, routing) of a checkpoint of any size",
     "generate": "generate text from a checkpoint",
+    "experiment": "run a text with edits (interventions) beside the baseline",
+    "patch": "activation patching between a clean and a corrupted text",
+    "attribute": "attribution of a continuation to the prompt's tokens (Captum)",
     "presets": "list the named configurations",
 }
 
@@ -343,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_main(rest)
     if command == "weights":
         return cmd_weights(rest)
+    if command in ("experiment", "patch", "attribute"):
+        from analysis import experiment_cli
+
+        return getattr(experiment_cli, f"cmd_{command}")(rest)
     if command == "inspect":
         from analysis.inspect import main as inspect_main
 

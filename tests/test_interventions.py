@@ -220,3 +220,21 @@ def test_edits_naming_what_does_not_exist_say_what_does():
         ValueEdit("embed", "double")
     with pytest.raises(EditError, match="residual is 'plain'"):
         _logits(nano_model(residual="plain"), ids, [AttnResEdit("output", "uniform")])
+
+
+def test_the_short_form_reads_like_the_json_form():
+    from k3core.interventions import parse_edit
+
+    assert parse_edit("moe.ban layer=2 experts=1,5") == MoEEdit("ban", layer=2, experts=[1, 5])
+    assert parse_edit("value.zero point=mixer_out layers=2") == ValueEdit("mixer_out", "zero", layers=[2])
+    assert parse_edit("attnres.one_hot site=3.attn sources=embedding") == AttnResEdit(
+        "3.attn", "one_hot", ["embedding"]
+    )
+    assert parse_edit("kda.pin_g layer=1 value=0 tokens=4:9") == KDAEdit("pin_g", layer=1, value=0, tokens=(4, 9))
+    assert parse_edit("mla.mask_keys layer=3 keys=0:1") == MLAEdit(layer=3, keys=(0, 1))
+    edit = KDAEdit("scale_g", layer=0, value=2.0)
+    assert parse_edit(edits_to_json([edit])[1:-1]) == edit
+    with pytest.raises(EditError, match="kinds: value"):
+        parse_edit("moo.ban")
+    with pytest.raises(EditError, match="key=value"):
+        parse_edit("moe.ban layer")
