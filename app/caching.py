@@ -220,12 +220,28 @@ _TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forwar
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
 def _cached_trace(
-    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Tokens
+    fingerprint: str,
+    device: str,
+    dtype: str,
+    digest: str,
+    what: tuple[str, ...],
+    _run: Run,
+    _tokens: Tokens,
+    edits: str = "",
 ) -> AnalysisContext:
+    from k3core.interventions import edits_from_json
+
     start = time.perf_counter()
     with model_use(_run.model):
-        ctx = runs.trace_run(_run, _tokens.sample, what=list(what), max_attn_len=MAX_ATTN_LEN)
-    _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        ctx = runs.trace_run(
+            _run,
+            _tokens.sample,
+            what=list(what),
+            max_attn_len=MAX_ATTN_LEN,
+            edits=edits_from_json(edits) if edits else None,
+        )
+    if not edits:
+        _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
     return ctx
 
 
@@ -264,17 +280,26 @@ def load(
     record_attn: bool = True,
     options: dict[str, Any] | None = None,
     label: str | None = None,
+    edits: str = "",
 ) -> Loaded:
-    """Run + traced AnalysisContext for a run on a text choice (all cached).
+    """Run + traced AnalysisContext for a run on a text choice (all cached); ``edits`` (JSON of
+    ``k3core.interventions`` edits): the edited forward's trace instead.
 
-    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options).
+    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options / edits).
     """
     options = dict(options or {})
     check_options(options)
     run = load_run(ref, device, dtype)
     tokens = make_tokens(choice, run)
     what = trace_items(record_attn)
-    base = _cached_trace(run.fingerprint, device, dtype, tokens.digest, what, run, tokens)
+    if edits:
+        from k3core.interventions import EditError, compile_edits, edits_from_json
+
+        try:
+            compile_edits(run.config, edits_from_json(edits))
+        except EditError as exc:
+            raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
+    base = _cached_trace(run.fingerprint, device, dtype, tokens.digest, what, run, tokens, edits)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -289,6 +314,7 @@ def load(
         label,
         options_key(options),
         metrics_digest(run.metrics),
+        edits,
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
 

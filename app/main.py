@@ -56,6 +56,7 @@ PAGES = {
         _page("history", "Training history", ":material/show_chart:"),
     ],
     "Tools": [
+        _page("experiment", "Experiment", ":material/science:"),
         _page("generate", "Generate", ":material/edit_note:"),
         _page("upload", "Runs library", ":material/folder_open:"),
     ],

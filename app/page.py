@@ -106,8 +106,10 @@ def load_or_stop(
     choice: TextChoice | None = None,
     label: str | None = None,
     text_error: str | None = None,
+    edits: str = "",
 ) -> Loaded:
-    """Run + trace + context for a run; on a bad checkpoint or text shows st.error and stops the page."""
+    """Run + trace + context for a run (``edits``: JSON of interventions, for the edited forward); on a bad
+    checkpoint or text shows st.error and stops the page."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
@@ -117,7 +119,9 @@ def load_or_stop(
     _stop_if_too_big(inputs, ref)
     _confirm_long_input(inputs, ref, choice)
     try:
-        loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
+        loaded = caching.load(
+            ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label, edits
+        )
     except (CheckpointError, InputError) as exc:
         error = f"**{ref.label}**: {uploads.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
