@@ -24,7 +24,8 @@ def nano_run(tmp_path_factory):
 
 def _table(at, column: str):
     """The first table on the page with this column (AppTest does not expose a dataframe's key)."""
-    return next(d.value for d in at.dataframe if column in d.value.columns)
+    tables = [d.value for d in at.dataframe] + [t.value.reset_index() for t in at.table]
+    return next(t for t in tables if column in t.columns)
 
 
 def _ready(app_env, nano_run):
@@ -81,14 +82,17 @@ def test_a_bad_edit_shows_an_error_and_a_link_restores_the_edits(app_env, nano_r
 
 def test_patching_attribution_and_token_tabs(app_env, nano_run):
     at = _ready(app_env, nano_run)
+    at.radio(key="k3lab_exp_section").set_value("Patching").run()
     at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
     assert not at.exception and _errors(at) == []
     df = _table(at, "fraction_restored")
     assert abs(df[(df.layer == 3) & (df.site == "resid")].fraction_restored.iloc[0] - 1) < 1e-6
+    at.radio(key="k3lab_exp_section").set_value("Attribution").run()
     at.number_input(key="k3lab_attr_n").set_value(5)
     at.number_input(key="k3lab_attr_m").set_value(2)
     at.button(key="FormSubmitter:k3lab_attr_form-Run attribution").click().run()
     assert not at.exception and _errors(at) == []
+    at.radio(key="k3lab_exp_section").set_value("Token").run()
     at.selectbox(key="k3lab_tok_pos").set_value(6).run()
     assert not at.exception and _errors(at) == []
     experts = _table(at, "expert")

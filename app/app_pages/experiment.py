@@ -38,6 +38,7 @@ model, run, config = loaded.model, loaded.run, loaded.run.config
 ids = loaded.ctx.input_ids[:1]
 T = int(ids.shape[1])
 label = ex.token_labeler(run)
+SECTIONS = ("Edits", "Patching", "Attribution", "Token")
 ss = st.session_state
 results = ss.setdefault(ex.RESULTS, {})
 edits: list[dict] = ss.setdefault(EDITS, [])
@@ -271,9 +272,9 @@ def _token() -> None:
     st.markdown(f"**Token {s['position']}: `{s['token']}`** → next `{s['next_token']}` · loss {loss}")
     c1, c2 = st.columns(2)
     c1.markdown("Top-5 predictions")
-    c1.dataframe(detail.top_k, hide_index=True, key="k3lab_tok_topk")
+    c1.table(detail.top_k.set_index("rank"))
     c2.markdown("Experts per MoE layer (by weight rank)")
-    c2.dataframe(detail.experts, hide_index=True, key="k3lab_tok_experts")
+    c2.table(detail.experts.set_index(["layer", "rank"]))
     if len(detail.depth):
         st.markdown("AttnRes depth weights")
         st.dataframe(detail.depth.pivot(index="site", columns="source", values="weight"), key="k3lab_tok_depth")
@@ -290,16 +291,17 @@ def _token() -> None:
         st.dataframe(detail.kda, hide_index=True, key="k3lab_tok_kda")
 
 
-tabs = st.tabs(["Edits", "Patching", "Attribution", "Token"])
-with tabs[0]:
+# A radio, not st.tabs: only the chosen section runs, and the choice survives reruns (kept in the session).
+section = st.radio("Section", SECTIONS, horizontal=True, key="k3lab_exp_section", label_visibility="collapsed")
+links.write_edits(edits)
+if section == "Edits":
     _build_edit()
     _edit_list()
-    links.write_edits(edits)
     if edits:
         _experiment()
-with tabs[1]:
+elif section == "Patching":
     _patching()
-with tabs[2]:
+elif section == "Attribution":
     _attribution()
-with tabs[3]:
+else:
     _token()
