@@ -8,6 +8,7 @@ import json
 import streamlit as st
 
 from analysis.compare import distinct_labels
+from analysis.views import section_views
 from app import cards, links, page
 from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
@@ -75,7 +76,7 @@ st.caption(
 st.markdown("#### Headline numbers")
 cards.headline_delta(a, b)
 
-views = cards.section_views(section)
+views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
 for view in views:

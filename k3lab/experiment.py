@@ -1,5 +1,6 @@
 """``k3lab experiment``, ``k3lab patch`` and ``k3lab attribute``: edits, activation patching and attribution
-from the command line, written as JSON + figures (HTML, CSV, JSON, PNG/SVG where Chromium exists)."""
+from the command line, written as JSON + figures (HTML, CSV, JSON, PNG/SVG where Chromium exists).
+``k3lab patch`` and ``k3lab attribute`` are ``patch_main`` and ``attribute_main`` (k3lab/patch.py, attribute.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from analysis.cli_options import add_device_options
+from k3lab.options import add_device_options
 
 EXPERIMENT_HELP = """\
 Run a text through a checkpoint twice, as it is and with edits, and write what changed per token.
@@ -150,7 +151,7 @@ def _one_token(text: str, run: Any) -> int:
     return ids[0]
 
 
-def cmd_experiment(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     args = experiment_parser().parse_args(argv)
     from analysis import effects, lens
     from analysis import runs as runs_mod
@@ -201,7 +202,7 @@ def cmd_experiment(argv: list[str]) -> int:
     return 1 if problems else 0
 
 
-def cmd_patch(argv: list[str]) -> int:
+def patch_main(argv: list[str]) -> int:
     args = patch_parser().parse_args(argv)
     from tqdm import tqdm
 
@@ -250,7 +251,7 @@ def cmd_patch(argv: list[str]) -> int:
     return 1 if problems else 0
 
 
-def cmd_attribute(argv: list[str]) -> int:
+def attribute_main(argv: list[str]) -> int:
     args = attribute_parser().parse_args(argv)
     import torch
 
