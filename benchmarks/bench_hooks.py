@@ -95,50 +95,15 @@ def run(quick: bool = False) -> list[Row]:
     T, repeat = (256, 5) if quick else (512, 9)
     t = time_hooks(T=T, repeat=repeat)
     case = f"k3-mini T={T} B=1"
-    rows = [
-        Row(
-            "hooks: empty context",
-            case,
-            t["empty"],
-            "forward in hooks()",
-            t["plain"],
-            "plain forward",
-            "s",
-            t["empty"] / t["plain"],
-            target="<= 1.02",
-            ok=t["empty"] / t["plain"] <= 1.02,
-            note=f"best of {repeat}",
-        )
-    ]
+
+    def row(bench: str, value: str, value_label: str, base: str, base_label: str, note: str = "") -> Row:
+        ratio = t[value] / t[base]
+        note = f"best of {repeat}" + (f"; {note}" if note else "")
+        return Row(bench, case, t[value], value_label, t[base], base_label, "s", ratio, "<= 1.02", ratio <= 1.02, note)
+
+    rows = [row("hooks: empty context", "empty", "forward in hooks()", "plain", "plain forward")]
     if "ref_recorded" in t:
-        rows.append(
-            Row(
-                "hooks: record() vs main",
-                case,
-                t["recorded"],
-                "record(model) now",
-                t["ref_recorded"],
-                "record(model) at main",
-                "s",
-                t["recorded"] / t["ref_recorded"],
-                target="<= 1.02",
-                ok=t["recorded"] / t["ref_recorded"] <= 1.02,
-                note=f"best of {repeat}; {t['note']}",
-            )
-        )
-        rows.append(
-            Row(
-                "hooks: plain forward vs main",
-                case,
-                t["plain"],
-                "forward now",
-                t["ref_plain"],
-                "forward at main",
-                "s",
-                t["plain"] / t["ref_plain"],
-                target="<= 1.02",
-                ok=t["plain"] / t["ref_plain"] <= 1.02,
-                note=f"best of {repeat}",
-            )
-        )
+        rows.append(row("hooks: record() vs main", "recorded", "record(model) now", "ref_recorded",
+                        "record(model) at main", t["note"]))  # fmt: skip
+        rows.append(row("hooks: plain forward vs main", "plain", "forward now", "ref_plain", "forward at main"))
     return rows

@@ -49,6 +49,15 @@ type (KDA / MLA) and FFN kind (dense / routed / shared). The baseline replaces i
 """
 
 
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A command's parser with the options all three share: RUN, --out, --max-tokens, --no-static, device."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _common(parser)
+    return parser
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors [+ tokenizer files])")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
@@ -58,10 +67,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def experiment_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="k3lab experiment", description=EXPERIMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _common(p)
+    p = _parser("k3lab experiment", EXPERIMENT_HELP)
     p.add_argument("--edit", action="append", required=True, metavar="EDIT", help="an edit (repeatable), see above")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", help="input text")
@@ -73,10 +79,7 @@ def experiment_parser() -> argparse.ArgumentParser:
 
 
 def patch_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="k3lab patch", description=PATCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _common(p)
+    p = _parser("k3lab patch", PATCH_HELP)
     p.add_argument("--clean", required=True, help="clean text")
     p.add_argument("--corrupted", required=True, help="corrupted text (same number of tokens)")
     p.add_argument("--metric", choices=("logit_diff", "span_loss"), default="logit_diff")
@@ -90,10 +93,7 @@ def patch_parser() -> argparse.ArgumentParser:
 
 
 def attribute_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="k3lab attribute", description=ATTRIBUTE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _common(p)
+    p = _parser("k3lab attribute", ATTRIBUTE_HELP)
     p.add_argument("--prompt", required=True, help="input text")
     p.add_argument("--target", required=True, help="continuation whose log-probabilities are attributed")
     p.add_argument(

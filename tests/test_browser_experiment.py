@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.bench_app import CHROMIUM, CHROMIUM_ARGS, EXCEPTION, RENDER_TIMEOUT_MS, REPO, app_server, settle
+from benchmarks.bench_app import CHROMIUM, EXCEPTION, RENDER_TIMEOUT_MS, REPO, settle
+from tests import test_browser
 from tests.test_browser import _array  # plotly's typed-array spec, decoded
 
 pytestmark = pytest.mark.browser
@@ -38,22 +39,7 @@ TABLES_JS = """() => Array.from(document.querySelectorAll('[data-testid="stTable
 })"""
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("browser-exp")
-    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(root / "k3lab-home")}
-    with app_server(REPO, root, env) as (url, log):
-        yield url, log
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+server, browser = test_browser.server, test_browser.browser  # the same fixtures: a fresh server, Chromium
 
 
 @pytest.fixture(scope="module")
