@@ -3,6 +3,8 @@
 Rows (best of N, interleaved round-robin in one process):
 
 - empty hook context: a forward inside ``hooks()`` (a context with no hook) vs a plain forward;
+- one reader: a context with a reader on ``logits`` only, so every other point pays its lookup (the cost of
+  the hook points themselves) vs a plain forward;
 - record(model) now vs record(model) of the reference commit (default ``main``): the reference's
   ``k3core`` is extracted with ``git archive`` into a temporary folder and imported under another package
   name, so both versions run in this process on identical weights (the reference model is built from the
@@ -60,11 +62,15 @@ def time_hooks(preset: str = "k3-mini", T: int = 512, repeat: int = 9, ref: str 
         with torch.inference_mode(), hooks():
             model(ids)
 
+    def one_hook():  # every point passes through HookContext.point; one of them has a (trivial) reader
+        with torch.inference_mode(), hooks(read={"logits": lambda value, name, info: None}):
+            model(ids)
+
     def recorded():
         with torch.inference_mode(), record(model):
             model(ids)
 
-    fns = {"plain": plain, "empty": empty, "recorded": recorded}
+    fns = {"plain": plain, "empty": empty, "one_hook": one_hook, "recorded": recorded}
     reference = reference_k3core(ref)
     note = ""
     if isinstance(reference, str):
@@ -92,7 +98,7 @@ def time_hooks(preset: str = "k3-mini", T: int = 512, repeat: int = 9, ref: str 
 
 
 def run(quick: bool = False) -> list[Row]:
-    T, repeat = (256, 5) if quick else (512, 9)
+    T, repeat = (256, 5) if quick else (512, 15)
     t = time_hooks(T=T, repeat=repeat)
     case = f"k3-mini T={T} B=1"
 
@@ -102,6 +108,7 @@ def run(quick: bool = False) -> list[Row]:
         return Row(bench, case, t[value], value_label, t[base], base_label, "s", ratio, "<= 1.02", ratio <= 1.02, note)
 
     rows = [row("hooks: empty context", "empty", "forward in hooks()", "plain", "plain forward")]
+    rows.append(row("hooks: one reader", "one_hook", "forward, a reader on logits", "plain", "plain forward"))
     if "ref_recorded" in t:
         rows.append(row("hooks: record() vs main", "recorded", "record(model) now", "ref_recorded",
                         "record(model) at main", t["note"]))  # fmt: skip
