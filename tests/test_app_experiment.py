@@ -92,6 +92,10 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     at.number_input(key="k3lab_attr_m").set_value(2)
     at.button(key="FormSubmitter:k3lab_attr_form-Run attribution").click().run()
     assert not at.exception and _errors(at) == []
+    at.radio(key="k3lab_exp_section").set_value("Lens").run()
+    assert not at.exception and _errors(at) == []
+    lens_rows = _table(at, "kl_to_final")
+    assert len(lens_rows) == 3 and lens_rows.kl_to_final.iloc[-1] == pytest.approx(0, abs=1e-6)  # block AttnRes
     at.radio(key="k3lab_exp_section").set_value("Token").run()
     at.selectbox(key="k3lab_tok_pos").set_value(6).run()
     assert not at.exception and _errors(at) == []

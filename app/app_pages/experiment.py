@@ -11,10 +11,11 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from analysis import attribution, effects, patching
+from analysis import attribution, effects, lens, patching
 from analysis.figures.experiment import (
     attribution_figure,
     layer_attribution_figure,
+    lens_figure,
     loss_change_figure,
     patching_figure,
 )
@@ -22,7 +23,7 @@ from analysis.token_detail import token_detail
 from app import caching, links, page
 from app import experiment as ex
 from app.links import EDITS
-from k3core.interventions import EditError, compile_edits, edit_from_dict
+from k3core.interventions import EditError, compile_edits, edit_from_dict, intervene
 
 inputs = page.inputs_or_stop()
 page.page_header(
@@ -38,7 +39,7 @@ model, run, config = loaded.model, loaded.run, loaded.run.config
 ids = loaded.ctx.input_ids[:1]
 T = int(ids.shape[1])
 label = ex.token_labeler(run)
-SECTIONS = ("Edits", "Patching", "Attribution", "Token")
+SECTIONS = ("Edits", "Patching", "Attribution", "Lens", "Token")
 ss = st.session_state
 results = ss.setdefault(ex.RESULTS, {})
 edits: list[dict] = ss.setdefault(EDITS, [])
@@ -258,6 +259,35 @@ def _attribution() -> None:
             st.dataframe(lay.by_kind, hide_index=True, key="k3lab_attr_kinds")
 
 
+def _lens() -> None:
+    kind = "AttnRes lens" if config.residual.endswith("attnres") else "logit lens"
+    st.caption(
+        f"The {kind}: at each depth, what the model would predict if it stopped there (the output depth mix over "
+        "the sources so far, the final norm and the LM head; for plain residuals the hidden state itself). The "
+        "last depth is the model's own prediction. With edits, the edited forward's lens is shown beside."
+    )
+    value = st.radio("Colour", ("next_rank", "kl_to_final"), horizontal=True, key="k3lab_lens_value")
+    runs_to_show = [("baseline", [])] + ([("edited", edits)] if edits else [])
+    device = next(model.parameters()).device
+    for name, chosen in runs_to_show:
+        key = ("lens", loaded.key, json.dumps(chosen))
+        if key not in results:
+            with caching.model_use(model), intervene(model, [edit_from_dict(d) for d in chosen]):
+                labels, logits = lens.lens_logits(model, ids.to(device))
+            ex.remember(results, key, lens.lens_table(labels, logits.cpu(), ids.cpu(), 5, label))
+        table = results[key]
+        st.markdown(f"**{name}**")
+        st.plotly_chart(lens_figure(table, value), key=f"k3lab_lens_fig_{name}")
+        where = st.selectbox(
+            "Position",
+            list(range(T)),
+            index=T - 2,
+            key=f"k3lab_lens_pos_{name}",
+            format_func=_positions(list(range(T))).get,
+        )
+        st.dataframe(table[table.position == where].drop(columns=["top_ids"]), hide_index=True)
+
+
 def _token() -> None:
     trace = loaded.ctx.trace
     options = _positions(list(range(T)))
@@ -303,5 +333,7 @@ elif section == "Patching":
     _patching()
 elif section == "Attribution":
     _attribution()
+elif section == "Lens":
+    _lens()
 else:
     _token()
