@@ -413,6 +413,12 @@ class Recorder:
         # A key mask is a hook point only when an edit writes it; then the probabilities follow it.
         table[N.block(i, "mla.key_mask")] = lambda v, n, info: probs(None, n, info, mask=v)
 
+        def release(value, name, info):  # the attention output: this layer's q and k are not needed any more
+            self._held.pop(f"{i}.mla.q", None)
+            self._held.pop(f"{i}.mla.k", None)
+
+        table[N.block(i, "mla.o")] = release
+
     def _moe_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames
         E = config.num_experts
@@ -480,7 +486,7 @@ def record(
     the last one wins. The recorder is bound to the calling thread/context only: forwards run by
     other threads meanwhile are not recorded, and they may record their own models concurrently.
     ``model`` gives the hook points to read (its config) and the parameters some arrays copy; without
-    it only tokens, hidden states and the loss are recorded.
+    it only the tokens and the loss are recorded.
     """
     if current() is not None:
         raise RuntimeError("record() blocks cannot be nested")
