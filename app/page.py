@@ -74,11 +74,6 @@ def run_or_stop(inputs: Inputs, ref: RunRef | None = None) -> Run:
     st.stop()
 
 
-def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
-    """The run's model (``run_or_stop``)."""
-    return run_or_stop(inputs, ref).model
-
-
 def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
     """A run whose weights cannot fit in the device's free memory gets a message, never an out-of-memory crash."""
     problem = memory_fit.fit_problem(ref, inputs.device, inputs.dtype)
@@ -113,11 +108,12 @@ def load_or_stop(
     choice: TextChoice | None = None,
     label: str | None = None,
     text_error: str | None = None,
+    edits: str = "",
     run: Run | None = None,
 ) -> Loaded:
     """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace; ``run``
     when the page has loaded it already); a long input waits for the user's go; on a bad checkpoint or text shows
-    st.error and stops the page."""
+    st.error and stops the page. ``edits`` (JSON of ``k3core.interventions`` edits): the edited forward's trace."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
@@ -130,7 +126,7 @@ def load_or_stop(
         run = run or caching.load_run(ref, inputs.device, inputs.dtype)
         tokens = caching.make_tokens(choice, run)
         _confirm_long_input(inputs, ref, run, tokens, choice)
-        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
+        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label, edits)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
