@@ -14,6 +14,7 @@ device, so any size works, without weights.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from analysis.weights.layout import COMPONENTS, layer_of, layer_structure, num_layers_of, params_by_depth, tensor_kind
@@ -64,30 +65,30 @@ def component_of(name: str, cfg: K3Config) -> str:
 
 
 def parameter_breakdown(model: K3ForCausalLM) -> dict[str, dict[str, int]]:
-    """{component: {"total": n, "active": n}}; routed experts count k of E per token as active."""
-    cfg = model.config
-    out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
-    share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
+    """{component: {"total": n, "active": n}} of the model's parameters (buffers such as the router's selection
+    bias are not parameters); routed experts count k of E per token as active."""
     seen: set[int] = set()
+    sizes = []
     for name, p in model.named_parameters():
-        if id(p) in seen:  # tied weights count once
-            continue
-        seen.add(id(p))
-        comp = component_of(name, cfg)
-        n = p.numel()
-        out[comp]["total"] += n
-        out[comp]["active"] += round(n * share) if comp == "MoE routed experts" else n
-    return {k: v for k, v in out.items() if v["total"]}
+        if id(p) not in seen:  # tied weights count once
+            seen.add(id(p))
+            sizes.append((name, p.numel()))
+    return _breakdown(sizes, model.config)
 
 
 def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[str, int]]:
-    """``parameter_breakdown`` from the safetensors headers alone (shapes; no tensor is read)."""
+    """``parameter_breakdown`` of the stored tensors, from the safetensors headers alone (shapes; no tensor is
+    read; the selection bias counts, as in ``analysis.allocation.params_by_kind``)."""
+    return _breakdown(((name, info.numel) for name, info in files.tensors.items()), cfg)
+
+
+def _breakdown(sizes: Iterable[tuple[str, int]], cfg: K3Config) -> dict[str, dict[str, int]]:
     out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
     share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
-    for name, info in files.tensors.items():
+    for name, n in sizes:
         comp = component_of(name, cfg)
-        out[comp]["total"] += info.numel
-        out[comp]["active"] += round(info.numel * share) if comp == "MoE routed experts" else info.numel
+        out[comp]["total"] += n
+        out[comp]["active"] += round(n * share) if comp == "MoE routed experts" else n
     return {k: v for k, v in out.items() if v["total"]}
 
 

@@ -141,3 +141,23 @@ def test_inspect_reports_mismatches_without_failing(tmp_path, capsys):
 def test_inspect_bad_folder_is_a_clear_error(tmp_path, capsys):
     code = insp.main([str(tmp_path / "nowhere")])
     assert code == 2 and "no such checkpoint" in capsys.readouterr().err
+
+
+def test_breakdowns_of_a_model_and_of_its_headers_differ_by_the_selection_bias_only(tmp_path):
+    """The rule of analysis.allocation: stored tensors count the router's selection bias, model parameters do not."""
+    from analysis.allocation import selection_bias_params
+    from analysis.checkpoint_summary import header_breakdown, parameter_breakdown
+    from k3core.checkpoint_files import CheckpointFiles
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM.from_config("k3-nano")
+    model.save_pretrained(tmp_path / "nano")
+    cfg = model.config
+    from_model, from_headers = (
+        parameter_breakdown(model),
+        header_breakdown(CheckpointFiles.open(tmp_path / "nano"), cfg),
+    )
+    bias = sum(selection_bias_params(cfg, i) for i in range(cfg.num_hidden_layers))
+    router_model, router_headers = from_model.pop("MoE router"), from_headers.pop("MoE router")
+    assert bias > 0 and router_headers == {k: n + bias for k, n in router_model.items()}
+    assert from_headers == from_model
