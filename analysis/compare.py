@@ -69,7 +69,7 @@ def side_by_side(
         return _overlay(view, a, b)
     built = build_both(view, a, b) if built is None else built
     if all(isinstance(r, NotApplicable) for r in built):
-        raise NotApplicable(f"{view.title}: not applicable to either run ({built[0]})")
+        raise NotApplicable(f"not applicable to either run ({built[0]})")
     figs = [placeholder_figure(str(r)) if isinstance(r, NotApplicable) else r[0] for r in built]
     fig = combine_side_by_side(figs[0], figs[1], a.label, b.label, title=f"{view.title}: {a.label} vs {b.label}")
     tables = [r[1].assign(run=ctx.label) for r, ctx in zip(built, (a, b)) if not isinstance(r, NotApplicable)]

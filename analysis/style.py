@@ -25,6 +25,10 @@ LAYER_TYPE_COLORS = {
     "MoE": "#2ca02c",
 }
 RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+FIGURE_WIDTH = 1000  # px: the app's main column, where a figure's text must fit
+CHAR_PX = 0.56  # average glyph width of the sans-serif font, in units of its size
+SUBPLOT_TITLE_SIZE = 13
+MIN_COLOUR_TICKS = 4
 
 
 def apply_style(
@@ -50,7 +54,163 @@ def apply_style(
         fig.update_xaxes(title_text=x_title)
     if y_title is not None:
         fig.update_yaxes(title_text=y_title)
+    fit_subplot_titles(fig)
+    label_colour_bars(fig)
     return fig
+
+
+# ----------------------------------------------------------------------------------------- text that fits
+def wrap_to_px(text: str, px: float, size: float = SUBPLOT_TITLE_SIZE) -> str:
+    """``text`` broken into lines (plotly's ``<br>``) of at most ``px`` pixels at font ``size``
+    (``CHAR_PX * size`` per character); existing breaks kept."""
+    import textwrap
+
+    width = max(8, int(px / (CHAR_PX * size)))
+    lines = []
+    for part in str(text).split("<br>"):
+        lines += textwrap.wrap(part, width) or [part]
+    return "<br>".join(lines)
+
+
+def subplot_spacing(rows: int, cols: int, height: int, title_lines: int = 1, width: int = FIGURE_WIDTH) -> dict:
+    """``horizontal_spacing`` / ``vertical_spacing`` for ``make_subplots`` computed from what sits between panels:
+    y tick labels and a y title (80 px) between columns; x tick labels, an x title and the next row's subplot
+    title (``title_lines`` lines) between rows."""
+    plot_w = max(width - 100, 200)
+    plot_h = max(height - 120, 100)
+    out = {}
+    if cols > 1:
+        out["horizontal_spacing"] = min(0.3, 80 / plot_w)
+    if rows > 1:
+        out["vertical_spacing"] = min(0.3, (48 + 18 * title_lines + 8) / plot_h)
+    return out
+
+
+def _is_subplot_title(ann: dict) -> bool:
+    return (
+        ann.get("xref") == "paper"
+        and ann.get("yref") == "paper"
+        and ann.get("yanchor") == "bottom"
+        and ann.get("showarrow") is False
+        and ann.get("name") is None
+    )
+
+
+def fit_subplot_titles(fig: Any, width: int | None = None) -> None:
+    """Subplot titles wrapped to their panel's width (a figure ``width`` px wide, default its own or
+    ``FIGURE_WIDTH``), at one font size, lifted clear of the top tick label; the top margin grows for a wrapped
+    title of the top row. Works on a ``go.Figure`` or a figure dict, in place."""
+    is_dict = isinstance(fig, dict)
+    layout = fig.setdefault("layout", {}) if is_dict else fig.layout.to_plotly_json()
+    anns = layout.get("annotations") or []
+    width = width or layout.get("width") or FIGURE_WIDTH
+    margin = layout.get("margin") or {}
+    plot_w = width - margin.get("l", 70) - margin.get("r", 30)
+    domains = [tuple(v.get("domain", (0.0, 1.0))) for k, v in layout.items() if k.startswith("xaxis")]
+    domains = domains or [(0.0, 1.0)]
+    for key, axis in list(layout.items()):  # x titles as wide as their panel (side by side: half as wide)
+        text = ((axis or {}).get("title") or {}).get("text") if key.startswith("xaxis") else None
+        if text and len(domains) > 1:
+            d0, d1 = axis.get("domain", (0.0, 1.0))
+            wrapped = wrap_to_px(text, (d1 - d0) * plot_w - 8, 14)
+            if wrapped != text:
+                if is_dict:
+                    axis["title"] = {**axis["title"], "text": wrapped}
+                else:
+                    fig.layout[key].title.text = wrapped
+    extra_top = 0
+    for ann in anns:
+        if not _is_subplot_title(ann) or ann.get("text") is None:
+            continue
+        x = float(ann.get("x", 0.5))
+        d0, d1 = min(domains, key=lambda d: abs((d[0] + d[1]) / 2 - x))
+        text = wrap_to_px(ann["text"], (d1 - d0) * plot_w - 8)
+        ann["text"] = text
+        ann["font"] = {**(ann.get("font") or {}), "size": SUBPLOT_TITLE_SIZE}
+        ann["yshift"] = max(ann.get("yshift") or 0, 6)
+        if float(ann.get("y", 0)) >= 0.99:
+            extra_top = max(extra_top, 17 * text.count("<br>"))
+    if is_dict:
+        if extra_top:
+            layout["margin"] = {**margin, "t": margin.get("t", 60) + extra_top}
+        return
+    fig.update_layout(annotations=anns)
+    if extra_top:
+        fig.update_layout(margin={"t": (fig.layout.margin.t or 60) + extra_top})
+
+
+# ----------------------------------------------------------------------------------------- colour bars
+def colour_ticks(lo: float, hi: float, at_least: int = MIN_COLOUR_TICKS) -> dict:
+    """``tick0`` / ``dtick`` putting at least ``at_least`` (at most ~10) round-numbered ticks between lo and hi:
+    the largest step of 1, 2, 2.5 or 5 x 10^k that does."""
+    lo, hi = (float(lo), float(hi)) if lo <= hi else (float(hi), float(lo))
+    span = hi - lo
+    if not np.isfinite(span) or span <= 0:
+        return {}
+    magnitude = 10.0 ** np.floor(np.log10(span))
+    for step in (magnitude * m for m in (1, 0.5, 0.25, 0.2, 0.1, 0.05, 0.025, 0.02, 0.01)):
+        count = np.floor(hi / step + 1e-9) - np.ceil(lo / step - 1e-9) + 1
+        if count >= at_least:
+            return {"tickmode": "linear", "tick0": 0.0, "dtick": float(step)}
+    return {}
+
+
+def _colour_range(tr: dict) -> tuple[float, float] | None:
+    """The colour range of a trace dict: zmin/zmax (heatmaps) or marker cmin/cmax, else the data's range."""
+    from analysis.shared_scales import plotly_array
+
+    if tr.get("type") in ("heatmap", "contour", "histogram2d"):
+        lo, hi, values = tr.get("zmin"), tr.get("zmax"), tr.get("z")
+    else:
+        marker = tr.get("marker") or {}
+        lo, hi, values = marker.get("cmin"), marker.get("cmax"), marker.get("color")
+    if lo is None or hi is None:
+        arr = plotly_array(values)
+        if arr is None or isinstance(values, str):
+            return None
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError):
+            return None
+        arr = arr[np.isfinite(arr)]
+        if not arr.size:
+            return None
+        lo = float(arr.min()) if lo is None else lo
+        hi = float(arr.max()) if hi is None else hi
+    return float(lo), float(hi)
+
+
+def label_colour_bars(fig: Any) -> None:
+    """Every colour bar gets at least ``MIN_COLOUR_TICKS`` labelled ticks over its colour range, and its title at
+    its side (clear of the end tick labels). On a ``go.Figure`` or a list of trace dicts, in place."""
+    traces = fig if isinstance(fig, list) else None
+    for k, tr in enumerate(traces if traces is not None else fig.data):
+        spec = tr if traces is not None else tr.to_plotly_json()
+        kind = spec.get("type")
+        heat = kind in ("heatmap", "contour", "histogram2d")
+        marker = spec.get("marker") or {}
+        if not heat and not marker.get("showscale"):
+            continue
+        if spec.get("showscale") is False or spec.get("coloraxis"):
+            continue
+        rng = _colour_range(spec)
+        if rng is None:
+            continue
+        bar = dict((spec.get("colorbar") if heat else marker.get("colorbar")) or {})
+        bar.update(colour_ticks(*rng))
+        title = dict(bar.get("title") or {})
+        if title.get("text"):
+            title["side"] = "right"
+            bar["title"] = title
+        if traces is not None:
+            if heat:
+                tr["colorbar"] = bar
+            else:
+                tr["marker"] = {**marker, "colorbar": bar}
+        elif heat:
+            fig.data[k].colorbar = bar
+        else:
+            fig.data[k].marker.colorbar = bar
 
 
 # ----------------------------------------------------------------------------------------- screen payload

@@ -319,6 +319,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
         raise NotApplicable("no KDA state norms in this trace (kda.i.state_norm); record with 'kda'")
     fig = go.Figure()
     layers = list(df["layer"].unique())
+    first_head = df.groupby("layer")["head"].min()
     for (layer, head), part in df.groupby(["layer", "head"]):
         colour = RUN_COLORS[layers.index(layer) % len(RUN_COLORS)]
         fig.add_trace(
@@ -326,8 +327,9 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                 x=part["token"],
                 y=part["state_norm"],
                 mode="lines+markers",
-                name=f"L{layer} H{head}",
+                name=f"L{layer}",  # one legend entry per layer: a legend of every head would scroll
                 legendgroup=f"L{layer}",
+                showlegend=bool(head == first_head[layer]),
                 line={"color": colour},
                 text=ctx.position_labels(part["token"]),
                 hovertemplate=f"L{layer} H{head}, token %{{text}}<br>||S||_F = %{{y:.4g}}<extra></extra>",

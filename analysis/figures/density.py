@@ -381,8 +381,9 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     x=g["token"],
                     y=g["state_norm"],
                     mode="lines+markers",
-                    name=f"L{layer} h{head}",
+                    name=f"L{layer}",  # one legend entry per layer (heads: line styles, named in the hover)
                     legendgroup=f"L{layer}",
+                    showlegend=bool(head == sub["head"].min()),
                     line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4]},
                     text=ctx.position_labels(g["token"]),
                     hovertemplate=f"layer {layer}, head {head}<br>token %{{text}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
@@ -396,7 +397,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
         "state Frobenius norm ‖S‖_F",
     )
     fig.update_xaxes(**ctx.token_axis(table["token"]))
-    if not per_head or len(fig.data) > 8:  # many entries: legend as a column on the right
+    if len(layers) > 4:  # many entries: legend as a column on the right
         fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table
 
