@@ -379,7 +379,7 @@ def _legend_entries(traces: list[dict], visible: list[bool]) -> list[bool]:
     out = []
     for tr, v in zip(traces, visible):
         name = tr.get("name")
-        out.append(bool(v) and (not name or name not in seen))
+        out.append(bool(v) and bool(name) and name not in seen and tr.get("type") not in ("heatmap",))
         if v and name:
             seen.add(name)
     return out

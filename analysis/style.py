@@ -56,7 +56,46 @@ def apply_style(
         fig.update_yaxes(title_text=y_title)
     fit_subplot_titles(fig)
     label_colour_bars(fig)
+    note_empty_panels(fig)
     return fig
+
+
+EMPTY_PANEL_NOTE = "every value is 0 here"
+
+
+def note_empty_panels(fig: go.Figure, text: str = EMPTY_PANEL_NOTE) -> None:
+    """A note inside each panel whose bars are all 0 (or missing): an empty panel says that it is empty, instead
+    of looking like a drawing that failed. Only panels of bar traces (a line at 0 is drawn and seen)."""
+    panels: dict[tuple[str, str], list] = {}
+    for tr in fig.data:
+        if getattr(tr, "xaxis", None) is None and tr.type not in ("bar", "scatter", "box", "heatmap"):
+            continue
+        panels.setdefault((tr.xaxis or "x", tr.yaxis or "y"), []).append(tr)
+    for (x, y), traces in panels.items():
+        if not all(tr.type == "bar" for tr in traces):
+            continue
+        values = []
+        for tr in traces:
+            v = tr.x if tr.orientation == "h" else tr.y
+            try:
+                values.append(np.asarray(v if v is not None else [], dtype=np.float64).ravel())
+            except (TypeError, ValueError):
+                values.append(np.ones(1))
+        allv = np.concatenate(values) if values else np.zeros(0)
+        if np.any(np.nan_to_num(allv) != 0):
+            continue
+        fig.add_annotation(
+            text=text,
+            xref=f"{x} domain",
+            yref=f"{y} domain",
+            x=0.5,
+            y=0.8,
+            xanchor="center",
+            yanchor="middle",
+            showarrow=False,
+            font={"size": 12, "color": "#555"},
+            name="note",
+        )
 
 
 # ----------------------------------------------------------------------------------------- text that fits

@@ -109,6 +109,13 @@ async (spec) => {
       } else if (tr.type === 'heatmap') {
         marks.push({left: ox, right: ox + xa._length, top: oy, bottom: oy + ya._length, heatmap: true});
       }
+      const area = {left: ox, right: ox + xa._length, top: oy, bottom: oy + ya._length};
+      for (let k = marks.length - 1; k >= 0 && !marks[k].clipped; k--) {
+        const m = marks[k];
+        m.clipped = true;
+        m.left = Math.max(m.left, area.left); m.right = Math.min(m.right, area.right);
+        m.top = Math.max(m.top, area.top); m.bottom = Math.min(m.bottom, area.bottom);
+      }
       if (outside) out.push(`${outside} point(s) of '${name}' outside the axis range (${tr.xaxis}/${tr.yaxis})`);
     });
     // ---------------------------------------------------------------- panels: data or a note; notes not over data
@@ -120,8 +127,10 @@ async (spec) => {
       if (ya.overlaying || xa.overlaying) continue;
       const area = {left: svg.left + xa._offset, right: svg.left + xa._offset + xa._length,
                     top: svg.top + ya._offset, bottom: svg.top + ya._offset + ya._length};
+      const drawn = (tr, d) => d && (tr.type === 'bar' ? isFinite(d.s) && d.s !== 0
+                                    : isFinite(d.y) || isFinite(d.x) || d.z || isFinite(d.med));
       const has = gd._fullData.some((tr, i) => tr.visible === true && tr.xaxis === xa._id && tr.yaxis === ya._id &&
-                                             (gd.calcdata[i] || []).some(d => d && (isFinite(d.y) || isFinite(d.x) || d.z || isFinite(d.s) || isFinite(d.med))));
+                                             (gd.calcdata[i] || []).some(d => drawn(tr, d)));
       const inside = anns.filter(a => (a.r.left + a.r.right) / 2 > area.left && (a.r.left + a.r.right) / 2 < area.right &&
                                       (a.r.top + a.r.bottom) / 2 > area.top && (a.r.top + a.r.bottom) / 2 < area.bottom);
       if (!has && !inside.length) out.push(`empty panel ${key} without a note`);

@@ -131,17 +131,21 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
             )
         )
     at = table[table["seq_len"] == T].set_index("layer_type")["bytes"]
-    readout = ", ".join(f"{k} {al.human_bytes(v)}" for k, v in at.items() if v > 0)
+    readout = "<br>".join(f"{k} {al.human_bytes(v)}" for k, v in at.items() if v > 0)
     fig.add_vline(x=T, line={"color": "#888", "dash": "dot"})
+    # In the top left corner of the plot (cache grows to the right): inside the panel at any width.
     fig.add_annotation(
-        x=np.log10(T),
-        y=1.0,
+        x=0.02,
+        y=0.98,
+        xref="paper",
         yref="paper",
-        text=f"T = {format_tokens(T)}: {readout}",
+        text=f"at T = {format_tokens(T)} (dotted line):<br>{readout}",
         showarrow=False,
-        xanchor="right" if T > 2**15 else "left",
-        yanchor="bottom",
+        xanchor="left",
+        yanchor="top",
+        align="left",
         font={"size": 11},
+        bgcolor="rgba(255, 255, 255, 0.8)",
     )
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
@@ -409,7 +413,7 @@ VIEWS: list[View] = [
         "density",
         build_allocation,
         description="Parameters, active parameters, FLOPs per token and cache bytes per layer, from the config.",
-        compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("layer",)),
+        compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("part",)),
     ),
     View(
         "density_cache_vs_length",
