@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from analysis.cli_options import add_device_options
 from analysis.format import format_bytes, format_count, format_number
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
 
@@ -127,6 +127,8 @@ def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[st
     out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
     share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
     for name, info in files.tensors.items():
+        if not counts_as_parameter(name):  # k3core.checkpoint_files.PARAMETER_RULE
+            continue
         comp = component_of(name, cfg)
         out[comp]["total"] += info.numel
         out[comp]["active"] += round(info.numel * share) if comp == "MoE routed experts" else info.numel

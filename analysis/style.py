@@ -181,13 +181,13 @@ def fit_subplot_titles(fig: Any, width: int | None = None) -> None:
 # ----------------------------------------------------------------------------------------- colour bars
 def colour_ticks(lo: float, hi: float, at_least: int = MIN_COLOUR_TICKS) -> dict:
     """``tick0`` / ``dtick`` putting at least ``at_least`` (at most ~10) round-numbered ticks between lo and hi:
-    the largest step of 1, 2, 2.5 or 5 x 10^k that does."""
+    the largest step of 1, 2, 2.5 or 5 x 10^k that does (so at most ~10: a short colour bar keeps its labels apart)."""
     lo, hi = (float(lo), float(hi)) if lo <= hi else (float(hi), float(lo))
     span = hi - lo
     if not np.isfinite(span) or span <= 0:
         return {}
     magnitude = 10.0 ** np.floor(np.log10(span))
-    for step in (magnitude * m for m in (1, 0.5, 0.25, 0.2, 0.1, 0.05, 0.025, 0.02, 0.01)):
+    for step in (magnitude * m for m in (5, 2.5, 2, 1, 0.5, 0.25, 0.2, 0.1, 0.05, 0.025, 0.02, 0.01)):
         count = np.floor(hi / step + 1e-9) - np.ceil(lo / step - 1e-9) + 1
         if count >= at_least:
             return {"tickmode": "linear", "tick0": 0.0, "dtick": float(step)}

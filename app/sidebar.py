@@ -43,7 +43,10 @@ def sidebar() -> Inputs:
     if pending_label is not None:
         ss["k3lab_run"] = pending_label
     elif ss.get("k3lab_run") not in by_label:
-        ss.pop("k3lab_run", None)
+        gone = ss.pop("k3lab_run", None)
+        if gone is not None and labels:  # deleted (here or in another tab): the box shows the run used instead
+            ss["k3lab_run"] = labels[0]
+            ss["k3lab_run_gone"] = f"The run **{gone}** is no longer in the runs library; showing **{labels[0]}**."
 
     with st.sidebar:
         run = None
@@ -63,6 +66,8 @@ def sidebar() -> Inputs:
             )
         for problem in problems:
             st.warning(problem)
+        if ss.get("k3lab_run_gone"):
+            st.info(ss.pop("k3lab_run_gone"))
 
         choice, text_error = text_choice("k3lab")
         st.divider()

@@ -36,6 +36,7 @@ async (spec) => {
       if (m) add(el, 'axis title', 'axtitle' + m[1], el.textContent);
     });
     gd.querySelectorAll('g[class$="tick"] > text, g[class$="tick2"] > text').forEach(el => {
+      if (el.closest('.colorbar')) return;  // colour bar ticks: below, each one its own box
       const c = el.parentElement.getAttribute('class') || '';
       add(el, 'tick', 'tick' + c, el.textContent);
     });
@@ -45,7 +46,7 @@ async (spec) => {
       cb.querySelectorAll('.cbtitle text').forEach(el => add(el, 'colour bar title', 'cb' + k + 'title', el.textContent));
       cb.querySelectorAll('text').forEach(el => {
         if (el.closest('.cbtitle')) return;
-        add(el, 'colour bar tick', 'cb' + k + 'tick', el.textContent);
+        add(el, 'colour bar tick', 'cb' + k + 'tick' + texts.length, el.textContent);
       });
     });
     gd.querySelectorAll('.updatemenu-container text').forEach(el => add(el, 'dropdown', 'menu', el.textContent));

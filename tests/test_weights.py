@@ -537,6 +537,8 @@ def test_app_weights_page_for_sample_runs_and_compare(monkeypatch, tmp_path):
     # 9 side-by-side views; differences of the per-layer views both runs have: half-life, bias spread, norms, params
     assert charts == 9 + 4
     at.selectbox(key="k3lab_weights_cmp").set_value("(none)").run()
+    # the page's own button, where the expert norms would be, instead of a command line to type elsewhere
+    assert not any("--experts" in i.value for i in at.info), [i.value for i in at.info]
     at.button(key="k3lab_weights_exp").click().run()  # the button names the bytes it will read
     assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) == 9  # now with the expert weight norms

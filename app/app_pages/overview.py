@@ -9,6 +9,7 @@ from analysis.format import format_count
 from analysis.inspect import config_summary, layer_map, parameter_breakdown
 from app import caching, cards, page
 from app.download_all import download_all
+from k3core.checkpoint_files import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
@@ -37,7 +38,7 @@ RESIDUAL_NAMES = {
     "plain": "PreNorm",
 }
 c = st.columns([1, 1, 0.7, 1.4, 0.8])
-c[0].metric("Parameters", format_count(total), help="All weights, embeddings and LM head included.")
+c[0].metric("Parameters", format_count(total), help=PARAMETER_RULE)
 c[1].metric("Active per token", format_count(active), help="Routed experts counted k of E.")
 c[2].metric(
     "Layers",

@@ -12,7 +12,7 @@ from analysis.compare import difference_view, side_by_side
 from analysis.views import AnalysisContext, NotApplicable
 from app import caching, cards, page
 from app.run_folders import human_count
-from k3core.checkpoint_files import CheckpointError
+from k3core.checkpoint_files import PARAMETER_RULE, CheckpointError
 
 
 @st.cache_resource(show_spinner="Reading the checkpoint's small tensors...", max_entries=8)
@@ -49,7 +49,7 @@ if st.session_state.get(f"k3lab_weights_experts_{ref.label}"):
 
 structure = summary.structure
 c = st.columns(5)
-c[0].metric("Parameters", human_count(summary.total_params), help="Every tensor of the text model (headers).")
+c[0].metric("Parameters", human_count(summary.total_params), help=PARAMETER_RULE)
 c[1].metric("Declared size", wt.human_bytes(summary.bytes_total))
 c[2].metric(
     "Read",
@@ -71,7 +71,7 @@ for note in summary.notes:
 if summary.skipped:
     with st.expander(f"{len(summary.skipped)} tensors skipped (not part of the text model)"):
         st.code("\n".join(summary.skipped[:200]) + ("\n..." if len(summary.skipped) > 200 else ""))
-left, right = st.columns([1, 3])
+left = st.columns([1, 3])[0]
 left.download_button(
     "weights.json",
     json.dumps(summary.to_json(), indent=1),
@@ -79,11 +79,18 @@ left.download_button(
     mime="application/json",
     key="k3lab_weights_json",
 )
-if summary.expert_norms is None and (structure["ffn"] == "moe").any():
-    n = summary.expert_bytes
-    if right.button(f"Read expert matrices for per-expert norms ({wt.human_bytes(n)})", key="k3lab_weights_exp"):
+
+
+def expert_norms_button(where) -> None:
+    """The button that reads the expert matrices (what ``k3lab weights PATH --experts`` does) and draws the
+    per-expert norms: shown where that view would be."""
+    label = f"Read the expert matrices for per-expert norms ({wt.human_bytes(summary.expert_bytes)})"
+    if where.button(label, key="k3lab_weights_exp"):
         st.session_state[f"k3lab_weights_experts_{ref.label}"] = True
         st.rerun()
+
+
+needs_experts = summary.expert_norms is None and (structure["ffn"] == "moe").any()
 
 others = [r for r in inputs.runs if r.label != ref.label]
 other = st.selectbox(
@@ -99,7 +106,11 @@ if other == "(none)":
         try:
             fig, df = view.build(a)
         except NotApplicable as exc:
-            st.info(f"**{view.title}**: {exc}")
+            if view.key == "weights_expert_norms" and needs_experts:
+                st.markdown(f"**{view.title}**: the expert matrices are not read yet.")
+                expert_norms_button(st)
+            else:
+                st.info(f"**{view.title}**: {exc}")
             continue
         cards.figure_card(
             fig, df, key=f"w-{view.key}", stem=f"{cards.slug(ref.label)}_{view.key}", description=view.description
