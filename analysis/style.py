@@ -180,17 +180,19 @@ def fit_subplot_titles(fig: Any, width: int | None = None) -> None:
 
 # ----------------------------------------------------------------------------------------- colour bars
 def colour_ticks(lo: float, hi: float, at_least: int = MIN_COLOUR_TICKS) -> dict:
-    """``tick0`` / ``dtick`` putting at least ``at_least`` (at most ~10) round-numbered ticks between lo and hi:
-    the largest step of 1, 2, 2.5 or 5 x 10^k that does (so at most ~10: a short colour bar keeps its labels apart)."""
+    """Explicit tick values putting at least ``at_least`` (at most ~10) round numbers between lo and hi: the
+    multiples of the largest step of 1, 2, 2.5 or 5 x 10^k that gives that many (a short colour bar keeps its
+    labels apart). Values rounded, so a tick at an end (3 x 0.2) is the end itself and is drawn."""
     lo, hi = (float(lo), float(hi)) if lo <= hi else (float(hi), float(lo))
     span = hi - lo
     if not np.isfinite(span) or span <= 0:
         return {}
     magnitude = 10.0 ** np.floor(np.log10(span))
     for step in (magnitude * m for m in (5, 2.5, 2, 1, 0.5, 0.25, 0.2, 0.1, 0.05, 0.025, 0.02, 0.01)):
-        count = np.floor(hi / step + 1e-9) - np.ceil(lo / step - 1e-9) + 1
-        if count >= at_least:
-            return {"tickmode": "linear", "tick0": 0.0, "dtick": float(step)}
+        ticks = np.round(np.arange(np.floor(lo / step), np.ceil(hi / step) + 1) * step, 12)
+        ticks = ticks[(ticks >= lo - 1e-12 * span) & (ticks <= hi + 1e-12 * span)]
+        if ticks.size >= at_least:
+            return {"tickmode": "array", "tickvals": [float(t) for t in ticks]}
     return {}
 
 
@@ -203,7 +205,8 @@ def _colour_range(tr: dict) -> tuple[float, float] | None:
     else:
         marker = tr.get("marker") or {}
         lo, hi, values = marker.get("cmin"), marker.get("cmax"), marker.get("color")
-    if lo is None or hi is None:
+    if lo is None or hi is None:  # plotly ignores a lone zmin or zmax: the data's range is drawn
+        lo = hi = None
         arr = plotly_array(values)
         if arr is None or isinstance(values, str):
             return None
@@ -300,7 +303,7 @@ def screen_floats(values: np.ndarray, digits: int) -> np.ndarray:
 def _lighten(value: Any, digits: int, key: str = "") -> Any:
     """Float arrays (plotly's typed-array dicts, or lists of plain floats) through ``screen_floats``; ``customdata``
     (printed as is by hover templates) untouched; dicts and lists of dicts walked; everything else as is."""
-    if key == "customdata":
+    if key in ("customdata", "tickvals"):  # printed as they are; a float32 tick at a range end falls outside it
         return value
     if isinstance(value, dict):
         if value.get("dtype") == "f8" and isinstance(value.get("bdata"), str):  # plotly's typed-array encoding

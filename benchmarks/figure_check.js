@@ -1,15 +1,10 @@
-// The figure check run in the page (benchmarks/figure_check.py): called with a plotly figure spec, it draws it
-// and returns a list of problems (strings). WIDTH_PX is replaced by the figure width.
-async (spec) => {
-  const gd = document.getElementById('fig');
-  Plotly.purge(gd);
-  gd.innerHTML = '';
-  const layout = Object.assign({}, spec.layout || {});
-  layout.width = layout.width || WIDTH_PX;
-  await Plotly.newPlot(gd, spec.data || [], layout, {staticPlot: false, displayModeBar: false});
-  const states = [];
+// The figure check (benchmarks/figure_check.py), loaded into a page as a script. It defines
+//   k3labCheckFigure(gd): the problems of a drawn plotly figure (strings), every dropdown button walked;
+//   k3labDrawAndCheck(spec): draws a figure spec in #fig (WIDTH_PX wide) and checks it.
+window.k3labCheckFigure = async (gd) => {
   const menus = (gd._fullLayout.updatemenus || []);
   const check = (label) => {
+    const spec = {layout: gd.layout || {}};
     const out = [];
     const full = gd._fullLayout;
     const svg = gd.querySelector('svg.main-svg').getBoundingClientRect();
@@ -180,6 +175,7 @@ async (spec) => {
     return out.map(p => label ? `[${label}] ${p}` : p);
   };
   let problems = check('');
+  if (typeof Plotly === 'undefined') return problems;  // in the app: plotly.js is not a global, menus not walked
   for (const [m, menu] of menus.entries()) {
     for (const [b, button] of (menu.buttons || []).entries()) {
       if (b === (menu.active || 0) || button.method === 'skip') continue;
@@ -189,6 +185,21 @@ async (spec) => {
       else if (button.method === 'relayout') await Plotly.relayout(gd, button.args[0] || {});
       problems = problems.concat(check(button.label || `button ${b}`));
     }
+    const first = (menu.buttons || [])[menu.active || 0];
+    if (first && first.method === 'update' && (menu.buttons || []).length > 1) {
+      await Plotly.relayout(gd, {[`updatemenus[${m}].active`]: menu.active || 0});
+      await Plotly.update(gd, first.args[0] || {}, first.args[1] || {});
+    }
   }
   return problems;
-}
+};
+
+window.k3labDrawAndCheck = async (spec) => {
+  const gd = document.getElementById('fig');
+  Plotly.purge(gd);
+  gd.innerHTML = '';
+  const layout = Object.assign({}, spec.layout || {});
+  layout.width = layout.width || WIDTH_PX;
+  await Plotly.newPlot(gd, spec.data || [], layout, {displayModeBar: false});
+  return await window.k3labCheckFigure(gd);
+};

@@ -51,7 +51,20 @@ def plotly_js() -> str:
     return (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
 
 
-CHECK_JS = (Path(__file__).with_suffix(".js")).read_text(encoding="utf-8").replace("WIDTH_PX", str(WIDTH))
+CHECK_JS = Path(__file__).with_suffix(".js").read_text(encoding="utf-8").replace("WIDTH_PX", str(WIDTH))
+# Every drawn chart of an app page: its Streamlit key ("fig-<view>") and its problems.
+APP_CHECK_JS = """async () => {
+  const out = [];
+  for (const gd of document.querySelectorAll('[data-testid="stPlotlyChart"] .js-plotly-plot')) {
+    let key = null;
+    for (let el = gd; el && !key; el = el.parentElement) {
+      const c = Array.from(el.classList || []).find(c => c.startsWith('st-key-'));
+      if (c) key = c.slice('st-key-'.length);
+    }
+    out.push([key, await window.k3labCheckFigure(gd)]);
+  }
+  return out;
+}"""
 
 
 def page_html() -> str:
@@ -64,20 +77,26 @@ def page_html() -> str:
 
 
 def open_check_page(browser):
-    """A fresh page with plotly.js loaded, ready for ``figure_problems``."""
+    """A fresh page with plotly.js and the check loaded, ready for ``figure_problems``."""
     page = browser.new_page(viewport={"width": WIDTH + 40, "height": 900})
     page.set_content(page_html())
     page.wait_for_function("() => window.Plotly !== undefined")
+    page.add_script_tag(content=CHECK_JS)
     return page
 
 
 def figure_problems(page, spec: dict, shot: Path | None = None) -> list[str]:
     """What is wrong with one figure spec drawn in ``page`` (see the module doc); a screenshot when asked."""
-    problems = page.evaluate(CHECK_JS, json.loads(json.dumps(spec, default=_plain)))
+    problems = page.evaluate("spec => window.k3labDrawAndCheck(spec)", json.loads(json.dumps(spec, default=_plain)))
     if shot is not None:
         page.locator("#fig").screenshot(path=str(shot))
-        page.evaluate("() => Plotly.relayout('fig', {})")
     return problems
+
+
+def app_page_problems(page) -> dict[str, list[str]]:
+    """The problems of every chart drawn on an open app page, by the chart's key (the check is loaded first)."""
+    page.add_script_tag(content=CHECK_JS)
+    return {key: problems for key, problems in page.evaluate(APP_CHECK_JS)}
 
 
 def _plain(value):
@@ -104,42 +123,39 @@ def sample_contexts(names=SAMPLES, tokens: int = 64) -> dict:
 
 
 def all_figures(contexts: dict, pairs=PAIRS) -> list[Drawn]:
-    """Every view of every sample (single-run pages) and, for each pair, every side-by-side and difference view."""
-    from analysis.compare import build_both, difference_view, has_difference, side_by_side
+    """Every view of every sample (single-run pages) and, for each pair, every side-by-side and difference view,
+    as the app draws them (``screen_figure``). Each view is built once per sample; the comparisons reuse it."""
+    from analysis.compare import difference_view, has_difference, side_by_side
     from analysis.style import screen_figure
     from analysis.views import NotApplicable, all_views
 
     views = all_views()
     out: list[Drawn] = []
+    built: dict[tuple[str, str], object] = {}
     for name, ctx in contexts.items():
         for view in views:
             try:
-                fig, _ = view.build(ctx)
-            except NotApplicable:
+                built[name, view.key] = fig, _ = view.build(ctx)
+            except NotApplicable as exc:
+                built[name, view.key] = exc
                 continue
             out.append(Drawn(f"{name}/{view.section}/{view.key}", screen_figure(fig).to_plotly_json()))
     for a_name, b_name in pairs:
         a, b = contexts[a_name], contexts[b_name]
+        where = f"compare {a_name} vs {b_name}"
         for view in views:
-            built = None if view.compare.overlay else build_both(view, a, b)
+            both = None if view.compare.overlay else [built[a_name, view.key], built[b_name, view.key]]
             try:
-                fig, _ = side_by_side(view, a, b, built=built)
+                fig, _ = side_by_side(view, a, b, built=both)
             except NotApplicable:
                 continue
-            out.append(
-                Drawn(f"compare {a_name} vs {b_name}/{view.section}/{view.key}", screen_figure(fig).to_plotly_json())
-            )
+            out.append(Drawn(f"{where}/{view.section}/{view.key}", screen_figure(fig).to_plotly_json()))
             if has_difference(view):
                 try:
-                    fig, _ = difference_view(view, a, b, built=built)
+                    fig, _ = difference_view(view, a, b, built=both)
                 except NotApplicable:
                     continue
-                out.append(
-                    Drawn(
-                        f"compare {a_name} vs {b_name}/{view.section}/{view.key} A-B",
-                        screen_figure(fig).to_plotly_json(),
-                    )
-                )
+                out.append(Drawn(f"{where}/{view.section}/{view.key} A-B", screen_figure(fig).to_plotly_json()))
     return out
 
 
