@@ -32,7 +32,7 @@ from analysis.shared_scales import (
     share_colour_scales,
     shared_axis_ranges,
 )
-from analysis.style import fit_subplot_titles, label_colour_bars
+from analysis.style import FIGURE_WIDTH, fit_subplot_titles, label_colour_bars, wrap_to_px
 
 LEFT_DOMAIN, RIGHT_DOMAIN = (0.0, 0.45), (0.55, 1.0)
 LABEL_ROW_PX = 22  # height of one line of a run label in the top margin
@@ -56,7 +56,7 @@ def _squeeze(x: float, domain: tuple[float, float], columns: Any = None) -> floa
 
 
 MIN_COLUMN_GAP_PX = 70  # between two panels of one half: the right panel's y tick labels and y title
-HALF_PX = 400  # a half's width on a 1000-px figure
+HALF_PX = 360  # a half's width on a 900-px figure (analysis.style.FIGURE_WIDTH)
 
 
 def column_map(layout: dict, ids: dict, half_px: float = HALF_PX, gap_px: float = MIN_COLUMN_GAP_PX):
@@ -221,8 +221,13 @@ def _pin_colours(traces: list[dict], colorway: list[str], named: dict[str, str] 
 
 # ----------------------------------------------------------------------------- the combined figure
 def _run_label(text: str, sub: str | None) -> str:
+    """A run's label over its half, with its own title (per-run numbers, the layer shown) under it, wrapped to
+    the half's width."""
     body = f"<b>{text}</b>"
-    return body + (f"<br><span style='font-size:11px'>{wrap_note(sub, 70)}</span>" if sub else "")
+    if not sub:
+        return body
+    lines = wrap_to_px(sub, HALF_PX - 30, 11).replace("<br>", "</span><br><span style='font-size:11px'>")
+    return body + f"<br><span style='font-size:11px'>{lines}</span>"
 
 
 def combine_side_by_side(
@@ -244,7 +249,7 @@ def combine_side_by_side(
     layout = {k: copy.deepcopy(v) for k, v in la.items() if not AXIS_RE.match(k) and k not in skip}
     # A figure with a y axis on its right (a second quantity) keeps that axis' ticks and title clear of B's.
     right_axis = any(v.get("side") == "right" for k, v in la.items() if k.startswith("yaxis"))
-    left = (LEFT_DOMAIN[0], LEFT_DOMAIN[1] - 0.07) if right_axis else LEFT_DOMAIN
+    left = (LEFT_DOMAIN[0], LEFT_DOMAIN[1] - 0.1) if right_axis else LEFT_DOMAIN
     cols_a, cols_b = column_map(la, ids_a), column_map(lb, ids_b)
     _place_axes(la, layout, ids_a, offset_a, left, cols_a)
     _place_axes(lb, layout, ids_b, offset_b, RIGHT_DOMAIN, cols_b)
@@ -280,7 +285,17 @@ def combine_side_by_side(
                 "name": "run label",
             }
         )
-    layout["title"] = {"text": title or titles[0], "x": 0.0, "xanchor": "left", "y": 0.99, "yanchor": "top"}
+    title_text = wrap_to_px(title or titles[0], FIGURE_WIDTH - (200 if menus else 60), 16)  # clear of a dropdown
+    title_px = 22 * title_text.count("<br>")
+    layout["title"] = {
+        "text": title_text,
+        "x": 0.0,
+        "xanchor": "left",
+        "y": 1.0,
+        "yref": "container",
+        "yanchor": "top",
+        "pad": {"l": 8},
+    }
     base_margin = la.get("margin") or {}
     layout["margin"] = {**base_margin, "t": base_margin.get("t", 60), "r": 30}
     layout["meta"] = {"export_width": 1600}
@@ -295,10 +310,11 @@ def combine_side_by_side(
     lift = 8 + subtitle_px
     for i in label_index:
         layout["annotations"][i]["yshift"] = lift
-    plot_extra = lift + LABEL_ROW_PX * label_lines
+    plot_extra = lift + LABEL_ROW_PX * label_lines + title_px
     layout["margin"]["t"] = 50 + plot_extra
     layout["legend"] = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
     layout["height"] = max(la.get("height") or 420, lb.get("height") or 420) + plot_extra
+    layout["title"]["y"] = 1.0 - (10 + 11 * title_text.count("<br>")) / layout["height"]  # as analysis.style
 
     names_a = {t.get("name") for t in traces_a if t.get("name")}
     for tr in traces_a:

@@ -25,8 +25,8 @@ LAYER_TYPE_COLORS = {
     "MoE": "#2ca02c",
 }
 RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-FIGURE_WIDTH = 1000  # px: the app's main column, where a figure's text must fit
-CHAR_PX = 0.56  # average glyph width of the sans-serif font, in units of its size
+FIGURE_WIDTH = 900  # px: the app's main column (1280-px window, sidebar open), where a figure's text must fit
+CHAR_PX = 0.6  # average glyph width of the sans-serif font, in units of its size
 SUBPLOT_TITLE_SIZE = 13
 MIN_COLOUR_TICKS = 4
 
@@ -42,11 +42,27 @@ def apply_style(
         legend = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
     else:
         legend = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1.0}
+    # The title wrapped to the figure's width, at the top; a legend row (wrapped as plotly wraps it) between the
+    # title and the plot: the top margin holds both, so a long title never runs into the legend.
+    text = wrap_to_px(title, FIGURE_WIDTH - 60, 16)
+    rows = 0 if subplot_titles else legend_rows(fig, FIGURE_WIDTH - 100)
+    top = 18 + 22 * (text.count("<br>") + 1) + 22 * rows + 8 + (20 if subplot_titles else 0)
     fig.update_layout(
-        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 16}},
+        title={
+            "text": text,
+            "x": 0.0,
+            "xanchor": "left",
+            # 10 px from the top edge (pad.t is not applied); plotly lifts each extra line of a wrapped title by
+            # half a line, taken back here
+            "y": 1.0 - (10 + 11 * text.count("<br>")) / (height + max(0, top - 60)),
+            "yref": "container",
+            "yanchor": "top",
+            "pad": {"l": 8},
+            "font": {"size": 16},
+        },
         font={"family": FONT, "size": 12},
-        height=height,
-        margin={"l": 70, "r": 30, "t": 60, "b": 60},
+        height=height + max(0, top - 60),
+        margin={"l": 70, "r": 30, "t": max(60, top), "b": 60},
         legend=legend,
         hoverlabel={"font": {"family": FONT}},
     )
@@ -58,6 +74,25 @@ def apply_style(
     label_colour_bars(fig)
     note_empty_panels(fig)
     return fig
+
+
+def legend_rows(fig: go.Figure, width_px: float) -> int:
+    """Rows a horizontal legend of ``fig`` takes at ``width_px``: its entries (named traces shown in the legend,
+    one per legend group) at ~7 px a character plus the symbol, wrapped as plotly wraps them."""
+    widths, groups = [], set()
+    for tr in fig.data:
+        if tr.showlegend is False or not tr.name or (tr.legendgroup and tr.legendgroup in groups):
+            continue
+        if tr.showlegend is None and len(fig.data) == 1:  # plotly shows no legend for a single trace
+            continue
+        groups.add(tr.legendgroup)
+        widths.append(45 + 7 * len(str(tr.name)))
+    rows, used = (1, 0) if widths else (0, 0)
+    for w in widths:
+        if used and used + w > width_px:
+            rows, used = rows + 1, 0
+        used += w
+    return rows
 
 
 EMPTY_PANEL_NOTE = "every value is 0 here"

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = ("k3-full", "plain-moe", "plain-residual", "scale-bias")
 PAIRS = (("k3-full", "plain-residual"), ("plain-moe", "scale-bias"))
-WIDTH = 1000  # px: the app's main column on a 1280-px window
+WIDTH = 900  # px: the app's main column on a 1280-px window (analysis.style.FIGURE_WIDTH)
 
 
 @dataclass
@@ -52,10 +52,12 @@ def plotly_js() -> str:
 
 
 CHECK_JS = Path(__file__).with_suffix(".js").read_text(encoding="utf-8").replace("WIDTH_PX", str(WIDTH))
-# Every drawn chart of an app page: its Streamlit key ("fig-<view>") and its problems.
+# Every shown chart of an app page: its Streamlit key ("fig-<view>") and its problems (a chart in a closed
+# expander, e.g. a difference A - B, is not on screen: the offline pass checks those figures).
 APP_CHECK_JS = """async () => {
   const out = [];
   for (const gd of document.querySelectorAll('[data-testid="stPlotlyChart"] .js-plotly-plot')) {
+    if (!gd.offsetParent || gd.getBoundingClientRect().width < 10) continue;  // in a closed expander: not shown
     let key = null;
     for (let el = gd; el && !key; el = el.parentElement) {
       const c = Array.from(el.classList || []).find(c => c.startsWith('st-key-'));

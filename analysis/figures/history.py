@@ -169,7 +169,7 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
         rows=rows,
         cols=cols,
         subplot_titles=[field_title(m)[0] for m in metrics],
-        **subplot_spacing(rows, cols, height),
+        **subplot_spacing(rows, cols, height, title_lines=2),
     )
     in_legend: set[str] = set()
     for label, part in df.groupby("run", sort=False):
@@ -194,7 +194,9 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
     apply_style(fig, "AttnRes over training (mean over sites)", height=height)
     for n, metric in enumerate(metrics):
         fig.update_yaxes(title_text=field_title(metric)[1], row=n // cols + 1, col=n % cols + 1)
-    fig.update_xaxes(title_text="training step")
+    for n in range(len(metrics)):  # the x title under the bottom panel of each column only
+        if n + cols >= len(metrics):
+            fig.update_xaxes(title_text="training step", row=n // cols + 1, col=n % cols + 1)
     _legend_right(fig)
     return fig, df
 
