@@ -144,11 +144,11 @@ def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
-    """Parameters per decoder layer, from header shapes."""
+    """Parameters per decoder layer, from header shapes (k3core PARAMETER_RULE: no router-bias buffers)."""
     out: dict[int, int] = {}
     for name, info in files.tensors.items():
         m = _LAYER_RE.match(name)
-        if m:
+        if m and counts_as_parameter(name):
             out[int(m.group(1))] = out.get(int(m.group(1)), 0) + info.numel
     return out
 

@@ -362,22 +362,28 @@ def shared_axis_ranges(
 
 
 # ----------------------------------------------------------------------------- colours
+def finite_range(values: Any) -> tuple[float, float] | None:
+    """(min, max) of the finite numbers of a trace attribute (any encoding); None without numbers."""
+    arr = plotly_array(values)
+    if arr is None or isinstance(values, str):
+        return None
+    try:
+        finite = arr.astype(np.float64)
+    except (TypeError, ValueError):
+        return None
+    finite = finite[np.isfinite(finite)]
+    return (float(finite.min()), float(finite.max())) if finite.size else None
+
+
 def _value_range(tr: dict) -> tuple[float, float] | None:
     """Colour range of a trace dict: explicit zmin/zmax, else the finite min/max of z (None without z)."""
-    z = plotly_array(tr.get("z"))
-    if z is None:
-        return None
     lo, hi = tr.get("zmin"), tr.get("zmax")
     if lo is None or hi is None:
-        try:
-            finite = z.astype(np.float64)
-        except (TypeError, ValueError):
+        found = finite_range(tr.get("z"))
+        if found is None:
             return None
-        finite = finite[np.isfinite(finite)]
-        if not finite.size:
-            return None
-        lo = float(finite.min()) if lo is None else lo
-        hi = float(finite.max()) if hi is None else hi
+        lo = found[0] if lo is None else lo
+        hi = found[1] if hi is None else hi
     return float(lo), float(hi)
 
 

@@ -32,7 +32,7 @@ from analysis.shared_scales import (
     share_colour_scales,
     shared_axis_ranges,
 )
-from analysis.style import FIGURE_WIDTH, fit_subplot_titles, label_colour_bars, wrap_to_px
+from analysis.style import FIGURE_WIDTH, NOTE_STYLE, fit_subplot_titles, label_colour_bars, wrap_to_px
 
 LEFT_DOMAIN, RIGHT_DOMAIN = (0.0, 0.45), (0.55, 1.0)
 LABEL_ROW_PX = 22  # height of one line of a run label in the top margin
@@ -411,11 +411,7 @@ def placeholder_figure(reason: str) -> go.Figure:
         yref="paper",
         x=0.5,
         y=0.5,
-        xanchor="center",
-        yanchor="middle",
-        showarrow=False,
-        font={"size": 12, "color": "#555"},
-        name="note",
+        **NOTE_STYLE,
     )
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)

@@ -96,6 +96,15 @@ def legend_rows(fig: go.Figure, width_px: float) -> int:
 
 
 EMPTY_PANEL_NOTE = "every value is 0 here"
+# A note inside a panel (empty, or a run the view does not apply to): centred, grey, named so that layout code
+# tells it from subplot titles.
+NOTE_STYLE = {
+    "showarrow": False,
+    "xanchor": "center",
+    "yanchor": "middle",
+    "font": {"size": 12, "color": "#555"},
+    "name": "note",
+}
 
 
 def note_empty_panels(fig: go.Figure, text: str = EMPTY_PANEL_NOTE) -> None:
@@ -125,11 +134,7 @@ def note_empty_panels(fig: go.Figure, text: str = EMPTY_PANEL_NOTE) -> None:
             yref=f"{y} domain",
             x=0.5,
             y=0.8,
-            xanchor="center",
-            yanchor="middle",
-            showarrow=False,
-            font={"size": 12, "color": "#555"},
-            name="note",
+            **NOTE_STYLE,
         )
 
 
@@ -141,9 +146,10 @@ def wrap_to_px(text: str, px: float, size: float = SUBPLOT_TITLE_SIZE) -> str:
 
     width = max(8, int(px / (CHAR_PX * size)))
     lines = []
-    for part in str(text).split("<br>"):
+    # " — run label" stays on one line (the run's name, and code that strips it from a title, read it whole)
+    for part in str(text).replace(" — ", "\u00a0—\u00a0").split("<br>"):
         lines += textwrap.wrap(part, width) or [part]
-    return "<br>".join(lines)
+    return "<br>".join(lines).replace("\u00a0", " ")
 
 
 def subplot_spacing(rows: int, cols: int, height: int, title_lines: int = 1, width: int = FIGURE_WIDTH) -> dict:
@@ -233,7 +239,7 @@ def colour_ticks(lo: float, hi: float, at_least: int = MIN_COLOUR_TICKS) -> dict
 
 def _colour_range(tr: dict) -> tuple[float, float] | None:
     """The colour range of a trace dict: zmin/zmax (heatmaps) or marker cmin/cmax, else the data's range."""
-    from analysis.shared_scales import plotly_array
+    from analysis.shared_scales import finite_range
 
     if tr.get("type") in ("heatmap", "contour", "histogram2d"):
         lo, hi, values = tr.get("zmin"), tr.get("zmax"), tr.get("z")
@@ -241,19 +247,7 @@ def _colour_range(tr: dict) -> tuple[float, float] | None:
         marker = tr.get("marker") or {}
         lo, hi, values = marker.get("cmin"), marker.get("cmax"), marker.get("color")
     if lo is None or hi is None:  # plotly ignores a lone zmin or zmax: the data's range is drawn
-        lo = hi = None
-        arr = plotly_array(values)
-        if arr is None or isinstance(values, str):
-            return None
-        try:
-            arr = arr.astype(np.float64)
-        except (TypeError, ValueError):
-            return None
-        arr = arr[np.isfinite(arr)]
-        if not arr.size:
-            return None
-        lo = float(arr.min()) if lo is None else lo
-        hi = float(arr.max()) if hi is None else hi
+        return finite_range(values)
     return float(lo), float(hi)
 
 

@@ -57,7 +57,8 @@ CHECK_JS = Path(__file__).with_suffix(".js").read_text(encoding="utf-8").replace
 APP_CHECK_JS = """async () => {
   const out = [];
   for (const gd of document.querySelectorAll('[data-testid="stPlotlyChart"] .js-plotly-plot')) {
-    if (!gd.offsetParent || gd.getBoundingClientRect().width < 10) continue;  // in a closed expander: not shown
+    const box = gd.getBoundingClientRect();
+    if (!gd.offsetParent || box.width < 10 || box.height < 10 || gd.closest('details:not([open])')) continue;
     let key = null;
     for (let el = gd; el && !key; el = el.parentElement) {
       const c = Array.from(el.classList || []).find(c => c.startsWith('st-key-'));

@@ -51,13 +51,20 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need
 
 
 @pytest.fixture(scope="module")
-def check_page():
+def browser():
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            yield open_check_page(browser)
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def check_page(browser):
+    page = open_check_page(browser)
+    yield page
+    page.close()
 
 
 def test_every_view_and_comparison_of_the_samples_passes_the_figure_check(check_page):
@@ -171,13 +178,12 @@ def _shot(page, folder: str | None, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(tmp_path):
+def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
     shots = os.environ.get("K3LAB_FIGURE_SHOTS")
     env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
     bad: dict[str, list[str]] = {}
     outside: list[str] = []
-    with app_server(REPO, tmp_path, env) as (url, _log), sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    with app_server(REPO, tmp_path, env) as (url, _log):
         host = urlparse(url).netloc
 
         def visit(path: str, name: str) -> None:
@@ -198,14 +204,11 @@ def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_
             finally:
                 page.context.close()
 
-        try:
-            query = "run=k3-full&text=mqar&tokens=64"
-            for path, _heading in APP_PAGES:
-                visit(f"{path}?{query}", path)
-            for section in COMPARE_SECTIONS:
-                visit(f"compare?{query}&b=plain-residual&mode=runs&section={section}", f"compare_{section}")
-        finally:
-            browser.close()
+        query = "run=k3-full&text=mqar&tokens=64"
+        for path, _heading in APP_PAGES:
+            visit(f"{path}?{query}", path)
+        for section in COMPARE_SECTIONS:
+            visit(f"compare?{query}&b=plain-residual&mode=runs&section={section}", f"compare_{section}")
     assert not outside, f"requests to other hosts: {sorted(set(outside))[:10]}"
     assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p) for where, p in bad.items())
 
