@@ -23,6 +23,7 @@ import pytest
 from plotly.subplots import make_subplots
 
 from analysis.side_by_side import combine_side_by_side
+from app.links import SECTIONS
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
@@ -162,19 +163,25 @@ APP_PAGES = (  # (url path, heading)
     ("history", "Training history"),
     ("weights", "Weights"),
 )
-COMPARE_SECTIONS = ("density", "attnres", "moe", "degradation", "history")
+COMPARE_SECTIONS = tuple(SECTIONS)  # density, attnres, moe, degradation, weights
 
 
 def _shot(page, folder: str | None, name: str) -> None:
-    """A full-page screenshot, shrunk to 900 px wide and 256 colours (small enough to commit)."""
+    """The whole page (the window made as tall as Streamlit's scrolling main area, at most 9000 px), shrunk to
+    800 px wide in 256 colours: small enough to commit."""
     if not folder:
         return
     from PIL import Image
 
     Path(folder).mkdir(parents=True, exist_ok=True)
-    image = Image.open(io.BytesIO(page.screenshot(full_page=True)))
-    image = image.resize((900, max(1, round(image.height * 900 / image.width))), Image.LANCZOS)
-    image.convert("RGB").quantize(256).save(Path(folder) / f"{name}.png", optimize=True)
+    tall = page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]').scrollHeight")
+    page.set_viewport_size({"width": 1280, "height": min(int(tall) + 40, 9000)})
+    settle(page)
+    image = Image.open(io.BytesIO(page.screenshot()))
+    image = image.resize((800, max(1, round(image.height * 800 / image.width))), Image.LANCZOS)
+    image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(
+        Path(folder) / f"{name}.png", optimize=True
+    )
 
 
 @pytest.mark.slow
