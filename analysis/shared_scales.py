@@ -160,7 +160,11 @@ def _cell_edges(trace: dict, letter: str, values: np.ndarray) -> np.ndarray:
     if not on_positions or values.size == 0 or values.dtype == object:
         return values
     v = np.unique(values[np.isfinite(values)])
-    half = float(np.diff(v).min()) / 2 if v.size > 1 else 0.5
+    width = trace.get("width") if kind == "bar" else None
+    if isinstance(width, (int, float)) and width > 0:  # bars of a set width: half of it, whatever their spacing
+        half = float(width) / 2  # (MLA bars at layers 3 and 7 alone widened the axis to layer 9)
+    else:
+        half = float(np.diff(v).min()) / 2 if v.size > 1 else 0.5
     return np.concatenate([values, [v.min() - half, v.max() + half]]) if v.size else values
 
 

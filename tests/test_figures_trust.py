@@ -55,6 +55,13 @@ def test_unbounded_memory_markers_stand_at_one_height_above_every_kda_layer():
     assert heights.pop() > p90
 
 
+def test_the_layer_axis_ends_at_the_last_layer(runs):
+    fig, _ = side_by_side(VIEWS["density_allocation"], runs["k3-full"], runs["plain-moe"])
+    layers = max(ctx.config.num_hidden_layers for ctx in (runs["k3-full"], runs["plain-moe"]))
+    for name in _halves(fig, "x"):
+        assert fig.layout[name].range[1] <= layers - 0.5, (name, fig.layout[name].range)  # was 9.0: empty slots
+
+
 def test_a_series_keeps_its_colour_in_both_panels(runs):
     fig, _ = side_by_side(VIEWS["degradation_massive"], runs["k3-full"], runs["plain-residual"])
     colours: dict[str, set] = {}
