@@ -17,9 +17,10 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis.context import AnalysisContext
 from analysis.difference import LEARNED_UNITS, difference_figure, difference_table, readable, reduce_keys
 from analysis.side_by_side import combine_side_by_side, placeholder_figure
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.view import NotApplicable, View
 
 Built = tuple[go.Figure, pd.DataFrame] | NotApplicable
 

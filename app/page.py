@@ -13,13 +13,18 @@ import time
 
 import streamlit as st
 
+from analysis.context import AnalysisContext
 from analysis.importance import sublayer_importance
-from analysis.views import AnalysisContext, View, all_views
-from app import caching, cards, uploads
+from analysis.runs import Input, Run
+from analysis.view import View
+from analysis.views import all_views, section_views
+from app import caching, cards, error_text, memory_fit
 from app.caching import Loaded
 from app.inputs import (
     LONG_INPUT_TOKENS,
     MAX_TOKENS_CAP,
+    TEXT_PASTE,
+    TEXT_UPLOAD,
     InputError,
     Inputs,
     TextChoice,
@@ -28,7 +33,7 @@ from app.inputs import (
 )
 from app.links import SECTIONS
 from app.prefetch import prefetch
-from app.uploads import RunRef
+from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError, load_config
 from k3core.trace import Trace
 
@@ -60,7 +65,7 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
     try:
         return caching.load_run(ref, inputs.device, inputs.dtype).model
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
+        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
@@ -70,19 +75,14 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
 
 def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
     """A run whose weights cannot fit in the device's free memory gets a message, never an out-of-memory crash."""
-    problem = uploads.fit_problem(ref, inputs.device, inputs.dtype)
+    problem = memory_fit.fit_problem(ref, inputs.device, inputs.dtype)
     if problem:
         st.error(problem)
         st.stop()
 
 
-def _confirm_long_input(inputs: Inputs, ref: RunRef, choice: TextChoice) -> None:
+def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, choice: TextChoice) -> None:
     """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
-    try:
-        run = caching.load_run(ref, inputs.device, inputs.dtype)
-        tokens = caching.make_tokens(choice, run)
-    except (CheckpointError, InputError):
-        return  # load_or_stop reports it
     what = caching.trace_items(inputs.record_attn)
     key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
     confirmed = st.session_state.setdefault("k3lab_confirmed", set())
@@ -107,7 +107,8 @@ def load_or_stop(
     label: str | None = None,
     text_error: str | None = None,
 ) -> Loaded:
-    """Run + trace + context for a run; on a bad checkpoint or text shows st.error and stops the page."""
+    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
+    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
@@ -115,11 +116,13 @@ def load_or_stop(
         st.error(text_error)
         st.stop()
     _stop_if_too_big(inputs, ref)
-    _confirm_long_input(inputs, ref, choice)
     try:
-        loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
+        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        tokens = caching.make_tokens(choice, run)
+        _confirm_long_input(inputs, ref, run, tokens, choice)
+        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
+        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be run on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
@@ -139,7 +142,7 @@ def show_input_notes(loaded: Loaded) -> None:
             f"Reading the first {tok.n:,} of {tok.total:,} tokens of the text (max tokens in the sidebar, at "
             f"most {MAX_TOKENS_CAP:,})."
         )
-        if tok.user_text:
+        if tok.source.startswith((TEXT_PASTE, TEXT_UPLOAD)):  # the user's own text
             st.warning(msg)
         else:
             st.caption(msg)
@@ -217,7 +220,7 @@ def render_section(section: str, loaded: Loaded) -> int:
 
     A section of more than LAZY_SECTION views draws its first EAGER_VIEWS at once and the others when the user
     turns them on: each chart costs the browser 30-100 ms to draw, so ten of them make a page switch take ~1 s."""
-    views = cards.section_views(section)
+    views = section_views(section)
     if not views:
         st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
         return 0

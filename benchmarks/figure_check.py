@@ -130,7 +130,8 @@ def all_figures(contexts: dict, pairs=PAIRS) -> list[Drawn]:
     as the app draws them (``screen_figure``). Each view is built once per sample; the comparisons reuse it."""
     from analysis.compare import difference_view, has_difference, side_by_side
     from analysis.style import screen_figure
-    from analysis.views import NotApplicable, all_views
+    from analysis.view import NotApplicable
+    from analysis.views import all_views
 
     views = all_views()
     out: list[Drawn] = []

@@ -11,10 +11,12 @@ import pytest
 
 from analysis import weights as wt
 from analysis.compare import difference_view, side_by_side
+from analysis.context import AnalysisContext
 from analysis.headline import HEADLINE_LABELS, headline_help
 from analysis.shared_scales import AXIS_TOP
 from analysis.style import colour_ticks
-from analysis.views import AnalysisContext, NotApplicable, all_views
+from analysis.view import NotApplicable
+from analysis.views import all_views
 from benchmarks.figure_check import REPO, sample_contexts
 
 VIEWS = {v.key: v for v in all_views()}
@@ -132,7 +134,7 @@ def test_scales_follow_the_values_present(runs):
 
 
 def test_many_lines_get_one_legend_entry_per_layer(runs):
-    for key in ("kda_state_norm", "degradation_kda_state_norm"):
+    for key in ("kda_state_norm",):  # the one state-norm view (issue 15 merged the two)
         fig, table = VIEWS[key].build(runs["k3-full"])
         entries = [t.name for t in fig.data if t.showlegend is not False]
         assert entries == [f"L{layer}" for layer in sorted(table["layer"].unique())], (key, entries)
@@ -165,7 +167,7 @@ def test_differences_are_readable_and_never_all_zero(runs):
 
 def test_one_parameter_count_everywhere():
     from analysis import runs as runs_mod
-    from analysis.inspect import header_breakdown
+    from analysis.checkpoint_summary import header_breakdown
     from k3core.checkpoint_files import CheckpointFiles
 
     path = SAMPLE_DIR / "k3-full"
