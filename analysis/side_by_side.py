@@ -342,6 +342,11 @@ def combine_side_by_side(
     shared_axis_ranges(combined, pairs)
     if menus:
         _menu_states(combined, menus, pairs, label_index, (label_a, label_b))
+    for n in ids_a["y"] & ids_b["y"]:  # B's y title when it repeats A's: the left one names both, and the gap
+        left_title = (layout[axis_name("y", n)].get("title") or {}).get("text")  # between halves holds ticks only
+        right = layout[axis_name("y", n + offset_b["y"])]
+        if left_title and (right.get("title") or {}).get("text") == left_title and right.get("side") != "right":
+            right["title"] = {**right["title"], "text": ""}
     for letter in ("x", "y"):  # linked zoom: each right axis follows its left counterpart
         for n in ids_a[letter] & ids_b[letter]:
             right = layout[axis_name(letter, n + offset_b[letter])]

@@ -148,7 +148,7 @@ def wrap_to_px(text: str, px: float, size: float = SUBPLOT_TITLE_SIZE) -> str:
     lines = []
     # " — run label" stays on one line (the run's name, and code that strips it from a title, read it whole)
     for part in str(text).replace(" — ", "\u00a0—\u00a0").split("<br>"):
-        lines += textwrap.wrap(part, width) or [part]
+        lines += textwrap.wrap(part, width, break_long_words=False) or [part]
     return "<br>".join(lines).replace("\u00a0", " ")
 
 

@@ -135,6 +135,9 @@ window.k3labCheckFigure = async (gd) => {
       const hit = marks.find(m => overlap(a.r, m, 1));
       if (hit) out.push(`note '${a.text}' over data`);
     }
+    for (const t of texts.filter(t => t.kind === 'axis title')) {  // a y title squeezed onto the next panel
+      if (marks.find(m => overlap(t.r, m, 2))) out.push(`axis title '${t.name.slice(0, 40)}' over data`);
+    }
     // ---------------------------------------------------------------- colours: one meaning per colour
     const colourOf = tr => {
       const c = (tr.marker && typeof tr.marker.color === 'string' && tr.type !== 'scatter') ? tr.marker.color

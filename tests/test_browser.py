@@ -23,7 +23,6 @@ import pytest
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
-    CHROMIUM_ARGS,
     EXCEPTION,
     RENDER_TIMEOUT_MS,
     REPO,
@@ -51,16 +50,6 @@ def server(tmp_path_factory):
     env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(root / "k3lab-home")}
     with app_server(REPO, root, env) as (url, log):
         yield url, log
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def _keep(path: Path) -> None:
