@@ -17,7 +17,10 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import links, prefetch, sidebar  # noqa: E402
+from app import links, prefetch, run_list, sidebar  # noqa: E402
+from app.errors import shown_errors  # noqa: E402
+from app.roots import descriptor_check  # noqa: E402
+from k3core.files import checked_opens  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
@@ -59,13 +62,20 @@ PAGES = {
         _page("history", "Training history", ":material/show_chart:"),
     ],
     "Tools": [
+        _page("experiment", "Experiment", ":material/science:"),
         _page("generate", "Generate", ":material/edit_note:"),
         _page("runs_library", "Runs library", ":material/folder_open:", url_path="upload"),
     ],
 }
 
 navigation = st.navigation(PAGES)
-with prefetch.script_run():  # background figure builds wait while a page is being drawn
-    sidebar.sidebar()
+# Every checkpoint file this script run opens is checked on its descriptor: a regular file with one link,
+# inside the folders the app may read (a link or hard link swapped in after a check is refused at open).
+with prefetch.script_run(), checked_opens(descriptor_check(run_list.readable_folders)):
+    # Whatever the sidebar or a page raises (a damaged library index, a hostile checkpoint) becomes a message
+    # on the page; the server keeps serving every session.
+    with shown_errors("The sidebar"):
+        sidebar.sidebar()
     links.show_notes(navigation.url_path)
-    navigation.run()
+    with shown_errors():
+        navigation.run()

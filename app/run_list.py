@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.library import LibraryError
-from app.library_home import library, path_refusal
+from app.library_home import allowed_roots, library, path_refusal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES_DIR = REPO_ROOT / "sample_checkpoints"
@@ -99,3 +99,10 @@ def library_runs() -> list[RunRef]:
         return [ref_of(e) for e in library().entries() if e.available and path_refusal(e) is None]
     except LibraryError:
         return []
+
+
+def readable_folders() -> list[Path]:
+    """Every folder the app reads checkpoints from: the roots (with the library home), the shipped samples and
+    the folders given to ``k3lab app`` (K3LAB_RUNS). Files opened outside them are refused (``app.roots``)."""
+    given = [Path(p).expanduser() for p in os.environ.get(RUNS_ENV, "").split(os.pathsep) if p.strip()]
+    return [*allowed_roots(), Path(SAMPLES_DIR), *given]

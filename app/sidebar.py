@@ -14,6 +14,7 @@ import streamlit as st
 from analysis.format import format_tokens
 from app import inputs as inp
 from app import links, run_list
+from app.errors import md_escape
 from app.inputs import InputError, Inputs, TextChoice
 from app.run_list import RunRef
 
@@ -46,7 +47,9 @@ def sidebar() -> Inputs:
         gone = ss.pop("k3lab_run", None)
         if gone is not None and labels:  # deleted (here or in another tab): the box shows the run used instead
             ss["k3lab_run"] = labels[0]
-            ss["k3lab_run_gone"] = f"The run **{gone}** is no longer in the runs library; showing **{labels[0]}**."
+            ss["k3lab_run_gone"] = (
+                f"The run **{md_escape(gone)}** is no longer in the runs library; showing **{md_escape(labels[0])}**."
+            )
 
     with st.sidebar:
         run = None

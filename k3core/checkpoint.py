@@ -36,6 +36,7 @@ from .checkpoint_files import (
     CONFIG_NAME,
     DTYPES,
     INDEX_NAME,
+    MAX_CONFIG_BYTES,
     WEIGHTS_NAME,
     CheckpointError,
     CheckpointFiles,
@@ -44,7 +45,7 @@ from .checkpoint_files import (
     read_config,
 )
 from .config import K3Config
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, parse_json, read_bytes_limited
 from .hf_config import config_to_hf, hf_incompatibility
 from .streaming import ProgressFn, materialise, published_tensors, stream_weights, tqdm_progress
 
@@ -246,9 +247,11 @@ def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> 
 def refuse_quantised_config(folder: Path) -> None:
     """CheckpointError for a config.json that declares a quantisation (``quantization_config``)."""
     try:
-        data = json.loads((folder / CONFIG_NAME).read_text())
+        data = parse_json(read_bytes_limited(folder / CONFIG_NAME, MAX_CONFIG_BYTES), CONFIG_NAME)
     except (OSError, ValueError):
         return  # read_config has already reported a bad config
+    if not isinstance(data, dict) or not isinstance(data.get("text_config") or {}, dict):
+        return
     quant = data.get("quantization_config") or (data.get("text_config") or {}).get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant

@@ -126,17 +126,3 @@ def kimi_k3_hf_dict() -> dict:
             "attn_res_block_size": 12,
         },
     }
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """The system Chromium through Playwright, one per test module (the browser tests skip without either)."""
-    from benchmarks.bench_app import CHROMIUM, CHROMIUM_ARGS
-
-    sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()

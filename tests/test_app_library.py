@@ -5,6 +5,7 @@ big for the device's memory gets a message instead of a load."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def _library_page(max_tokens: int = 16) -> AppTest:
 
 
 def _errors(at: AppTest) -> list[str]:
-    return [e.value for e in at.error]
+    """The error boxes' text as shown (the app escapes messages for Markdown: drop the escapes)."""
+    return [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", e.value) for e in at.error]
 
 
 def _upload(at: AppTest, folder: Path, names=("config.json", "model.safetensors"), weights_from: Path | None = None):

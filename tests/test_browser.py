@@ -52,6 +52,14 @@ def server(tmp_path_factory):
         yield url, log
 
 
+@pytest.fixture(scope="module")
+def browser():
+    from tests.test_browser_library import chromium
+
+    with chromium() as launched:
+        yield launched
+
+
 def _keep(path: Path) -> None:
     target = os.environ.get("K3LAB_SCREENSHOTS")
     if target:

@@ -50,6 +50,14 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need
 
 
 @pytest.fixture(scope="module")
+def browser():
+    from tests.test_browser_library import chromium
+
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
 def check_page(browser):
     page = open_check_page(browser)
     yield page

@@ -8,6 +8,7 @@ import streamlit as st
 import torch
 
 from app import caching, page
+from app.errors import md_escape, plain
 from app.inputs import MAX_TOKENS_CAP
 from k3core.cache import K3Cache
 
@@ -24,15 +25,17 @@ loaded_run = caching.load_run(run, inputs.device, inputs.dtype)  # cached: the m
 tok = loaded_run.tokenizer
 if tok is None:
     why = [note for note in loaded_run.card["notes"] if "tokenizer" in note]
-    st.error(f"**{run.label}** cannot be prompted with text: {why[0] if why else 'it has no tokenizer'}")
+    st.error(
+        f"**{md_escape(run.label)}** cannot be prompted with text: {plain(why[0]) if why else 'it has no tokenizer'}"
+    )
     st.stop()
-st.caption(f"Tokenizer: {tok.name}")
+st.caption(f"Tokenizer: {tok.name}")  # file name and counts: no user text
 
 
 def show_result(result: dict, live: bool = False) -> None:
     """The output: heading, text, new tokens, speed, decode cache and a download; a note when the generation was
     stopped before its end (or, while it runs, how far it is: a Stop keeps all of this on the page)."""
-    st.markdown(f"#### Output of {result['run']}")
+    st.markdown(f"#### Output of {md_escape(result['run'])}")
     if not result.get("done", True):
         note = "generating" if live else "stopped"
         st.caption(f"{note}: {result['new']:,} of {result.get('asked', result['new']):,} new tokens")
