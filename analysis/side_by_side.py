@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,9 @@ MIN_COLUMN_GAP_PX = 70  # between two panels of one half: the right panel's y ti
 HALF_PX = 360  # a half's width on a 900-px figure (analysis.style.FIGURE_WIDTH)
 
 
-def column_map(layout: dict, ids: dict, half_px: float = HALF_PX, gap_px: float = MIN_COLUMN_GAP_PX):
+def column_map(
+    layout: dict, ids: dict, half_px: float = HALF_PX, gap_px: float = MIN_COLUMN_GAP_PX
+) -> Callable[[float], float] | None:
     """A map of paper x (0..1 of one figure) to the same place with its columns of panels at least ``gap_px``
     apart once squeezed into a half ``half_px`` wide (the figure's own spacing, made for a full width, is too
     narrow there: y titles ran into the neighbour's ticks). Column widths keep their proportions; identity
