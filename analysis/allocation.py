@@ -1,12 +1,10 @@
 """Layer density allocated by a config: parameters, FLOPs per token and decode cache per layer (no data).
 
 - parameters of each layer by kind (``params_by_kind``: the one definition of "parameters of layer i by
-  kind"; ``analysis.weights.layout.params_by_depth`` counts the same from stored shapes, checked equal on
-  every sample and preset by tests/test_allocation.py). The rule: every tensor a checkpoint stores counts,
-  so the router's selection bias ``e_score_correction_bias`` (E per MoE layer, in "routed experts") counts
-  although the model holds it as a buffer; the allocation table's ``params`` / ``active_params`` are the
-  model's parameters (``K3ForCausalLM.num_parameters``): the same less that bias, routed experts counting
-  k of E when active;
+  kind", under ``k3core.checkpoint_files.PARAMETER_RULE``: the router selection bias is not counted);
+  ``analysis.weights.layout.params_by_depth`` counts the same from stored shapes, checked equal on every
+  sample and preset by tests/test_allocation.py; the allocation table's ``params`` are their sum per layer
+  (``K3ForCausalLM.num_parameters`` in total) and ``active_params`` count k of E routed experts;
 - FLOPs per token at sequence length T:
   ``flops = 2 * active matmul weights  +  sequence mixing  +  depth mixing``
   * matmul weights: every ``nn.Linear`` and depthwise-conv weight a token passes through (the router,
@@ -114,20 +112,14 @@ def _residual_params(config: K3Config) -> int:
     return 0
 
 
-def selection_bias_params(config: K3Config, layer: int) -> int:
-    """The router's selection bias ``e_score_correction_bias`` of a layer: E in an MoE layer, else 0. A stored
-    tensor (counted by ``params_by_kind``) that the model holds as a buffer (not in ``num_parameters``)."""
-    return config.num_experts if config.is_moe_layer(layer) else 0
-
-
 def params_by_kind(config: K3Config) -> pd.DataFrame:
     """Parameters of each depth by kind, from the config: the one definition of "parameters of layer i by kind"
-    (the rule on the selection bias in the module docstring). Columns as
+    (k3core PARAMETER_RULE: the router selection bias is not counted). Columns as
     ``analysis.weights.layout.params_by_depth``: layer (-1 = embedding, L = output: LM head, final norm,
     output mix), depth, kind (of ``KINDS``), params; only (depth, kind) pairs with parameters.
 
     Layer i: its mixer (KDA or MLA, formulas in ``_kda_params`` / ``_mla_params``); dense FFN 3 D w, or routed
-    experts (router E D, selection bias E, latent projections and norm, E experts) and shared experts; norms/other:
+    experts (router E D, latent projections and norm, E experts) and shared experts; norms/other:
     the two layer norms 2 D and the residual parameters. Embedding V D; output: LM head V D (none when tied)
     with the final norm D and the AttnRes output mix 2 D under norms/other.
     """
@@ -139,7 +131,7 @@ def params_by_kind(config: K3Config) -> pd.DataFrame:
         ffn_all = _ffn_params(config, i)[0]
         if config.is_moe_layer(i):
             shared = _shared_expert_params(config, i)
-            rows += [(i, "routed experts", ffn_all - shared + selection_bias_params(config, i))]
+            rows += [(i, "routed experts", ffn_all - shared)]
             rows += [(i, "shared experts", shared)]
         else:
             rows.append((i, "dense FFN", ffn_all))
@@ -230,7 +222,7 @@ def layer_allocation(
     """
     D, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
     mix = depth_mix_sources(config)
-    stored = params_by_kind(config).groupby("layer")["params"].sum()
+    by_layer = params_by_kind(config).groupby("layer")["params"].sum()
     rows = [
         dict(
             layer=-1,
@@ -239,8 +231,8 @@ def layer_allocation(
             ffn_kind="",
             width_multiplier=np.nan,
             ffn_width=0,
-            params=int(stored[-1]),
-            active_params=int(stored[-1]),
+            params=int(by_layer[-1]),
+            active_params=int(by_layer[-1]),
             matmul_flops=0.0,
             mixing_flops=0.0,
             depth_mix_flops=0.0,
@@ -250,7 +242,7 @@ def layer_allocation(
     for i in range(L):
         mixer_mm = (_mla_params(config) if config.is_mla_layer(i) else _kda_params(config))[1]
         ffn_all, ffn_act, _, ffn_act_mm = _ffn_params(config, i)
-        params = int(stored[i]) - selection_bias_params(config, i)
+        params = int(by_layer[i])
         if config.is_moe_layer(i):
             width = config.scaled_width(config.moe_intermediate_size, i)
         else:
@@ -280,8 +272,8 @@ def layer_allocation(
             ffn_kind="",
             width_multiplier=np.nan,
             ffn_width=0,
-            params=int(stored[L]),
-            active_params=int(stored[L]),
+            params=int(by_layer[L]),
+            active_params=int(by_layer[L]),
             matmul_flops=2.0 * V * D,
             mixing_flops=0.0,
             depth_mix_flops=4.0 * mix.get("output", 0) * D,

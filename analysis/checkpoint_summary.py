@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from analysis.weights.layout import COMPONENTS, layer_of, layer_structure, num_layers_of, params_by_depth, tensor_kind
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.config import K3Config
 
 if TYPE_CHECKING:  # k3core.model imports torch: loaded only where a model is built
@@ -77,9 +77,9 @@ def parameter_breakdown(model: K3ForCausalLM) -> dict[str, dict[str, int]]:
 
 
 def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[str, int]]:
-    """``parameter_breakdown`` of the stored tensors, from the safetensors headers alone (shapes; no tensor is
-    read; the selection bias counts, as in ``analysis.allocation.params_by_kind``)."""
-    return _breakdown(((name, info.numel) for name, info in files.tensors.items()), cfg)
+    """``parameter_breakdown`` from the safetensors headers alone (shapes; no tensor is read; k3core PARAMETER_RULE:
+    the router-bias buffers are stored, not counted)."""
+    return _breakdown(((name, t.numel) for name, t in files.tensors.items() if counts_as_parameter(name)), cfg)
 
 
 def _breakdown(sizes: Iterable[tuple[str, int]], cfg: K3Config) -> dict[str, dict[str, int]]:
@@ -101,7 +101,8 @@ def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
-    """Parameters per decoder layer, from header shapes: ``analysis.weights.layout.params_by_depth`` over its kinds."""
+    """Parameters per decoder layer, from header shapes: ``analysis.weights.layout.params_by_depth`` over its kinds
+    (k3core PARAMETER_RULE: no router-bias buffers)."""
     table = params_by_depth(files.tensors, layer_structure(files.tensors, files.config))
     layers = table[(table["layer"] >= 0) & (table["layer"] < num_layers_of(files.tensors, files.config))]
     return {int(i): int(n) for i, n in layers.groupby("layer")["params"].sum().items()}

@@ -13,7 +13,7 @@ from analysis import allocation as al
 from analysis.weights.layout import layer_structure, params_by_depth
 from k3core.cache import K3Cache
 from k3core.checkpoint import build_meta_model, published_shapes
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.model import K3ForCausalLM
 from k3core.presets import PRESETS, from_preset
 
@@ -63,7 +63,7 @@ def _stored_by_kind(shapes: dict, cfg) -> pd.DataFrame:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_parameters_by_kind_from_the_config_equal_the_stored_shapes_of_every_preset(preset):
     """The one definition (params_by_kind) and the count from a checkpoint's shapes (params_by_depth) agree on
-    every (layer, kind), the router's selection bias included in both."""
+    every (layer, kind)."""
     cfg = from_preset(preset)
     shapes = {
         k: SimpleNamespace(shape=s) for k, s in published_shapes(build_meta_model(K3ForCausalLM, cfg, None)).items()
@@ -86,10 +86,11 @@ def test_parameters_by_kind_equal_the_headers_of_every_sample(sample):
     assert len(SAMPLES) == 4
     by_kind = al.params_by_kind(files.config)
     pd.testing.assert_frame_equal(_stored_by_kind(files.tensors, files.config), by_kind)
-    # the rule: the selection bias counts here and not in the model's parameters (the allocation table's)
-    bias = sum(al.selection_bias_params(files.config, i) for i in range(files.config.num_hidden_layers))
-    assert by_kind["params"].sum() - bias == al.layer_allocation(files.config)["params"].sum()
-    assert bias == sum(t.numel for name, t in files.tensors.items() if name.endswith(".e_score_correction_bias"))
+    # k3core PARAMETER_RULE: the router-bias buffers are stored, not counted; the allocation table sums the same
+    stored = [(name, t.numel) for name, t in files.tensors.items()]
+    assert any(not counts_as_parameter(name) for name, _ in stored) == bool(files.config.num_experts)
+    assert by_kind["params"].sum() == sum(n for name, n in stored if counts_as_parameter(name))
+    assert by_kind["params"].sum() == al.layer_allocation(files.config)["params"].sum()
 
 
 def test_parameter_counts_match_kimi_k3_on_meta():

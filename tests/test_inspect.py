@@ -106,13 +106,13 @@ def test_inspect_answers_from_headers(sparse_48b, capsys):
     # bytes by dtype: F32 only for the keep-fp32 tensors
     f32 = sum(math.prod(s) * 4 for d, s in text_model.values() if d == "F32")
     assert ckpt["bytes_by_dtype"]["F32"] == f32 and set(ckpt["bytes_by_dtype"]) == {"BF16", "F32"}
-    # parameter counts from shapes = the model's own count (its parameters plus the router-bias buffers)
+    # parameter counts from shapes = the model's own count: one rule (k3core PARAMETER_RULE), the router-bias
+    # buffers stored in the checkpoint are not parameters
     meta = K3ForCausalLM.from_config(cfg, device="meta")
-    biases = sum(m.gate.e_score_correction_bias.numel() for m in meta.moe_layers())
     total = sum(v["total"] for v in payload["parameters"].values())
-    assert total == meta.num_parameters() + biases
+    assert total == meta.num_parameters()
     active = sum(v["active"] for v in payload["parameters"].values())
-    assert active == pytest.approx(meta.num_parameters(active=True) + biases, rel=1e-6)
+    assert active == pytest.approx(meta.num_parameters(active=True), rel=1e-6)
     assert sum(ckpt["params_by_layer"].values()) == total - 2 * cfg.vocab_size * cfg.hidden_size - cfg.hidden_size
 
 
@@ -143,21 +143,15 @@ def test_inspect_bad_folder_is_a_clear_error(tmp_path, capsys):
     assert code == 2 and "no such checkpoint" in capsys.readouterr().err
 
 
-def test_breakdowns_of_a_model_and_of_its_headers_differ_by_the_selection_bias_only(tmp_path):
-    """The rule of analysis.allocation: stored tensors count the router's selection bias, model parameters do not."""
-    from analysis.allocation import selection_bias_params
+def test_breakdowns_of_a_model_and_of_its_headers_agree(tmp_path):
+    """One per-component count for a model and for its headers (k3core PARAMETER_RULE: the stored router-bias
+    buffers are not counted)."""
     from analysis.checkpoint_summary import header_breakdown, parameter_breakdown
-    from k3core.checkpoint_files import CheckpointFiles
+    from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 
     torch.manual_seed(0)
     model = K3ForCausalLM.from_config("k3-nano")
     model.save_pretrained(tmp_path / "nano")
-    cfg = model.config
-    from_model, from_headers = (
-        parameter_breakdown(model),
-        header_breakdown(CheckpointFiles.open(tmp_path / "nano"), cfg),
-    )
-    bias = sum(selection_bias_params(cfg, i) for i in range(cfg.num_hidden_layers))
-    router_model, router_headers = from_model.pop("MoE router"), from_headers.pop("MoE router")
-    assert bias > 0 and router_headers == {k: n + bias for k, n in router_model.items()}
-    assert from_headers == from_model
+    files = CheckpointFiles.open(tmp_path / "nano")
+    assert not all(map(counts_as_parameter, files.tensors))  # the buffers are there, in the headers
+    assert header_breakdown(files, model.config) == parameter_breakdown(model)
