@@ -134,11 +134,8 @@ def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[st
 
 
 def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
-    """Declared bytes per stored dtype (``BF16``, ``F32``, ...), largest first."""
-    out: dict[str, int] = {}
-    for info in files.tensors.values():
-        out[info.dtype] = out.get(info.dtype, 0) + info.nbytes
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    """Declared bytes per storage format (``MXFP4``, ``BF16``, ``F32``, ...), largest first."""
+    return files.bytes_by_format()
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:

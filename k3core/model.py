@@ -28,7 +28,8 @@ from torch import nn
 
 from . import trace as _trace
 from .cache import K3Cache
-from .checkpoint import build_meta_model, load_config, load_pretrained, save_pretrained
+from .checkpoint import build_meta_model, load_pretrained, save_pretrained
+from .checkpoint_files import CheckpointFiles
 from .config import K3Config
 from .generate import generate as _generate
 from .layers.ffn import GatedMLP
@@ -348,13 +349,19 @@ class K3ForCausalLM(nn.Module):
     ) -> Plan:
         """Where ``from_pretrained(path, device, dtype)`` would put each layer and the bytes per device,
         computed on the meta device before anything is loaded (a checkpoint folder, a config or a preset)."""
+        files = None
         if isinstance(path_or_config, K3Config):
             config = path_or_config
         elif isinstance(path_or_config, str) and path_or_config in PRESETS:
             config = from_preset(path_or_config)
         else:
-            config = load_config(path_or_config)
-        return plan_for_model(build_meta_model(cls, config, dtype), device, max_memory)
+            files = CheckpointFiles.open(path_or_config)
+            config = files.config
+        plan = plan_for_model(build_meta_model(cls, config, dtype), device, max_memory)
+        if files is not None:
+            plan.stored_bytes_by_format = files.bytes_by_format()
+            plan.stored_parameters = files.num_parameters
+        return plan
 
     def save_pretrained(
         self, path: str | Path, max_shard_bytes: int = 2 * 1024**3, config_format: str = "auto"

@@ -70,6 +70,16 @@ def _load_one(info: TensorInfo, target: torch.Tensor, files: CheckpointFiles, fd
     with torch.no_grad():
         if info.begin < 0:  # pickle: already in memory
             target.copy_(_adapt(name, files.read(name), want, info))
+        elif info.parts:  # quantised: the stored bytes go to the target's device and are decoded there
+            from .quantized import decode, read_parts
+
+            def read(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                _read_exact(fds[file], memoryview(buf.numpy()), begin, info)
+                return buf
+
+            parts = read_parts(info, read, target.device)
+            target.copy_(_adapt(name, decode(info, parts, torch.float32), want, info))
         else:
             stored = DTYPES[info.dtype]
             direct = (
@@ -117,7 +127,9 @@ def stream_weights(
     total = files.bytes_total
     order = sorted(files.tensors.values(), key=lambda i: (str(i.file), i.begin))
     workers = workers or max(1, min(4, os.cpu_count() or 1))
-    fds = {f: os.open(f, os.O_RDONLY) for f in {i.file for i in order if i.begin >= 0}}
+    from .quantized import stored_parts
+
+    fds = {f: os.open(f, os.O_RDONLY) for f in {i.file for i in stored_parts(order) if i.begin >= 0}}
     done = 0
     try:
         if zero_copy:
