@@ -281,6 +281,12 @@ def weight_files(path: Path) -> list[Path]:
     pickles = [path / n for n in PICKLE_NAMES if (path / n).is_file()]
     if pickles:
         return pickles[:1]
+    gguf = sorted(p.name for p in path.glob("*.gguf"))
+    if gguf:
+        raise CheckpointError(
+            f"{path.name}: GGUF files ({', '.join(gguf[:3])}) are a llama.cpp format k3lab does not read; it reads "
+            f"safetensors checkpoints (unquantised or compressed-tensors)"
+        )
     raise CheckpointError(f"{path.name}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
 
 
