@@ -251,3 +251,45 @@ def test_gguf_folder_is_named(tmp_path, mxfp4_folder):
     (tmp_path / "kimi-k3-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(CheckpointError, match="GGUF files .*kimi-k3-Q4_K_M.gguf"):
         load_pretrained(tmp_path, K3ForCausalLM)
+
+
+# ---------------------------------------------------------------------------------------------- the sample
+def test_mxfp4_sample_is_k3_full_stored_as_published():
+    root = Path(__file__).resolve().parent.parent / "sample_checkpoints"
+    folder = root / "k3-mxfp4"
+    assert (folder / "model.safetensors").stat().st_size < 4_000_000
+    files = CheckpointFiles.open(folder)
+    assert list(files.bytes_by_format()) == ["BF16", "MXFP4", "F32"]
+    assert files.quantization["format"] == "mxfp4-pack-quantized" and files.skipped == [
+        "vision_tower.patch_embed.proj.weight"
+    ]
+    quantised = [i for i in files.tensors.values() if i.parts]
+    assert len(quantised) == 7 * 8 * 3 and all(i.name.startswith("model.layers.") for i in quantised)
+    # one read per expert: its six stored tensors lie back to back
+    spans = {}
+    for info in quantised:
+        key = info.name.rsplit(".", 3)[0]
+        spans.setdefault(key, []).append((info.begin, info.end))
+    for key, parts in spans.items():
+        parts.sort()
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), key
+    sample = K3ForCausalLM.from_pretrained(folder).eval()
+    full = K3ForCausalLM.from_pretrained(root / "k3-full").eval()
+    assert sample.config.to_dict() == {**full.config.to_dict(), "moe_intermediate_size": 64, "name": "k3-mxfp4"}
+    # expert weights: compressed-tensors' decompression of the stored parts, bitwise; padding units are zero
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**MXFP4_ARGS))
+    raw = load_file(str(folder / "model.safetensors"))
+    state = sample.state_dict()
+    for info in quantised[:12]:
+        base = "language_model." + info.name.removesuffix(".weight")
+        parts = {"weight_packed": raw[base + ".weight_packed"], "weight_scale": raw[base + ".weight_scale"]}
+        want = MXFP4PackedCompressor.decompress(parts, scheme)["weight"].float()
+        assert torch.equal(state[info.name], want), info.name
+    w1 = sample.model.layers[1].block_sparse_moe.experts.w1
+    assert w1[:, 40:].abs().max() == 0 and w1[:, :40].abs().min() >= 0
+    # the same model up to MXFP4 / bf16 rounding: the same greedy next bytes on text
+    x = torch.tensor([list(b"ROMEO: But soft, what light through yonder window breaks? It is the east")])
+    with torch.no_grad():
+        a, b = full(x).logits, sample(x).logits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert relative_difference(b, a) < 0.05
