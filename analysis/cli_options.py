@@ -1,5 +1,5 @@
-"""The --device / --dtype (/ --offload-folder) options of every command that loads a model: k3lab generate,
-report and inspect. Kept free of torch so that ``k3lab --help`` stays instant."""
+"""The --device / --dtype / --max-memory (/ --offload-folder) options of every command that loads a model:
+k3lab generate, report and inspect. Kept free of torch so that ``k3lab --help`` stays instant."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ def add_device_options(parser: argparse.ArgumentParser, offload_folder: bool = F
         default=None,
         choices=DTYPE_CHOICES,
         help=f"{when}weights dtype (default float32); gates, convolutions and router biases stay float32",
+    )
+    parser.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help=f"{when}memory budget on --device (e.g. 8GB, 6GiB): run from the checkpoint files within it, routed "
+        "experts read as the router chooses them (LRU cache), dense parts resident when they fit, else read "
+        "module by module; prints the plan (what stays, what streams, bytes and expected time per prompt) first",
     )
     if offload_folder:
         parser.add_argument(

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = []
         for path in args.runs:
-            runs.append(runs_mod.load_run(path, device=args.device, dtype=args.dtype))
+            runs.append(runs_mod.load_run(path, device=args.device, dtype=args.dtype, max_memory=args.max_memory))
             configure_threads(runs[-1].model)
             progress.update(1)
         timings["load"] = time.perf_counter() - t_start

@@ -129,12 +129,14 @@ def load_run(
     dtype: str | torch.dtype | None = None,
     fingerprint: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    max_memory: str | int | None = None,
 ) -> Run:
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
     The model is in eval mode on ``device`` in ``dtype``; torch's thread count is set for its size
     (``k3core.runtime.configure_threads``). ``fingerprint`` (from ``run_fingerprint``) may be passed
-    when the caller already has it. Raises CheckpointError (missing folder, bad config, bad weights)
+    when the caller already has it. ``max_memory`` (e.g. "8GB"): run from the checkpoint files within that
+    budget (``k3core.streamed``). Raises CheckpointError (missing folder, bad config, bad weights)
     and ValueError (unknown dtype)."""
     from k3core.model import K3ForCausalLM
 
@@ -145,7 +147,12 @@ def load_run(
             f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
         )
     fingerprint = fingerprint or run_fingerprint(path)
-    model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype], progress=progress).eval()
+    if max_memory:  # run from the files within the budget (k3core.streamed)
+        model = K3ForCausalLM.from_pretrained(
+            path, device=device, dtype=DTYPES[dtype], max_memory={str(device): max_memory}, stream=True
+        )
+    else:
+        model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype], progress=progress).eval()
     configure_threads(model)
     metrics, note = read_metrics(path)
     card = model_card(model, metrics, read_card_text(path))

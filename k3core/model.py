@@ -321,12 +321,20 @@ class K3ForCausalLM(nn.Module):
         progress: Callable[[int, int], None] | bool | None = None,
         max_memory: dict[Any, int | str] | None = None,
         offload_folder: str | Path | None = None,
+        stream: bool = False,
     ) -> K3ForCausalLM:
         """Stream a checkpoint folder in (any size; see ``k3core.checkpoint.load_pretrained``).
 
         ``device="auto"`` places layers over every GPU, then CPU, then ``offload_folder`` (accelerate);
         tensors of the keep-fp32 rule stay fp32 whatever ``dtype``; ``progress``: (bytes done, total)
-        callback, or True for a tqdm bar. Raises CheckpointError."""
+        callback, or True for a tqdm bar. ``stream=True``: run from the checkpoint files within
+        ``max_memory`` (e.g. ``{"cpu": "8GB"}``) on ``device``: routed experts read as the router chooses them,
+        dense parts resident when they fit, else read module by module; nothing copied anywhere
+        (``k3core.streamed.load_streamed``; the plan is ``model.streaming.plan``). Raises CheckpointError."""
+        if stream:
+            from .streamed import load_streamed
+
+            return load_streamed(path, cls, device=device, dtype=dtype, max_memory=max_memory or "8GB")
         if str(device) == "auto" or max_memory is not None:
             return load_placed(
                 path,

@@ -145,6 +145,14 @@ def load_model_for_cli(args: argparse.Namespace, prog: str):
     from k3core.model import K3ForCausalLM
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if getattr(args, "max_memory", None):
+        from k3core.streamed import load_streamed, plan_for_path
+
+        device = "cpu" if args.device == "auto" else args.device
+        plan = plan_for_path(args.run, K3ForCausalLM, device=device, dtype=dtype, max_memory=args.max_memory)
+        print(f"{prog}: streaming plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
+              file=sys.stderr)  # fmt: skip
+        return load_streamed(args.run, K3ForCausalLM, device=device, dtype=dtype, max_memory=args.max_memory, plan=plan)
     if args.device == "auto":
         plan = K3ForCausalLM.plan_placement(args.run, device="auto", dtype=dtype)
         print(
@@ -178,7 +186,7 @@ def cmd_generate(argv: list[str]) -> int:
 
     try:
         model = load_model_for_cli(args, "k3lab generate")
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
     configure_threads(model)
