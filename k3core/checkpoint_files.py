@@ -21,11 +21,13 @@ Pickle files (``pytorch_model.bin`` and friends) have no header; they are read w
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,11 +206,25 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
     return header, data_start
 
 
+def is_hole(fd: int, begin: int, end: int) -> bool:
+    """Whether bytes [begin, end) of an open file are a hole of a sparse file (they read as zeros): no data
+    starts before ``end`` (``SEEK_DATA``). False where the filesystem cannot tell."""
+    if end <= begin or not hasattr(os, "SEEK_DATA"):
+        return False
+    try:
+        return os.lseek(fd, begin, os.SEEK_DATA) >= end
+    except OSError as exc:
+        return exc.errno == errno.ENXIO  # no data at all after begin
+
+
 def read_span(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
-    """Bytes [begin, end) of ``file`` as a uint8 tensor (one read); CheckpointError naming ``what`` if short."""
-    buf = torch.empty(end - begin, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    """Bytes [begin, end) of ``file`` as a uint8 tensor (one read; a hole of a sparse file is not read, it is
+    zeros); CheckpointError naming ``what`` if the file is shorter."""
     with open(file, "rb", buffering=0) as fh:
+        if end <= file.stat().st_size and is_hole(fh.fileno(), begin, end):
+            return torch.zeros(end - begin, dtype=torch.uint8)
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
         fh.seek(begin)
         done = 0
         while done < len(view):
@@ -443,6 +459,21 @@ class CheckpointFiles:
             return read_span(file, begin, end, what)
 
         return decode(info, read_parts(info, read, device), dtype)
+
+    def sum_squares(self, name: str) -> float | None:
+        """sum(W^2) of an MXFP4 weight straight from its stored bytes (``quantized.mxfp4_sum_squares``: no
+        decoded copy, exact in float64), or None for any other tensor (read it and sum)."""
+        info = self.tensors.get(name)
+        if info is None or info.dtype != "MXFP4":
+            return None
+        from .quantized import mxfp4_sum_squares, read_parts
+
+        def read(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
+            self.bytes_read += end - begin
+            return read_span(file, begin, end, what)
+
+        parts = read_parts(info, read)
+        return mxfp4_sum_squares(parts["weight_packed"], parts["weight_scale"])
 
     def fingerprint(self) -> str:
         """See :func:`folder_fingerprint` (the same key, for the files this checkpoint reads)."""

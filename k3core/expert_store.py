@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_files import CheckpointError, CheckpointFiles, TensorInfo
+from .checkpoint_files import CheckpointError, CheckpointFiles, TensorInfo, is_hole
 
 EXPERT_NAME = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"
 WEIGHTS = ("w1", "w2", "w3")
@@ -86,7 +86,8 @@ class FileReader:
     """Positional reads of byte spans from a checkpoint's files (``os.preadv``: no shared offset, releases the
     GIL), counted; safe from several threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip_holes: bool = False) -> None:
+        self.skip_holes = skip_holes  # sparse files (test replicas): a hole is zeros without reading it
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -97,6 +98,10 @@ class FileReader:
             fd = self._fds.get(file)
             if fd is None:
                 fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        if self.skip_holes and is_hole(fd, begin, end):
+            with self._lock:
+                self.bytes_read += end - begin
+            return torch.zeros(end - begin, dtype=torch.uint8)
         buf = torch.empty(end - begin, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         t0 = time.perf_counter()

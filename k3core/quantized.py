@@ -25,12 +25,14 @@ bitsandbytes, GGUF) is recognised and refused by :func:`check_quantised` naming 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .checkpoint_files import CheckpointError, TensorInfo
 
@@ -218,17 +220,41 @@ def check_quant_config(quant: Any, where: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ decoding
+@functools.cache
+def _mxfp4_tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per byte the two values it holds ([256, 2], low nibble first) and the sum of their squares ([256]);
+    per scale byte s the power 2^(s - 127) ([256, 1]; s = 255 gives inf, as compressed-tensors computes it)."""
+    values = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES), dtype=torch.float32)
+    byte = torch.arange(256)
+    pairs = torch.stack((values[byte & 15], values[byte >> 4]), dim=-1)
+    powers = torch.ldexp(torch.ones(256), byte - 127).unsqueeze(1)
+    return pairs.to(device), pairs.square().sum(-1).to(device), powers.to(device)
+
+
 def mxfp4_to_float(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MXFP4 [out, in/2] bytes + [out, in/32] E8M0 scale bytes -> W [out, in] in ``dtype``, on their device.
 
     W[o, 2k] = v(packed[o, k] & 15), W[o, 2k+1] = v(packed[o, k] >> 4), times 2^(scale[o, i // 32] - 127),
-    with v(n) = (-1)^(n >> 3) * FP4_VALUES[n & 7]; computed in fp32 (exact), then cast."""
+    with v(n) = (-1)^(n >> 3) * FP4_VALUES[n & 7]; computed in fp32 (exact: a 2-bit mantissa times a power
+    of two), then cast. Two table lookups (byte -> value pair, scale byte -> power) and one multiply."""
     out, half = packed.shape
-    table = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES), dtype=torch.float32, device=packed.device)
-    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out, 2 * half)
-    values = table[nibbles.long()].view(out, -1, MXFP4_GROUP)
-    exponent = scale.to(torch.int32).sub_(127).unsqueeze(-1)
-    return torch.ldexp(values, exponent).reshape(out, 2 * half).to(dtype)
+    pairs, _, powers = _mxfp4_tables(str(packed.device))
+    values = F.embedding(packed.to(torch.int32), pairs).view(out, -1, MXFP4_GROUP)
+    values.mul_(F.embedding(scale.to(torch.int32), powers))
+    return values.view(out, 2 * half).to(dtype)
+
+
+def mxfp4_sum_squares(packed: torch.Tensor, scale: torch.Tensor) -> float:
+    """sum(W^2) of an MXFP4 matrix without decoding it: per group of 32, the sum of the squared values (table
+    per byte, exact in fp32) times 4^(s - 127), summed in float64 (exact: every term is a multiple of a power
+    of two within 53 bits of the largest). An all-zero matrix costs one scan."""
+    if not bool(packed.any()) and int(scale.max()) < 255:
+        return 0.0
+    out = packed.shape[0]
+    _, squares, powers = _mxfp4_tables(str(packed.device))
+    group = F.embedding(packed.to(torch.int32), squares.unsqueeze(1)).view(out, -1, MXFP4_GROUP // 2).sum(-1)
+    weight = F.embedding(scale.to(torch.int32), powers).view(out, -1).double().square()
+    return float((group.double() * weight).sum())
 
 
 def decode(info: TensorInfo, parts: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

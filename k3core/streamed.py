@@ -158,7 +158,8 @@ def plan_streaming(
         else:
             modules[module] = modules.get(module, 0) + nbytes
             stored_modules[module] = stored_modules.get(module, 0) + info.nbytes
-            largest_tensor = max(largest_tensor, info.nbytes)
+            if module not in (EMBED, LM_HEAD):  # those two are read by rows / in chunks
+                largest_tensor = max(largest_tensor, info.nbytes)
     moe = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
     expert_stored = expert_compute = 0
     if moe:
@@ -184,7 +185,8 @@ def plan_streaming(
         raise CheckpointError(
             f"{files.folder.name}: a memory budget of {_gb(budget)} is too small for one layer of this model: it "
             f"needs at least {_gb(need)} ({'dense parts resident' if resident else 'streaming'}: small tensors "
-            f"{_gb(small)}, largest module {largest[0]} {_gb(largest[1])}, one expert decoded "
+            f"{_gb(small)}, largest module {largest[0]} {_gb(largest[1])} + its largest tensor as stored "
+            f"{_gb(largest_tensor)}, LM head chunk {_gb(lm_chunk)}, one expert decoded "
             f"{_gb(expert_compute)} + {READ_WINDOW} read ahead {_gb(READ_WINDOW * expert_stored)}, "
             f"margin {_gb(MARGIN_BYTES)})"
         )
@@ -373,11 +375,13 @@ def load_streamed(
     dense: str = "auto",
     progress: ProgressFn | None = None,
     plan: StreamPlan | None = None,
+    skip_holes: bool = False,
 ) -> nn.Module:
     """A model that computes from the checkpoint files under ``max_memory`` (see the module docstring).
 
     ``progress(info)`` is called before each decoder layer with {"layer", "layers", "bytes_read",
-    "expert_hits", "expert_misses", ...}; a truthy return stops the forward (StreamStopped). Raises
+    "expert_hits", "expert_misses", ...}; a truthy return stops the forward (StreamStopped). ``skip_holes``:
+    holes of sparse files (test replicas) read as zeros without a read (counted as read all the same). Raises
     CheckpointError (a budget too small for one layer included)."""
     from .checkpoint import build_meta_model, check_headers, refuse_quantised_config
     from .streaming import published_tensors
@@ -388,7 +392,7 @@ def load_streamed(
     check_headers(files, published_tensors(model))
     device = torch.device(device)
     plan = plan or plan_streaming(files, model, device, budget_for(max_memory, device), dense)
-    reader = FileReader()
+    reader = FileReader(skip_holes=skip_holes)
     filler = Filler(model, files, reader, device)
     streamed: dict[str, list[str]] = {}
     for name in files.tensors:

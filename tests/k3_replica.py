@@ -225,3 +225,52 @@ def model_shapes(config_json: dict) -> dict[str, tuple]:
         if name.endswith("self_attn.A_log"):
             shapes[name] = (A_LOG_PAD,)
     return shapes
+
+
+def forward_plants(
+    config_json: dict,
+    shapes: dict[str, tuple],
+    token_ids: list[int],
+    seed: int = 0,
+    pool: int = 24,
+    planted_experts: int = 4,
+) -> tuple[dict[str, np.ndarray], dict[tuple[int, int], dict[str, tuple[np.ndarray, np.ndarray]]]]:
+    """Values that make a forward over ``token_ids`` do real work while the rest stays holes: embedding rows
+    of those tokens, every norm weight, the KDA gate parameters, and per MoE layer a router whose rows and
+    selection bias favour a pool of ``pool`` experts (tokens then choose different top-k subsets of it),
+    ``planted_experts`` of which get random MXFP4 values."""
+    rng = np.random.default_rng(seed)
+    text = config_json.get("text_config", config_json)
+    D, E = text["hidden_size"], text["num_experts"]
+    planted: dict[str, np.ndarray] = {}
+    experts: dict[tuple[int, int], dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    embed = np.zeros((max(token_ids) + 1, D), np.float32)
+    embed[token_ids] = rng.normal(0, 1, (len(token_ids), D))
+    planted["model.embed_tokens.weight"] = embed  # rows beyond the last planted token stay holes
+    for name, shape in shapes.items():
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            planted[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        elif name.endswith("self_attn.A_log"):
+            a = np.zeros(shape, np.float32)
+            a[: text["linear_attn_config"]["num_heads"]] = rng.uniform(
+                -1.5, 1.5, text["linear_attn_config"]["num_heads"]
+            )
+            planted[name] = a
+        elif name.endswith("self_attn.dt_bias"):
+            planted[name] = rng.normal(-2, 1, shape).astype(np.float32)
+        elif name.endswith("block_sparse_moe.gate.weight"):
+            layer = int(name.split(".")[2])
+            chosen = rng.choice(E, pool, replace=False)
+            rows = np.zeros(shape, np.float32)
+            rows[chosen] = rng.normal(0, 0.05, (pool, D))
+            planted[name] = rows
+            bias = np.zeros(E, np.float32)
+            bias[chosen] = 1.0
+            planted[name.replace("gate.weight", "gate.e_score_correction_bias")] = bias
+            for e in chosen[:planted_experts]:
+                parts = {}
+                for w in ("w1", "w2", "w3"):
+                    out, inp = shapes[f"model.layers.{layer}.block_sparse_moe.experts.{int(e)}.{w}.weight"]
+                    parts[w] = random_mxfp4(rng, out, inp)
+                experts[(layer, int(e))] = parts
+    return planted, experts
