@@ -151,3 +151,49 @@ def test_cli_generate_with_max_memory_prints_the_plan_and_matches(capsys):
     assert "too small for one layer" in capsys.readouterr().err
     assert main([*args, "--max-memory", "plenty"]) == 2
     assert "cannot read the memory budget" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ the app
+def test_app_runs_a_checkpoint_streamed_within_a_memory_budget(monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+
+    from app import uploads
+    from app.settings import HOME_ENV
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(uploads.RUNS_ENV, str(SAMPLE))
+    empty = tmp_path / "no-samples"
+    empty.mkdir()
+    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+    at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=180)
+    at.session_state["k3lab_max_tokens"] = 48
+    at.session_state["k3lab_max_memory"] = "50MB"
+    at.run()
+    assert not at.exception, at.exception
+    # a budget too small for one layer: the figures are named, the app keeps running
+    assert any("too small for one layer" in e.value for e in at.error)
+    # a workable budget: the plan and the expected time first, nothing runs until asked
+    at.sidebar.text_input(key="k3lab_max_memory").set_value("1GB").run()
+    assert not at.exception, at.exception
+    plan = " ".join(i.value for i in at.info)
+    assert "runs from its files within 1GB" in plan and "reads up to" in plan and "routed experts" in plan
+    run_button = at.button(key="k3lab_stream_run")
+    assert "Run streamed" in run_button.label and not at.get("plotly_chart")
+    run_button.click().run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == []
+    assert len(at.get("plotly_chart")) > 0
+    from app import caching
+
+    run = caching._cached_run(caching.run_fingerprint(str(SAMPLE)), "cpu", "float32", str(SAMPLE), "", "1GB")
+    stats = run.model.streaming.stats()
+    assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
+    # Stop: the next rerun asks again before it runs anything
+    at.button(key="k3lab_stream_stop").click().run()
+    assert not at.exception and any("Stopped" in w.value for w in at.warning)
+    at.run()
+    assert "Run streamed" in at.button(key="k3lab_stream_run").label
+    # an unreadable budget is said so in the sidebar; the page runs resident (the same trace, already made)
+    at.sidebar.text_input(key="k3lab_max_memory").set_value("plenty").run()
+    assert not at.exception and any("cannot read the memory budget" in e.value for e in at.sidebar.error)
+    assert len(at.get("plotly_chart")) > 0
