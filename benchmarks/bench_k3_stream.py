@@ -10,7 +10,7 @@ do real work (embedding rows of the prompt, norms, KDA gates, routers favouring 
 few random MXFP4 experts); the rest are file holes. A child process loads it with
 ``k3core.streamed.load_streamed`` under ``--budget``, records a full trace (``what="all"``) of one forward
 over ``--tokens`` tokens, and reports: seconds, seconds per token, bytes read (and per token), expert
-hits / misses, peak RSS (``ru_maxrss``, interpreter and imports included), and bytes read against the floor
+hits / misses, peak RSS (``VmHWM``, interpreter and imports included), and bytes read against the floor
 (stored dense bytes of the layers + the embedding rows + the distinct experts chosen).
 
 Holes read from the page cache (the kernel's zero pages), so the replica's reads are not disk reads.
@@ -108,12 +108,21 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
         "expert_hits": stats["expert_hits"],
         "expert_misses": stats["expert_misses"],
         "expert_reads": stats["expert_reads"],
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss(),
         "logits_finite": bool(torch.isfinite(logits).all()),
         "trace_arrays": len(trace.names()),
         "planned_prompt_bytes": plan.prompt_bytes(tokens),
         "planned_seconds": plan.expected_seconds(tokens),
     }
+
+
+def peak_rss() -> int:
+    """This process's peak resident set: VmHWM (reset by exec; ru_maxrss is inherited from a forking parent)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def disk_read_speed(folder: Path, nbytes: int) -> dict:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .checkpoint_files import CheckpointError, CheckpointFiles, TensorInfo, is_hole
+from .streaming import pread_exact
 
 EXPERT_NAME = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"
 WEIGHTS = ("w1", "w2", "w3")
@@ -105,12 +106,7 @@ class FileReader:
         buf = torch.empty(end - begin, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         t0 = time.perf_counter()
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], begin + done)
-            if not n:
-                raise CheckpointError(f"{file.name}: truncated while reading {what!r}")
-            done += n
+        pread_exact(fd, view, begin, file.name, what)
         with self._lock:
             self.bytes_read += len(view)
             self.seconds += time.perf_counter() - t0

@@ -55,13 +55,19 @@ def _adapt(name: str, value: torch.Tensor, want: tuple[int, ...], info: TensorIn
     return value[: want[0]]
 
 
-def _read_exact(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
+def pread_exact(fd: int, view: memoryview, offset: int, file_name: str, what: str) -> None:
+    """Fill ``view`` from ``offset`` of an open file (``os.preadv``: no shared file offset, releases the GIL);
+    CheckpointError naming the file and ``what`` when the file ends first."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if not n:
-            raise CheckpointError(f"{info.file.name}: truncated while reading {info.raw_name!r}")
+            raise CheckpointError(f"{file_name}: truncated while reading {what!r}")
         done += n
+
+
+def _read_exact(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
+    pread_exact(fd, view, offset, info.file.name, info.raw_name)
 
 
 def _load_one(info: TensorInfo, target: torch.Tensor, files: CheckpointFiles, fds: dict[Path, int]) -> None:
