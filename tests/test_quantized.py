@@ -293,3 +293,16 @@ def test_mxfp4_sample_is_k3_full_stored_as_published():
         a, b = full(x).logits, sample(x).logits
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert relative_difference(b, a) < 0.05
+
+
+def test_mxfp4_expert_norms_from_stored_bytes_match_the_decoded_weights():
+    from analysis import weights as wt
+
+    folder = Path(__file__).resolve().parent.parent / "sample_checkpoints" / "k3-mxfp4"
+    summary = wt.read_weight_summary(folder, experts=True)
+    model = K3ForCausalLM.from_pretrained(folder)
+    for layer, expert in ((1, 0), (4, 7), (7, 3)):
+        row = summary.expert_norms.query(f"layer == {layer} and expert == {expert}").iloc[0]
+        stack = model.model.layers[layer].block_sparse_moe.experts
+        for w in ("w1", "w2", "w3"):
+            assert row[f"{w}_norm"] == getattr(stack, w)[expert].double().norm().item()  # exact: sums of exact squares
