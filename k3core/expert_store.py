@@ -41,7 +41,7 @@ EXPERT_NAME = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight
 WEIGHTS = ("w1", "w2", "w3")
 READ_WINDOW = 8  # expert reads in flight or waiting to be used, per store
 LM_HEAD_CHUNK_BYTES = 256 * 1024**2  # LM head rows decoded at a time (compute dtype)
-MARGIN_BYTES = 256 * 1024**2  # activations, the Python heap, allocator slack
+MARGIN_BYTES = 512 * 1024**2  # the interpreter and torch (~350 MB), activations, allocator slack
 ProgressFn = Callable[[dict], None]
 
 
