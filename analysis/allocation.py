@@ -23,7 +23,6 @@ Measured counterparts: ``analysis.kda_memory`` (from a trace) and ``analysis.imp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -288,14 +287,3 @@ def allocated_vs_measured(
     if kda is not None and not kda.empty:
         out = out.merge(kda, on="layer", how="left")
     return out.reset_index(drop=True)
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units)."""
-    if not math.isfinite(n):
-        return str(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover

@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.tables import MissingTraceData, tidy
+from analysis.entropy import entropy
+from analysis.tidy import tidy
+from analysis.trace_errors import MissingTraceData
 from k3core.trace import Trace, names
 
 SINK_THRESHOLD = 0.3
@@ -37,9 +39,7 @@ def _check_attention(attn: np.ndarray) -> np.ndarray:
 
 def causal_row_entropy(attn: np.ndarray) -> np.ndarray:
     """Entropy of each attention row in nats, ``H_i = -sum_j A_ij log A_ij`` (0 log 0 = 0); [..., query]."""
-    attn = _check_attention(attn)
-    safe = np.where(attn > 0, attn, 1.0)
-    return -(attn * np.log(safe)).sum(-1)
+    return entropy(_check_attention(attn), axis=-1)
 
 
 def causal_normalised_entropy(attn: np.ndarray) -> np.ndarray:

@@ -16,24 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from k3core.config import K3Config
+from analysis.entropy import normalised_entropy
 from k3core.trace import Trace, names
-
-
-def normalised_entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
-    """-sum p log p / log n over ``axis`` (n = its length); 0 where n = 1. p must be non-negative."""
-    p = np.asarray(p, dtype=np.float64)
-    if np.any(p < 0):
-        raise ValueError("probabilities must be non-negative")
-    n = p.shape[axis]
-    if n < 1:
-        raise ValueError("empty distribution")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
-    h = -plogp.sum(axis=axis)
-    if n == 1:
-        return np.zeros_like(h)
-    return h / np.log(n)
 
 
 def site_order(site: str, num_layers: int | None = None) -> tuple[int, int]:
@@ -166,60 +150,6 @@ def site_stats(trace: Trace) -> pd.DataFrame:
             "embedding_weight",
             "recent_weight",
             "query_norm",
-        ],
-    )
-
-
-def query_norms(trace: Trace) -> pd.DataFrame:
-    """Pseudo-query norm ||w|| per site (columns: site, layer, side, order, query_norm)."""
-    stats = site_stats(trace)
-    return stats[["site", "layer", "side", "order", "query_norm"]].dropna(subset=["query_norm"]).reset_index(drop=True)
-
-
-def scale_bias_stats(trace: Trace, config: K3Config | None = None) -> pd.DataFrame:
-    """Scale/bias residual mode: per layer and site ("attn" | "mlp") the learned scale and bias.
-
-    Columns: layer, side, scale_mean, scale_std (population std over channels), scale_min, scale_max,
-    bias_mean, bias_std, scale_init (``k3core.model.scale_bias_init``; needs ``config``), bias_init (0).
-    """
-    from k3core.model import scale_bias_init
-
-    layers = sorted({int(n.split(".")[1]) for n in trace.names(names.RESIDUAL_PREFIX) if n.split(".")[1].isdigit()})
-    rows = []
-    for i in layers:
-        for side in ("attn", "mlp"):
-            scale = trace.get(names.residual(i, side, "scale"))
-            bias = trace.get(names.residual(i, side, "bias"))
-            if scale is None or bias is None:
-                continue
-            scale, bias = np.asarray(scale, dtype=np.float64), np.asarray(bias, dtype=np.float64)
-            rows.append(
-                dict(
-                    layer=i,
-                    side=side,
-                    scale_mean=scale.mean(),
-                    scale_std=scale.std(),
-                    scale_min=scale.min(),
-                    scale_max=scale.max(),
-                    bias_mean=bias.mean(),
-                    bias_std=bias.std(),
-                    scale_init=scale_bias_init(config, i) if config is not None else np.nan,
-                    bias_init=0.0,
-                )
-            )
-    return pd.DataFrame(
-        rows,
-        columns=[
-            "layer",
-            "side",
-            "scale_mean",
-            "scale_std",
-            "scale_min",
-            "scale_max",
-            "bias_mean",
-            "bias_std",
-            "scale_init",
-            "bias_init",
         ],
     )
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis.context import AnalysisContext
 from analysis.difference import difference_figure, difference_table, reduce_keys
 from analysis.side_by_side import combine_side_by_side, placeholder_figure
-from analysis.views import AnalysisContext, NotApplicable, View
+from analysis.view import NotApplicable, View
 
 Built = tuple[go.Figure, pd.DataFrame] | NotApplicable
 

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis.style import DIVERGING, apply_style
-from analysis.views import NotApplicable
+from analysis.view import NotApplicable
 
 POSITIVE, NEGATIVE = "#d6604d", "#4393c3"  # the ends of DIVERGING: A above B, A below B
 

@@ -50,7 +50,10 @@ def format_tokens(n: int) -> str:
 
 
 def format_bytes(n: float) -> str:
-    """A byte count in binary units, one decimal: 512 -> "512 B", 1536 -> "1.5 KiB", 98.25e9 -> "91.5 GiB"."""
+    """A byte count in binary units, one decimal: 512 -> "512 B", 1536 -> "1.5 KiB", 98.25e9 -> "91.5 GiB"
+    (the one byte formatter; inf and nan as they are)."""
+    if not math.isfinite(n):
+        return str(n)
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
     i = 0
     while abs(n) >= 1024 and i < len(units) - 1:

@@ -1,7 +1,7 @@
 """A run's headline numbers on one trace, and two runs' numbers side by side with their delta.
 
 Every number here is a summary of a metric defined once elsewhere: MoE balance in ``analysis.moe``
-(MaxVio and CV from ``k3core.metrics``), the KDA memory horizon in ``analysis.kda_memory``, attention
+(MaxVio and CV from ``k3core.moe_balance``), the KDA memory half-life in ``analysis.kda_memory``, attention
 metrics in ``analysis.attention``, hidden-state metrics in ``analysis.hidden_states``, AttnRes weights
 in ``analysis.attnres``, training numbers in ``analysis.history``.
 """
@@ -19,9 +19,9 @@ from analysis import attnres as ar
 from analysis import hidden_states as hs
 from analysis import kda_memory as km
 from analysis import moe as mo
+from analysis.context import AnalysisContext
 from analysis.history import final_numbers
-from analysis.tables import MissingTraceData
-from analysis.views import AnalysisContext
+from analysis.trace_errors import MissingTraceData
 from k3core.trace import Trace, names
 
 HEADLINE_LABELS = {
@@ -39,9 +39,9 @@ HEADLINE_LABELS = {
     "moe_cv_mean": "MoE load CV (mean)",
     "moe_dead_experts": "MoE dead experts",
     "attnres_embedding_weight_mean": "AttnRes embedding weight (mean)",
-    "kda_horizon_mean": "KDA horizon, mean of finite (tokens)",
-    "kda_horizon_median": "KDA horizon, median (tokens)",
-    "kda_horizon_inf_share": "KDA channels with alpha = 1",
+    "kda_half_life_mean": "KDA half-life, mean of finite (tokens)",
+    "kda_half_life_median": "KDA half-life, median (tokens)",
+    "kda_half_life_inf_share": "KDA channels with alpha = 1",
     "mla_gate_mean": "MLA output gate (mean)",
     "train_final_val_bpb": "val bits/byte (training)",
     "tokens": "tokens traced",
@@ -101,17 +101,17 @@ def attnres_embedding_weight(trace: Trace) -> float:
     return float(stats["embedding_weight"].mean()) if len(stats) else _NAN
 
 
-def kda_horizon_summary(trace: Trace) -> dict[str, float]:
-    """Over every KDA layer, head and key channel of ``analysis.kda_memory.kda_channel_decay``: mean horizon of the
-    channels with a finite one, median horizon, and the share of channels with alpha = 1 (infinite horizon)."""
-    h = km.kda_channel_decay(trace)["horizon"].to_numpy(dtype=np.float64)
+def kda_half_life_summary(trace: Trace) -> dict[str, float]:
+    """Over every KDA layer, head and key channel of ``analysis.kda_memory.kda_channel_decay``: mean half-life of
+    the channels with a finite one, median half-life, and the share of channels with alpha = 1 (infinite)."""
+    h = km.kda_channel_decay(trace)["half_life"].to_numpy(dtype=np.float64)
     if h.size == 0:
-        return {"kda_horizon_mean": _NAN, "kda_horizon_median": _NAN, "kda_horizon_inf_share": _NAN}
+        return {"kda_half_life_mean": _NAN, "kda_half_life_median": _NAN, "kda_half_life_inf_share": _NAN}
     finite = h[np.isfinite(h)]
     return {
-        "kda_horizon_mean": float(finite.mean()) if finite.size else float("inf"),
-        "kda_horizon_median": float(np.median(h)),
-        "kda_horizon_inf_share": float(1.0 - finite.size / h.size),
+        "kda_half_life_mean": float(finite.mean()) if finite.size else float("inf"),
+        "kda_half_life_median": float(np.median(h)),
+        "kda_half_life_inf_share": float(1.0 - finite.size / h.size),
     }
 
 
@@ -120,7 +120,7 @@ def headline_numbers(ctx: AnalysisContext) -> dict[str, Any]:
 
     loss (mean next-token NLL in nats over scored tokens), bits per token = loss / ln 2 (= bits per byte
     for the byte-level vocab), ``degradation_summary``, ``moe_summary``, the mean AttnRes embedding
-    weight, ``kda_horizon_summary``, the mean MLA output gate, and the final validation bits/byte from
+    weight, ``kda_half_life_summary``, the mean MLA output gate, and the final validation bits/byte from
     metrics.json when present.
     """
     trace = ctx.trace
@@ -134,7 +134,7 @@ def headline_numbers(ctx: AnalysisContext) -> dict[str, Any]:
     out.update(degradation_summary(trace))
     out.update(moe_summary(trace))
     out["attnres_embedding_weight_mean"] = attnres_embedding_weight(trace)
-    out.update(kda_horizon_summary(trace))
+    out.update(kda_half_life_summary(trace))
     try:
         out["mla_gate_mean"] = float(at.mla_gate_table(trace)["gate_mean"].mean())
     except MissingTraceData:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.tables import MissingTraceData, tidy
+from analysis.tidy import tidy
+from analysis.trace_errors import MissingTraceData
 from k3core.trace import Trace, names
 
 _EPS = 1e-12

@@ -1,7 +1,8 @@
 """How much each KDA layer's memory holds, measured from a trace (``kda.*`` arrays).
 
-- decay alpha = exp(g) per token, head and key channel; memory horizon ``1 / (1 - alpha)`` tokens (inf
-  when alpha = 1); per channel the geometric-mean decay ``alpha_eff = exp(mean_t g)`` and its horizon;
+- decay alpha = exp(g) per token, head and key channel; the memory as a half-life ``ln 2 / (-g)`` tokens
+  (``half_life``: the one definition of KDA memory, also used for the resting decay of ``analysis.weights``;
+  inf when alpha = 1); per channel the geometric-mean decay ``alpha_eff = exp(mean_t g)`` and its half-life;
 - the share of decays near the gate's lower bound (``g < 0.9 * lower_bound``);
 - the delta-rule write strength beta;
 - the state S: its Frobenius norm ``||S||_F`` at chunk ends over time, and the effective rank
@@ -11,41 +12,42 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
 
 from analysis.hidden_states import effective_rank
-from analysis.tables import tidy
+from analysis.tidy import tidy
 from k3core.trace import Trace, names
 
+LN2 = math.log(2.0)
 NEAR_LOWER_BOUND = 0.9  # "near the lower bound": g < 0.9 * lower_bound
 
 
-def memory_horizon(g: np.ndarray) -> np.ndarray:
-    """Memory horizon 1 / (1 - alpha) tokens with alpha = exp(g); computed as -1 / expm1(g).
+def half_life(g: np.ndarray) -> np.ndarray:
+    """Tokens until a channel's memory halves: alpha^n = 1/2 with alpha = exp(g), so n = ln 2 / (-g).
 
     g = 0 (alpha = 1, no forgetting) gives inf; g > 0 is not a decay and raises.
     """
     g = np.asarray(g, dtype=np.float64)
     if np.any(g > 0):
         raise ValueError("log decay g must be <= 0 (alpha = exp(g) <= 1)")
-    one_minus_alpha = -np.expm1(g)  # exact near g = 0, where 1 - exp(g) would round to 0 early
     with np.errstate(divide="ignore"):
-        return np.where(one_minus_alpha > 0, 1.0 / np.where(one_minus_alpha > 0, one_minus_alpha, 1.0), np.inf)
+        return np.where(g < 0, LN2 / np.where(g < 0, -g, 1.0), np.inf)
 
 
-def horizon_quantiles(g: np.ndarray, qs: Iterable[float]) -> np.ndarray:
-    """Quantiles of the memory horizon 1/(1 - exp(g)) over all entries of g.
+def half_life_quantiles(g: np.ndarray, qs: Iterable[float]) -> np.ndarray:
+    """Quantiles of the half-life ln 2 / (-g) over all entries of g.
 
-    The horizon is increasing in g, so its q-quantile is the horizon of g's q-quantile; taking g's
-    quantile as an order statistic ("inverted_cdf") keeps this exact and copes with infinite horizons.
+    The half-life is increasing in g, so its q-quantile is the half-life of g's q-quantile; taking g's
+    quantile as an order statistic ("inverted_cdf") keeps this exact and copes with infinite half-lives.
     """
     g = np.asarray(g, dtype=np.float64).ravel()
     if g.size == 0:
         raise ValueError("no decay values")
-    return memory_horizon(np.minimum(np.quantile(g, list(qs), method="inverted_cdf"), 0.0))
+    return half_life(np.minimum(np.quantile(g, list(qs), method="inverted_cdf"), 0.0))
 
 
 def _kda_layers(trace: Trace) -> list[int]:
@@ -61,8 +63,8 @@ def kda_channel_decay(trace: Trace) -> pd.DataFrame:
     """Per KDA layer, head and key channel: mean log decay over tokens and batch, and what it implies.
 
     alpha_eff = exp(mean_t g) (a run of n tokens decays by exp(n mean g), so this is the per-token
-    geometric-mean decay); horizon = 1 / (1 - alpha_eff) tokens (inf when alpha_eff = 1).
-    Columns: layer, head, channel, g_mean, alpha, horizon.
+    geometric-mean decay); half_life = ln 2 / (-mean_t g) tokens (inf when alpha_eff = 1).
+    Columns: layer, head, channel, g_mean, alpha, half_life.
     """
     frames = []
     for i in _kda_layers(trace):
@@ -77,14 +79,14 @@ def kda_channel_decay(trace: Trace) -> pd.DataFrame:
                     channel=np.tile(np.arange(d), H),
                     g_mean=g_mean.ravel(),
                     alpha=np.exp(g_mean).ravel(),
-                    horizon=memory_horizon(np.minimum(g_mean, 0)).ravel(),
+                    half_life=half_life(np.minimum(g_mean, 0)).ravel(),
                 )
             )
         )
     return (
         pd.concat(frames, ignore_index=True)
         if frames
-        else pd.DataFrame(columns=["layer", "head", "channel", "g_mean", "alpha", "horizon"])
+        else pd.DataFrame(columns=["layer", "head", "channel", "g_mean", "alpha", "half_life"])
     )
 
 
@@ -99,8 +101,8 @@ def near_lower_bound_fraction(g: np.ndarray, lower_bound: float, near: float = N
 def kda_decay_stats(trace: Trace, near: float = NEAR_LOWER_BOUND) -> pd.DataFrame:
     """Per KDA layer and head: decay summary over tokens and channels.
 
-    Columns: layer, head, g_mean, alpha_mean (mean of exp(g)), horizon_median / horizon_p10 / horizon_p90
-    (quantiles of 1/(1 - alpha) over every token and channel; inf when alpha rounds to 1), frac_near_lb
+    Columns: layer, head, g_mean, alpha_mean (mean of exp(g)), half_life_median / half_life_p10 / half_life_p90
+    (quantiles of ln 2 / (-g) over every token and channel; inf when g = 0), frac_near_lb
     (share of g < near * lower_bound; NaN for the softplus gate form, which has no lower bound).
     """
     form, lb = _kda_gate_form(trace)
@@ -109,16 +111,16 @@ def kda_decay_stats(trace: Trace, near: float = NEAR_LOWER_BOUND) -> pd.DataFram
         g = np.asarray(trace[names.kda_g(i)], dtype=np.float64)
         for h in range(g.shape[2]):
             gh = g[:, :, h, :].ravel()
-            p10, p50, p90 = horizon_quantiles(gh, (0.1, 0.5, 0.9))
+            p10, p50, p90 = half_life_quantiles(gh, (0.1, 0.5, 0.9))
             rows.append(
                 dict(
                     layer=i,
                     head=h,
                     g_mean=gh.mean(),
                     alpha_mean=np.exp(gh).mean(),
-                    horizon_median=p50,
-                    horizon_p10=p10,
-                    horizon_p90=p90,
+                    half_life_median=p50,
+                    half_life_p10=p10,
+                    half_life_p90=p90,
                     frac_near_lb=near_lower_bound_fraction(gh, lb, near) if form == "lower_bound" else np.nan,
                 )
             )
@@ -129,9 +131,9 @@ def kda_decay_stats(trace: Trace, near: float = NEAR_LOWER_BOUND) -> pd.DataFram
             "head",
             "g_mean",
             "alpha_mean",
-            "horizon_median",
-            "horizon_p10",
-            "horizon_p90",
+            "half_life_median",
+            "half_life_p10",
+            "half_life_p90",
             "frac_near_lb",
         ],
     )
@@ -219,12 +221,14 @@ def kda_state_rank(trace: Trace) -> pd.DataFrame:
 
 
 def kda_layer_summary(trace: Trace) -> pd.DataFrame:
-    """One row per KDA layer: median horizon over heads' medians, mean near-bound share, mean beta,
+    """One row per KDA layer: median half-life over heads' medians, mean near-bound share, mean beta,
     mean final-state effective rank (the measured side of the allocated-vs-measured table)."""
     decay, beta, rank = kda_decay_stats(trace), kda_beta_stats(trace), kda_state_rank(trace)
     if decay.empty:
-        return pd.DataFrame(columns=["layer", "horizon_median", "frac_near_lb", "beta_mean", "state_rank"])
-    out = decay.groupby("layer").agg(horizon_median=("horizon_median", "median"), frac_near_lb=("frac_near_lb", "mean"))
+        return pd.DataFrame(columns=["layer", "half_life_median", "frac_near_lb", "beta_mean", "state_rank"])
+    out = decay.groupby("layer").agg(
+        half_life_median=("half_life_median", "median"), frac_near_lb=("frac_near_lb", "mean")
+    )
     out["beta_mean"] = beta.groupby("layer")["mean"].mean()
     out["state_rank"] = rank.groupby("layer")["effective_rank"].mean() if not rank.empty else np.nan
     return out.reset_index()

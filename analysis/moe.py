@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from k3core.metrics import moe_load_stats
+from k3core.moe_balance import moe_load_stats
 from k3core.trace import Trace, names
 
-from .attnres import normalised_entropy
+from .entropy import normalised_entropy
 
 
 def moe_layers(trace: Trace) -> list[int]:
@@ -47,7 +47,7 @@ def load_counts(experts: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def load_imbalance(counts: np.ndarray) -> dict[str, float]:
-    """Balance metrics of one layer's load c (module docstring): max_vio and cv (``k3core.metrics.moe_load_stats``,
+    """Balance metrics of one layer's load c (module docstring): max_vio and cv (``k3core.moe_balance.moe_load_stats``,
     the one definition training logs too), entropy, dead, min_over_mean, plus total (sum c) and experts (E)."""
     c = np.asarray(counts, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
@@ -248,26 +248,14 @@ def latent_pca(trace: Trace, layer: int) -> tuple[pd.DataFrame, np.ndarray]:
     return df, ratio
 
 
-def router_bias(trace: Trace) -> pd.DataFrame:
-    """Selection bias e_bias per MoE layer and expert (columns: layer, expert, bias)."""
-    frames = []
-    for i in moe_layers(trace):
-        b = trace.get(names.moe_bias(i))
-        if b is None:
-            continue
-        b = np.asarray(b, dtype=np.float64)
-        frames.append(pd.DataFrame(dict(layer=i, expert=np.arange(b.size), bias=b)))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["layer", "expert", "bias"])
-
-
-def router_bias_stats(trace: Trace) -> pd.DataFrame:
-    """Per MoE layer: e_bias mean, std (population), min, max, and the bias-load correlation
-    (Pearson r between e_bias and the load c; NaN if either is constant)."""
-    bias, load = router_bias(trace), expert_load(trace)
+def bias_load_correlation(bias: pd.DataFrame, load: pd.DataFrame) -> pd.DataFrame:
+    """Per MoE layer, the Pearson r between the selection bias e_bias (``analysis.weights`` router_bias table:
+    layer, expert, bias) and the traced load c (``expert_load``: layer, expert, count); NaN when either is
+    constant or their expert counts differ. Columns: layer, load_corr."""
     rows = []
     for layer, g in bias.groupby("layer"):
-        b = g.sort_values("expert")["bias"].to_numpy()
+        b = g.sort_values("expert")["bias"].to_numpy(dtype=np.float64)
         c = load[load["layer"] == layer].sort_values("expert")["count"].to_numpy(dtype=np.float64)
         r = float(np.corrcoef(b, c)[0, 1]) if c.size == b.size and b.std() > 0 and c.std() > 0 else np.nan
-        rows.append(dict(layer=int(layer), mean=b.mean(), std=b.std(), min=b.min(), max=b.max(), load_corr=r))
-    return pd.DataFrame(rows, columns=["layer", "mean", "std", "min", "max", "load_corr"])
+        rows.append({"layer": int(layer), "load_corr": r})
+    return pd.DataFrame(rows, columns=["layer", "load_corr"])

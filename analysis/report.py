@@ -1,80 +1,39 @@
 """Headless report: every view of one run (or a comparison of two) in one offline HTML file, plus data files.
 
-    k3lab report RUN [RUN2] [--text FILE | --sample NAME] --out DIR [--no-static] [--max-tokens N]
-
-Writes into DIR:
+``write_report(paths, out, ...)`` is what ``k3lab report`` (k3lab/report.py) and the app's "Download all"
+run. It writes into ``out``:
 
 - ``report.html``: one self-contained page (plotly.js inline once, no network needed) with the run's
   config and model card, the input, the headline table, and every view of ``analysis.views.all_views()``
   (views that do not apply are listed with the reason);
-- ``figures/<view>.{csv,json}`` and, unless ``--no-static`` or when Chromium is missing, ``.png``/``.svg``;
+- ``figures/<view>.{csv,json}`` and, unless ``static`` is off or Chromium is missing, ``.png``/``.svg``;
   for two runs ``<view>__side.*`` (side by side, shared axes) and ``<view>__diff.*`` (A - B);
 - ``headline.json``: the headline numbers of each run (and the delta A - B for two runs).
 
-Exit codes: 0 success, 1 the report was written but some view failed unexpectedly, 2 bad input
-(unreadable checkpoint, missing text file, unknown sample, a non byte-level model).
+Bad input (unreadable checkpoint, missing text file, unknown sample, runs that cannot read the same text)
+raises ``k3core.checkpoint.CheckpointError``, ``ValueError`` or ``OSError`` before anything is written.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analysis.cli_options import add_device_options
+from analysis import runs as runs_mod
+from analysis.compare import build_both, difference_view, distinct_labels, has_difference, side_by_side
+from analysis.context import AnalysisContext
+from analysis.export import export_many, static_export_available
+from analysis.headline import headline_numbers, headline_table
 from analysis.report_html import Entry, render_html
-from analysis.views import AnalysisContext, View
-from k3core.runtime import configure_threads
+from analysis.view import NotApplicable, View
+from analysis.views import all_views
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from analysis.runs import DEFAULT_MAX_TOKENS, SAMPLES
-
-    p = argparse.ArgumentParser(
-        prog="k3lab report",
-        description="Write a headless HTML report (every figure, "
-        "its data, headline numbers) for one run, or a comparison of two runs.",
-    )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="checkpoint folder(s): one run, or two to compare")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", metavar="FILE", help="UTF-8 text file to run the model on")
-    src.add_argument(
-        "--sample",
-        metavar="NAME",
-        choices=SAMPLES,
-        help=f"built-in input: {', '.join(SAMPLES)} (default: held-out Shakespeare)",
-    )
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
-    p.add_argument("--no-static", action="store_true", help="skip PNG/SVG export (no browser start; fastest)")
-    add_device_options(p)
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help=f"tokens of the input to trace (default {DEFAULT_MAX_TOKENS})",
-    )
-    p.add_argument(
-        "--views",
-        metavar="LIST",
-        help="comma-separated view keys or sections to include (default: every view of analysis.views.all_views())",
-    )
-    p.add_argument(
-        "--skip-model-views",
-        action="store_true",
-        help="skip views that rerun the model (importance by ablation / gradients: the slow ones)",
-    )
-    p.add_argument("--save-trace", action="store_true", help="also write each run's trace (.npz)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
-def _labels(runs) -> list[str]:
-    from analysis.compare import distinct_labels
-
+def _labels(runs: list[runs_mod.Run]) -> list[str]:
     names = [r.label for r in runs]
     return list(distinct_labels(*names)) if len(names) == 2 else names
 
@@ -91,7 +50,6 @@ def select_views(views: list[View], wanted: str | None = None, skip_model_views:
 
 
 def build_single(views: list[View], ctx: AnalysisContext, progress: Any) -> list[Entry]:
-    from analysis.views import NotApplicable
 
     entries = []
     for view in views:
@@ -112,8 +70,7 @@ def build_single(views: list[View], ctx: AnalysisContext, progress: Any) -> list
 def build_comparison(views: list[View], a: AnalysisContext, b: AnalysisContext, progress: Any) -> list[Entry]:
     """Per view, as the view declares (``View.compare``): side by side on shared axes (history views: one
     figure with run B overlaid) and, for views with a declared difference, A - B."""
-    from analysis.compare import build_both, difference_view, has_difference, side_by_side
-    from analysis.views import NotApplicable
+    from analysis.view import NotApplicable
 
     entries = []
     for view in views:
@@ -159,94 +116,122 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def _progress(total: int, quiet: bool):
-    from tqdm import tqdm
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
 
-    return tqdm(total=total, desc="k3lab report", unit="step", disable=quiet, file=sys.stderr, leave=False)
+
+@dataclass
+class ReportResult:
+    """What ``write_report`` wrote: the entries (figures, notes, errors), the stage timings in seconds, why
+    PNG/SVG were not written (None: they were, or were not asked for) and each export that failed."""
+
+    out: Path
+    entries: list[Entry]
+    timings: dict[str, float]
+    static_note: str | None = None
+    export_problems: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def shown(self) -> list[Entry]:
+        return [e for e in self.entries if e.figure is not None]
+
+    @property
+    def failed(self) -> list[Entry]:
+        return [e for e in self.entries if e.error]
+
+    @property
+    def skipped(self) -> list[Entry]:
+        return [e for e in self.entries if e.note and e.figure is None]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if len(args.runs) > 2:
-        print("k3lab report: give one run, or two runs to compare", file=sys.stderr)
-        return 2
-    if args.max_tokens < 2:
-        print("k3lab report: --max-tokens must be at least 2", file=sys.stderr)
-        return 2
+def report_input(
+    runs: list[runs_mod.Run], text_file: str | Path | None, sample: str | None, max_tokens: int
+) -> runs_mod.Input:
+    """The one input every run reads: ``text_file`` (UTF-8) or the built-in ``sample`` (default Shakespeare),
+    read with the first run's tokenizer. Raises ValueError when the runs cannot read the same token ids."""
+    cfg = runs[0].config
+    if text_file:
+        text_path = Path(text_file)
+        if not text_path.is_file():
+            raise ValueError(f"{text_path}: no such text file")
+        text = text_path.read_text(encoding="utf-8", errors="replace")
+        chosen = runs_mod.text_input(text, cfg, max_tokens, name=text_path.name, tokenizer=runs[0].tokenizer)
+    else:
+        chosen = runs_mod.sample_input(sample or runs_mod.DEFAULT_SAMPLE, cfg, max_tokens, tokenizer=runs[0].tokenizer)
+    for run in runs[1:]:
+        if run.config.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"the runs have different vocabularies ({cfg.vocab_size} vs "
+                f"{run.config.vocab_size}); they cannot read the same input"
+            )
+        digests = {getattr(r.tokenizer, "digest", None) for r in (runs[0], run)}
+        if chosen.name != "mqar" and len(digests) > 1:
+            raise ValueError(
+                f"the runs have different tokenizers ({runs[0].tokenizer!r} vs {run.tokenizer!r}); "
+                "the same token ids would be different texts"
+            )
+    return chosen
+
+
+def write_report(
+    paths: list[str | Path],
+    out: str | Path,
+    text_file: str | Path | None = None,
+    sample: str | None = None,
+    max_tokens: int = runs_mod.DEFAULT_MAX_TOKENS,
+    device: str = "cpu",
+    dtype: str | None = None,
+    static: bool = True,
+    max_memory: str | None = None,
+    views: str | None = None,
+    skip_model_views: bool = False,
+    save_trace: bool = False,
+    progress: Any = None,
+) -> ReportResult:
+    """Load one run (or two to compare) through ``analysis.runs.load_run``, trace them on one input
+    (``report_input``), build every selected view and write the report folder ``out`` (see the module docstring).
+
+    ``views`` is a comma-separated list of view keys or sections (None: all); ``progress`` has ``update(n)``
+    (a tqdm bar; None: silent) and gets ``2 * len(paths) + len(views) + 3`` steps. Raises CheckpointError,
+    ValueError or OSError for bad input, before anything is written."""
+    if not 1 <= len(paths) <= 2:
+        raise ValueError("give one run, or two runs to compare")
+    if max_tokens < 2:
+        raise ValueError("--max-tokens must be at least 2")
+    progress = progress or _NoProgress()
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    out = Path(args.out)
-
-    from analysis import runs as runs_mod
-    from analysis.export import export_many, static_export_available
-    from analysis.headline import headline_numbers, headline_table
-    from analysis.views import all_views
-    from k3core.checkpoint import CheckpointError
-
-    views = select_views(all_views(), args.views, args.skip_model_views)
-    n_static = 0 if args.no_static else 1
-    progress = _progress(len(args.runs) * 2 + len(views) + 2 + n_static, args.quiet)
-    try:
-        runs = []
-        for path in args.runs:
-            runs.append(runs_mod.load_run(path, device=args.device, dtype=args.dtype, max_memory=args.max_memory))
-            configure_threads(runs[-1].model)
-            progress.update(1)
-        timings["load"] = time.perf_counter() - t_start
-        labels = _labels(runs)
-        cfg = runs[0].config
-        if args.text:
-            text_path = Path(args.text)
-            if not text_path.is_file():
-                raise ValueError(f"{text_path}: no such text file")
-            sample = runs_mod.text_input(
-                text_path.read_text(encoding="utf-8", errors="replace"),
-                cfg,
-                args.max_tokens,
-                name=text_path.name,
-                tokenizer=runs[0].tokenizer,
-            )
-        else:
-            sample = runs_mod.sample_input(
-                args.sample or runs_mod.DEFAULT_SAMPLE, cfg, args.max_tokens, tokenizer=runs[0].tokenizer
-            )
-        for run in runs[1:]:
-            if run.config.vocab_size != cfg.vocab_size:
-                raise ValueError(
-                    f"the runs have different vocabularies ({cfg.vocab_size} vs "
-                    f"{run.config.vocab_size}); they cannot read the same input"
-                )
-            digests = {getattr(r.tokenizer, "digest", None) for r in (runs[0], run)}
-            if sample.name != "mqar" and len(digests) > 1:
-                raise ValueError(
-                    f"the runs have different tokenizers ({runs[0].tokenizer!r} vs {run.tokenizer!r}); "
-                    "the same token ids would be different texts"
-                )
-        t0 = time.perf_counter()
-        contexts = []
-        for run, label in zip(runs, labels):
-            contexts.append(runs_mod.trace_run(run, sample, what="all", label=label))
-            progress.update(1)
-        timings["trace"] = time.perf_counter() - t0
-    except (CheckpointError, ValueError, OSError) as exc:
-        progress.close()
-        print(f"k3lab report: {exc}", file=sys.stderr)
-        return 2
+    out = Path(out)
+    selected = select_views(all_views(), views, skip_model_views)
+    runs = []
+    for path in paths:
+        runs.append(runs_mod.load_run(path, device=device, dtype=dtype, max_memory=max_memory))
+        progress.update(1)
+    timings["load"] = time.perf_counter() - t_start
+    labels = _labels(runs)
+    chosen = report_input(runs, text_file, sample, max_tokens)
+    t0 = time.perf_counter()
+    contexts = []
+    for run, label in zip(runs, labels):
+        contexts.append(runs_mod.trace_run(run, chosen, what="all", label=label))
+        progress.update(1)
+    timings["trace"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     if len(contexts) == 2:
-        entries = build_comparison(views, contexts[0], contexts[1], progress)
+        entries = build_comparison(selected, contexts[0], contexts[1], progress)
     else:
-        entries = build_single(views, contexts[0], progress)
+        entries = build_single(selected, contexts[0], progress)
     headlines = [headline_numbers(c) for c in contexts]
     progress.update(1)
     timings["views"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    formats = ("csv", "json") if args.no_static else ("csv", "json", "png", "svg")
+    formats = ("csv", "json", "png", "svg") if static else ("csv", "json")
     static_note = None
-    if not args.no_static:
+    if static:
         ok, why = static_export_available()
         if not ok:
             formats, static_note = ("csv", "json"), why
@@ -255,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     results = export_many([(e.figure, e.table, e.key) for e in shown], out / "figures", formats, meta=meta)
     for e in shown:
         e.files = results.get(e.key, {})
-    progress.update(n_static)
+    progress.update(1)
     timings["files"] = time.perf_counter() - t0
 
     headline_json = {
         "runs": headlines,
-        "input": {"name": sample.name, "description": sample.description, "tokens": int(sample.input_ids.shape[1])},
+        "input": {"name": chosen.name, "description": chosen.description, "tokens": int(chosen.input_ids.shape[1])},
         "checkpoints": [
             {"label": lab, "path": str(r.path), "fingerprint": r.fingerprint, "device": r.device, "dtype": r.dtype}
             for r, lab in zip(runs, labels)
@@ -270,40 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         table = headline_table(headlines[0], headlines[1])
         headline_json["delta_a_minus_b"] = dict(zip(table["metric"], table["delta"]))
     (out / "headline.json").write_text(json.dumps(_json_safe(headline_json), indent=1) + "\n")
-    if args.save_trace:
+    if save_trace:
         for ctx, tag in zip(contexts, "AB"):
             ctx.trace.save(out / f"trace_{tag}.npz")
 
     timings["total"] = time.perf_counter() - t_start
-    (out / "report.html").write_text(render_html(entries, runs, labels, headlines, sample, timings), encoding="utf-8")
+    (out / "report.html").write_text(render_html(entries, runs, labels, headlines, chosen, timings), encoding="utf-8")
     progress.update(1)
-    progress.close()
-
-    failed = [e for e in entries if e.error]
-    skipped = [e for e in entries if e.note and e.figure is None]
-    export_problems = {f"{e.key}.{fmt}": v for e in shown for fmt, v in e.files.items() if isinstance(v, str)}
-    print(
-        f"k3lab report: wrote {out / 'report.html'} ({len(shown)} figures, {len(skipped)} not applicable, "
-        f"{len(failed)} failed) in {time.perf_counter() - t_start:.1f} s"
-    )
-    slow = sorted(entries, key=lambda e: -e.seconds)[:3]
-    print(
-        "  slowest views: "
-        + ", ".join(f"{e.key} {e.seconds:.1f} s" for e in slow)
-        + "; stages: "
-        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-    )
-    for e in skipped:
-        print(f"  skipped {e.key}: {e.note}")
-    if static_note:
-        print(f"  no PNG/SVG: {static_note}")
-    elif export_problems:
-        first = next(iter(export_problems.items()))
-        print(f"  {len(export_problems)} export(s) failed, e.g. {first[0]}: {first[1]}")
-    for e in failed:
-        print(f"  FAILED {e.key}: {e.error}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    problems = {f"{e.key}.{fmt}": v for e in shown for fmt, v in e.files.items() if isinstance(v, str)}
+    return ReportResult(out, entries, timings, static_note, problems)

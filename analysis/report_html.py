@@ -20,7 +20,7 @@ from analysis.format import format_number
 from k3core.tokenizer import token_axis_labels
 
 if TYPE_CHECKING:
-    from analysis.runs import Run, SampleInput
+    from analysis.runs import Input, Run
 
 SECTION_TITLES = {
     "density": "KDA layer density allocation",
@@ -105,7 +105,7 @@ def _figure_div(fig: go.Figure, div_id: str) -> str:
 
 
 def _run_block(run, label: str) -> str:
-    from analysis.inspect import config_summary
+    from analysis.checkpoint_summary import config_summary
 
     card = {k: v for k, v in run.card.items() if k not in ("card_text", "notes", "training")}
     parts = [
@@ -136,7 +136,7 @@ def render_html(
     runs: list[Run],
     labels: list[str],
     headlines: list[dict[str, Any]],
-    sample: SampleInput,
+    sample: Input,
     timings: dict[str, float],
 ) -> str:
     """The whole report as one HTML string (plotly.js inline once)."""

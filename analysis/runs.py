@@ -22,6 +22,8 @@ vocab-256 model). A run without one still loads; only text inputs are refused, w
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from analysis.views import AnalysisContext
+from analysis.context import AnalysisContext
 from k3core.checkpoint import CheckpointError
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoint_files import folder_fingerprint
 from k3core.config import K3Config
 from k3core.runtime import configure_threads
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
@@ -52,6 +54,9 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 @dataclass
 class Run:
+    """A loaded checkpoint: the first step of the flow (``load_run``: folder -> Run). ``trace_run`` runs it on an
+    ``Input`` and returns the ``AnalysisContext`` the views draw from."""
+
     model: Any  # K3ForCausalLM in eval mode
     config: K3Config
     metrics: dict | None
@@ -68,13 +73,40 @@ class Run:
 
 
 @dataclass
-class SampleInput:
+class Input:
+    """The token ids a run reads, and where they came from.
+
+    In the flow: a text or a built-in sample (``sample_input``, ``text_input``) becomes an Input; ``trace_run``
+    runs a ``Run`` on it and returns the ``AnalysisContext`` the views draw. ``digest`` keys every cache of it.
+    """
+
     name: str
     input_ids: torch.Tensor  # [1, T] int64
     targets: torch.Tensor | None = None  # aligned next-token targets (-100 = no loss); None: shift input_ids
     text: str | None = None
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    total: int = 0  # tokens of the whole text before it was cut to max tokens (0: not cut)
+    source: str = ""  # where the tokens came from, for captions ("" : the description)
+
+    @property
+    def n(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.n
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 over the int64 ids (and targets) with their shapes: the cache key of this input."""
+        h = hashlib.sha256()
+        for t in (self.input_ids, self.targets):
+            if t is not None:
+                t = t.detach().to("cpu", torch.int64).contiguous()
+                h.update(str(tuple(t.shape)).encode() + t.numpy().tobytes())
+            h.update(b"|")
+        return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -107,12 +139,6 @@ def read_card_text(path: str | Path, max_chars: int = 4000) -> str | None:
     return None
 
 
-def run_fingerprint(path: str | Path) -> str:
-    """The cache key of a checkpoint folder (``k3core.checkpoint_files.CheckpointFiles.fingerprint``): config,
-    index and tokenizer files, and each weight file's name, size, mtime and header (pickle weights whole)."""
-    return CheckpointFiles.open(path).fingerprint()
-
-
 def dtype_name(dtype: str | torch.dtype | None) -> str:
     """ "float32" / "bfloat16" / "float16" for a name or a torch dtype (None: float32). Raises ValueError."""
     if dtype is None:
@@ -128,16 +154,18 @@ def load_run(
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
     fingerprint: str | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | bool | None = None,
+    offload_folder: str | Path | None = None,
     max_memory: str | int | None = None,
 ) -> Run:
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
     The model is in eval mode on ``device`` in ``dtype``; torch's thread count is set for its size
-    (``k3core.runtime.configure_threads``). ``fingerprint`` (from ``run_fingerprint``) may be passed
-    when the caller already has it. ``max_memory`` (e.g. "8GB"): run from the checkpoint files within that
-    budget (``k3core.streamed``). Raises CheckpointError (missing folder, bad config, bad weights)
-    and ValueError (unknown dtype)."""
+    (``k3core.runtime.configure_threads``). ``fingerprint`` (``k3core.checkpoint_files.folder_fingerprint``)
+    may be passed when the caller already has it; ``progress`` is a (bytes done, total) callback or True for a tqdm bar;
+    ``offload_folder`` is where ``device="auto"`` puts weights that fit on no device; ``max_memory`` (e.g. "8GB"):
+    run it from the checkpoint files within that budget on ``device`` (``k3core.streamed``). Raises CheckpointError
+    (missing folder, bad config, bad weights) and ValueError (unknown dtype)."""
     from k3core.model import K3ForCausalLM
 
     path = Path(path)
@@ -146,13 +174,16 @@ def load_run(
         raise CheckpointError(
             f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
         )
-    fingerprint = fingerprint or run_fingerprint(path)
-    if max_memory:  # run from the files within the budget (k3core.streamed)
+    fingerprint = fingerprint or folder_fingerprint(path)
+    if max_memory:
+        budget_device = "cpu" if str(device) == "auto" else str(device)
         model = K3ForCausalLM.from_pretrained(
-            path, device=device, dtype=DTYPES[dtype], max_memory={str(device): max_memory}, stream=True
+            path, device=budget_device, dtype=DTYPES[dtype], max_memory={budget_device: max_memory}, stream=True
         )
     else:
-        model = K3ForCausalLM.from_pretrained(path, device=device, dtype=DTYPES[dtype], progress=progress).eval()
+        model = K3ForCausalLM.from_pretrained(
+            path, device=device, dtype=DTYPES[dtype], progress=progress, offload_folder=offload_folder
+        ).eval()
     configure_threads(model)
     metrics, note = read_metrics(path)
     card = model_card(model, metrics, read_card_text(path))
@@ -187,24 +218,11 @@ def run_tokenizer(path: str | Path, vocab_size: int) -> tuple[Tokenizer | None, 
 
 
 def model_card(model: K3ForCausalLM, metrics: dict | None = None, card_text: str | None = None) -> dict[str, Any]:
-    """A JSON-able summary: name, sizes, layer layout, residual/MoE settings and the final training numbers."""
-    cfg: K3Config = model.config
-    layout = "".join("M" if t == "MLA" else "k" for t in cfg.layer_types())
+    """A JSON-able card: parameter counts, notes and the final training numbers (the config's own summary is
+    ``analysis.checkpoint_summary.config_summary``)."""
     card: dict[str, Any] = {
-        "name": cfg.name,
         "parameters": int(model.num_parameters()),
         "active_parameters": int(model.num_parameters(active=True)),
-        "layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "layout": layout,
-        "mla_layers_1based": list(cfg.full_attn_layers),
-        "residual": cfg.residual,
-        "experts": f"{cfg.num_experts} routed (top-{cfg.num_experts_per_token}) + {cfg.num_shared_experts} shared"
-        if cfg.num_experts
-        else "dense",
-        "kda_gate": cfg.kda_gate,
-        "activation": cfg.hidden_act,
         "notes": [],
     }
     if metrics:
@@ -262,7 +280,7 @@ def encode_text(
 
 def sample_input(
     name: str, config: K3Config, max_tokens: int = DEFAULT_MAX_TOKENS, tokenizer: Tokenizer | None = None
-) -> SampleInput:
+) -> Input:
     """A named built-in input ("shakespeare", "mqar", "repeat"), at most ``max_tokens`` long.
 
     The two texts are read with ``text_tokenizer(config, tokenizer)``; MQAR is synthetic ids (any vocabulary)."""
@@ -272,18 +290,18 @@ def sample_input(
         # 8 characters per token is more than any tokenizer needs, so the passage fills n tokens
         ids = encode_text(shakespeare_passage(max(8 * n, 64)), config, n, tok)
         if name == "shakespeare":
-            return SampleInput(
+            return Input(
                 name, ids, text=tok.decode(ids[0]), description="held-out Shakespeare (Julius Caesar, Antony's speech)"
             )
         ids = torch.cat([ids, ids], dim=1)
-        return SampleInput(name, ids, text=None, description=f"a {ids.shape[1] // 2}-token passage, twice")
+        return Input(name, ids, text=None, description=f"a {ids.shape[1] // 2}-token passage, twice")
     if name == "mqar":
         from k3core.data import make_mqar
 
         seq = max(16, min(max_tokens, 256))
         pairs = max(1, min(16, seq // 8))
         batch = make_mqar(1, seq, pairs, vocab_size=config.vocab_size, generator=torch.Generator().manual_seed(0))
-        return SampleInput(
+        return Input(
             name,
             batch.inputs,
             targets=batch.targets,
@@ -299,18 +317,18 @@ def text_input(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     name: str = "text",
     tokenizer: Tokenizer | None = None,
-) -> SampleInput:
-    """``text`` as an input (``encode_text``); ``SampleInput.text`` is the part that fits, decoded back."""
+) -> Input:
+    """``text`` as an input (``encode_text``); ``Input.text`` is the part that fits, decoded back."""
     tok = text_tokenizer(config, tokenizer)
     ids = encode_text(text, config, max_tokens, tok)
-    return SampleInput(name, ids, text=tok.decode(ids[0]), description=f"{name}: {ids.shape[1]} tokens")
+    return Input(name, ids, text=tok.decode(ids[0]), description=f"{name}: {ids.shape[1]} tokens")
 
 
 # ----------------------------------------------------------------------------- tracing
 @torch.no_grad()
 def trace_run(
     run: Run,
-    input_ids: torch.Tensor | SampleInput,
+    input_ids: torch.Tensor | Input,
     what: Any = "all",
     targets: torch.Tensor | None = None,
     label: str | None = None,
@@ -326,7 +344,7 @@ def trace_run(
     from k3core.trace import record
 
     sample_name = None
-    if isinstance(input_ids, SampleInput):
+    if isinstance(input_ids, Input):
         targets = input_ids.targets if targets is None else targets
         sample_name = input_ids.name
         input_ids = input_ids.input_ids

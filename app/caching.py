@@ -1,8 +1,8 @@
 """Streamlit caching around analysis' one run-and-trace path; nothing here computes a metric or draws.
 
-    checkpoint folder --run_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
+    checkpoint folder --folder_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
     (fingerprint, device, dtype) --analysis.runs.load_run--> Run          st.cache_resource
-    (text choice, vocab) --analysis.runs.sample_input/text_input--> Tokens   st.cache_resource
+    (text choice, vocab) --analysis.runs.sample_input/text_input--> Input   st.cache_resource
     (run, tokens, trace items) --analysis.runs.trace_run--> AnalysisContext  st.cache_resource
     (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
 
@@ -26,30 +26,32 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import streamlit as st
 
 from analysis import runs
-from analysis.runs import Run
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.context import AnalysisContext
+from analysis.runs import Input, Run
+from analysis.view import NotApplicable
+from analysis.weights import WeightSummary, read_weight_summary
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
     InputError,
     TextChoice,
-    Tokens,
     check_device,
     check_options,
     check_text,
     current_inputs,
     options_key,
-    token_digest,
 )
-from app.uploads import RunRef
+from app.run_folders import folder_stamp
+from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
+from k3core.checkpoint_files import folder_fingerprint
 from k3core.trace import WHAT_ALL, WHAT_DEFAULT
 
 
@@ -97,24 +99,17 @@ def model_use(model: Any, exclusive: bool = False) -> contextlib.AbstractContext
 
 
 # ----------------------------------------------------------------------------------------- runs
-def _folder_stamp(path: Path) -> tuple:
-    """(name, size, mtime) of every file in a checkpoint folder: changes whenever the content may have."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-
-
 @st.cache_data(show_spinner=False, max_entries=64)
 def _fingerprint(path: str, stamp: tuple) -> str:
-    return runs.run_fingerprint(path)
+    return folder_fingerprint(path)
 
 
 def run_fingerprint(path: str | Path) -> str:
-    """analysis.runs.run_fingerprint of a folder, recomputed only when a file's size or mtime changes."""
+    """k3core.checkpoint_files.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
+    file's size or mtime changes (``app.run_folders.folder_stamp``)."""
     path = Path(path)
     try:
-        return _fingerprint(str(path), _folder_stamp(path))
+        return _fingerprint(str(path), folder_stamp(path))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
 
@@ -184,7 +179,7 @@ def metrics_digest(metrics: dict | None) -> str:
 
 # ----------------------------------------------------------------------------------------- tokens
 @st.cache_resource(show_spinner=False, max_entries=32)
-def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run) -> Tokens:
+def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run) -> Input:
     choice, config, tokenizer = _choice, _run.config, _run.tokenizer
     try:
         if choice.source in SAMPLE_OF_SOURCE:
@@ -205,12 +200,10 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
     if sample.description and choice.text is None:
         source = sample.description
-    return Tokens(
-        sample=sample, source=source, total=max(total, n), digest=token_digest(sample.input_ids, sample.targets)
-    )
+    return replace(sample, source=source, total=max(total, n))
 
 
-def make_tokens(choice: TextChoice, run: Run) -> Tokens:
+def make_tokens(choice: TextChoice, run: Run) -> Input:
     """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
@@ -227,11 +220,11 @@ _TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forwar
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
 def _cached_trace(
-    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Tokens
+    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Input
 ) -> AnalysisContext:
     start = time.perf_counter()
     with model_use(_run.model):
-        ctx = runs.trace_run(_run, _tokens.sample, what=list(what), max_attn_len=MAX_ATTN_LEN)
+        ctx = runs.trace_run(_run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN)
     _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
     return ctx
 
@@ -249,13 +242,15 @@ def tokens_per_second(fingerprint: str, device: str, dtype: str) -> float | None
 
 @dataclass
 class Loaded:
-    """A run ready for analysis: the Run, its traced context, the tokens, and the key its figures are cached under."""
+    """What an app page draws from: the picked run (``RunRef``), its ``Run`` (None on the weights path and for
+    the training history), the ``AnalysisContext``, the ``Input`` it read, and the key its figures are cached
+    under (``build_view``). Made by ``load`` / ``trace`` (``app.page.load_or_stop``) and ``load_weights``."""
 
     ref: RunRef
     run: Run | None  # None for contexts without a model (training history)
     ctx: AnalysisContext
     key: tuple
-    tokens: Tokens | None
+    tokens: Input | None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -276,12 +271,24 @@ def load(
 
     Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options).
     """
+    run = load_run(ref, device, dtype)
+    return trace(ref, run, make_tokens(choice, run), record_attn, options, label)
+
+
+def trace(
+    ref: RunRef,
+    run: Run,
+    tokens: Input,
+    record_attn: bool = True,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+) -> Loaded:
+    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens and trace items), under
+    ``label`` and the view ``options``. Raises InputError for bad options."""
     options = dict(options or {})
     check_options(options)
-    run = load_run(ref, device, dtype)
-    tokens = make_tokens(choice, run)
     what = trace_items(record_attn)
-    base = _cached_trace(run.fingerprint, device, dtype, tokens.digest, what, run, tokens)
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -289,8 +296,8 @@ def load(
         notes.append(f"The forward pass gave a non-finite loss ({ctx.loss}); try float32.")
     key = (
         run.fingerprint,
-        device,
-        dtype,
+        run.device,
+        run.dtype,
         tokens.digest,
         what,
         label,
@@ -298,6 +305,22 @@ def load(
         metrics_digest(run.metrics),
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------- weights
+@st.cache_resource(show_spinner="Reading the checkpoint's small tensors...", max_entries=8)
+def _weight_summary(fingerprint: str, path: str, experts: bool, _progress=None) -> WeightSummary:
+    return read_weight_summary(path, experts=experts, progress=_progress)
+
+
+def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
+    """A context for the views drawn from the weights alone (``analysis.weights.read_weight_summary``: headers
+    and small tensors, no model built), cached per folder state; ``experts`` also reads every expert matrix.
+    Raises CheckpointError / OSError / ValueError."""
+    fingerprint = run_fingerprint(ref.path)
+    summary = _weight_summary(fingerprint, str(ref.path), experts, progress)
+    ctx = AnalysisContext(trace=None, config=summary.config, label=ref.label, weights=summary)
+    return Loaded(ref=ref, run=None, ctx=ctx, key=("weights", fingerprint, experts, ref.label), tokens=None)
 
 
 # ----------------------------------------------------------------------------------------- views
@@ -338,15 +361,13 @@ def cached_build(view, *loadeds: Loaded):
     """The same View, its build served from the figure cache for these loaded runs' contexts.
 
     Lets analysis.compare build side-by-side and difference figures without recomputing a view."""
-    import dataclasses
-
     by_ctx = {id(loaded.ctx): loaded for loaded in loadeds}
 
     def build(ctx):
         loaded = by_ctx.get(id(ctx))
         return build_view(view, loaded) if loaded is not None else view.build(ctx)
 
-    return dataclasses.replace(view, build=build)
+    return replace(view, build=build)
 
 
 @st.cache_resource(show_spinner=False, max_entries=256)

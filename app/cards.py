@@ -22,7 +22,7 @@ from analysis.export import export_figure, static_export_available
 from analysis.format import format_number
 from analysis.headline import HEADLINE_LABELS, headline_table
 from analysis.style import screen_figure
-from analysis.views import NotApplicable, View, all_views
+from analysis.view import NotApplicable, View
 from app import caching
 from app.caching import Loaded
 from app.inputs import InputError
@@ -42,7 +42,7 @@ KEY_HEADLINES = (
     "block_influence_mean",
     "moe_maxvio_max",
     "attnres_embedding_weight_mean",
-    "kda_horizon_median",
+    "kda_half_life_median",
 )
 
 
@@ -182,10 +182,6 @@ def render_view(view: View, loaded: Loaded) -> bool:
         return False
     figure_card(fig, df, key=view.key, stem=f"{slug(loaded.ctx.label)}_{view.key}", description=view.description)
     return True
-
-
-def section_views(section: str) -> list[View]:
-    return [v for v in all_views() if v.section == section]
 
 
 # ----------------------------------------------------------------------------------------- headline numbers

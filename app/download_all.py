@@ -1,9 +1,9 @@
 """Download all: the ``k3lab report`` folder of the shown run(s) and text, as one zip.
 
-The app does not write a report of its own: it runs ``analysis.report.main`` with the arguments the
-command line would get (the runs, ``--sample`` or ``--text``, ``--max-tokens``, ``--no-static``,
-``--skip-model-views``) into a temporary folder and zips that folder, so the zip holds exactly what
-``k3lab report`` writes: report.html, headline.json and figures/ (CSV, JSON, PNG, SVG per figure).
+The app does not write a report of its own: it runs ``analysis.report.write_report`` (what ``k3lab report``
+runs) with the runs, the sample or text, max tokens, static images on or off and the model views skipped or
+not, into a temporary folder, and zips that folder, so the zip holds exactly what ``k3lab report`` writes:
+report.html, headline.json and figures/ (CSV, JSON, PNG, SVG per figure).
 """
 
 from __future__ import annotations
@@ -16,28 +16,22 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis import report
+from analysis.report import write_report
 from app.cards import slug
 from app.inputs import SAMPLE_OF_SOURCE, InputError, TextChoice
-from app.uploads import RunRef
+from app.run_list import RunRef
+from k3core.checkpoint import CheckpointError
 
 
-def report_argv(paths: list[str], choice: TextChoice, out: Path, static: bool, skip_model_views: bool) -> list[str]:
-    """The ``k3lab report`` arguments for these runs and this text (a user text goes to ``out``/../input.txt)."""
-    argv = [*paths, "--out", str(out), "--max-tokens", str(choice.max_tokens), "--quiet"]
+def report_options(choice: TextChoice, out: Path) -> dict:
+    """``analysis.report.write_report``'s input options for this text (a user text goes to ``out``/../input.txt)."""
     if choice.source in SAMPLE_OF_SOURCE:
-        argv += ["--sample", SAMPLE_OF_SOURCE[choice.source]]
-    else:
-        if not choice.text:
-            raise InputError("there is no text to report on: paste or upload some, or pick a built-in sample")
-        text_file = out.parent / "input.txt"
-        text_file.write_text(choice.text, encoding="utf-8")
-        argv += ["--text", str(text_file)]
-    if not static:
-        argv.append("--no-static")
-    if skip_model_views:
-        argv.append("--skip-model-views")
-    return argv
+        return {"sample": SAMPLE_OF_SOURCE[choice.source], "max_tokens": choice.max_tokens}
+    if not choice.text:
+        raise InputError("there is no text to report on: paste or upload some, or pick a built-in sample")
+    text_file = out.parent / "input.txt"
+    text_file.write_text(choice.text, encoding="utf-8")
+    return {"text_file": text_file, "max_tokens": choice.max_tokens}
 
 
 def zip_folder(folder: Path, root_name: str) -> bytes:
@@ -53,9 +47,11 @@ def report_zip(refs: list[RunRef], choice: TextChoice, static: bool = True, skip
     """``k3lab report`` of one run (or two, compared) on this text, zipped. Raises InputError when it cannot run."""
     with tempfile.TemporaryDirectory(prefix="k3lab-report-") as tmp:
         out = Path(tmp) / "report"
-        code = report.main(report_argv([r.path for r in refs], choice, out, static, skip_model_views))
-        if code == 2 or not (out / "report.html").is_file():
-            raise InputError("the report could not be written (see the server log for the reason)")
+        options = report_options(choice, out)
+        try:
+            write_report([r.path for r in refs], out, static=static, skip_model_views=skip_model_views, **options)
+        except (CheckpointError, ValueError, OSError) as exc:
+            raise InputError(f"the report could not be written: {exc}") from exc
         return zip_folder(out, "report")
 
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import streamlit as st
 import torch
 
-from analysis.runs import DTYPES, SampleInput
+from analysis.runs import DTYPES
 
 if TYPE_CHECKING:
-    from app.uploads import RunRef
+    from app.run_list import RunRef
 
 MAX_TOKENS_DEFAULT = 512
 MAX_TOKENS_CAP = 8192  # hard upper bound of the max-tokens input (CPU-friendly)
@@ -50,7 +50,8 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class TextChoice:
-    """What the user picked to read: a built-in sample, or their own text (pasted or uploaded)."""
+    """What the user picked to read in the sidebar: a built-in sample, or their own text (pasted or uploaded).
+    ``app.caching.make_tokens`` turns it into the run's ``analysis.runs.Input``."""
 
     source: str  # one of TEXT_SOURCES
     max_tokens: int = MAX_TOKENS_DEFAULT
@@ -71,34 +72,9 @@ class TextChoice:
 
 
 @dataclass(frozen=True)
-class Tokens:
-    """The token ids the model reads (analysis.runs.SampleInput) and where they came from."""
-
-    sample: SampleInput
-    source: str  # description for captions
-    total: int  # tokens before truncation
-    digest: str  # sha256 of ids and targets: the cache key of the input
-
-    @property
-    def n(self) -> int:
-        return int(self.sample.input_ids.shape[1])
-
-    @property
-    def text(self) -> str | None:
-        return self.sample.text
-
-    @property
-    def truncated(self) -> bool:
-        return self.total > self.n
-
-    @property
-    def user_text(self) -> bool:
-        return self.source.startswith((TEXT_PASTE, TEXT_UPLOAD))
-
-
-@dataclass(frozen=True)
 class Inputs:
-    """Everything the sidebar chose; pages read it with ``current_inputs()``."""
+    """Everything the sidebar chose (runs, text, device, options): the start of every page, read with
+    ``current_inputs()``; ``app.page.load_or_stop`` turns it into a ``Loaded`` run."""
 
     runs: tuple[RunRef, ...]
     run: RunRef | None
@@ -117,17 +93,6 @@ class Inputs:
 
 def current_inputs() -> Inputs | None:
     return st.session_state.get("k3lab_inputs")
-
-
-def token_digest(ids: torch.Tensor, targets: torch.Tensor | None = None) -> str:
-    """sha256 over the int64 ids (and targets) with their shapes."""
-    h = hashlib.sha256()
-    for t in (ids, targets):
-        if t is not None:
-            t = t.detach().to("cpu", torch.int64).contiguous()
-            h.update(str(tuple(t.shape)).encode() + t.numpy().tobytes())
-        h.update(b"|")
-    return h.hexdigest()
 
 
 def check_max_tokens(max_tokens: Any) -> int:

@@ -57,7 +57,7 @@ PAGES = {
     ],
     "Tools": [
         _page("generate", "Generate", ":material/edit_note:"),
-        _page("upload", "Runs library", ":material/folder_open:"),
+        _page("runs_library", "Runs library", ":material/folder_open:", url_path="upload"),
     ],
 }
 

@@ -13,13 +13,18 @@ import time
 
 import streamlit as st
 
+from analysis.context import AnalysisContext
 from analysis.importance import sublayer_importance
-from analysis.views import AnalysisContext, View, all_views
-from app import caching, cards, uploads
+from analysis.runs import Input, Run
+from analysis.view import View
+from analysis.views import all_views, section_views
+from app import caching, cards, error_text, memory_fit
 from app.caching import Loaded
 from app.inputs import (
     LONG_INPUT_TOKENS,
     MAX_TOKENS_CAP,
+    TEXT_PASTE,
+    TEXT_UPLOAD,
     InputError,
     Inputs,
     TextChoice,
@@ -28,7 +33,7 @@ from app.inputs import (
 )
 from app.links import SECTIONS
 from app.prefetch import prefetch
-from app.uploads import RunRef
+from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError, load_config
 from k3core.trace import Trace
 
@@ -60,7 +65,7 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
     try:
         return caching.load_run(ref, inputs.device, inputs.dtype).model
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
+        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
@@ -74,7 +79,7 @@ def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
     if inputs.max_memory:
         _confirm_streamed(inputs, ref)
         return
-    problem = uploads.fit_problem(ref, inputs.device, inputs.dtype)
+    problem = memory_fit.fit_problem(ref, inputs.device, inputs.dtype)
     if problem:
         st.error(problem)
         st.stop()
@@ -82,16 +87,16 @@ def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
 
 def _confirm_streamed(inputs: Inputs, ref: RunRef) -> None:
     """Show the streaming plan (what stays, what streams, bytes and expected time) and run only when asked;
-    a Stop button while it runs."""
+    a Stop button while it runs. Drawn once per script run (a page may ask for the model, then the trace)."""
     try:
-        plan = uploads.stream_plan(ref.path, inputs.device, inputs.dtype, inputs.max_memory)
+        plan = memory_fit.stream_plan(ref.path, inputs.device, inputs.dtype, inputs.max_memory)
     except (CheckpointError, ValueError) as exc:
-        st.error(f"**{ref.label}**: {uploads.message(exc, ref)}")
+        st.error(f"**{ref.label}**: {error_text.message(exc, ref)}")
         st.stop()
     tokens = inputs.text.max_tokens
     key = (ref.path, inputs.device, inputs.dtype, inputs.max_memory, inputs.text.key())
     confirmed = st.session_state.setdefault("k3lab_stream_confirmed", set())
-    if st.session_state.get("k3lab_stream_drawn"):  # a page asking twice (model, then trace) in one run
+    if st.session_state.get("k3lab_stream_drawn"):
         if key not in confirmed:
             st.stop()
         return
@@ -109,14 +114,9 @@ def _confirm_streamed(inputs: Inputs, ref: RunRef) -> None:
         st.stop()
 
 
-def _streaming_progress(inputs: Inputs, ref: RunRef):
+def _streaming_progress(run: Run):
     """A progress bar (layer i of N, bytes read, expert cache hits) on a streamed run's forward; its remover."""
-    if not inputs.max_memory:
-        return lambda: None
-    try:
-        session = getattr(caching.load_run(ref, inputs.device, inputs.dtype).model, "streaming", None)
-    except (CheckpointError, InputError):
-        return lambda: None  # load_or_stop reports it
+    session = getattr(run.model, "streaming", None)
     if session is None:
         return lambda: None
     bar = st.empty()
@@ -137,13 +137,8 @@ def _streaming_progress(inputs: Inputs, ref: RunRef):
     return remove
 
 
-def _confirm_long_input(inputs: Inputs, ref: RunRef, choice: TextChoice) -> None:
+def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, choice: TextChoice) -> None:
     """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
-    try:
-        run = caching.load_run(ref, inputs.device, inputs.dtype)
-        tokens = caching.make_tokens(choice, run)
-    except (CheckpointError, InputError):
-        return  # load_or_stop reports it
     what = caching.trace_items(inputs.record_attn)
     key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
     confirmed = st.session_state.setdefault("k3lab_confirmed", set())
@@ -168,7 +163,8 @@ def load_or_stop(
     label: str | None = None,
     text_error: str | None = None,
 ) -> Loaded:
-    """Run + trace + context for a run; on a bad checkpoint or text shows st.error and stops the page."""
+    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
+    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
@@ -176,12 +172,15 @@ def load_or_stop(
         st.error(text_error)
         st.stop()
     _stop_if_too_big(inputs, ref)
-    _confirm_long_input(inputs, ref, choice)
-    done = _streaming_progress(inputs, ref)
+    done = lambda: None  # noqa: E731 - replaced by the streamed run's progress remover
     try:
-        loaded = caching.load(ref, choice, inputs.device, inputs.dtype, inputs.record_attn, inputs.options(), label)
+        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        tokens = caching.make_tokens(choice, run)
+        _confirm_long_input(inputs, ref, run, tokens, choice)
+        done = _streaming_progress(run)
+        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
     except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {uploads.message(exc, ref)}"
+        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
         log.exception("loading %s failed", ref.path)
         error = f"**{ref.label}** could not be run on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
@@ -203,7 +202,7 @@ def show_input_notes(loaded: Loaded) -> None:
             f"Reading the first {tok.n:,} of {tok.total:,} tokens of the text (max tokens in the sidebar, at "
             f"most {MAX_TOKENS_CAP:,})."
         )
-        if tok.user_text:
+        if tok.source.startswith((TEXT_PASTE, TEXT_UPLOAD)):  # the user's own text
             st.warning(msg)
         else:
             st.caption(msg)
@@ -281,7 +280,7 @@ def render_section(section: str, loaded: Loaded) -> int:
 
     A section of more than LAZY_SECTION views draws its first EAGER_VIEWS at once and the others when the user
     turns them on: each chart costs the browser 30-100 ms to draw, so ten of them make a page switch take ~1 s."""
-    views = cards.section_views(section)
+    views = section_views(section)
     if not views:
         st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
         return 0

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
-from analysis.views import View
+from analysis.view import View
 from app import caching
 from app.caching import Loaded
 

@@ -42,6 +42,16 @@ class FolderInfo:
     files: CheckpointFiles  # the config and the tensor table, read from the headers
 
 
+def folder_stamp(path: Path) -> tuple:
+    """(name, size, mtime) of every file in a checkpoint folder (or of one file): changes whenever the content
+    may have, so it keys the app's caches of a folder (fingerprint, placement plan). Raises CheckpointError
+    when there is nothing at ``path``."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
 def folder_size(folder: Path) -> int:
     """Bytes of the regular files directly in ``folder`` (links followed, as the loader would)."""
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())

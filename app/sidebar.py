@@ -13,9 +13,9 @@ import streamlit as st
 
 from analysis.format import format_tokens
 from app import inputs as inp
-from app import links, uploads
+from app import links, run_list
 from app.inputs import InputError, Inputs, TextChoice
-from app.uploads import RunRef
+from app.run_list import RunRef
 
 ORIGIN_TAGS = {
     "preloaded": "",
@@ -32,8 +32,8 @@ def sidebar() -> Inputs:
     The chosen inputs are also stored in ``st.session_state["k3lab_inputs"]`` for the pages.
     """
     ss = st.session_state
-    runs, problems = uploads.discover_runs(
-        os.environ.get(uploads.RUNS_ENV), uploads.SAMPLES_DIR, uploads.library_runs()
+    runs, problems = run_list.discover_runs(
+        os.environ.get(run_list.RUNS_ENV), run_list.SAMPLES_DIR, run_list.library_runs()
     )
     labels = [r.label for r in runs]
     by_label = {r.label: r for r in runs}

@@ -56,7 +56,7 @@ __all__ = [
     "WEIGHTS_NAME",
     "CheckpointError",
     "ProgressFn",
-    "checkpoint_fingerprint",
+    "folder_fingerprint",
     "export_state_dict",
     "load_config",
     "load_pretrained",
@@ -149,12 +149,6 @@ def load_config(path: str | Path) -> K3Config:
     """The K3Config of a checkpoint folder (or of the folder of a weights file). Raises CheckpointError."""
     path = Path(path)
     return read_config(path if path.is_dir() else path.parent)
-
-
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """A cache key that changes with the content: SHA-256 over config, index and tokenizer files, and each
-    weight file's name, size, modification time and header (pickle files, which have none, whole)."""
-    return folder_fingerprint(Path(path))
 
 
 def keep_fp32_parameters(model: nn.Module) -> list[str]:

@@ -7,7 +7,7 @@
     python scripts/train_samples.py --stage /tmp/k3stage  # train there, copy into sample_checkpoints/ when done
 
 Each run is ``k3lab train <base_config> --set <its change> <common args> --out sample_checkpoints/<name>``
-(run here as ``python -m k3core.training``, the same entry point). Logs go to ``--log-dir``.
+(run here as ``python -m k3lab train``, the same entry point). Logs go to ``--log-dir``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = pending.pop(0)
                 log = open(log_dir / f"{run['name']}.log", "w")  # noqa: SIM115 - closed when the job ends
                 out_root = str(Path(args.stage).resolve()) if args.stage else "sample_checkpoints"
-                cmd = [sys.executable, "-m", "k3core.training", *run_args(recipe, run, out_root)]
+                cmd = [sys.executable, "-m", "k3lab", "train", *run_args(recipe, run, out_root)]
                 print(f"start {run['name']}: {command(recipe, run)}  (log {log.name})", flush=True)
                 active.append((run, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
             time.sleep(5)

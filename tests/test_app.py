@@ -17,13 +17,15 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app import caching, cards, inputs, uploads
+from analysis import runs as runs_mod
+from analysis.views import section_views
+from app import caching, cards, inputs, run_list
 from app import page as page_mod
 from app.settings import HOME_ENV
 from k3core.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
-PAGES = ("density", "attnres", "moe", "degradation", "compare", "history", "generate", "upload")
+PAGES = ("density", "attnres", "moe", "degradation", "compare", "history", "generate", "runs_library")
 SECTION_PAGES = ("density", "attnres", "moe", "degradation")
 TIMEOUT = 180  # seconds per script run: generous for a loaded CI machine; typical runs take 1-5 s
 MAX_TOKENS = 48
@@ -70,10 +72,10 @@ def app_env(monkeypatch, tmp_path):
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))  # the runs library of this test only
 
     def use(*folders: Path) -> None:
-        monkeypatch.setenv(uploads.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
+        monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
         empty = tmp_path / "no-samples"
         empty.mkdir(exist_ok=True)
-        monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+        monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
 
     return use
 
@@ -194,14 +196,14 @@ def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     shutil.copytree(runs["good"], samples / "nano-a")  # same name as a preloaded run: gets a suffix
     (samples / "not-a-run").mkdir()
     env = os.pathsep.join([str(runs["other"]), str(tmp_path / "missing"), str(runs["other"])])
-    uploaded = [uploads.RunRef("up", str(runs["good"]), "uploaded")]
-    found, problems = uploads.discover_runs(env, samples, uploaded)
+    uploaded = [run_list.RunRef("up", str(runs["good"]), "uploaded")]
+    found, problems = run_list.discover_runs(env, samples, uploaded)
     assert [(r.label, r.origin) for r in found] == [("nano-b", "preloaded"), ("nano-a", "sample"), ("up", "uploaded")]
     assert len(problems) == 1 and "missing" in problems[0]
-    found, _ = uploads.discover_runs(str(runs["good"]), samples)
+    found, _ = run_list.discover_runs(str(runs["good"]), samples)
     assert [r.label for r in found] == ["nano-a", "nano-a (2)"]
     # A folder of runs expands to its checkpoint folders.
-    found, problems = uploads.discover_runs(str(runs["good"].parent), None)
+    found, problems = run_list.discover_runs(str(runs["good"].parent), None)
     assert [r.label for r in found] == ["corrupt", "nan-weights", "nano-a", "nano-b"] and not problems
 
 
@@ -215,9 +217,10 @@ def test_text_checks_and_token_digest():
     with pytest.raises(inputs.InputError, match="not UTF-8"):
         inputs.decode_upload(b"caf\xe9", "x.txt")
     ids = torch.arange(5)[None]
-    assert inputs.token_digest(ids) == inputs.token_digest(ids.clone())
-    assert inputs.token_digest(ids) != inputs.token_digest(ids, torch.full_like(ids, -100))
-    assert inputs.token_digest(ids) != inputs.token_digest(torch.arange(1, 6)[None])
+    digest = runs_mod.Input("a", ids).digest
+    assert digest == runs_mod.Input("b", ids.clone()).digest
+    assert digest != runs_mod.Input("a", ids, targets=torch.full_like(ids, -100)).digest
+    assert digest != runs_mod.Input("a", torch.arange(1, 6)[None]).digest
     # Same text and length, same cache key; any change, a new key.
     a = inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello")
     assert a.key() == inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello").key()
@@ -248,9 +251,9 @@ def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch
         assert formats == {"html", "csv", "json"}, keys
         assert any("need Chromium" in c.value or "needs Chromium" in c.value for c in at.caption)
         # The export files themselves (built on click in the browser) hold the figure's data.
-        run = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+        run = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
         loaded = caching.load(run, inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32))
-        fig, df = caching.build_view(cards.section_views("attnres")[0], loaded)
+        fig, df = caching.build_view(section_views("attnres")[0], loaded)
         assert cards.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
         assert b"<html" in cards.figure_bytes(fig, df, "t", "html")[:500].lower()
     finally:
@@ -278,7 +281,7 @@ def test_two_pickle_checkpoints_with_one_config_differ_through_the_app_path(tmp_
     stamp = a.stat().st_mtime_ns
     for file in (a, b):
         os.utime(file, ns=(stamp, stamp))  # only the bytes differ
-    refs = [uploads.RunRef(f"bin-{i}", str(folder), "preloaded") for i, folder in enumerate(folders)]
+    refs = [run_list.RunRef(f"bin-{i}", str(folder), "preloaded") for i, folder in enumerate(folders)]
     fingerprints = [caching.run_fingerprint(ref.path) for ref in refs]
     assert fingerprints[0] != fingerprints[1]
     choice = inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32)
@@ -295,13 +298,13 @@ def test_two_pickle_checkpoints_with_one_config_differ_through_the_app_path(tmp_
 
 
 def test_loaded_context_is_the_traced_one_with_the_page_options(app_env, runs):
-    ref = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+    ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
     choice = inputs.TextChoice(inputs.TEXT_MQAR, 40)
     small = caching.load(ref, choice, options={"seq_len": 1024})
     large = caching.load(ref, choice, options={"seq_len": 4096}, label="other label")
     # one trace, one token tensor, shared; only the label and options differ
     assert small.ctx.trace is large.ctx.trace and small.ctx.input_ids is large.ctx.input_ids
-    assert small.ctx.input_ids is small.tokens.sample.input_ids
+    assert small.ctx.input_ids is small.tokens.input_ids
     assert (small.ctx.options["seq_len"], large.ctx.options["seq_len"]) == (1024, 4096)
     assert large.ctx.label == "other label" and small.ctx.label == "nano-a"
     assert small.key != large.key
@@ -446,10 +449,10 @@ def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
     import io
     import zipfile
 
-    from analysis import report
     from app import download_all
+    from k3lab import report
 
-    ref = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+    ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
     choice = inputs.TextChoice(inputs.TEXT_MQAR, 32)
     data = download_all.report_zip([ref], choice, static=False, skip_model_views=True)
     out = tmp_path / "cli"
@@ -500,10 +503,10 @@ def test_two_sessions_trace_one_shared_model_at_the_same_time(runs):
 
     from analysis import runs as runs_mod
 
-    ref = uploads.RunRef("nano-a", str(runs["good"]), "preloaded")
+    ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
     choices = [inputs.TextChoice(inputs.TEXT_REPEAT, 38), inputs.TextChoice(inputs.TEXT_MQAR, 36)]
     run = caching.load_run(ref)
-    expected = [runs_mod.trace_run(run, caching.make_tokens(c, run).sample).trace["token_nll"] for c in choices]
+    expected = [runs_mod.trace_run(run, caching.make_tokens(c, run)).trace["token_nll"] for c in choices]
     start = threading.Barrier(2)
     results: dict[int, object] = {}
 
@@ -528,11 +531,11 @@ def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
     import pandas as pd
     import plotly.graph_objects as go
 
-    from analysis.views import View
+    from analysis.view import View
     from app import prefetch
 
     loaded = caching.load(
-        uploads.RunRef("nano-a", str(runs["good"]), "preloaded"), inputs.TextChoice(inputs.TEXT_MQAR, 34)
+        run_list.RunRef("nano-a", str(runs["good"]), "preloaded"), inputs.TextChoice(inputs.TEXT_MQAR, 34)
     )
     built = threading.Event()
     calls = []
@@ -556,7 +559,7 @@ def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
 def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     """The Weights section on Compare: the weight views of two loaded runs side by side (summaries from the
     models' parameters), the views that need what a loaded nano lacks said in a note."""
-    from analysis.views import all_views
+    from analysis.views import section_views
 
     app_env(runs["good"], runs["other"])
     at = _app()
@@ -566,10 +569,10 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     assert not at.exception and _errors(at) == []
     assert at.radio(key="k3lab_cmp_section").value == "weights"
     assert at.query_params["section"] == "weights"
-    weights_views = [v for v in all_views() if v.section == "weights"]
+    weights_views = section_views("weights")
     notes = [i.value for i in at.info]
     not_applicable = [v for v in weights_views if any(i.startswith(f"**{v.title}**") for i in notes)]
-    assert {v.key for v in not_applicable} == {"weights_scale_bias", "weights_expert_norms"}  # AttnRes; not read
+    assert {v.key for v in not_applicable} == {"attnres_scale_bias", "weights_expert_norms"}  # AttnRes; not read
     assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
 
 
@@ -578,7 +581,7 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
     on for the session when the user leaves the page and comes back."""
     app_env(runs["good"])
     at = _app().run()
-    views = cards.section_views("degradation")
+    views = section_views("degradation")
     assert len(views) > page_mod.LAZY_SECTION
 
     def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it

@@ -12,7 +12,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app import uploads
+from app import error_text, library_home, memory_fit, run_list
 from app.library import RunsLibrary
 from app.settings import HOME_ENV, ROOTS_ENV
 from k3core.model import K3ForCausalLM
@@ -42,10 +42,10 @@ def env(monkeypatch, tmp_path, runs):
     home = tmp_path / "home"
     monkeypatch.setenv(HOME_ENV, str(home))
     monkeypatch.setenv(ROOTS_ENV, str(runs["good"].parent))
-    monkeypatch.setenv(uploads.RUNS_ENV, str(runs["good"]))
+    monkeypatch.setenv(run_list.RUNS_ENV, str(runs["good"]))
     empty = tmp_path / "no-samples"
     empty.mkdir()
-    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
     return home
 
 
@@ -53,7 +53,7 @@ def _library_page(max_tokens: int = 16) -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = max_tokens
     at.run()
-    return at.switch_page("app_pages/upload.py").run()
+    return at.switch_page("app_pages/runs_library.py").run()
 
 
 def _errors(at: AppTest) -> list[str]:
@@ -88,7 +88,7 @@ def test_upload_persists_and_a_bad_one_leaves_nothing(env, runs):
     assert (entry.name, entry.source) == ("mine", "upload")
 
     # A new session (a browser reload) and a new library object (a server restart) still list it.
-    uploads._library.clear()
+    library_home._library.clear()
     again = _library_page()
     assert not again.exception
     assert "mine · uploaded" in again.selectbox(key="k3lab_run").options
@@ -124,7 +124,7 @@ def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
     assert "nano-other · folder" in at.selectbox(key="k3lab_run").options
 
     # Started again with other roots: the entry stays in the library but is not offered any more.
-    uploads._library.clear()
+    library_home._library.clear()
     other_root = tmp_path / "other-root"
     other_root.mkdir()
     with pytest.MonkeyPatch.context() as mp:
@@ -132,7 +132,7 @@ def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
         again = _library_page()
         assert "nano-other · folder" not in again.selectbox(key="k3lab_run").options
         assert any("Not offered in the run picker" in w.value and "outside" in w.value for w in again.warning)
-    assert uploads.path_refusal(entry) is None  # back with the original roots
+    assert library_home.path_refusal(entry) is None  # back with the original roots
 
     outside = tmp_path / "outside"
     shutil.copytree(runs["other"], outside)
@@ -166,20 +166,20 @@ def test_preset_rename_and_delete(env):
 
 
 def test_a_run_too_big_for_memory_gets_a_message_not_a_load(env, runs, monkeypatch):
-    monkeypatch.setattr(uploads, "available_memory", lambda device: 100_000)  # 100 KB free
-    ref = uploads.RunRef("nano-good", str(runs["good"]), "preloaded")
-    problem = uploads.fit_problem(ref, "cpu", "float32")
+    monkeypatch.setattr(memory_fit, "available_memory", lambda device: 100_000)  # 100 KB free
+    ref = run_list.RunRef("nano-good", str(runs["good"]), "preloaded")
+    problem = memory_fit.fit_problem(ref, "cpu", "float32")
     assert problem.startswith("**nano-good** needs 826.5 KiB in float32 but cpu has 97.7 KiB free")
-    assert "in bfloat16" in uploads.fit_problem(ref, "cpu", "bfloat16")
-    monkeypatch.setattr(uploads, "available_memory", lambda device: 10**12)
-    assert uploads.fit_problem(ref, "cpu", "float32") is None
+    assert "in bfloat16" in memory_fit.fit_problem(ref, "cpu", "bfloat16")
+    monkeypatch.setattr(memory_fit, "available_memory", lambda device: 10**12)
+    assert memory_fit.fit_problem(ref, "cpu", "float32") is None
 
 
 def test_messages_name_the_run_not_the_folder(env, runs):
-    lib = uploads.library()
+    lib = library_home.library()
     entry, _ = lib.add_files([(p.name, p.read_bytes()) for p in runs["other"].iterdir()], "named")
-    ref = uploads.ref_of(entry)
-    text = uploads.message(f"{entry.path}: truncated; {entry.path.name}/model.safetensors bad", ref)
+    ref = run_list.ref_of(entry)
+    text = error_text.message(f"{entry.path}: truncated; {entry.path.name}/model.safetensors bad", ref)
     assert text == "named: truncated; named/model.safetensors bad"
     assert os.fspath(env) not in text
 
@@ -195,7 +195,7 @@ def test_loading_reports_progress_in_bytes(runs):
 
 
 def test_overview_of_a_run_too_big_for_memory_says_so_and_loads_nothing(env, runs, monkeypatch):
-    monkeypatch.setattr(uploads, "available_memory", lambda device: 100_000)  # 100 KB free: nano needs 826 KB
+    monkeypatch.setattr(memory_fit, "available_memory", lambda device: 100_000)  # 100 KB free: nano needs 826 KB
     loads = []
     monkeypatch.setattr("analysis.runs.load_run", lambda *a, **k: loads.append(a))
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)

@@ -9,7 +9,7 @@ import pytest
 
 from analysis import attention as at
 from analysis import hidden_states as hs
-from analysis.tables import MissingTraceData
+from analysis.trace_errors import MissingTraceData
 from k3core.trace import Trace
 
 

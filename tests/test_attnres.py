@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from analysis import attnres as ar
+from analysis.entropy import normalised_entropy
 from k3core.model import scale_bias_init
 from k3core.trace import Trace
 
@@ -24,14 +25,14 @@ def block_run():
 
 
 def test_normalised_entropy_hand_cases():
-    assert ar.normalised_entropy(np.full(4, 0.25)) == pytest.approx(1.0)
-    assert ar.normalised_entropy(np.array([0.0, 1.0, 0.0])) == 0.0
-    assert ar.normalised_entropy(np.array([1.0])) == 0.0  # a single source: defined as 0
-    assert ar.normalised_entropy(np.array([0.5, 0.5, 0.0, 0.0])) == pytest.approx(0.5)  # log 2 / log 4
-    rows = ar.normalised_entropy(np.array([[0.5, 0.5], [1.0, 0.0]]))
+    assert normalised_entropy(np.full(4, 0.25)) == pytest.approx(1.0)
+    assert normalised_entropy(np.array([0.0, 1.0, 0.0])) == 0.0
+    assert normalised_entropy(np.array([1.0])) == 0.0  # a single source: defined as 0
+    assert normalised_entropy(np.array([0.5, 0.5, 0.0, 0.0])) == pytest.approx(0.5)  # log 2 / log 4
+    rows = normalised_entropy(np.array([[0.5, 0.5], [1.0, 0.0]]))
     assert rows == pytest.approx([1.0, 0.0])
     with pytest.raises(ValueError):
-        ar.normalised_entropy(np.array([-0.1, 1.1]))
+        normalised_entropy(np.array([-0.1, 1.1]))
 
 
 def _hand_trace() -> Trace:
@@ -73,7 +74,6 @@ def test_depth_weights_and_site_stats_by_hand():
     assert stats.loc["output", "embedding_weight"] == 0.5 and stats.loc["output", "max_weight"] == 0.5
     assert stats.loc["output", "layer"] == 2 and stats.loc["output", "side"] == "output"
     assert stats.loc["output", "query_norm"] == 2.5
-    assert list(ar.query_norms(t)["query_norm"]) == [0.0, 2.5]
 
 
 def test_hidden_rms_by_depth_by_hand():
@@ -109,16 +109,16 @@ def test_block_sites_and_sources_on_a_real_trace(block_run):
     assert set(w[w["source"] == 0]["source_name"]) == {"embedding"}
 
 
-def test_scale_bias_stats_on_a_real_trace():
+def test_scale_bias_of_a_real_model_from_its_weights():
+    from analysis.weights import summary_of_model
+
     model = nano_model(kda_chunk_size=16, residual="scale_bias")
     with torch.no_grad():
         model.model.layers[1].mlp_res_bias.fill_(0.25)
-    trace = traced(model, random_ids(24))
-    table = ar.scale_bias_stats(trace, model.config).set_index(["layer", "side"])
+    table = summary_of_model(model).scale_bias.set_index(["layer", "site"])
     assert len(table) == 2 * 4
     for i in range(4):
         assert table.loc[(i, "attn"), "scale_mean"] == pytest.approx(scale_bias_init(model.config, i))
-        assert table.loc[(i, "attn"), "scale_init"] == pytest.approx(scale_bias_init(model.config, i))
     assert table.loc[(1, "mlp"), "bias_mean"] == pytest.approx(0.25) and table.loc[(1, "mlp"), "bias_std"] == 0
     assert table.loc[(0, "mlp"), "bias_mean"] == 0.0
 

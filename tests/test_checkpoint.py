@@ -16,11 +16,10 @@ from k3core.checkpoint import (
     INDEX_NAME,
     WEIGHTS_NAME,
     CheckpointError,
-    checkpoint_fingerprint,
     export_state_dict,
     save_pretrained,
 )
-from k3core.checkpoint_files import keep_fp32
+from k3core.checkpoint_files import folder_fingerprint, keep_fp32
 from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
@@ -278,11 +277,11 @@ def test_plain_state_dict_bin_loads(saved, tmp_path, tokens):
 
 
 def test_fingerprint_follows_the_content(saved, bad):
-    assert checkpoint_fingerprint(saved[1]) == checkpoint_fingerprint(bad)
+    assert folder_fingerprint(saved[1]) == folder_fingerprint(bad)
     data = bytearray((bad / WEIGHTS_NAME).read_bytes())
     data[-1] ^= 1
     (bad / WEIGHTS_NAME).write_bytes(bytes(data))
-    assert checkpoint_fingerprint(saved[1]) != checkpoint_fingerprint(bad)
+    assert folder_fingerprint(saved[1]) != folder_fingerprint(bad)
 
 
 # ------------------------------------------------------------------------------------------ bad checkpoints

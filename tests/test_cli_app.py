@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.settings import HOME_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, configured_roots, max_upload_mb
-from k3lab.cli import app_command, app_parser, cmd_app
+from k3lab.app import app_command, app_parser
+from k3lab.app import main as cmd_app
 
 
 def _option(cmd: list[str], name: str) -> str:

@@ -13,9 +13,11 @@ import torch
 
 from analysis import compare as cmp
 from analysis import weights as wt
+from analysis.context import AnalysisContext
 from analysis.figures import degradation as fig_dg
 from analysis.runs import run_from_model, trace_run
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View, all_views
+from analysis.view import Comparison, NotApplicable, View
+from analysis.views import all_views
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 
@@ -315,7 +317,7 @@ def test_plotly_draws_the_allocation_bars_inside_their_axes(seeds):
     view = next(v for v in all_views() if v.key == "density_allocation")
     fig, table = cmp.side_by_side(view, a, b)
     full = fig.full_figure_for_development(warn=False)
-    params = table[table["part"].str.startswith("L")]["params"]
+    params = table[table["part"].str.startswith("L")]["active_params"]  # the top panel: active per token
     lo, hi = full.layout.yaxis.range
     assert lo <= 0 and hi >= params.max()
     flops = table[table["part"].str.startswith("L")]["flops"]

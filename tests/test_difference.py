@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from analysis.difference import difference_figure, difference_table, reduce_keys
-from analysis.views import NotApplicable
+from analysis.view import NotApplicable
 
 
 def test_difference_table_hand_case_and_refusals():

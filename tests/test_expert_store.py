@@ -157,7 +157,7 @@ def test_cli_generate_with_max_memory_prints_the_plan_and_matches(capsys):
 def test_app_runs_a_checkpoint_streamed_within_a_memory_budget(monkeypatch, tmp_path):
     from streamlit.testing.v1 import AppTest
 
-    from app import uploads
+    from app import run_list as uploads
     from app.settings import HOME_ENV
 
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))

@@ -5,14 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from analysis.context import AnalysisContext
 from analysis.figures import attnres as fa
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
+from analysis.views import section_views
 from k3core.presets import from_preset
 from k3core.trace import Trace, names
 from tests.conftest import nano_model, random_ids, randomize_attnres_queries, traced
 from tests.test_attnres import _hand_trace
 
-VIEW = {v.key: v for v in fa.VIEWS}
+VIEW = {v.key: v for v in section_views("attnres")}  # the trace views and those drawn from the weights
 CONFIG = from_preset("k3-nano")
 
 
@@ -41,8 +43,6 @@ def test_attnres_views_show_the_hand_numbers():
     assert by_name["entropy of mean mix (norm.)"] == pytest.approx([1.0, np.log(2) / np.log(3)])
     assert by_name["per-token entropy (norm., mean)"] == pytest.approx([1.0, 0.0])
     assert by_name["embedding weight (depth sink)"] == pytest.approx([0.5, 0.5])
-    fig, _ = VIEW["attnres_query_norms"].build(ctx)
-    assert sorted(v for t in fig.data for v in t.y) == [0.0, 2.5]
 
 
 def test_hidden_rms_view_shows_the_hand_numbers():
@@ -56,9 +56,9 @@ def test_hidden_rms_view_shows_the_hand_numbers():
 
 def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
     model, trace = block_run
-    views = {v.key: v for v in fa.VIEWS}
-    assert len(views) == len(fa.VIEWS)
-    block_ctx = AnalysisContext(trace=trace, config=model.config)
+    views = dict(VIEW)
+    assert set(views) == {v.key for v in fa.VIEWS} | {"attnres_query_norms", "attnres_scale_bias"}
+    block_ctx = AnalysisContext(trace=trace, config=model.config, model=model)
     for key, view in views.items():
         if key == "attnres_scale_bias":
             with pytest.raises(NotApplicable):
@@ -68,10 +68,12 @@ def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
 
     for mode in ("plain", "scale_bias", "full_attnres"):
         m = nano_model(kda_chunk_size=16, residual=mode)
-        ctx = AnalysisContext(trace=traced(m, random_ids(24)), config=m.config)
+        ctx = AnalysisContext(trace=traced(m, random_ids(24)), config=m.config, model=m)
         for key, view in views.items():
             if key in ("attnres_hidden_rms", "attnres_scale_bias"):
                 applies = key == "attnres_hidden_rms" or mode == "scale_bias"
+            elif key == "attnres_query_norms":  # from the weights: every AttnRes mode has pseudo-queries
+                applies = mode == "full_attnres"
             else:  # the depth-weight views
                 applies = mode == "full_attnres"
             if applies:

@@ -10,10 +10,11 @@ import torch
 
 from analysis import attention as at
 from analysis import hidden_states as hs
+from analysis.context import AnalysisContext
 from analysis.figures import degradation as fig_dg
 from analysis.headline import degradation_summary, headline_numbers
 from analysis.runs import run_from_model, trace_run
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 from k3core.trace import Trace, names

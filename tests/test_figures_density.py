@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from analysis import kda_memory as km
+from analysis.context import AnalysisContext
 from analysis.figures import density as fd
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from k3core.presets import from_preset
 from k3core.trace import Trace, names, record
 
@@ -35,7 +36,7 @@ def test_every_density_view_builds_on_a_real_k3_nano_trace(nano_run):
         fig, df = _check_view(view, ctx)
         if view.key == "density_allocated_vs_measured":
             assert view.needs_model
-            assert {"ablation_attn", "ablation_ffn", "gxa_attn", "gxa_ffn", "horizon_median"} <= set(df.columns)
+            assert {"ablation_attn", "ablation_ffn", "gxa_attn", "gxa_ffn", "half_life_median"} <= set(df.columns)
             # both estimates share a scale and sign: gxa columns hold the first-order ablation estimate -gxa
             # (the FFN outputs of a fresh model are small, so the first-order estimate is close)
             assert np.allclose(df["gxa_ffn"], df["ablation_ffn"], rtol=0.3, atol=5e-5)
@@ -93,7 +94,7 @@ def test_density_views_show_hand_computed_numbers():
         if tr.yaxis == "y3":
             cache.update(zip(tr.x, tr.y))
     assert cache == {i: (mla if t == "MLA" else kda) for i, t in enumerate(cfg.layer_types())}
-    # KDA decay: g = log 0.5 everywhere gives a horizon of 1 / (1 - 0.5) = 2 tokens in every channel
+    # KDA decay: g = log 0.5 everywhere gives a half-life of ln 2 / (-log 0.5) = 1 token in every channel
     g = np.full((1, 4, 2, 3), np.log(0.5))
     tr = Trace(meta={"config": {"kda_gate": "lower_bound", "kda_gate_lower_bound": -5.0}})
     tr.add(names.kda_g(0), g, ("batch", "token", "head", "channel"))
@@ -101,7 +102,7 @@ def test_density_views_show_hand_computed_numbers():
     ctx = AnalysisContext(trace=tr, config=cfg, label="hand")
     fig, _ = fd.build_kda_decay(ctx)
     box = fig.data[0]
-    np.testing.assert_allclose(box.median, [2.0, 2.0])
+    np.testing.assert_allclose(box.median, [1.0, 1.0])
     np.testing.assert_allclose(fig.data[1].y, [0.0, 0.0])  # log 0.5 > 0.9 x (-5): nowhere near the bound
     fig, _ = fd.build_kda_beta(ctx)
     np.testing.assert_allclose(fig.data[0].median, [0.25, 0.25])

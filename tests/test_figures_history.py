@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from analysis.context import AnalysisContext
 from analysis.figures import history as fig_hist
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
 from k3core.presets import from_preset
 from k3core.trace import Trace
 from tests.test_history import METRICS, NATIVE

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from analysis import moe as mo
+from analysis.context import AnalysisContext
 from analysis.figures import moe as fm
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.view import NotApplicable
+from analysis.views import section_views
+from analysis.weights import summary_of_model
 from k3core.presets import from_preset
 from k3core.trace import Trace, names
 
@@ -58,18 +62,39 @@ def test_weight_by_rank_reuse_and_coactivation_show_the_hand_numbers():
     z = np.asarray(fig.data[0].z, dtype=float)
     assert z[0, 1] == pytest.approx(2 / 3) and z[0, 2] == pytest.approx(1 / 3) and z[1, 2] == 0.0
     assert np.isnan(z[0, 0])  # diagonal blank
-    fig, table = VIEW["moe_bias"].build(ctx)
-    assert list(fig.data[0].y) == [0.1, -0.1, 0.2, 0.0]
-    r = np.corrcoef([0.1, -0.1, 0.2, 0.0], [3, 2, 1, 0])[0, 1]
-    assert table["layer_load_corr"].iloc[0] == pytest.approx(r)
+
+
+def test_router_bias_view_reads_the_weights_and_correlates_the_traced_load(nano_run):
+    model, trace = nano_run
+    layer = 1  # a MoE layer of k3-nano
+    gate = model.model.layers[layer].block_sparse_moe.gate
+    bias = torch.linspace(-0.2, 0.2, gate.e_score_correction_bias.numel())
+    with torch.no_grad():
+        saved = gate.e_score_correction_bias.clone()
+        gate.e_score_correction_bias.copy_(bias)
+    try:
+        summary = summary_of_model(model)
+    finally:
+        with torch.no_grad():
+            gate.e_score_correction_bias.copy_(saved)
+    view = next(v for v in section_views("moe") if v.key == "moe_bias")
+    _, table = view.build(AnalysisContext(trace=trace, config=model.config, weights=summary))
+    row = table.set_index("layer").loc[layer]
+    assert row["std"] == pytest.approx(float(bias.double().std(unbiased=False)))
+    load = mo.expert_load(trace)
+    c = load[load["layer"] == layer].sort_values("expert")["count"].to_numpy(dtype=float)
+    assert row["load_corr"] == pytest.approx(np.corrcoef(bias.double().numpy(), c)[0, 1])
+    _, weights_only = view.build(AnalysisContext(trace=None, config=model.config, weights=summary))
+    assert "load_corr" not in weights_only  # no trace: the bias alone
 
 
 def test_every_moe_view_builds_on_a_real_k3_nano_trace(nano_run):
     model, trace = nano_run
-    ctx = AnalysisContext(trace=trace, config=model.config)
-    keys = [v.key for v in fm.VIEWS]
-    assert len(keys) == len(set(keys))
-    for view in fm.VIEWS:
+    ctx = AnalysisContext(trace=trace, config=model.config, model=model)
+    views = section_views("moe")  # the trace views and the router bias, drawn from the weights
+    keys = [v.key for v in views]
+    assert len(keys) == len(set(keys)) and "moe_bias" in keys
+    for view in views:
         fig, df = view.build(ctx)
         assert fig.layout.title.text and len(fig.data) > 0 and len(df) > 0, view.key
         if view.key in ("moe_coactivation", "moe_latent_pca"):

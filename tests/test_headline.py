@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from analysis import headline as hl
+from analysis.context import AnalysisContext
 from analysis.runs import run_from_model, trace_run
-from analysis.views import AnalysisContext
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 from k3core.trace import Trace, names
@@ -32,18 +32,18 @@ def test_moe_summary_hand_case():
     assert all(math.isnan(v) for v in hl.moe_summary(Trace()).values())
 
 
-def test_kda_horizon_summary_hand_case():
-    # one layer, one head, 3 channels; g constant over tokens: alpha = exp(g), horizon 1 / (1 - alpha)
+def test_kda_half_life_summary_hand_case():
+    # one layer, one head, 3 channels; g constant over tokens: alpha = exp(g), half-life ln 2 / (-g)
     g = np.zeros((1, 4, 1, 3))
-    g[..., 0] = math.log(0.5)  # horizon 2
-    g[..., 1] = math.log(0.75)  # horizon 4
-    g[..., 2] = 0.0  # alpha = 1: never forgets, infinite horizon
+    g[..., 0] = math.log(0.5) / 2  # half-life 2
+    g[..., 1] = math.log(0.5) / 4  # half-life 4
+    g[..., 2] = 0.0  # alpha = 1: never forgets, infinite half-life
     tr = Trace()
     tr.add(names.kda_g(0), g, ("batch", "token", "head", "channel"))
-    s = hl.kda_horizon_summary(tr)
-    assert s["kda_horizon_mean"] == pytest.approx(3.0)  # mean of the finite 2 and 4
-    assert s["kda_horizon_median"] == pytest.approx(4.0)  # median of (2, 4, inf)
-    assert s["kda_horizon_inf_share"] == pytest.approx(1 / 3)
+    s = hl.kda_half_life_summary(tr)
+    assert s["kda_half_life_mean"] == pytest.approx(3.0)  # mean of the finite 2 and 4
+    assert s["kda_half_life_median"] == pytest.approx(4.0)  # median of (2, 4, inf)
+    assert s["kda_half_life_inf_share"] == pytest.approx(1 / 3)
 
 
 def test_attnres_embedding_weight_hand_case():
@@ -69,7 +69,7 @@ def test_headline_numbers_of_a_real_trace():
     # AttnRes pseudo-queries start at zero: every depth mix is uniform, so the embedding weight is 1/n_sources
     sources = ctx.trace.meta["attnres_sources"]
     assert h["attnres_embedding_weight_mean"] == pytest.approx(np.mean([1 / len(v) for v in sources.values()]))
-    assert h["kda_horizon_mean"] >= 1.0
+    assert h["kda_half_life_mean"] > 0.0
     assert h["train_final_val_bpb"] == 2.9
     assert h["tokens"] == 40
 
@@ -80,7 +80,7 @@ def test_headline_numbers_without_optional_data():
     ctx = AnalysisContext(trace=tr, config=from_preset("k3-nano"), label="bare")
     h = hl.headline_numbers(ctx)
     assert math.isnan(h["loss"]) and math.isnan(h["sink_rate"]) and math.isnan(h["moe_maxvio_max"])
-    assert math.isnan(h["kda_horizon_median"]) and h["tokens"] == 3
+    assert math.isnan(h["kda_half_life_median"]) and h["tokens"] == 3
 
 
 def test_headline_table_delta_is_a_minus_b():

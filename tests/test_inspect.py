@@ -14,13 +14,13 @@ import struct
 import pytest
 import torch
 
-from analysis import inspect as insp
 from k3core.checkpoint import build_meta_model
 from k3core.checkpoint_files import keep_fp32
 from k3core.config import K3Config
 from k3core.hf_config import config_to_hf
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
+from k3lab import inspect as insp
 
 SHARD_BYTES = 5 * 10**9
 

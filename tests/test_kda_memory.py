@@ -18,18 +18,18 @@ def nano_run():
     return traced_nano()
 
 
-def test_memory_horizon():
-    assert km.memory_horizon(np.log(0.5)) == pytest.approx(2.0)
-    assert km.memory_horizon(np.log(0.9)) == pytest.approx(10.0)
-    assert km.memory_horizon(0.0) == math.inf
-    assert km.memory_horizon(-1e-40) > 1e30  # alpha rounds to 1: huge, not a division error
+def test_half_life():
+    assert km.half_life(np.log(0.5)) == pytest.approx(1.0)  # alpha = 1/2: halves every token
+    assert km.half_life(np.log(0.5) / 10) == pytest.approx(10.0)
+    assert km.half_life(0.0) == math.inf
+    assert km.half_life(-1e-40) > 1e30  # alpha rounds to 1: huge, not a division error
     with pytest.raises(ValueError):
-        km.memory_horizon(0.1)
+        km.half_life(0.1)
 
 
-def test_horizon_quantiles_are_order_statistics_and_survive_infinity():
-    g = np.log([0.5, 0.9, 1.0])
-    lo, mid, hi = km.horizon_quantiles(g, (0.0, 0.5, 1.0))
+def test_half_life_quantiles_are_order_statistics_and_survive_infinity():
+    g = np.log(0.5) / np.array([2.0, 10.0, np.inf])
+    lo, mid, hi = km.half_life_quantiles(g, (0.0, 0.5, 1.0))
     assert lo == pytest.approx(2.0) and mid == pytest.approx(10.0) and hi == math.inf
 
 
@@ -54,11 +54,11 @@ def test_kda_decay_stats_on_a_hand_trace():
     g[:, :, 1, :] = -4.8
     t = _kda_trace(g, np.full((1, 2, 2), 0.25))
     stats = km.kda_decay_stats(t).set_index("head")
-    assert stats.loc[0, "horizon_median"] == pytest.approx(2.0)
+    assert stats.loc[0, "half_life_median"] == pytest.approx(1.0)
     assert stats.loc[0, "alpha_mean"] == pytest.approx(0.5)
     assert stats.loc[0, "frac_near_lb"] == 0.0 and stats.loc[1, "frac_near_lb"] == 1.0
     chan = km.kda_channel_decay(t)
-    assert np.allclose(chan[chan["head"] == 0]["horizon"], 2.0)
+    assert np.allclose(chan[chan["head"] == 0]["half_life"], 1.0)
     beta = km.kda_beta_stats(t)
     assert np.allclose(beta["mean"], 0.25) and np.allclose(beta["std"], 0.0)
     softplus = km.kda_decay_stats(_kda_trace(g, np.full((1, 2, 2), 0.25), gate="softplus"))
@@ -69,7 +69,7 @@ def test_kda_metrics_on_a_real_trace(nano_run):
     model, ids, trace = nano_run
     decay = km.kda_decay_stats(trace)
     assert sorted(decay["layer"].unique()) == [0, 1, 2] and len(decay) == 3 * 2
-    assert (decay["horizon_median"] >= 1).all()
+    assert (decay["half_life_median"] > 0).all()
     norms = km.kda_state_norms(trace)
     assert sorted(norms["token"].unique()) == [16, 32, 40]  # chunk ends of a 40-token prefix, chunk 16
     assert (norms["state_norm"] > 0).all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from analysis import moe as mo
@@ -124,5 +125,9 @@ def test_moe_metrics_on_a_real_trace(nano_run):
     df, ratio = mo.latent_pca(trace, 2)
     assert len(df) == 2 * 32 and 0 < ratio[1] <= ratio[0] <= 1
     assert (df["top1_expert"] == trace["moe.2.experts"][..., 0].ravel()).all()
-    bias = mo.router_bias_stats(trace)
-    assert (bias["std"] == 0).all()  # e_bias is zero at init
+    bias = pd.DataFrame({"layer": 1, "expert": range(cfg.num_experts), "bias": np.arange(cfg.num_experts, dtype=float)})
+    load = mo.expert_load(trace)
+    corr = mo.bias_load_correlation(bias, load)
+    c = load[load["layer"] == 1]["count"].to_numpy(dtype=float)
+    assert corr["load_corr"].iloc[0] == pytest.approx(np.corrcoef(np.arange(cfg.num_experts, dtype=float), c)[0, 1])
+    assert np.isnan(mo.bias_load_correlation(bias.assign(bias=0.0), load)["load_corr"].iloc[0])  # constant bias

@@ -8,12 +8,13 @@ import re
 import pytest
 import torch
 
-from analysis import inspect as insp
-from analysis import report, runs
+from analysis import checkpoint_summary, runs
 from analysis.views import all_views
 from k3core.checkpoint import CheckpointError
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
+from k3lab import inspect as insp
+from k3lab import report
 
 METRICS = {
     "history": [
@@ -168,7 +169,7 @@ def test_inspect_prints_config_params_and_layer_map(ckpts, capsys):
 
 def test_inspect_parameter_counts_add_up(ckpts, capsys):
     model = runs.load_run(ckpts[0]).model
-    parts = insp.parameter_breakdown(model)
+    parts = checkpoint_summary.parameter_breakdown(model)
     assert sum(v["total"] for v in parts.values()) == model.num_parameters()
     assert sum(v["active"] for v in parts.values()) == model.num_parameters(active=True)
     assert insp.main([str(ckpts[0]), "--json", "--sample", "shakespeare", "--max-tokens", "32"]) == 0

@@ -441,10 +441,9 @@ def test_token_axes_show_the_run_tokens(tmp_path):
     assert fig.data[0].text[6] == "7:↵"
     fig, table = degradation.build_sink_profile(ctx)
     assert list(fig.data[0].customdata[0][:2]) == ["0:A", "1:N"]
-    for build in (degradation.build_kda_state_norm, density.build_kda_state_norm):
-        fig, _ = build(ctx)
-        tick = int(fig.layout.xaxis.tickvals[0])
-        assert fig.layout.xaxis.ticktext[0] == f"{tick}:{strings[tick]}"
+    fig, _ = density.build_kda_state_norm(ctx)
+    tick = int(fig.layout.xaxis.tickvals[0])
+    assert fig.layout.xaxis.ticktext[0] == f"{tick}:{strings[tick]}"
     fig, table = moe.build_latent_pca(ctx)
     first = table[table["layer"] == table["layer"].iloc[0]]
     shown = [t for trace in fig.data if trace.visible is not False for t in trace.text]
@@ -461,7 +460,7 @@ def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
     """The app on a run with a tokenizer.json: Overview lists the input tokens, Generate decodes with it."""
     from streamlit.testing.v1 import AppTest
 
-    from app import uploads
+    from app import run_list
     from app.settings import HOME_ENV
 
     run = tmp_path / "bpe-run"
@@ -469,9 +468,9 @@ def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
     _train_byte_bpe(run)
     _save_nano(run, load_tokenizer(run, 512).vocab_size)  # every sampled id has text
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
-    monkeypatch.setenv(uploads.RUNS_ENV, str(run))
+    monkeypatch.setenv(run_list.RUNS_ENV, str(run))
     (tmp_path / "no-samples").mkdir()
-    monkeypatch.setattr(uploads, "SAMPLES_DIR", tmp_path / "no-samples")
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", tmp_path / "no-samples")
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"), default_timeout=180)
     at.session_state["k3lab_max_tokens"] = 24
     at.run()
@@ -490,7 +489,7 @@ def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
 
 
 def test_report_lists_the_input_tokens(tmp_path):
-    from analysis import report
+    from k3lab import report
 
     folder = _save_nano(tmp_path / "bpe-run", 512)
     _train_byte_bpe(folder)

@@ -14,6 +14,7 @@ import torch
 from k3core import training as T
 from k3core.model import K3ForCausalLM
 from k3core.training import rundir
+from k3lab import train as train_cli
 
 TINY = dict(
     model="k3-nano",
@@ -264,12 +265,12 @@ def test_no_pickle_in_the_resume_state(tmp_path):
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        T.main(["--help"])
+        train_cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--resume" in out and "--set" in out and "--mqar-fraction" in out
 
-    assert T.main(["k3-nano", "--set", "residual=sideways", "--out", str(tmp_path / "bad")]) == 2
+    assert train_cli.main(["k3-nano", "--set", "residual=sideways", "--out", str(tmp_path / "bad")]) == 2
     assert "residual" in capsys.readouterr().err
 
     out_dir = tmp_path / "cli"
@@ -295,9 +296,9 @@ def test_cli(tmp_path, capsys):
         "--out",
         str(out_dir),
     ]
-    assert T.main(args + ["--stop-at", "1"]) == 0
+    assert train_cli.main(args + ["--stop-at", "1"]) == 0
     assert "--resume" in capsys.readouterr().out
-    assert T.main(["--resume", str(out_dir), "--threads", "1"]) == 0
+    assert train_cli.main(["--resume", str(out_dir), "--threads", "1"]) == 0
     m = T.load_metrics(out_dir)
     assert m["status"] == "finished" and m["model_config"]["residual"] == "scale_bias"
     assert m["history"]["attnres"][-1]["mode"] == "scale_bias"
@@ -307,5 +308,5 @@ def test_cli(tmp_path, capsys):
         "mlp_scale_mean",
         "mlp_bias_mean",
     }
-    assert T.main(["--resume", str(out_dir)]) == 2  # finished: nothing to resume
+    assert train_cli.main(["--resume", str(out_dir)]) == 2  # finished: nothing to resume
     assert "already finished" in capsys.readouterr().err

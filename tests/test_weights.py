@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from analysis import weights as wt
-from analysis.views import AnalysisContext, NotApplicable
+from analysis.context import AnalysisContext
+from analysis.view import NotApplicable
 from k3core.config import K3Config
 from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
@@ -83,7 +84,7 @@ def test_samples_weight_only_matches_loaded_model(run):
     model = K3ForCausalLM.from_pretrained(run)
     cfg = model.config
     assert summary.bytes_read < summary.bytes_total / 20
-    doc = json.loads(json.dumps(summary.to_json()))
+    doc = json.loads(json.dumps(wt.weights_json(summary)))
     layers = doc["layers"]
     assert [entry["mixer"] for entry in layers] == [t.lower() for t in cfg.layer_types()]
     assert [entry["ffn"] for entry in layers] == ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(len(layers))]
@@ -139,7 +140,7 @@ def test_samples_weight_only_matches_loaded_model(run):
         assert doc["output_attn_res_query_norm"] is None
     assert summary.scale_bias.empty == (cfg.residual != "scale_bias")
     # The loaded model seen through StateDictSource gives the same document (bytes and timing aside).
-    same = wt.summary_of_model(model).to_json()
+    same = wt.weights_json(wt.summary_of_model(model))
     for key in ("total_params", "output_attn_res_query_norm", "layers"):
         assert same[key] == doc[key]
 
@@ -194,15 +195,17 @@ def test_expert_norms_match_model():
 
 def test_views_work_weight_only_and_in_compare():
     from analysis.compare import side_by_side
-    from analysis.figures.weights import VIEWS
+    from analysis.views import section_views
 
+    VIEWS = section_views("weights")
     a = wt.read_weight_summary(ROOT / "sample_checkpoints" / "k3-full", experts=True)
     b = wt.read_weight_summary(ROOT / "sample_checkpoints" / "scale-bias")
     ctx_a = AnalysisContext(trace=None, config=a.config, label="k3-full", weights=a)
     ctx_b = AnalysisContext(trace=None, config=b.config, label="scale-bias", weights=b)
     built = {}
+    assert {v.key for v in VIEWS} >= {"attnres_query_norms", "attnres_scale_bias", "moe_bias", "weights_params"}
     for view in VIEWS:
-        assert view.section == "weights"
+        assert view.from_weights
         try:
             fig, df = view.build(ctx_a)
         except NotApplicable as exc:
@@ -212,7 +215,7 @@ def test_views_work_weight_only_and_in_compare():
         built[view.key] = df
         side, table = side_by_side(view, ctx_a, ctx_b)
         assert set(table["run"]) <= {"k3-full", "scale-bias"}
-    assert "scale/bias" in built["weights_scale_bias"]  # Block AttnRes run: no scale/bias parameters
+    assert "scale/bias" in built["attnres_scale_bias"]  # Block AttnRes run: no scale/bias parameters
     assert isinstance(built["weights_expert_norms"], pd.DataFrame)
     with pytest.raises(NotApplicable, match="--experts"):
         next(v for v in VIEWS if v.key == "weights_expert_norms").build(ctx_b)
@@ -508,14 +511,14 @@ def test_sparse_kimi_k3_checkpoint(sparse_k3, tmp_path):
 def _app(monkeypatch, tmp_path, *folders: Path):
     from streamlit.testing.v1 import AppTest
 
-    from app import uploads
+    from app import run_list
     from app.settings import HOME_ENV
 
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))
-    monkeypatch.setenv(uploads.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
+    monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
     empty = tmp_path / "no-samples"
     empty.mkdir(exist_ok=True)
-    monkeypatch.setattr(uploads, "SAMPLES_DIR", empty)
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
     return AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=180)
 
 

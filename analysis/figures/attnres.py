@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from analysis import attnres as ar
+from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 
 
 def _require_attnres(ctx: AnalysisContext) -> None:
@@ -96,101 +96,6 @@ def build_site_stats(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     return fig, table
 
 
-def build_query_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Pseudo-query norm ||w|| per site (0: uniform mix)."""
-    _require_attnres(ctx)
-    table = ar.query_norms(ctx.trace)
-    if table.empty:
-        raise NotApplicable("trace has no attnres.*_query_norm values")
-    colors = {"attn": RUN_COLORS[0], "mlp": RUN_COLORS[1], "output": RUN_COLORS[3]}
-    fig = go.Figure()
-    for side, g in table.groupby("side", sort=False):
-        fig.add_trace(
-            go.Bar(
-                x=[_site_label(s) for s in g["site"]],
-                y=g["query_norm"],
-                name=f"{side} site",
-                marker_color=colors.get(side, "#777"),
-                hovertemplate="site %{x}<br>‖w‖ = %{y:.4g}<extra></extra>",
-            )
-        )
-    fig.update_xaxes(categoryorder="array", categoryarray=[_site_label(s) for s in table["site"]])
-    fig.update_layout(barmode="overlay")  # one bar per site: no side-by-side offsets
-    apply_style(
-        fig,
-        f"AttnRes pseudo-query norm per site — {ctx.label}",
-        "site (layer, side)",
-        "pseudo-query norm ‖w‖ (0 = uniform mix)",
-    )
-    return fig, table
-
-
-def build_scale_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Scale/bias residual mode: per-layer scale and bias (mean ± std over channels) vs depth, with init."""
-    table = ar.scale_bias_stats(ctx.trace, ctx.config)
-    if table.empty:
-        raise NotApplicable(
-            f"no learned residual scale/bias (residual={ctx.config.residual!r}; needs 'scale_bias' "
-            "and a trace recorded with 'attnres')"
-        )
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.08,
-        subplot_titles=("residual scale (mean ± std over channels)", "residual bias (mean ± std over channels)"),
-    )
-    colors = {"attn": RUN_COLORS[0], "mlp": RUN_COLORS[1]}
-    for side, g in table.groupby("side", sort=False):
-        for row, key in ((1, "scale"), (2, "bias")):
-            fig.add_trace(
-                go.Scatter(
-                    x=g["layer"],
-                    y=g[f"{key}_mean"],
-                    mode="lines+markers",
-                    name=f"{side} {key}",
-                    legendgroup=side,
-                    line={"color": colors[side]},
-                    error_y={"type": "data", "array": g[f"{key}_std"], "visible": True},
-                    hovertemplate=f"layer %{{x}}, {side} site<br>{key} mean = %{{y:.4f}}<extra></extra>",
-                ),
-                row=row,
-                col=1,
-            )
-    init = table.drop_duplicates("layer")
-    fig.add_trace(
-        go.Scatter(
-            x=init["layer"],
-            y=init["scale_init"],
-            mode="lines",
-            name="scale at init",
-            line={"color": "#777", "dash": "dash"},
-            hovertemplate="layer %{x}<br>initial scale = %{y:.3f}<extra></extra>",
-        ),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=init["layer"],
-            y=init["bias_init"],
-            mode="lines",
-            name="bias at init",
-            line={"color": "#777", "dash": "dot"},
-            hovertemplate="layer %{x}<br>initial bias = %{y:.3f}<extra></extra>",
-        ),
-        row=2,
-        col=1,
-    )
-    fig.update_yaxes(title_text="scale", row=1, col=1)
-    fig.update_yaxes(title_text="bias", row=2, col=1)
-    fig.update_xaxes(
-        title_text="decoder layer (0-based)", dtick=1 if table["layer"].nunique() <= 40 else None, row=2, col=1
-    )
-    apply_style(fig, f"Residual scale and bias per depth — {ctx.label}", height=560)
-    return fig, table
-
-
 def build_hidden_rms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """RMS of the hidden state entering each layer (and the final state): mean with the p10-p90 band."""
     table = ar.hidden_rms_by_depth(ctx.trace)
@@ -248,22 +153,6 @@ VIEWS: list[View] = [
         build_site_stats,
         description="Normalised entropy of each site's depth mix, its max weight and the weight on the embedding.",
         compare=Comparison(difference=("entropy", "max_weight", "embedding_weight"), keys=("site",)),
-    ),
-    View(
-        "attnres_query_norms",
-        "AttnRes pseudo-query norms",
-        "attnres",
-        build_query_norms,
-        description="Norm of each site's learned pseudo-query; zero means a uniform mix.",
-        compare=Comparison(difference=("query_norm",), keys=("site",)),
-    ),
-    View(
-        "attnres_scale_bias",
-        "Residual scale and bias per depth",
-        "attnres",
-        build_scale_bias,
-        description="Scale/bias residual mode: learned per-layer scale and bias against their initial values.",
-        compare=Comparison(difference=("scale_mean", "bias_mean"), keys=("layer", "side")),
     ),
     View(
         "attnres_hidden_rms",

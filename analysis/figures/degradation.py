@@ -11,9 +11,10 @@ from plotly.subplots import make_subplots
 from analysis import attention as at
 from analysis import hidden_states as hs
 from analysis import kda_memory as km
+from analysis.context import AnalysisContext
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.tables import MissingTraceData
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.trace_errors import MissingTraceData
+from analysis.view import Comparison, NotApplicable, View
 
 
 def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
@@ -21,10 +22,6 @@ def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
         return fn(ctx.trace)
     except MissingTraceData as exc:
         raise NotApplicable(str(exc)) from exc
-
-
-def _layer_type(ctx: AnalysisContext, layer: int) -> str:
-    return ctx.config.layer_types()[layer] if layer < ctx.config.num_hidden_layers else "?"
 
 
 def _heatmap(
@@ -313,33 +310,6 @@ def build_kda_state_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     return fig, df
 
 
-def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = km.kda_state_norms(ctx.trace)
-    if df.empty:
-        raise NotApplicable("no KDA state norms in this trace (kda.i.state_norm); record with 'kda'")
-    fig = go.Figure()
-    layers = list(df["layer"].unique())
-    for (layer, head), part in df.groupby(["layer", "head"]):
-        colour = RUN_COLORS[layers.index(layer) % len(RUN_COLORS)]
-        fig.add_trace(
-            go.Scatter(
-                x=part["token"],
-                y=part["state_norm"],
-                mode="lines+markers",
-                name=f"L{layer} H{head}",
-                legendgroup=f"L{layer}",
-                line={"color": colour},
-                text=ctx.position_labels(part["token"]),
-                hovertemplate=f"L{layer} H{head}, token %{{text}}<br>||S||_F = %{{y:.4g}}<extra></extra>",
-            )
-        )
-    apply_style(
-        fig, f"KDA state Frobenius norm ||S||_F over time (chunk ends) — {ctx.label}", "position (tokens)", "||S||_F"
-    )
-    fig.update_xaxes(**ctx.token_axis(df["token"]))
-    return fig, df
-
-
 VIEWS: list[View] = [
     View(
         "degradation_entropy",
@@ -415,13 +385,5 @@ VIEWS: list[View] = [
         build_kda_state_rank,
         description="Effective rank of the final KDA state per head (the KDA counterpart of attention entropy).",
         compare=Comparison(difference=("effective_rank",), keys=("layer", "head"), x="head"),
-    ),
-    View(
-        "degradation_kda_state_norm",
-        "KDA state norm",
-        "degradation",
-        build_kda_state_norm,
-        description="Frobenius norm of the KDA state over the sequence.",
-        compare=Comparison(difference=("state_norm",), keys=("layer", "head", "token"), reduce=("head",), x="token"),
     ),
 ]

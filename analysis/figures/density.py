@@ -14,10 +14,11 @@ from plotly.subplots import make_subplots
 
 from analysis import allocation as al
 from analysis import kda_memory as km
-from analysis.format import format_tokens
+from analysis.context import AnalysisContext
+from analysis.format import format_bytes, format_tokens
 from analysis.importance import sublayer_importance
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 from k3core.trace import names
 
 DEFAULT_SEQ_LEN = 131072
@@ -67,7 +68,8 @@ def _decoder_rows(alloc: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Params / active params, FLOPs per token and cache bytes per decoder layer, from the config."""
+    """Active params, FLOPs per token and cache bytes per decoder layer, from the config (all parameters by layer
+    are one view, ``weights_params``, drawn from the weights)."""
     T = _seq_len(ctx)
     alloc = al.layer_allocation(ctx.config, seq_len=T, dtype_bytes=_dtype_bytes(ctx))
     layers = _decoder_rows(alloc)
@@ -77,23 +79,10 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         shared_xaxes=True,
         vertical_spacing=0.06,
         subplot_titles=(
-            "active parameters per token (outline: all parameters)",
+            "active parameters per token (all parameters: the Weights page, parameters by depth)",
             f"FLOPs per token at T = {format_tokens(T)} (prefill average)",
             f"decode cache per sequence at T = {format_tokens(T)}",
         ),
-    )
-    fig.add_trace(
-        go.Bar(
-            x=layers["layer"],
-            y=layers["params"],
-            width=0.8,
-            name="all parameters",
-            showlegend=True,
-            marker={"color": "rgba(0,0,0,0)", "line": {"color": "#444", "width": 1}},
-            hovertemplate="layer %{x}<br>all parameters = %{y:,.0f}<extra></extra>",
-        ),
-        row=1,
-        col=1,
     )
     _layer_bars(fig, layers, "active_params", 1, "active parameters", ",.0f", True)
     _layer_bars(fig, layers, "flops", 2, "FLOPs/token", ".3s", False)
@@ -126,12 +115,12 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
                 mode="lines+markers",
                 name=f"{ltype} ({n} layers)",
                 line={"color": styles[ltype], "dash": "dash" if ltype == "total" else "solid"},
-                customdata=np.stack([g["bytes"].map(al.human_bytes)], axis=-1),
+                customdata=np.stack([g["bytes"].map(format_bytes)], axis=-1),
                 hovertemplate=f"{ltype}<br>T = %{{x:,}} tokens<br>cache = %{{customdata[0]}}<extra></extra>",
             )
         )
     at = table[table["seq_len"] == T].set_index("layer_type")["bytes"]
-    readout = ", ".join(f"{k} {al.human_bytes(v)}" for k, v in at.items() if v > 0)
+    readout = ", ".join(f"{k} {format_bytes(v)}" for k, v in at.items() if v > 0)
     fig.add_vline(x=T, line={"color": "#888", "dash": "dot"})
     fig.add_annotation(
         x=np.log10(T),
@@ -259,7 +248,8 @@ def _group_label(layer: int, head: int | None) -> str:
 
 def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per KDA layer/head (pooled per layer when there are many heads): spread over key channels of the
-    memory horizon 1/(1 - exp(mean_t g)), and the share of decays near the lower bound (g < 0.9 lb)."""
+    half-life ln 2 / (-mean_t g) (``analysis.kda_memory.half_life``), and the share of decays near the lower
+    bound (g < 0.9 lb)."""
     _require_kda(ctx)
     chan = km.kda_channel_decay(ctx.trace)
     stats = km.kda_decay_stats(ctx.trace)
@@ -269,7 +259,7 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         stats = stats.groupby("layer", as_index=False).agg(
             g_mean=("g_mean", "mean"),
             alpha_mean=("alpha_mean", "mean"),
-            horizon_median=("horizon_median", "median"),
+            half_life_median=("half_life_median", "median"),
             frac_near_lb=("frac_near_lb", "mean"),
         )
     cap = float(ctx.config.max_position_embeddings)
@@ -277,16 +267,16 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     rows = []
     for key, g in chan.groupby(keys):
         key = key if isinstance(key, tuple) else (key,)
-        hz = km.horizon_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
-        rows.append({**dict(zip(keys, key)), **{f"channel_horizon_{k}": v for k, v in zip(stats_names, hz)}})
+        hz = km.half_life_quantiles(g["g_mean"], (0.0, 0.25, 0.5, 0.75, 1.0))
+        rows.append({**dict(zip(keys, key)), **{f"channel_half_life_{k}": v for k, v in zip(stats_names, hz)}})
     table = stats.merge(pd.DataFrame(rows), on=keys)
-    shown = {k: np.minimum(table[f"channel_horizon_{k}"].to_numpy(), cap) for k in stats_names}
+    shown = {k: np.minimum(table[f"channel_half_life_{k}"].to_numpy(), cap) for k in stats_names}
     heads = table["head"] if per_head else [None] * len(table)
     x = [_group_label(layer, head) for layer, head in zip(table["layer"], heads)]
     what = "layer/head" if per_head else "layer (all heads pooled)"
     hover = [
         f"layer {r.layer}, {f'head {r.head}' if per_head else 'all heads'}<br>"
-        f"median horizon over channels {r.channel_horizon_median:.3g} tokens"
+        f"median half-life over channels {r.channel_half_life_median:.3g} tokens"
         for r in table.itertuples()
     ]
     lower_bound = ctx.config.kda_gate == "lower_bound"
@@ -297,10 +287,8 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         vertical_spacing=0.08,
         row_heights=[0.7, 0.3] if lower_bound else None,
     )
-    _box_from_quantiles(fig, x, shown, "horizon over key channels", LAYER_TYPE_COLORS["KDA"], hover, row=1)
-    fig.update_yaxes(
-        type="log", title_text=f"memory horizon (tokens, capped at {format_tokens(int(cap))})", row=1, col=1
-    )
+    _box_from_quantiles(fig, x, shown, "half-life over key channels", LAYER_TYPE_COLORS["KDA"], hover, row=1)
+    fig.update_yaxes(type="log", title_text=f"half-life (tokens, capped at {format_tokens(int(cap))})", row=1, col=1)
     if lower_bound:
         lb = ctx.config.kda_gate_lower_bound
         fig.add_trace(
@@ -316,7 +304,7 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
         fig.update_yaxes(title_text="share near bound", range=[0, 1], row=2, col=1)
     fig.update_xaxes(title_text=f"KDA {what}", row=2 if lower_bound else 1, col=1)
-    apply_style(fig, f"KDA decay: memory horizon 1/(1 - α) per {what} — {ctx.label}", height=560)
+    apply_style(fig, f"KDA decay: half-life ln 2/(-g) per {what} — {ctx.label}", height=560)
     return fig, table
 
 
@@ -429,10 +417,11 @@ VIEWS: list[View] = [
     ),
     View(
         "kda_decay",
-        "KDA decay and memory horizon",
+        "KDA decay and memory half-life",
         "density",
         build_kda_decay,
-        description="Memory horizon 1/(1-α) over key channels per KDA head; share of decays near the lower bound.",
+        description="Memory half-life ln 2/(-g) in tokens over key channels per KDA head; share of decays near "
+        "the lower bound.",
         compare=Comparison(difference=("g_mean", "frac_near_lb"), keys=("layer", "head")),
     ),
     View(

@@ -11,8 +11,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis import history as hist
+from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 
 
 def runs_metrics(ctx: AnalysisContext) -> dict[str, dict]:

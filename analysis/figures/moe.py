@@ -7,6 +7,8 @@ Per-layer figures (co-activation, latent PCA) show one MoE layer at a time with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -14,8 +16,9 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from analysis import moe as mo
+from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
 from k3core.trace import names
 
 COACT_CELL_BUDGET = 1_000_000  # E * E * layers shown in one co-activation figure
@@ -31,6 +34,14 @@ def _require_moe(ctx: AnalysisContext) -> list[int]:
             else "the trace was recorded without 'moe'"
         )
         raise NotApplicable(f"no MoE routing data: {why}")
+    return layers
+
+
+def _layers_with(ctx: AnalysisContext, array: Callable[[int], str], hint: str = "") -> list[int]:
+    """The MoE layers whose ``array(i)`` is in the trace; NotApplicable (naming the array) when none is."""
+    layers = [i for i in _require_moe(ctx) if array(i) in ctx.trace]
+    if not layers:
+        raise NotApplicable(f"trace has no {array('*')} arrays{hint}")
     return layers
 
 
@@ -175,10 +186,7 @@ def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
 
 def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Expert co-activation: share of tokens choosing both i and j (diagonal: tokens choosing i), per layer."""
-    layers = _require_moe(ctx)
-    layers = [i for i in layers if names.moe_experts(i) in ctx.trace]
-    if not layers:
-        raise NotApplicable("trace has no moe.*.experts arrays")
+    layers = _layers_with(ctx, names.moe_experts)
     E = mo.num_experts_of(ctx.trace, layers[0])
     shown = _pick_layers(ctx, layers, E * E, COACT_CELL_BUDGET)
     table = mo.coactivation_table(ctx.trace, shown)
@@ -253,10 +261,7 @@ def build_reuse(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """2-D PCA of the routed-expert inputs z per token, coloured by top-1 expert (one layer at a time)."""
-    layers = _require_moe(ctx)
-    layers = [i for i in layers if names.moe_latent(i) in ctx.trace]
-    if not layers:
-        raise NotApplicable("trace has no moe.*.latent arrays (record with 'latent')")
+    layers = _layers_with(ctx, names.moe_latent, " (record with 'latent')")
     n_tok = int(np.prod(ctx.trace[names.moe_latent(layers[0])].shape[:2]))
     shown = _pick_layers(ctx, layers, n_tok, PCA_POINT_BUDGET)
     E = mo.num_experts_of(ctx.trace, shown[0])
@@ -337,36 +342,6 @@ def build_latent_pca(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     return fig, pd.concat(frames, ignore_index=True)
 
 
-def build_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Distribution of the router selection bias e_bias over experts, per MoE layer."""
-    _require_moe(ctx)
-    table = mo.router_bias(ctx.trace)
-    if table.empty:
-        raise NotApplicable("trace has no moe.*.bias arrays")
-    stats = mo.router_bias_stats(ctx.trace).set_index("layer")
-    fig = go.Figure()
-    for layer, g in table.groupby("layer"):
-        r = stats.loc[layer, "load_corr"]
-        fig.add_trace(
-            go.Box(
-                y=g["bias"],
-                name=f"L{layer}",
-                marker_color=RUN_COLORS[0],
-                boxpoints="all",
-                jitter=0.4,
-                pointpos=0,
-                marker={"size": 3},
-                customdata=g[["expert"]].to_numpy(),
-                showlegend=False,
-                hovertemplate=f"layer {layer}, expert %{{customdata[0]}}<br>e_bias = %{{y:.4g}}"
-                f"<br>corr(bias, load) = {r:.2f}<extra></extra>",
-            )
-        )
-    apply_style(fig, f"Router selection bias e_bias per layer — {ctx.label}", "MoE layer", "e_bias")
-    table = table.merge(stats.reset_index().rename(columns=lambda c: c if c == "layer" else f"layer_{c}"), on="layer")
-    return fig, table
-
-
 VIEWS: list[View] = [
     View(
         "moe_load_heatmap",
@@ -417,15 +392,5 @@ VIEWS: list[View] = [
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
         compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
-    ),
-    View(
-        "moe_bias",
-        "Router bias distribution",
-        "moe",
-        build_bias,
-        description="Selection bias e_bias per expert, per MoE layer.",
-        compare=Comparison(
-            no_difference="expert i of one run is not expert i of another; the bias spread is in the two halves"
-        ),
     ),
 ]

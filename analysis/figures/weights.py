@@ -12,9 +12,12 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from analysis import moe as mo
 from analysis import weights as wt
+from analysis.context import AnalysisContext
 from analysis.style import DIVERGING, LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.views import AnalysisContext, Comparison, NotApplicable, View
+from analysis.view import Comparison, NotApplicable, View
+from k3core.model import scale_bias_init
 
 KIND_COLORS = {
     "KDA": LAYER_TYPE_COLORS["KDA"],
@@ -178,7 +181,8 @@ def build_query_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_scale_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Scale/bias residual: mean scale and bias per depth and site, bars = std over channels."""
+    """Scale/bias residual: mean scale and bias per depth and site, bars = std over channels; the initial scale
+    (``k3core.model.scale_bias_init``) dashed."""
     s = weights_of(ctx)
     table = s.scale_bias
     if table.empty:
@@ -204,6 +208,20 @@ def build_scale_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                 row=1,
                 col=col,
             )
+    if s.config is not None:  # the initial scale, for reference (the bias starts at 0)
+        layers = sorted(table["layer"].unique())
+        fig.add_trace(
+            go.Scatter(
+                x=layers,
+                y=[scale_bias_init(s.config, int(i)) for i in layers],
+                mode="lines",
+                name="scale at init",
+                line={"color": "#777", "dash": "dash"},
+                hovertemplate="layer %{x}<br>initial scale = %{y:.3f}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
     fig.update_xaxes(title_text="layer (0-based)")
     fig.update_yaxes(title_text="scale (multiplier)", row=1, col=1)
     fig.update_yaxes(title_text="bias (hidden units)", row=1, col=2)
@@ -255,11 +273,16 @@ def build_router_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_router_bias_spread(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    """Per MoE layer: e_bias std (spread) and its min-max range around the mean."""
+    """Per MoE layer: e_bias std (spread) and its min-max range around the mean; with a trace that recorded
+    the expert load, also the bias-load correlation per layer (``analysis.moe.bias_load_correlation``)."""
     s = weights_of(ctx)
     table = s.router_bias_stats
     if table.empty:
         raise NotApplicable("no router selection biases (no MoE layers)")
+    if ctx.trace is not None and mo.moe_layers(ctx.trace):
+        corr = mo.bias_load_correlation(s.router_bias, mo.expert_load(ctx.trace))
+        table = table.merge(corr, on="layer", how="left")
+        table.attrs = dict(s.router_bias_stats.attrs)
     fig = go.Figure()
     fig.add_trace(
         go.Scatter(
@@ -273,6 +296,7 @@ def build_router_bias_spread(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
             hoverinfo="skip",
         )
     )
+    corr = "<br>corr(bias, load) = %{customdata:.2f}" if "load_corr" in table else ""
     for col, name, color, dash in (
         ("mean", "mean", RUN_COLORS[2], "dot"),
         ("std", "std (spread)", RUN_COLORS[0], "solid"),
@@ -284,7 +308,8 @@ def build_router_bias_spread(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
                 mode="lines+markers",
                 name=name,
                 line={"color": color, "dash": dash},
-                hovertemplate=f"layer %{{x}}<br>{name} %{{y:.4g}}<extra></extra>",
+                customdata=table["load_corr"] if corr else None,
+                hovertemplate=f"layer %{{x}}<br>{name} %{{y:.4g}}{corr}<extra></extra>",
             )
         )
     apply_style(
@@ -390,6 +415,7 @@ VIEWS: list[View] = [
         build_kda_half_life,
         description="The KDA decay gate with zero input, g0, as a half-life ln2/(-g0) in tokens per channel: "
         "median and 10th-90th percentiles over each layer's channels. MLA layers keep every token (unbounded).",
+        from_weights=True,
         compare=Comparison(difference=("half_life_median",), keys=("layer",)),
     ),
     View(
@@ -398,24 +424,27 @@ VIEWS: list[View] = [
         "weights",
         build_kda_heads,
         description="Median resting half-life over each head's channels, layer x head (log colour scale).",
+        from_weights=True,
         compare=Comparison(no_difference=UNITS),
     ),
     View(
-        "weights_attnres_query_norms",
-        "AttnRes pseudo-query norms (weights)",
-        "weights",
+        "attnres_query_norms",
+        "AttnRes pseudo-query norms",
+        "attnres",
         build_query_norms,
         description="Norm of each learned pseudo-query (attention site, MLP site, output mix): the learned "
         "sharpness of attention over depth; 0 means a uniform average of the sources.",
+        from_weights=True,
         compare=Comparison(difference=("query_norm",), keys=("layer", "site")),
     ),
     View(
-        "weights_scale_bias",
-        "Residual scale and bias (weights)",
-        "weights",
+        "attnres_scale_bias",
+        "Residual scale and bias per depth",
+        "attnres",
         build_scale_bias,
-        description="Scale/bias residual runs: learned scale and bias per depth and site, mean with the "
-        "standard deviation over channels.",
+        description="Scale/bias residual runs: learned scale and bias per depth and site (mean, with the "
+        "standard deviation over channels), against the initial scale.",
+        from_weights=True,
         compare=Comparison(difference=("scale_mean", "bias_mean"), keys=("layer", "site")),
     ),
     View(
@@ -425,14 +454,16 @@ VIEWS: list[View] = [
         build_router_bias,
         description="e_score_correction_bias: what load balancing pushed up (red) or down (blue) per expert; it "
         "steers which experts are chosen, not their weights.",
+        from_weights=True,
         compare=Comparison(no_difference=UNITS),
     ),
     View(
-        "weights_router_bias_spread",
+        "moe_bias",
         "Router selection bias spread per layer",
-        "weights",
+        "moe",
         build_router_bias_spread,
         description="Per MoE layer: the selection bias's standard deviation, mean and min-max range over experts.",
+        from_weights=True,
         compare=Comparison(difference=("std",), keys=("layer",)),
     ),
     View(
@@ -442,6 +473,7 @@ VIEWS: list[View] = [
         build_router_norms,
         description="L2 norm of each expert's router row: how strongly the router's score for that expert "
         "responds to the hidden state.",
+        from_weights=True,
         compare=Comparison(no_difference=UNITS),
     ),
     View(
@@ -450,6 +482,7 @@ VIEWS: list[View] = [
         "weights",
         build_norms,
         description="Mean and max gain of the input, post-attention, KDA output and latent expert RMSNorms.",
+        from_weights=True,
         compare=Comparison(difference=("mean",), keys=("layer", "norm"), x="layer"),
     ),
     View(
@@ -459,6 +492,7 @@ VIEWS: list[View] = [
         build_params,
         description="Parameter counts per decoder layer (plus embedding and output) split by kind, from the "
         "safetensors header shapes alone.",
+        from_weights=True,
         compare=Comparison(difference=("params",), keys=("layer", "kind"), x="layer"),
     ),
     View(
@@ -468,6 +502,7 @@ VIEWS: list[View] = [
         build_expert_norms,
         description="Frobenius norm of each routed expert's three matrices, layer x expert (needs --experts: it "
         "reads every expert matrix).",
+        from_weights=True,
         compare=Comparison(no_difference=UNITS),
     ),
 ]

@@ -27,12 +27,12 @@ Modules, one job each: ``source`` (tensor sources: a checkpoint folder header-on
 ``layout`` (layers, kinds and parameters from names and shapes; which tensors are read), ``decay`` (KDA
 resting decay), ``residual`` (AttnRes queries, scale/bias, norm gains), ``routing`` (router biases and
 norms, expert norms), ``summary`` (``WeightSummary``, ``summarize_values``), ``read`` (reading a source into
-a summary), ``document`` (``weights.json``), ``outputs`` (the ``k3lab weights`` output folder).
+a summary), ``document`` (``weights.json``). The ``k3lab weights`` output folder is ``analysis.weights_report``.
 """
 
-from analysis.format import format_bytes as human_bytes  # the one byte formatter, under its callers' name
+from analysis.kda_memory import LN2, half_life
 
-from .decay import LN2, half_life, kda_tables, live_a_log, resting_decay, spread
+from .decay import kda_tables, live_a_log, resting_decay, spread
 from .document import weights_json, write_weights_json
 from .layout import (
     EXPERT_RE,
@@ -47,7 +47,6 @@ from .layout import (
     small_tensor_names,
     tensor_kind,
 )
-from .outputs import weight_views, write_outputs
 from .read import Progress, expert_bytes, read_weight_summary, summarize_source, summary_of_model
 from .residual import norm_table, query_norm_table, scale_bias_table, vector_norm
 from .routing import (
@@ -76,7 +75,6 @@ __all__ = [
     "expert_norm_table",
     "expert_tensor_names",
     "half_life",
-    "human_bytes",
     "kda_tables",
     "layer_of",
     "layer_structure",
@@ -101,8 +99,6 @@ __all__ = [
     "summary_of_model",
     "tensor_kind",
     "vector_norm",
-    "weight_views",
     "weights_json",
-    "write_outputs",
     "write_weights_json",
 ]

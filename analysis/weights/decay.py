@@ -1,16 +1,17 @@
-"""KDA resting decay: the decay gate with zero input, per head and channel, and its half-life in tokens."""
+"""KDA resting decay: the decay gate with zero input, per head and channel, and its half-life in tokens
+(``analysis.kda_memory.half_life``, the one definition of KDA memory)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
 import pandas as pd
+import torch
 
+from analysis.kda_memory import half_life
 from k3core.config import K3Config
-
-LN2 = math.log(2.0)
+from k3core.ops.kda_gate import kda_decay_gate
 
 
 def live_a_log(a_log: np.ndarray, num_heads: int) -> np.ndarray:
@@ -25,31 +26,17 @@ def live_a_log(a_log: np.ndarray, num_heads: int) -> np.ndarray:
 def resting_decay(
     a_log: np.ndarray, dt_bias: np.ndarray, num_heads: int, gate: str = "lower_bound", lower_bound: float = -5.0
 ) -> np.ndarray:
-    """The KDA decay gate with zero input (z = 0), per head and channel, [H, d] float64:
+    """The KDA decay gate (``k3core.ops.kda_gate.kda_decay_gate``, in float64) with zero input, per head and
+    channel, [H, d] float64:
 
         lower-bound gate (K3):         g0 = lb * sigmoid(exp(A_log[h]) * dt_bias[h, c])
         softplus gate (Kimi Linear):   g0 = -exp(A_log[h]) * softplus(dt_bias[h, c])
 
     A_log has one value per head (broadcast over that head's d channels, padding after the live heads
     ignored); dt_bias has H * d values. g0 = log alpha0 <= 0 is the log decay per token at rest."""
-    a = np.exp(live_a_log(a_log, num_heads))[:, None]
-    dt = np.asarray(dt_bias, dtype=np.float64).reshape(num_heads, -1)
-    if gate == "lower_bound":
-        x = a * dt
-        # sigmoid written to avoid overflow of exp for either sign of x
-        sig = np.where(x >= 0, 1.0 / (1.0 + np.exp(-np.abs(x))), np.exp(-np.abs(x)) / (1.0 + np.exp(-np.abs(x))))
-        return float(lower_bound) * sig
-    if gate == "softplus":
-        return -a * np.logaddexp(0.0, dt)
-    raise ValueError(f"unknown KDA gate {gate!r} (expected 'lower_bound' or 'softplus')")
-
-
-def half_life(g0: np.ndarray) -> np.ndarray:
-    """Tokens until a channel's memory halves at rest: alpha0^n = 1/2 with alpha0 = exp(g0), so
-    n = ln 2 / (-g0). g0 = 0 (no forgetting) gives inf."""
-    g0 = np.asarray(g0, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        return np.where(g0 < 0, LN2 / np.where(g0 < 0, -g0, 1.0), np.inf)
+    a = torch.from_numpy(live_a_log(a_log, num_heads))[:, None]
+    dt = torch.from_numpy(np.asarray(dt_bias, dtype=np.float64).reshape(num_heads, -1))
+    return kda_decay_gate(dt, a, gate, float(lower_bound)).numpy()
 
 
 def spread(x: np.ndarray) -> dict[str, float]:

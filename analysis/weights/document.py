@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # summary.py imports this module (WeightSummary.to_json)
-    from .summary import WeightSummary
+from .summary import WeightSummary
 
 
 def _finite_or_none(x: Any) -> float | None:

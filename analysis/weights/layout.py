@@ -14,7 +14,34 @@ import pandas as pd
 from k3core.config import K3Config
 
 EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+COMPONENTS = (  # what ``tensor_kind`` answers, in reading order
+    "embedding",
+    "KDA attention",
+    "MLA attention",
+    "dense FFN",
+    "MoE router",
+    "MoE routed experts",
+    "MoE shared experts",
+    "MoE latent projections",
+    "residual (AttnRes / scale-bias)",
+    "norms",
+    "LM head",
+)
+# The coarser kinds of parameters by depth (``params_by_depth``): components grouped.
 KINDS = ("KDA", "MLA", "dense FFN", "routed experts", "shared experts", "norms/other", "embedding / LM head")
+KIND_OF_COMPONENT = {
+    "embedding": "embedding / LM head",
+    "LM head": "embedding / LM head",
+    "KDA attention": "KDA",
+    "MLA attention": "MLA",
+    "dense FFN": "dense FFN",
+    "MoE router": "routed experts",
+    "MoE routed experts": "routed experts",
+    "MoE latent projections": "routed experts",
+    "MoE shared experts": "shared experts",
+    "residual (AttnRes / scale-bias)": "norms/other",
+    "norms": "norms/other",
+}
 NORMS = {  # label -> tensor suffix inside a decoder layer
     "input": "input_layernorm.weight",
     "post_attention": "post_attention_layernorm.weight",
@@ -76,36 +103,42 @@ def layer_structure(names: Iterable[str], config: K3Config | None = None) -> pd.
 
 
 def tensor_kind(name: str, mixer: str | None = None) -> str:
-    """Which part of the model a (canonical) tensor belongs to, for parameters by depth and kind:
+    """Which component of the model a (canonical) tensor belongs to (one of ``COMPONENTS``; the one classifier
+    behind ``k3lab inspect``'s parameter counts and the parameters by depth), from its name and its layer's
+    mixer ("kda" / "mla"; None outside the decoder layers):
 
-    - "KDA" / "MLA": ``self_attn.*`` of a KDA / MLA layer;
+    - "embedding" / "LM head": ``model.embed_tokens``, ``lm_head``;
+    - "KDA attention" / "MLA attention": ``self_attn.*`` of a KDA / MLA layer;
     - "dense FFN": ``mlp.*`` (and transformers' dense ``block_sparse_moe.{gate,up,down}_proj``);
-    - "routed experts": the routed path of a MoE layer: router, selection bias, latent down/up projections
-      and norm, and the experts;
-    - "shared experts": ``block_sparse_moe.shared_experts.*``;
-    - "norms/other": layer norms, AttnRes pseudo-queries and key norms, scale/bias residuals, final norm
-      and the output mix;
-    - "embedding / LM head": ``model.embed_tokens``, ``lm_head``.
+    - "MoE router" (``block_sparse_moe.gate.*``: weights and selection bias), "MoE routed experts"
+      (``block_sparse_moe.experts.*``), "MoE shared experts", "MoE latent projections" (the rest of the MoE
+      block: latent down/up projections and norm);
+    - "residual (AttnRes / scale-bias)": AttnRes pseudo-queries and key norms, scale/bias residuals, the
+      output mix; "norms": every other tensor (layer norms, the final norm).
     """
-    return _kind(layer_of(name)[1], mixer)
-
-
-_DENSE_UNDER_MOE = frozenset(f"block_sparse_moe.{p}_proj.weight" for p in ("gate", "up", "down"))
-
-
-def _kind(rest: str, mixer: str | None) -> str:
-    """tensor_kind from the name inside the layer (the whole name outside layers)."""
-    if rest.startswith("model.embed_tokens") or rest.startswith("lm_head"):
-        return "embedding / LM head"
+    rest = layer_of(name)[1]
+    if rest.startswith("block_sparse_moe.experts."):  # first: nearly every tensor of a big MoE checkpoint
+        return "MoE routed experts"
+    if rest.startswith("model.embed_tokens"):
+        return "embedding"
+    if rest.startswith("lm_head"):
+        return "LM head"
+    if "_res_" in rest or rest.startswith("model.output_attn_res"):
+        return "residual (AttnRes / scale-bias)"
     if rest.startswith("self_attn."):
-        return "MLA" if mixer == "mla" else "KDA"
+        return "MLA attention" if mixer == "mla" else "KDA attention"
     if rest.startswith("mlp.") or rest in _DENSE_UNDER_MOE:
         return "dense FFN"
     if rest.startswith("block_sparse_moe.shared_experts."):
-        return "shared experts"
+        return "MoE shared experts"
+    if rest.startswith("block_sparse_moe.gate."):
+        return "MoE router"
     if rest.startswith("block_sparse_moe."):
-        return "routed experts"
-    return "norms/other"
+        return "MoE latent projections"
+    return "norms"
+
+
+_DENSE_UNDER_MOE = frozenset(f"block_sparse_moe.{p}_proj.weight" for p in ("gate", "up", "down"))
 
 
 def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.DataFrame:
@@ -116,10 +149,10 @@ def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.Da
     n = len(structure)
     totals: dict[tuple[int, str], int] = {}
     for name, meta in shapes.items():
-        i, rest = layer_of(name)
+        i = layer_of(name)[0]
         if i is None:
             i = -1 if name.startswith("model.embed_tokens") else n
-        kind = _kind(rest, mixers.get(i))
+        kind = KIND_OF_COMPONENT[tensor_kind(name, mixers.get(i))]
         totals[(i, kind)] = totals.get((i, kind), 0) + numel(meta)
     rows = [
         {"layer": i, "depth": _depth_label(i, n), "kind": kind, "params": p}

@@ -13,7 +13,6 @@ import pandas as pd
 from k3core.config import K3Config
 
 from .decay import kda_tables
-from .document import weights_json
 from .layout import layer_structure, numel, params_by_depth
 from .residual import norm_table, query_norm_table, scale_bias_table
 from .routing import expert_norm_table, router_bias_spread, router_bias_table, router_norm_table
@@ -48,10 +47,6 @@ class WeightSummary:
     @property
     def num_layers(self) -> int:
         return len(self.structure)
-
-    def to_json(self) -> dict[str, Any]:
-        """The stable ``weights.json`` format (see ``weights_json``)."""
-        return weights_json(self)
 
 
 def summarize_values(

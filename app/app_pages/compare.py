@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from analysis.compare import distinct_labels
+from analysis.views import section_views
 from app import cards, links, page
 from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.links import SECTIONS, TWO_RUNS, TWO_TEXTS
@@ -60,7 +61,7 @@ st.caption(
 st.markdown("#### Headline numbers")
 cards.headline_delta(a, b)
 
-views = cards.section_views(section)
+views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
 for view in views:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from analysis.checkpoint_summary import config_summary, layer_map, parameter_breakdown
 from analysis.format import format_count
-from analysis.inspect import config_summary, layer_map, parameter_breakdown
+from analysis.views import section_views
 from app import caching, cards, page
 from app.download_all import download_all
 
@@ -61,7 +62,7 @@ headline_box = st.container()  # filled last: the forward pass runs after everyt
 # ------------------------------------------------------------------- layer map
 st.markdown("#### Layer map")
 st.markdown(cards.layer_badges(cfg))
-allocation = [v for v in cards.section_views("density") if v.key == LAYER_MAP_VIEW]
+allocation = [v for v in section_views("density") if v.key == LAYER_MAP_VIEW]
 if allocation:
     cards.render_view(allocation[0], page.config_context(inputs))
 with st.expander("Layer table"):

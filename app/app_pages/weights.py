@@ -8,28 +8,19 @@ import json
 import streamlit as st
 
 from analysis import weights as wt
-from analysis.compare import difference_view, side_by_side
-from analysis.views import AnalysisContext, NotApplicable
-from app import caching, cards, page
+from analysis.format import format_bytes
+from analysis.views import section_views
+from app import caching, cards, error_text, page
 from app.run_folders import human_count
 from k3core.checkpoint_files import CheckpointError
 
 
-@st.cache_resource(show_spinner="Reading the checkpoint's small tensors...", max_entries=8)
-def _summary(fingerprint: str, path: str, experts: bool, _progress=None) -> wt.WeightSummary:
-    return wt.read_weight_summary(path, experts=experts, progress=_progress)
-
-
-def summary_or_stop(ref, experts: bool = False, progress=None) -> wt.WeightSummary:
+def weights_or_stop(ref, experts: bool = False, progress=None) -> caching.Loaded:
     try:
-        return _summary(caching.run_fingerprint(ref.path), str(ref.path), experts, progress)
+        return caching.load_weights(ref, experts, progress)
     except (CheckpointError, OSError, ValueError) as exc:
-        st.error(f"**{ref.label}**: {exc}")
+        st.error(f"**{ref.label}**: {error_text.message(exc, ref)}")
         st.stop()
-
-
-def context(summary: wt.WeightSummary, label: str) -> AnalysisContext:
-    return AnalysisContext(trace=None, config=summary.config, label=label, weights=summary)
 
 
 inputs = page.inputs_or_stop()
@@ -41,19 +32,20 @@ page.page_header(
     "biases and norms, norm weights, and parameters by depth from the headers. Any size: a 5 TB checkpoint "
     "answers in seconds.",
 )
-summary = summary_or_stop(ref)
-if st.session_state.get(f"k3lab_weights_experts_{ref.label}"):
-    bar = st.progress(0.0, text="Reading expert matrices...")
-    summary = summary_or_stop(ref, True, lambda done, total: bar.progress(done / max(total, 1)))
+experts = bool(st.session_state.get(f"k3lab_weights_experts_{ref.label}"))
+bar = st.progress(0.0, text="Reading expert matrices...") if experts else None
+a = weights_or_stop(ref, experts, (lambda done, total: bar.progress(done / max(total, 1))) if bar else None)
+if bar is not None:
     bar.empty()
+summary = a.ctx.weights
 
 structure = summary.structure
 c = st.columns(5)
 c[0].metric("Parameters", human_count(summary.total_params), help="Every tensor of the text model (headers).")
-c[1].metric("Declared size", wt.human_bytes(summary.bytes_total))
+c[1].metric("Declared size", format_bytes(summary.bytes_total))
 c[2].metric(
     "Read",
-    wt.human_bytes(summary.bytes_read),
+    format_bytes(summary.bytes_read),
     f"{100 * summary.bytes_read / max(summary.bytes_total, 1):.3g}% of it",
     delta_color="off",
     **cards.NO_ARROW,
@@ -74,14 +66,14 @@ if summary.skipped:
 left, right = st.columns([1, 3])
 left.download_button(
     "weights.json",
-    json.dumps(summary.to_json(), indent=1),
+    json.dumps(wt.weights_json(summary), indent=1),
     file_name=f"{cards.slug(ref.label)}_weights.json",
     mime="application/json",
     key="k3lab_weights_json",
 )
 if summary.expert_norms is None and (structure["ffn"] == "moe").any():
     n = summary.expert_bytes
-    if right.button(f"Read expert matrices for per-expert norms ({wt.human_bytes(n)})", key="k3lab_weights_exp"):
+    if right.button(f"Read expert matrices for per-expert norms ({format_bytes(n)})", key="k3lab_weights_exp"):
         st.session_state[f"k3lab_weights_experts_{ref.label}"] = True
         st.rerun()
 
@@ -92,32 +84,11 @@ other = st.selectbox(
     key="k3lab_weights_cmp",
     help="Another run's weights side by side on shared axes, and A - B where layers align.",
 )
-views = cards.section_views("weights")
-a = context(summary, ref.label)
+views = section_views("weights")
 if other == "(none)":
     for view in views:
-        try:
-            fig, df = view.build(a)
-        except NotApplicable as exc:
-            st.info(f"**{view.title}**: {exc}")
-            continue
-        cards.figure_card(
-            fig, df, key=f"w-{view.key}", stem=f"{cards.slug(ref.label)}_{view.key}", description=view.description
-        )
+        cards.render_view(view, a)
 else:
-    ref_b = next(r for r in others if r.label == other)
-    b = context(summary_or_stop(ref_b), ref_b.label)
+    b = weights_or_stop(next(r for r in others if r.label == other))
     for view in views:
-        try:
-            fig, df = side_by_side(view, a, b)
-        except NotApplicable as exc:
-            st.info(f"**{view.title}**: {exc}")
-            continue
-        stem = f"{cards.slug(a.label)}_vs_{cards.slug(b.label)}_{view.key}"
-        cards.figure_card(fig, df, key=f"wc-{view.key}", stem=stem, description=view.description)
-        try:
-            dfig, ddf = difference_view(view, a, b)
-        except NotApplicable:
-            continue
-        with st.expander(f"Difference A - B: {view.title}"):
-            cards.figure_card(dfig, ddf, key=f"wd-{view.key}", stem=f"{stem}_diff")
+        cards.render_comparison(view, a, b)

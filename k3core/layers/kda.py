@@ -22,6 +22,7 @@ from torch import nn
 from .. import trace as _trace
 from ..config import K3Config
 from ..ops.kda import kda_chunk, kda_recurrent
+from ..ops.kda_gate import kda_decay_gate
 from ..trace import names
 from .norm import RMSNorm
 
@@ -112,10 +113,9 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         z = z.view(B, T, self.num_heads, self.head_dim)
-        A = self.A_log.float().exp().view(1, 1, -1, 1)
-        if self.config.kda_gate == "lower_bound":
-            return self.config.kda_gate_lower_bound * torch.sigmoid(A * z)
-        return -A * F.softplus(z)
+        return kda_decay_gate(
+            z, self.A_log.float().view(1, 1, -1, 1), self.config.kda_gate, self.config.kda_gate_lower_bound
+        )
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.kda_output_gate == "full":

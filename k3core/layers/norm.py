@@ -1,11 +1,11 @@
-"""RMSNorm module (the math lives in ``k3core.ops.attnres.rms_norm``)."""
+"""RMSNorm module (the math lives in ``k3core.ops.norm.rms_norm``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..ops.attnres import rms_norm
+from ..ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -10,14 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm(x; w, eps) = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+from .norm import rms_norm
 
 
 def attnres_mix(
@@ -33,7 +26,7 @@ def attnres_mix(
     Returns the mix [..., D] (dtype of sources) and, when ``return_weights``, p: [N, ...] (fp32).
     """
     src32 = sources.float()
-    keys = src32 * torch.rsqrt(src32.pow(2).mean(-1, keepdim=True) + eps)
+    keys = rms_norm(src32, None, eps)
     logits = keys @ (query.float() * norm_weight.float())  # [N, ...]
     p = torch.softmax(logits, dim=0)
     mixed = (p.unsqueeze(-1) * src32).sum(0).to(sources.dtype)

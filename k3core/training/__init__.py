@@ -1,4 +1,4 @@
-"""Training a K3 config on bytes: the ``k3lab train`` command and the :func:`train` API.
+"""Training a K3 config on bytes: the :func:`train` API (its command line is ``k3lab train``, in k3lab/train.py).
 
     k3lab train k3-mini --steps 2000 --out runs/mini            # a preset
     k3lab train my_config.json --set residual=plain --out runs/p  # a config.json, with overrides
@@ -13,11 +13,9 @@ One job per module:
     history    what metrics.json records (its schema)
     rundir     the run directory's files: metrics.json, resume checkpoints, optimizer/RNG state
     card       the model card (README.md) of a finished run
-    cli        the ``k3lab train`` argument parser and entry point (also ``python -m k3core.training``)
 """
 
 from .card import model_card
-from .cli import build_parser, main
 from .config import (
     RUNTIME_FIELDS,
     TrainConfig,
@@ -41,7 +39,6 @@ __all__ = [
     "TrainConfig",
     "TrainError",
     "Trainer",
-    "build_parser",
     "derive_seed",
     "evaluate_bits_per_byte",
     "evaluate_mqar",
@@ -49,7 +46,6 @@ __all__ = [
     "load_corpus",
     "load_metrics",
     "lr_at",
-    "main",
     "model_card",
     "parse_overrides",
     "resolve_model_config",

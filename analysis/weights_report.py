@@ -1,5 +1,5 @@
-"""The output folder of ``k3lab weights``: ``weights.json``, each weights view under ``figures/`` and an
-offline ``index.html`` with every figure."""
+"""The weights report: the output folder of ``k3lab weights`` (``weights.json``, each weights view under
+``figures/`` and an offline ``index.html`` with every figure), the weight-only counterpart of ``analysis.report``."""
 
 from __future__ import annotations
 
@@ -7,20 +7,13 @@ import html as _html
 from pathlib import Path
 from typing import Any
 
+from analysis.context import AnalysisContext
 from analysis.export import export_many
 from analysis.format import format_bytes
-from analysis.views import AnalysisContext, NotApplicable, View
-
-from .document import weights_json, write_weights_json
-from .summary import WeightSummary
-
-
-def weight_views() -> list[View]:
-    """The registered views of the "weights" section (analysis.figures.weights.VIEWS)."""
-    # Imported here, not at the top: analysis.figures.weights draws this package's summary and imports it.
-    from analysis.figures.weights import VIEWS
-
-    return list(VIEWS)
+from analysis.view import NotApplicable
+from analysis.views import section_views
+from analysis.weights.document import weights_json, write_weights_json
+from analysis.weights.summary import WeightSummary
 
 
 def write_outputs(summary: WeightSummary, out_dir: str | Path, static: bool = True) -> dict[str, Any]:
@@ -34,7 +27,7 @@ def write_outputs(summary: WeightSummary, out_dir: str | Path, static: bool = Tr
     json_path = write_weights_json(summary, out / "weights.json")
     ctx = AnalysisContext(trace=None, config=summary.config, label=summary.label, weights=summary)
     built, skipped, errors = [], {}, {}
-    for view in weight_views():
+    for view in section_views("weights"):
         try:
             fig, df = view.build(ctx)
         except NotApplicable as exc:

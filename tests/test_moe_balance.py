@@ -1,4 +1,4 @@
-"""k3core.metrics: MoE MaxVio / CV on hand-computed loads."""
+"""k3core.moe_balance: MoE MaxVio / CV on hand-computed loads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3core.metrics import moe_load_stats
+from k3core.moe_balance import moe_load_stats
 
 
 def test_maxvio_and_cv_by_hand():

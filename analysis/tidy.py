@@ -1,12 +1,8 @@
-"""Tidy tables shared by the diagnostics: which columns index a table, and the error for missing trace data."""
+"""Tidy tables: marking which columns index a diagnostics table and which is its value."""
 
 from __future__ import annotations
 
 import pandas as pd
-
-
-class MissingTraceData(LookupError):
-    """The trace lacks the arrays a metric needs (the message names them and how to record them)."""
 
 
 def tidy(df: pd.DataFrame, keys: list[str], value: str | None = None) -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""Numbers about a model's behaviour that training and analysis both report (one definition each)."""
+"""MoE load balance (MaxVio, CV) of one layer's expert load: the one definition training and analysis report."""
 
 from __future__ import annotations
 

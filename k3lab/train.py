@@ -1,4 +1,4 @@
-"""``k3lab train``: the command line over :func:`k3core.training.train`.
+"""``k3lab train``: the command line over :func:`k3core.training.train` (also ``python -m k3lab train``).
 
 k3lab train k3-mini --steps 2000 --out runs/mini            # a preset
 k3lab train my_config.json --set residual=plain --out runs/p  # a config.json, with overrides
@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
-from .config import TrainConfig, TrainError, parse_overrides
-from .loop import train
-from .rundir import load_metrics
+from k3core.config import ConfigError
+from k3core.training import TrainConfig, TrainError, load_metrics, parse_overrides, train
 
 
 def build_parser() -> argparse.ArgumentParser:

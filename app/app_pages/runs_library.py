@@ -6,7 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from analysis.format import format_bytes
-from app import caching, page, uploads
+from app import caching, error_text, library_home, memory_fit, page, run_list
 from app.inputs import InputError, current_inputs
 from app.library import LibraryError
 from app.roots import PathRefused, confine_folder
@@ -32,7 +32,7 @@ UPLOAD_TYPES = ["json", "safetensors", "md", "bin", "pt", "model", "zip"]
 VALIDATE_LOAD_BYTES = 2 * 1024**3  # uploads up to this size are loaded once to check every tensor
 
 try:
-    lib = uploads.library()
+    lib = library_home.library()
 except LibraryError as exc:
     st.error(f"The runs library cannot be opened: {exc}. Start the app with `k3lab app --home DIR`.")
     st.stop()
@@ -63,7 +63,7 @@ tab_upload, tab_path, tab_preset = st.tabs(["Upload", "Open a folder on the serv
 
 # ----------------------------------------------------------------------------------------- upload
 with tab_upload:
-    limit = uploads.upload_limit_mb()
+    limit = library_home.upload_limit_mb()
     mode = st.radio("What to upload", ["Files or a zip", "A whole folder"], horizontal=True, key="k3lab_upload_mode")
     with st.form("k3lab_upload", clear_on_submit=True):
         name = st.text_input("Name", placeholder="my-run", key="k3lab_upload_name")
@@ -82,19 +82,19 @@ with tab_upload:
         entry = ref = None
         try:
             entry, skipped = lib.add_files([(f.name, f) for f in files or []], name, mode == "A whole folder")
-            ref = uploads.ref_of(entry)
-            if entry.size_bytes <= VALIDATE_LOAD_BYTES and not uploads.fit_problem(ref, device, dtype):
+            ref = run_list.ref_of(entry)
+            if entry.size_bytes <= VALIDATE_LOAD_BYTES and not memory_fit.fit_problem(ref, device, dtype):
                 caching.load_run(ref, device, dtype)  # reads every tensor: NaN/Inf, shapes
         except (LibraryError, CheckpointError, InputError) as exc:
             if entry is not None:
                 lib.delete(entry.id)
-            st.error(f"This checkpoint cannot be used: {uploads.message(exc, ref)}")
+            st.error(f"This checkpoint cannot be used: {error_text.message(exc, ref)}")
         else:
             _added(entry, f" Skipped: {', '.join(skipped)}." if skipped else "")
 
 # ----------------------------------------------------------------------------------------- by path
 with tab_path:
-    roots = uploads.allowed_roots()
+    roots = library_home.allowed_roots()
     st.caption(
         "Reads the checkpoint where it is (nothing is copied): size, parameters and the memory it needs come from "
         "the file headers before anything is loaded. Folders that may be opened: "
@@ -112,8 +112,8 @@ with tab_path:
         except (PathRefused, LibraryError) as exc:
             st.error(str(exc))
         else:
-            plan = uploads.placement_plan(folder, device, dtype)
-            free = uploads.available_memory(device)
+            plan = memory_fit.placement_plan(folder, device, dtype)
+            free = memory_fit.available_memory(device)
             c1, c2, c3, c4 = st.columns(4)
             c1.metric("Size on disk", format_bytes(info.size_bytes))
             c2.metric("Parameters", human_count(info.num_parameters))
@@ -125,15 +125,15 @@ with tab_path:
                 + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
                 + "; in memory: "
                 + ", ".join(
-                    f"{d} {format_bytes(uploads.placement_plan(folder, device, d).total_bytes)}"
+                    f"{d} {format_bytes(memory_fit.placement_plan(folder, device, d).total_bytes)}"
                     for d in ("float32", "bfloat16")
                 )
             )
-            auto = uploads.placement_plan(folder, "auto", dtype)
+            auto = memory_fit.placement_plan(folder, "auto", dtype)
             rows = []
             for name, p in ((f"on {device}", plan), ("spread (GPUs, then CPU, then disk)", auto)):
                 for dev, nbytes in p.bytes_by_device.items():
-                    dev_free = uploads.available_memory(dev) if dev != "disk" else None
+                    dev_free = memory_fit.available_memory(dev) if dev != "disk" else None
                     rows.append(
                         {
                             "placement": name,
@@ -144,8 +144,8 @@ with tab_path:
                         }
                     )
             st.dataframe(rows, hide_index=True)
-            ref = uploads.RunRef(folder.name, str(folder), "path")
-            problem = uploads.fit_problem(ref, device, dtype)
+            ref = run_list.RunRef(folder.name, str(folder), "path")
+            problem = memory_fit.fit_problem(ref, device, dtype)
             if problem:
                 st.warning(problem)
             else:
@@ -189,7 +189,7 @@ with tab_preset:
             with st.spinner(f"Initialising and saving {preset}..."):
                 entry = lib.add_preset(preset, preset_name, int(seed))
         except LibraryError as exc:
-            st.error(uploads.message(exc))
+            st.error(error_text.message(exc))
         else:
             _added(entry)
 
@@ -208,7 +208,7 @@ for entry in entries:
             f"{entry.added_at.replace('T', ' ')[:16]} UTC{where}"
         )
         c1.caption(f"{summary_text(entry.summary)} · fingerprint {entry.fingerprint[:12]}")
-        refused = uploads.path_refusal(entry) if entry.available else None
+        refused = library_home.path_refusal(entry) if entry.available else None
         if not entry.available:
             c1.warning("The files of this run are gone (a folder moved or a disk unmounted); delete the entry.")
         elif refused:

@@ -1,5 +1,6 @@
-"""The --device / --dtype / --max-memory (/ --offload-folder) options of every command that loads a model:
-k3lab generate, report and inspect. Kept free of torch so that ``k3lab --help`` stays instant."""
+"""Options several commands share: --device / --dtype / --max-memory (/ --offload-folder) of every command that
+loads a model (generate, report, inspect) and --out / --no-static / --quiet of those that write a folder of figures
+(report, weights). Kept free of torch so that ``k3lab --help`` stays instant."""
 
 from __future__ import annotations
 
@@ -43,3 +44,10 @@ def add_device_options(parser: argparse.ArgumentParser, offload_folder: bool = F
             metavar="DIR",
             help="with --device auto: where weights that fit on no device go (default: a temp folder)",
         )
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """Add --out DIR (required), --no-static (no PNG/SVG) and --quiet (no progress bar)."""
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
+    parser.add_argument("--no-static", action="store_true", help="skip PNG/SVG export (no browser start; fastest)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,57 @@
+"""The View type: one figure of the catalogue (``analysis.views``) and how it compares two runs.
+
+A view turns an ``AnalysisContext`` (``analysis.context``) into a plotly figure plus the tidy table it was drawn
+from. A view that cannot be drawn for this context (e.g. no MoE layers) raises ``NotApplicable``. The figure
+modules under ``analysis/figures/`` define views with this type; they never import the catalogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from analysis.context import AnalysisContext
+
+
+class NotApplicable(Exception):
+    """This view has nothing to show for this run (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How a view compares two runs (``analysis.compare``), declared by the view itself.
+
+    ``overlay``: the view draws several runs in one figure (training history): the comparison is that
+    figure with run B overlaid, not two halves. Otherwise the two runs are drawn side by side on shared
+    axis ranges and one colour scale (always). ``difference`` names the value columns whose A - B is
+    drawn; empty means the view has no difference figure and ``no_difference`` says why. ``keys`` are
+    the columns that align the two tables row for row (default: the table's ``attrs["keys"]``);
+    ``reduce`` lists key columns averaged over first (e.g. heads of a state norm over time); ``x`` is
+    the key on the difference figure's x axis (default: the last key). ``same_weights``: rows are
+    learned units (experts) that only correspond between two texts on one checkpoint.
+    """
+
+    difference: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    reduce: tuple[str, ...] = ()
+    x: str | None = None
+    same_weights: bool = False
+    overlay: bool = False
+    no_difference: str = "a difference A - B of this view has no meaning"
+
+
+@dataclass(frozen=True)
+class View:
+    key: str  # stable id, used in file names: "moe_load_heatmap"
+    title: str
+    section: str  # "density", "attnres", "moe", "degradation", "history"
+    build: Callable[[AnalysisContext], tuple[go.Figure, pd.DataFrame]]
+    needs_model: bool = False
+    description: str = ""
+    compare: Comparison = field(default_factory=Comparison)
+    # Drawn from the checkpoint's weights alone (``ctx.weights``, or a loaded model's parameters), so it needs
+    # no trace: the Weights page and ``k3lab weights`` draw every such view, whatever its section.
+    from_weights: bool = False

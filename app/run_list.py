@@ -1,0 +1,100 @@
+"""The runs the picker lists: checkpoint folders named at start-up, the shipped samples, and the runs library.
+
+``discover_runs`` lists them in picker order; ``library_runs()`` turns the runs library's entries (``app.library``:
+uploads, folders opened by path, random-init presets; opened by ``app.library_home``) into picker runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.library import LibraryError
+from app.library_home import library, path_refusal
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLES_DIR = REPO_ROOT / "sample_checkpoints"
+RUNS_ENV = "K3LAB_RUNS"
+ORIGIN_OF_SOURCE = {"upload": "uploaded", "path": "path", "preset": "preset"}
+LIBRARY_ORIGINS = tuple(ORIGIN_OF_SOURCE.values())
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A checkpoint folder the user can pick in the sidebar (``discover_runs``); ``app.caching.load_run`` turns it
+    into an ``analysis.runs.Run``, ``app.caching.load_weights`` into the weights path's context."""
+
+    label: str
+    path: str
+    origin: str  # "preloaded" (K3LAB_RUNS), "sample" (sample_checkpoints/), or a library source (LIBRARY_ORIGINS)
+    run_id: str = ""  # the library's id for library runs
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """A folder with a config.json (the loader reports everything else that may be wrong)."""
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def discover_runs(
+    env_value: str | None, samples_dir: str | Path | None, library: Iterable[RunRef] = ()
+) -> tuple[list[RunRef], list[str]]:
+    """Runs in picker order: K3LAB_RUNS entries, then sample_checkpoints/* folders, then library runs.
+
+    A K3LAB_RUNS entry is a checkpoint folder, or a folder of checkpoint folders (each becomes a run).
+    Duplicate folders are listed once (first origin wins); labels are the folder names (a library run's
+    name), made unique with a " (2)", " (3)" suffix. Returns (runs, problems) where problems names
+    K3LAB_RUNS entries that are not checkpoint folders.
+    """
+    library = list(library)
+    found: list[tuple[Path, str]] = []
+    problems: list[str] = []
+    for entry in (env_value or "").split(os.pathsep):
+        entry = entry.strip()
+        if not entry:
+            continue
+        path = Path(entry).expanduser()
+        children = sorted(p for p in path.iterdir() if is_checkpoint_dir(p)) if path.is_dir() else []
+        if is_checkpoint_dir(path):
+            found.append((path.resolve(), "preloaded"))
+        elif children:  # a folder of runs
+            found.extend((child.resolve(), "preloaded") for child in children)
+        else:
+            problems.append(f"{entry}: not a checkpoint folder (no config.json)")
+    if samples_dir is not None and Path(samples_dir).is_dir():
+        for path in sorted(Path(samples_dir).iterdir()):
+            if is_checkpoint_dir(path):
+                found.append((path.resolve(), "sample"))
+    by_path = {str(Path(r.path).resolve()): r for r in library}
+    found.extend((Path(p), r.origin) for p, r in by_path.items())
+
+    runs: list[RunRef] = []
+    seen_paths: set[Path] = set()
+    labels: set[str] = set()
+    for path, origin in found:
+        if path in seen_paths:
+            continue
+        seen_paths.add(path)
+        lib_ref = by_path.get(str(path)) if origin in LIBRARY_ORIGINS else None
+        base = lib_ref.label if lib_ref is not None else path.name
+        label, n = base, 2
+        while label in labels:
+            label, n = f"{base} ({n})", n + 1
+        labels.add(label)
+        runs.append(RunRef(label=label, path=str(path), origin=origin, run_id=lib_ref.run_id if lib_ref else ""))
+    return runs, problems
+
+
+def ref_of(entry) -> RunRef:
+    """A library entry as a picker run."""
+    return RunRef(label=entry.name, path=str(entry.path), origin=ORIGIN_OF_SOURCE[entry.source], run_id=entry.id)
+
+
+def library_runs() -> list[RunRef]:
+    """The library's runs whose files are there and may be opened, oldest first ([] when it cannot be opened)."""
+    try:
+        return [ref_of(e) for e in library().entries() if e.available and path_refusal(e) is None]
+    except LibraryError:
+        return []

@@ -1,0 +1,109 @@
+"""``k3lab app``: start the Streamlit app (``app/main.py`` through ``app.serve``) with the runs library home,
+the folders that may be opened by path and the upload limit in its environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+APP_HELP = """\
+Open the k3lab Streamlit app.
+
+The app listens on 127.0.0.1 (this machine only) unless --host says otherwise. Runs you add (uploads,
+folders opened by path, random-init presets) are kept in the runs library under --home (default
+$K3LAB_HOME or ~/.k3lab) and are there again after a reload or a restart. Opening a checkpoint by
+path reads this server's disk, so only folders under --root (default: the folder the app is started
+in) and the library home may be opened; symlinks are resolved before that check.
+"""
+
+
+def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The streamlit command line and environment for parsed ``k3lab app`` arguments."""
+    from app.settings import HOME_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, home_dir
+
+    env = dict(os.environ if environ is None else environ)
+    if args.runs:
+        env["K3LAB_RUNS"] = os.pathsep.join(str(Path(r).resolve()) for r in args.runs)
+    env[HOME_ENV] = str((Path(args.home).expanduser() if args.home else home_dir(env)).resolve())
+    env[ROOTS_ENV] = os.pathsep.join(str(Path(r).expanduser().resolve()) for r in (args.root or [os.getcwd()]))
+    env[MAX_UPLOAD_ENV] = str(args.max_upload_mb)
+    # app.serve = `streamlit run app/main.py` with the app's libraries imported before the server listens.
+    cmd = [sys.executable, "-m", "app.serve",
+           "--server.address", args.host,
+           "--server.port", str(args.port),
+           "--server.maxUploadSize", str(args.max_upload_mb),
+           "--browser.gatherUsageStats", "false",
+           "--client.toolbarMode", "viewer"]  # fmt: skip
+    if args.headless:
+        cmd += ["--server.headless", "true"]
+    return cmd, env
+
+
+def app_parser() -> argparse.ArgumentParser:
+    from app.settings import DEFAULT_HOST, DEFAULT_MAX_UPLOAD_MB
+
+    parser = argparse.ArgumentParser(
+        prog="k3lab app", description=APP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="*", help="checkpoint folders to preload (default: sample_checkpoints/*)")
+    parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}: this machine only; 0.0.0.0 serves every interface, "
+        f"so anyone who reaches the port can open the folders under --root)",
+    )
+    parser.add_argument("--home", metavar="DIR", help="runs library folder (default $K3LAB_HOME or ~/.k3lab)")
+    parser.add_argument(
+        "--root",
+        action="append",
+        metavar="DIR",
+        help="a folder whose checkpoints may be opened by path (repeatable; default: the current folder; the "
+        "library home is always allowed)",
+    )
+    parser.add_argument(
+        "--max-upload-mb",
+        type=int,
+        default=DEFAULT_MAX_UPLOAD_MB,
+        metavar="N",
+        help=f"largest file the upload form accepts, in MB (default {DEFAULT_MAX_UPLOAD_MB}); bigger checkpoints "
+        f"are opened by path",
+    )
+    parser.add_argument("--headless", action="store_true", help="do not try to open a browser")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = app_parser().parse_args(argv)
+    main_py = REPO_ROOT / "app" / "main.py"
+    if not main_py.is_file():
+        print(f"k3lab app: cannot find the app at {main_py}", file=sys.stderr)
+        return 2
+    for run in args.runs:
+        if not Path(run).is_dir():
+            print(f"k3lab app: {run} is not a checkpoint folder", file=sys.stderr)
+            return 2
+    for root in args.root or []:
+        if not Path(root).expanduser().is_dir():
+            print(f"k3lab app: --root {root} is not a folder", file=sys.stderr)
+            return 2
+    if args.max_upload_mb < 1:
+        print("k3lab app: --max-upload-mb must be at least 1", file=sys.stderr)
+        return 2
+    cmd, env = app_command(args)
+    shown = "localhost" if args.host in ("127.0.0.1", "localhost") else args.host
+    print(f"k3lab app: serving on http://{shown}:{args.port}")
+    print(
+        f"k3lab app: runs library in {env['K3LAB_HOME']}; folders that may be opened by path: "
+        f"{', '.join([env['K3LAB_HOME'], *env['K3LAB_ROOTS'].split(os.pathsep)])}"
+    )
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,81 @@
+"""``k3lab generate RUN``: sample text from a checkpoint, loaded through ``analysis.runs.load_run`` (the one
+loader of report, inspect, weights and the app) and read with the checkpoint's own tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from k3lab.options import add_device_options
+
+
+def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, max_memory: str | None = None) -> None:
+    """With ``--max-memory``, the streaming plan (what stays, what streams, bytes and expected time per prompt);
+    with ``--device auto``, the placement plan (bytes and layers per device); on stderr before loading."""
+    from analysis.runs import DTYPES, dtype_name
+    from k3core.model import K3ForCausalLM
+
+    if max_memory:
+        from k3core.streamed import plan_for_path
+
+        device = "cpu" if device == "auto" else device
+        plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=DTYPES[dtype_name(dtype)], max_memory=max_memory)
+        print(f"{prog}: streaming plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
+              file=sys.stderr)  # fmt: skip
+        return
+    if device != "auto":
+        return
+
+    plan = K3ForCausalLM.plan_placement(run, device="auto", dtype=DTYPES[dtype_name(dtype)])
+    print(
+        f"{prog}: placement plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()), file=sys.stderr
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="k3lab generate",
+        description="Generate text from a checkpoint, tokenised with the checkpoint's own tokenizer: the folder's "
+        "tokenizer.json, or Kimi's tiktoken.model + tokenizer_config.json, or UTF-8 bytes for a vocab-256 model.",
+    )
+    parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors [+ tokenizer files])")
+    parser.add_argument("--prompt", default="ROMEO:\n", help="prompt text (default: 'ROMEO:\\n')")
+    parser.add_argument("--tokens", type=int, default=200, help="new tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_device_options(parser, offload_folder=True)
+    args = parser.parse_args(argv)
+    if args.temperature < 0 or args.tokens < 0:
+        print("k3lab generate: --temperature and --tokens must be >= 0", file=sys.stderr)
+        return 2
+
+    from analysis.runs import load_run, run_tokenizer
+    from k3core.checkpoint import CheckpointError
+    from k3core.generate import generate_text
+
+    try:
+        print_placement_plan(args.run, args.device, args.dtype, "k3lab generate", args.max_memory)
+        run = load_run(
+            args.run,
+            args.device,
+            args.dtype,
+            progress=True,
+            offload_folder=args.offload_folder,
+            max_memory=args.max_memory,
+        )
+    except (CheckpointError, ValueError) as exc:
+        print(f"k3lab generate: {exc}", file=sys.stderr)
+        return 2
+    if run.tokenizer is None:
+        print(f"k3lab generate: {run_tokenizer(run.path, run.config.vocab_size)[1]}", file=sys.stderr)
+        return 2
+    try:
+        text = generate_text(
+            run.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, run.tokenizer
+        )
+    except ValueError as exc:  # e.g. a sampled id the tokenizer has no text for (a model vocab padded beyond it)
+        print(f"k3lab generate: {exc}", file=sys.stderr)
+        return 2
+    print(args.prompt + text)
+    return 0
