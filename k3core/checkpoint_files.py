@@ -26,7 +26,6 @@ import functools
 import gc
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 
 from .config import ConfigError, K3Config
 from .hf_config import config_from_hf, is_hf_config
+from .tensor_info import DTYPES, CheckpointError, TensorInfo
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,10 +45,6 @@ PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin", "pytorch_model.pt"
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenizer.model")
 MAX_HEADER_BYTES = 100 * 1024**2  # safetensors' own limit: a header over 100 MB is corrupt or hostile
-
-
-class CheckpointError(ValueError):
-    """Anything a user can get wrong with a checkpoint. The message says what and where."""
 
 
 # ---------------------------------------------------------------------------------- name table
@@ -77,20 +73,6 @@ KEEP_FP32_PATTERNS: tuple[str, ...] = (
 )
 _KEEP_FP32 = re.compile("|".join(KEEP_FP32_PATTERNS))
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 _TORCH_TO_ST = {v: k for k, v in DTYPES.items()}
 
 
@@ -118,34 +100,6 @@ def keep_fp32(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------- headers
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lies: ``file`` bytes [begin, end) hold it (begin = end = -1 for pickle files).
-
-    A quantised weight (k3core.quantized) is one entry with its logical shape, ``dtype`` its storage
-    format ("MXFP4", "INT4", "FP8", ...) and ``parts`` the stored tensors ((role, TensorInfo), ...);
-    ``nbytes`` is then what is stored, [begin, end) the span of its parts in ``file``."""
-
-    name: str
-    raw_name: str
-    file: Path
-    dtype: str  # safetensors spelling: "BF16", "F32", ...; a storage format for quantised weights
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-    parts: tuple = field(default=(), compare=False)
-
-    @property
-    def nbytes(self) -> int:
-        if self.parts:
-            return sum(p.nbytes for _, p in self.parts)
-        return max(self.end - self.begin, 0)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
 def read_safetensors_header(file: Path) -> tuple[dict, int]:
     """The parsed JSON header of a safetensors file and the absolute offset where its data starts.
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checkpoint_files import CheckpointError, TensorInfo
+from .tensor_info import DTYPES, CheckpointError, TensorInfo
 
 # Suffixes of the stored parts of one compressed-tensors weight (role = the suffix without its dot).
 PART_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_global_scale", ".weight_shape")
@@ -311,8 +311,6 @@ def _decode_compressed_tensors(info: TensorInfo, parts: dict[str, torch.Tensor])
 
 def part_view(part: TensorInfo, span: torch.Tensor, begin: int) -> torch.Tensor:
     """The stored tensor ``part`` as a typed view into ``span`` (raw bytes of its file from offset ``begin``)."""
-    from .checkpoint_files import DTYPES
-
     dtype = DTYPES[part.dtype]
     size = torch.empty((), dtype=dtype).element_size()
     if part.nbytes != math.prod(part.shape) * size:
