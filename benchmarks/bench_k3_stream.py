@@ -55,7 +55,6 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
     import numpy as np
     import torch
 
-    from k3core.checkpoint_files import CheckpointFiles
     from k3core.model import K3ForCausalLM
     from k3core.streamed import EXPERT_RE, load_streamed
     from k3core.trace import TraceNames, record
@@ -75,7 +74,7 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
         logits = model(ids).logits
     forward_s = time.perf_counter() - t1
     stats = session.stats()
-    files = CheckpointFiles.open(folder)
+    files = session.store.files  # the table the run holds (a second one would cost 650 MB at full depth)
     chosen = set()
     for i, layer in enumerate(model.model.layers):
         if layer.is_moe:

@@ -41,6 +41,7 @@ EXPERT_NAME = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight
 WEIGHTS = ("w1", "w2", "w3")
 READ_WINDOW = 8  # expert reads in flight or waiting to be used, per store
 LM_HEAD_CHUNK_BYTES = 256 * 1024**2  # LM head rows decoded at a time (compute dtype)
+TABLE_BYTES_PER_TENSOR = 1400  # the header table in memory, per stored tensor (Kimi K3: 497k, 650 MB measured)
 MARGIN_BYTES = 512 * 1024**2  # the interpreter and torch (~350 MB), activations, allocator slack
 ProgressFn = Callable[[dict], None]
 

@@ -27,6 +27,7 @@ from .expert_store import (
     LM_HEAD_CHUNK_BYTES,
     MARGIN_BYTES,
     READ_WINDOW,
+    TABLE_BYTES_PER_TENSOR,
     ExpertStore,
     FileReader,
     LayerExperts,
@@ -96,7 +97,11 @@ class StreamPlan:
         return self.prompt_bytes(tokens) / self.read_speed
 
     def describe(self, tokens: int = 8) -> str:
-        stays = "small tensors and every dense part" if self.dense_resident else "small tensors (norms, AttnRes)"
+        stays = (
+            "the checkpoint's table, small tensors and every dense part"
+            if self.dense_resident
+            else "the checkpoint's table and small tensors (norms, AttnRes)"
+        )
         streams = "routed experts" if self.dense_resident else "routed experts; dense parts module by module"
         stored = ", ".join(f"{k} {_gb(v)}" for k, v in self.stored_by_format.items())
         return "\n".join(
@@ -160,6 +165,8 @@ def plan_streaming(
             stored_modules[module] = stored_modules.get(module, 0) + info.nbytes
             if module not in (EMBED, LM_HEAD):  # those two are read by rows / in chunks
                 largest_tensor = max(largest_tensor, info.nbytes)
+    # the checkpoint's table of tensors (CheckpointFiles) stays in memory for the whole run
+    small += TABLE_BYTES_PER_TENSOR * sum(len(info.parts) or 1 for info in files.tensors.values())
     moe = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
     expert_stored = expert_compute = 0
     if moe:
@@ -184,8 +191,8 @@ def plan_streaming(
     if need > budget:
         raise CheckpointError(
             f"{files.folder.name}: a memory budget of {_gb(budget)} is too small for one layer of this model: it "
-            f"needs at least {_gb(need)} ({'dense parts resident' if resident else 'streaming'}: small tensors "
-            f"{_gb(small)}, largest module {largest[0]} {_gb(largest[1])} + its largest tensor as stored "
+            f"needs at least {_gb(need)} ({'dense parts resident' if resident else 'streaming'}: table and small "
+            f"tensors {_gb(small)}, largest module {largest[0]} {_gb(largest[1])} + its largest tensor as stored "
             f"{_gb(largest_tensor)}, LM head chunk {_gb(lm_chunk)}, one expert decoded "
             f"{_gb(expert_compute)} + {READ_WINDOW} read ahead {_gb(READ_WINDOW * expert_stored)}, "
             f"margin {_gb(MARGIN_BYTES)})"
