@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,7 @@ from analysis.context import AnalysisContext
 from k3core.checkpoint import CheckpointError
 from k3core.checkpoint_files import folder_fingerprint
 from k3core.config import K3Config
+from k3core.files import open_for_reading, parse_json, read_bytes_limited
 from k3core.runtime import configure_threads
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # imported where a run is loaded (load_run), not when this mo
     from k3core.model import K3ForCausalLM
 
 METRICS_NAME = "metrics.json"
+MAX_METRICS_BYTES = 64 * 1024**2
 CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
 SAMPLES = ("shakespeare", "mqar", "repeat")
 DEFAULT_SAMPLE = "shakespeare"
@@ -87,6 +89,7 @@ class Input:
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     total: int = 0  # tokens of the whole text before it was cut to max tokens (0: not cut)
+    total_exact: bool = True  # False: ``total`` is scaled from the text's first characters (count_tokens)
     source: str = ""  # where the tokens came from, for captions ("" : the description)
 
     @property
@@ -114,15 +117,15 @@ def read_metrics(path: str | Path) -> tuple[dict | None, str | None]:
     """``metrics.json`` of a run folder as a dict, or (None, reason). Never raises for a bad file."""
     file = Path(path) / METRICS_NAME
     if not file.is_file():
-        return None, f"no {METRICS_NAME} in {path}"
+        return None, f"no {METRICS_NAME} in the run folder"
     try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{file}: unreadable ({exc})"
+        data = parse_json(read_bytes_limited(file, MAX_METRICS_BYTES), METRICS_NAME)
+    except (OSError, ValueError) as exc:
+        return None, f"{METRICS_NAME}: unreadable ({str(exc)[:200]})"
     if isinstance(data, list):
         data = {"history": data}
     if not isinstance(data, dict):
-        return None, f"{file}: expected a JSON object, got {type(data).__name__}"
+        return None, f"{METRICS_NAME}: expected a JSON object, got {type(data).__name__}"
     return data, None
 
 
@@ -131,8 +134,9 @@ def read_card_text(path: str | Path, max_chars: int = 4000) -> str | None:
     for name in CARD_NAMES:
         file = Path(path) / name
         if file.is_file():
-            try:
-                text = file.read_text(errors="replace")
+            try:  # at most 4 bytes per character: a huge README is never read whole
+                with os.fdopen(open_for_reading(file), "rb") as fh:
+                    text = fh.read(4 * max_chars + 4).decode("utf-8", errors="replace")
             except OSError:
                 return None
             return text if len(text) <= max_chars else text[:max_chars] + "\n..."
@@ -311,6 +315,18 @@ def sample_input(
     raise ValueError(f"unknown sample {name!r}; choose one of {SAMPLES}")
 
 
+COUNT_CHARS = 1 << 20  # texts up to this many characters are counted exactly
+
+
+def count_tokens(text: str, tokenizer: Tokenizer, max_chars: int = COUNT_CHARS) -> tuple[int, bool]:
+    """(tokens in ``text``, exact?). Up to ``max_chars`` characters the count is exact; a longer text is never
+    tokenized whole: its first ``max_chars`` are, and the count is scaled by characters (total ≈ n · len / max)."""
+    if len(text) <= max_chars:
+        return len(tokenizer.encode(text)), True
+    head = len(tokenizer.encode(text[:max_chars]))
+    return round(head * len(text) / max_chars), False
+
+
 def text_input(
     text: str,
     config: K3Config,
@@ -334,8 +350,11 @@ def trace_run(
     label: str | None = None,
     max_attn_len: int = 1024,
     options: dict[str, Any] | None = None,
+    edits: list | None = None,
 ) -> AnalysisContext:
     """Run the model once on ``input_ids`` [B, T] inside ``record`` and wrap the trace in an AnalysisContext.
+
+    ``edits`` (``k3core.interventions``): record the edited forward instead (``trace.meta["edits"]`` lists them).
 
     The loss (``token_nll``) uses ``targets`` when given (aligned, -100 ignored), else next-token labels.
     Everything is recorded for the whole input (``max_tokens`` = T); attention matrices up to ``max_attn_len``.
@@ -355,8 +374,15 @@ def trace_run(
     ids = input_ids.to(device)
     T = int(ids.shape[1])
     kwargs = {"targets": targets.to(device)} if targets is not None else {"labels": ids}
-    with record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace:
+    from k3core.interventions import intervene
+
+    with (
+        intervene(model, edits or []),
+        record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace,
+    ):
         out = model(ids, **kwargs)
+    if edits:
+        trace.meta["edits"] = [e.to_dict() for e in edits]
     trace.meta["run"] = {
         "path": str(run.path),
         "fingerprint": run.fingerprint,

@@ -196,11 +196,13 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     n = int(sample.input_ids.shape[1])
-    total = len(runs.text_tokenizer(config, tokenizer).encode(choice.text)) if choice.text is not None else n
+    total, exact = n, True
+    if choice.text is not None:  # a long text is counted from its first megabyte, never tokenized whole
+        total, exact = runs.count_tokens(choice.text, runs.text_tokenizer(config, tokenizer))
     source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
     if sample.description and choice.text is None:
         source = sample.description
-    return replace(sample, source=source, total=max(total, n))
+    return replace(sample, source=source, total=max(total, n), total_exact=exact)
 
 
 def make_tokens(choice: TextChoice, run: Run) -> Input:
@@ -220,12 +222,24 @@ _TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forwar
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
 def _cached_trace(
-    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Input
+    fingerprint: str,
+    device: str,
+    dtype: str,
+    digest: str,
+    what: tuple[str, ...],
+    _run: Run,
+    _tokens: Input,
+    edits: str = "",
 ) -> AnalysisContext:
+    from k3core.interventions import edits_from_json
+
     start = time.perf_counter()
     with model_use(_run.model):
-        ctx = runs.trace_run(_run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN)
-    _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        ctx = runs.trace_run(
+            _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
+        )
+    if not edits:
+        _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
     return ctx
 
 
@@ -266,13 +280,15 @@ def load(
     record_attn: bool = True,
     options: dict[str, Any] | None = None,
     label: str | None = None,
+    edits: str = "",
 ) -> Loaded:
-    """Run + traced AnalysisContext for a run on a text choice (all cached).
+    """Run + traced AnalysisContext for a run on a text choice (all cached); ``edits`` (JSON of
+    ``k3core.interventions`` edits): the edited forward's trace instead.
 
-    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options).
+    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options / edits).
     """
     run = load_run(ref, device, dtype)
-    return trace(ref, run, make_tokens(choice, run), record_attn, options, label)
+    return trace(ref, run, make_tokens(choice, run), record_attn, options, label, edits)
 
 
 def trace(
@@ -282,13 +298,21 @@ def trace(
     record_attn: bool = True,
     options: dict[str, Any] | None = None,
     label: str | None = None,
+    edits: str = "",
 ) -> Loaded:
-    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens and trace items), under
-    ``label`` and the view ``options``. Raises InputError for bad options."""
+    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens, trace items and edits),
+    under ``label`` and the view ``options``. Raises InputError for bad options or edits that do not fit."""
     options = dict(options or {})
     check_options(options)
     what = trace_items(record_attn)
-    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens)
+    if edits:
+        from k3core.interventions import EditError, compile_edits, edits_from_json
+
+        try:
+            compile_edits(run.config, edits_from_json(edits))
+        except EditError as exc:
+            raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -303,6 +327,7 @@ def trace(
         label,
         options_key(options),
         metrics_digest(run.metrics),
+        edits,
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
 

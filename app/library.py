@@ -46,10 +46,12 @@ from app.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
 from k3core.checkpoint_files import (
     CONFIG_NAME,
     INDEX_NAME,
+    MAX_INDEX_BYTES,
     PICKLE_NAMES,
     TOKENIZER_FILES,
     WEIGHTS_NAME,
 )
+from k3core.files import parse_json, read_bytes_limited
 
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
 SOURCES = ("upload", "path", "preset")
@@ -151,15 +153,32 @@ class RunsLibrary:
     # ---------------------------------------------------------------------------- database
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        """One connection per operation, committed on success (a busy database is waited for, not failed)."""
-        with closing(sqlite3.connect(self.db_path, timeout=30)) as con:
-            with con:
-                yield con
+        """One connection per operation, committed on success (a busy database is waited for, not failed).
+
+        A damaged or unreadable index is a LibraryError (the pages say so and keep running)."""
+        try:
+            with closing(sqlite3.connect(self.db_path, timeout=30)) as con:
+                with con:
+                    yield con
+        except sqlite3.Error as exc:
+            raise LibraryError(
+                f"the runs library's index (library.sqlite) cannot be read or written ({exc}); if it is damaged, "
+                f"move it away and restart the app (the runs' files stay in the library folder)"
+            ) from exc
 
     def _entry(self, row: tuple) -> Entry:
-        run_id, name, source, location, fingerprint, summary, size, added = row
+        """An index row as an Entry; a damaged summary or size shows as unknown rather than breaking the list."""
+        run_id, name, source, location, fingerprint, summary, size, added = (str(v) for v in row)
         path = Path(location) if source == "path" else self.home / location
-        return Entry(run_id, name, source, path, fingerprint, json.loads(summary), int(size), added)
+        try:
+            parsed = json.loads(summary)
+        except (ValueError, RecursionError):
+            parsed = {}
+        if not isinstance(parsed, dict):
+            parsed = {}
+        size_bytes = int(size) if size.isdigit() and len(size) < 20 else 0
+        source = source if source in SOURCES else "upload"
+        return Entry(run_id, name, source, path, fingerprint, parsed, size_bytes, added)
 
     def entries(self) -> list[Entry]:
         """Every run in the library, oldest first."""
@@ -177,8 +196,15 @@ class RunsLibrary:
     def _insert(
         self, con: sqlite3.Connection, name: str, source: str, location: str, info: FolderInfo, run_id: str
     ) -> str:
-        """Insert a row under a free name (name, name-2, name-3, ...); returns the name used."""
+        """Insert a row under a free name (name, name-2, name-3, ...); returns the id of the row.
+
+        One transaction from the checks to the insert: a folder on the server already indexed (by another
+        session or process, even at the same moment) returns its existing row's id instead."""
         con.execute("BEGIN IMMEDIATE")  # hold the write lock from reading the names to the insert
+        if source == "path":
+            row = con.execute("SELECT id FROM runs WHERE source = 'path' AND location = ?", (location,)).fetchone()
+            if row is not None:
+                return row[0]
         taken = {r[0] for r in con.execute("SELECT name FROM runs")}
         final, n = name, 2
         while final in taken:
@@ -188,14 +214,17 @@ class RunsLibrary:
             "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (run_id, final, source, location, info.fingerprint, json.dumps(info.summary), info.size_bytes, added),
         )
-        return final
+        return run_id
 
     # ---------------------------------------------------------------------------- adding
     @contextmanager
     def _staging(self) -> Iterator[Path]:
         """A fresh folder under tmp/, removed unless the caller moved it away."""
         folder = self.tmp_dir / f"{os.getpid()}-{secrets.token_hex(6)}"
-        folder.mkdir()
+        try:
+            folder.mkdir(parents=True)  # tmp/ may have been removed while the app runs
+        except OSError as exc:
+            raise LibraryError(f"cannot write to the runs library ({exc.strerror})") from exc
         try:
             yield folder
         finally:
@@ -206,9 +235,14 @@ class RunsLibrary:
         self._check_weights_present(staging, name)
         info = describe_folder(staging, label=name)
         info = dataclasses.replace(info, fingerprint=content_fingerprint(staging))  # stored: hash the bytes once
+        self._check_tokenizer(staging, name, info)
         run_id = secrets.token_hex(6)
         target = self.runs_dir / run_id
-        os.replace(staging, target)
+        try:
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, target)
+        except OSError as exc:
+            raise LibraryError(f"{name}: cannot write to the runs library ({exc.strerror})") from exc
         try:
             with self._db() as con:
                 self._insert(con, name, source, f"runs/{run_id}", info, run_id)
@@ -216,6 +250,18 @@ class RunsLibrary:
             shutil.rmtree(target, ignore_errors=True)
             raise
         return self.get(run_id)
+
+    @staticmethod
+    def _check_tokenizer(folder: Path, name: str, info: FolderInfo) -> None:
+        """Tokenizer files that come with an upload must load and fit the model (checked before it is kept)."""
+        from k3core.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
+
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES) or info.files.config is None:
+            return
+        try:
+            load_tokenizer(folder, info.files.config.vocab_size)
+        except TokenizerError as exc:
+            raise LibraryError(f"{name}: {exc}") from exc
 
     def _limit_hint(self) -> str:
         mb = self.max_upload_bytes // 1024**2
@@ -232,9 +278,10 @@ class RunsLibrary:
             )
         if INDEX_NAME in names:
             try:
-                wanted = set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values())
+                index = parse_json(read_bytes_limited(folder / INDEX_NAME, MAX_INDEX_BYTES), INDEX_NAME)
+                wanted = {str(w) for w in index["weight_map"].values()}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise LibraryError(f"{name}: {INDEX_NAME} is not a valid shard index ({exc})") from exc
+                raise LibraryError(f"{name}: {INDEX_NAME} is not a valid shard index ({str(exc)[:200]})") from exc
             missing = sorted(w for w in wanted if w not in names)
             if missing:
                 raise LibraryError(
@@ -330,9 +377,8 @@ class RunsLibrary:
             return self._entry(row)
         label = clean_name(name, clean_name(folder.name, "checkpoint"))
         info = describe_folder(folder, label=label)
-        run_id = secrets.token_hex(6)
-        with self._db() as con:
-            self._insert(con, label, "path", str(folder), info, run_id)
+        with self._db() as con:  # checks again inside the insert's transaction: one entry per folder
+            run_id = self._insert(con, label, "path", str(folder), info, secrets.token_hex(6))
         return self.get(run_id)
 
     def add_preset(self, preset: str, name: str = "", seed: int = 0) -> Entry:
@@ -369,11 +415,11 @@ class RunsLibrary:
         name = clean_name(new_name, "")
         if not name:
             raise LibraryError("A run name needs at least one letter or digit.")
-        try:
-            with self._db() as con:
+        with self._db() as con:
+            try:
                 con.execute("UPDATE runs SET name = ? WHERE id = ?", (name, run_id))
-        except sqlite3.IntegrityError as exc:
-            raise LibraryError(f"a run named {name!r} is already in the library; choose another name") from exc
+            except sqlite3.IntegrityError as exc:
+                raise LibraryError(f"a run named {name!r} is already in the library; choose another name") from exc
         if entry.source != "path":
             readme = entry.path / "README.md"
             if readme.is_file() and readme.read_text(errors="replace").startswith(f"# {entry.name}\n"):

@@ -40,4 +40,4 @@ def path_refusal(entry) -> str | None:
 
 def allowed_roots() -> list[Path]:
     """Folders that may be opened by path: the library home and K3LAB_ROOTS (default: where the app started)."""
-    return configured_roots(home=library().home)
+    return configured_roots(home=home_dir())  # not library().home: a damaged index must not stop every read

@@ -17,12 +17,18 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import links, prefetch, sidebar  # noqa: E402
+from app import links, prefetch, run_list, sidebar  # noqa: E402
+from app.errors import shown_errors  # noqa: E402
+from app.roots import descriptor_check  # noqa: E402
+from k3core.files import checked_opens  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
 
-st.set_page_config(page_title="k3lab", page_icon=":material/biotech:", layout="wide", initial_sidebar_state="expanded")
+# A local image: a Material icon name makes the browser fetch the favicon from fonts.gstatic.com (nothing may come
+# from a public CDN).
+FAVICON = str(Path(__file__).resolve().parent / "favicon.png")
+st.set_page_config(page_title="k3lab", page_icon=FAVICON, layout="wide", initial_sidebar_state="expanded")
 
 
 def _page(name: str, title: str, icon: str, default: bool = False, url_path: str | None = None, hidden: bool = False):
@@ -56,13 +62,20 @@ PAGES = {
         _page("history", "Training history", ":material/show_chart:"),
     ],
     "Tools": [
+        _page("experiment", "Experiment", ":material/science:"),
         _page("generate", "Generate", ":material/edit_note:"),
         _page("runs_library", "Runs library", ":material/folder_open:", url_path="upload"),
     ],
 }
 
 navigation = st.navigation(PAGES)
-with prefetch.script_run():  # background figure builds wait while a page is being drawn
-    sidebar.sidebar()
+# Every checkpoint file this script run opens is checked on its descriptor: a regular file with one link,
+# inside the folders the app may read (a link or hard link swapped in after a check is refused at open).
+with prefetch.script_run(), checked_opens(descriptor_check(run_list.readable_folders)):
+    # Whatever the sidebar or a page raises (a damaged library index, a hostile checkpoint) becomes a message
+    # on the page; the server keeps serving every session.
+    with shown_errors("The sidebar"):
+        sidebar.sidebar()
     links.show_notes(navigation.url_path)
-    navigation.run()
+    with shown_errors():
+        navigation.run()

@@ -20,12 +20,12 @@ from analysis.view import View
 from analysis.views import all_views, section_views
 from app import caching, cards, error_text, memory_fit
 from app.caching import Loaded
+from app.errors import USER_ERRORS, describe, md_escape, plain
 from app.inputs import (
     LONG_INPUT_TOKENS,
     MAX_TOKENS_CAP,
     TEXT_PASTE,
     TEXT_UPLOAD,
-    InputError,
     Inputs,
     TextChoice,
     current_inputs,
@@ -64,11 +64,11 @@ def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
     _stop_if_too_big(inputs, ref)
     try:
         return caching.load_run(ref, inputs.device, inputs.dtype).model
-    except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
+    except USER_ERRORS as exc:
+        error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
-        error = f"**{ref.label}** could not be loaded on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
+        error = f"**{md_escape(ref.label)}** could not be loaded on {inputs.device}/{inputs.dtype}: {describe(exc)}"
     st.error(error)
     st.stop()
 
@@ -162,14 +162,16 @@ def load_or_stop(
     choice: TextChoice | None = None,
     label: str | None = None,
     text_error: str | None = None,
+    edits: str = "",
 ) -> Loaded:
     """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
-    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page."""
+    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page. ``edits`` (JSON
+    of ``k3core.interventions`` edits): the edited forward's trace."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
     if text_error:
-        st.error(text_error)
+        st.error(md_escape(text_error))
         st.stop()
     _stop_if_too_big(inputs, ref)
     done = lambda: None  # noqa: E731 - replaced by the streamed run's progress remover
@@ -178,12 +180,12 @@ def load_or_stop(
         tokens = caching.make_tokens(choice, run)
         _confirm_long_input(inputs, ref, run, tokens, choice)
         done = _streaming_progress(run)
-        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
-    except (CheckpointError, InputError) as exc:
-        error = f"**{ref.label}**: {error_text.message(exc, ref)}"
+        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label, edits)
+    except USER_ERRORS as exc:
+        error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
         log.exception("loading %s failed", ref.path)
-        error = f"**{ref.label}** could not be run on {inputs.device}/{inputs.dtype}: {type(exc).__name__}: {exc}"
+        error = f"**{md_escape(ref.label)}** could not be run on {inputs.device}/{inputs.dtype}: {describe(exc)}"
     else:
         for note in loaded.notes:
             st.warning(note)
@@ -198,8 +200,9 @@ def show_input_notes(loaded: Loaded) -> None:
     """A notice when the text was cut to max tokens (a warning for the user's own text)."""
     tok = loaded.tokens
     if tok.truncated:
+        about = "" if tok.total_exact else "about "
         msg = (
-            f"Reading the first {tok.n:,} of {tok.total:,} tokens of the text (max tokens in the sidebar, at "
+            f"Reading the first {tok.n:,} of {about}{tok.total:,} tokens of the text (max tokens in the sidebar, at "
             f"most {MAX_TOKENS_CAP:,})."
         )
         if tok.source.startswith((TEXT_PASTE, TEXT_UPLOAD)):  # the user's own text
@@ -213,8 +216,8 @@ def run_line(loaded: Loaded) -> None:
     loss = loaded.ctx.loss
     loss_txt = f" · loss {loss:.3f} nats/token" if loss is not None else ""
     st.caption(
-        f"**{loaded.ctx.label}** · {loaded.tokens.n:,} tokens of {loaded.tokens.source}{loss_txt} · "
-        f"{loaded.run.device}/{loaded.run.dtype}"
+        f"**{loaded.ctx.label}** · {loaded.tokens.n:,} tokens of {md_escape(loaded.tokens.source)}"
+        f"{loss_txt} · {loaded.run.device}/{loaded.run.dtype}"
     )
 
 
@@ -332,7 +335,7 @@ def history_context(ref: RunRef, overlays: list[RunRef]) -> Loaded | None:
     try:
         config = load_config(ref.path)
     except CheckpointError as exc:
-        st.error(f"**{ref.label}**: {exc}")
+        st.error(f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}")
         return None
     metrics = caching.run_metrics(ref)
     overlay = {r.label: caching.run_metrics(r) for r in overlays}

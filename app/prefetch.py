@@ -10,6 +10,7 @@ Views that run the model (the importance ablations) are left to their button.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator
 
@@ -59,6 +60,7 @@ def prefetch(views: list[View], loaded: Loaded) -> None:
             except Exception:  # noqa: BLE001, S112 - the page that shows the view reports its error
                 continue
 
-    thread = threading.Thread(target=work, name="k3lab-prefetch", daemon=True)
+    # The page's context goes along: its checked opens of checkpoint files (k3core.files.checked_opens) too.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(work,), name="k3lab-prefetch", daemon=True)
     add_script_run_ctx(thread, get_script_run_ctx())
     thread.start()

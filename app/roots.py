@@ -10,8 +10,11 @@ path itself. No Streamlit here.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+import stat
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+from k3core.checkpoint_files import CheckpointError
 
 
 class PathRefused(ValueError):
@@ -69,6 +72,7 @@ def confine_folder(path: str | Path, roots: Sequence[str | Path], base: str | Pa
     for entry in sorted(folder.iterdir()):
         try:
             target = entry.resolve()
+            info = target.stat()
         except (OSError, RuntimeError) as exc:
             raise PathRefused(f"{path}: {entry.name} cannot be resolved ({exc.__class__.__name__})") from exc
         if not _inside(target, resolved_roots):
@@ -76,4 +80,40 @@ def confine_folder(path: str | Path, roots: Sequence[str | Path], base: str | Pa
                 f"{path}: {entry.name} is a link to a file outside the folders this app may open; "
                 f"copy the file into the folder or start the app with `k3lab app --root DIR`."
             )
+        if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+            raise PathRefused(f"{path}: {entry.name} {_HARD_LINKS.format(n=info.st_nlink)}")
     return folder
+
+
+_HARD_LINKS = (
+    "has {n} hard links, and one of them may lie outside the folders this app may open; copy the file "
+    "(a copy has one link)"
+)
+
+
+def descriptor_refusal(fd: int, roots: Sequence[Path]) -> str | None:
+    """Why an opened file may not be read by the app, from the descriptor itself (no check-then-open race):
+    not a regular file, more than one hard link, or (where /proc shows it) a file outside ``roots``."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_nlink > 1:
+        return _HARD_LINKS.format(n=info.st_nlink)
+    proc = Path(f"/proc/self/fd/{fd}")
+    if proc.is_symlink():
+        where = Path(os.readlink(proc))
+        if not _inside(where, roots):
+            return "lies outside the folders this app may open"
+    return None
+
+
+def descriptor_check(roots: Callable[[], Sequence[Path]]) -> Callable[[int, Path], None]:
+    """A ``k3core.files.checked_opens`` check that refuses, as a CheckpointError, what descriptor_refusal names;
+    ``roots()`` is asked at each open (the folders may change between server starts, not within a check)."""
+
+    def check(fd: int, path: Path) -> None:
+        reason = descriptor_refusal(fd, [Path(r).resolve() for r in roots()])
+        if reason is not None:
+            raise CheckpointError(f"{path.name}: {reason}")
+
+    return check

@@ -94,11 +94,17 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
 
 def summary_text(summary: Mapping[str, Any]) -> str:
     """'4 layers · width 64 · vocab 256 · 8 experts · 211.6K params' from a config summary."""
-    parts = [f"{summary.get('layers', '?')} layers", f"width {summary.get('hidden_size', '?')}"]
-    parts.append(f"vocab {summary.get('vocab_size', '?'):,}" if summary.get("vocab_size") else "vocab ?")
-    if summary.get("experts"):
-        parts.append(f"{summary['experts']} experts")
-    parts.append(f"{human_count(summary.get('parameters'))} params")
+
+    def number(key: str) -> int | None:  # the index is a file on disk: anything else in it shows as "?"
+        value = summary.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    layers, width, vocab, experts = (number(k) for k in ("layers", "hidden_size", "vocab_size", "experts"))
+    parts = [f"{layers if layers is not None else '?'} layers", f"width {width if width is not None else '?'}"]
+    parts.append(f"vocab {vocab:,}" if vocab else "vocab ?")
+    if experts:
+        parts.append(f"{experts} experts")
+    parts.append(f"{human_count(number('parameters'))} params")
     return " · ".join(parts)
 
 

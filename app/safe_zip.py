@@ -3,7 +3,8 @@
 Refused with a ``ZipRefused`` whose message says what was wrong: absolute names, drive letters, ``..``
 or backslashes in a name (zip-slip), symlinks and other special files, encrypted entries, nested
 archives, sub-folders below the run folder, more than one top-level folder, duplicate names, too many
-entries, a total unpacked size over the limit, a compression ratio that only a zip bomb has, and entries
+entries, a total unpacked size over the limit, a compression ratio that only a zip bomb has (per entry and
+over the whole archive, before anything is written), and entries
 that unpack to more bytes than their header declares (checked while writing, not only from the header).
 Hidden files and macOS resource forks (``__MACOSX/``, ``.DS_Store``, ``.gitattributes``, ``.cache/``) and
 names the caller does not accept are skipped and listed. No Streamlit here.
@@ -137,6 +138,17 @@ def extract_run_zip(
             raise ZipRefused(
                 f"the zip would unpack to {format_bytes(declared)}, over the limit of {format_bytes(max_total_bytes)}; "
                 f"open a folder this large by path instead"
+            )
+        # The whole archive too: many entries each under RATIO_MIN_BYTES (40 x 1 MiB of zeros in 48 KB) would
+        # pass one by one. Compressed sizes are the archive's own claims, so they must fit in the archive.
+        compressed = sum(info.compress_size for info in infos)
+        archive_bytes = archive.fp.seek(0, 2) if archive.fp is not None else compressed
+        if compressed > archive_bytes:
+            raise ZipRefused("the zip's entries claim more compressed bytes than the archive holds; refused")
+        if declared > RATIO_MIN_BYTES and declared > max_ratio * max(compressed, 1):
+            raise ZipRefused(
+                f"the zip would unpack to {declared / max(compressed, 1):,.0f}x its compressed size "
+                f"({format_bytes(declared)} from {format_bytes(compressed)}; a zip bomb pattern); refused"
             )
         for info, name in kept:
             if info.file_size > RATIO_MIN_BYTES and info.file_size > max_ratio * max(info.compress_size, 1):

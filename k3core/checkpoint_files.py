@@ -26,15 +26,18 @@ import functools
 import gc
 import hashlib
 import json
+import math
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from .config import ConfigError, K3Config
+from .files import open_for_reading, parse_json, read_bytes_limited
 from .hf_config import config_from_hf, is_hf_config
 from .tensor_info import DTYPES, CheckpointError, TensorInfo
 
@@ -45,6 +48,20 @@ PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin", "pytorch_model.pt"
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenizer.model")
 MAX_HEADER_BYTES = 100 * 1024**2  # safetensors' own limit: a header over 100 MB is corrupt or hostile
+MAX_CONFIG_BYTES = 16 * 1024**2  # config.json (Kimi K3's: 5 KB)
+MAX_INDEX_BYTES = 256 * 1024**2  # the shard index (one line per tensor name)
+MAX_DIMS = 8  # safetensors' own bounds on a tensor's shape: at most 8 dimensions, each below 2**63
+MAX_DIM = 2**63 - 1
+# Bits per element of every safetensors dtype: the header's byte range must be exactly shape x this.
+DTYPE_BITS: dict[str, int] = {
+    **{t: 8 for t in ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0")},
+    **{t: 16 for t in ("U16", "I16", "F16", "BF16")},
+    **{t: 32 for t in ("U32", "I32", "F32")},
+    **{t: 64 for t in ("U64", "I64", "F64")},
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
 
 
 # ---------------------------------------------------------------------------------- name table
@@ -72,6 +89,22 @@ KEEP_FP32_PATTERNS: tuple[str, ...] = (
     r"\.gate\.e_score_correction_bias$",
 )
 _KEEP_FP32 = re.compile("|".join(KEEP_FP32_PATTERNS))
+
+# The parameter-count rule, one for the model, the model card, the Weights page and ``inspect``: parameters are
+# the tensors training learns by gradient (``nn.Parameter``). The router selection bias is a buffer that load
+# balancing sets (it steers which experts are chosen, never their weights): stored in the checkpoint, not counted.
+NOT_PARAMETER_PATTERNS: tuple[str, ...] = (r"\.gate\.e_score_correction_bias$",)
+_NOT_PARAMETER = re.compile("|".join(NOT_PARAMETER_PATTERNS))
+PARAMETER_RULE = (
+    "Learned weights (nn.Parameter) of the text model, tied weights once; the router selection bias "
+    "(e_score_correction_bias, a load-balancing buffer) is stored but not counted."
+)
+
+
+def counts_as_parameter(name: str) -> bool:
+    """Whether a checkpoint tensor counts as parameters under ``PARAMETER_RULE`` (router selection bias: no)."""
+    return _NOT_PARAMETER.search(name) is None
+
 
 _TORCH_TO_ST = {v: k for k, v in DTYPES.items()}
 
@@ -105,10 +138,10 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
 
     Checks that the header is an object of {dtype, shape, data_offsets} entries whose data fits in
     the file; raises CheckpointError naming the file otherwise."""
-    size = file.stat().st_size
-    if size < 8:
-        raise CheckpointError(f"{file.name}: not a safetensors file (only {size} bytes)")
-    with open(file, "rb") as fh:
+    with os.fdopen(open_for_reading(file), "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"{file.name}: not a safetensors file (only {size} bytes)")
         head = fh.read(8)
         n = int.from_bytes(head, "little")
         if n <= 0 or n > size - 8 or n > MAX_HEADER_BYTES:
@@ -121,10 +154,7 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
                 f"{file.name}: not a safetensors file (header length {n} does not fit in {size} bytes)"
             )
         header_bytes = fh.read(n)
-    try:
-        header = json.loads(header_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file.name}: corrupt safetensors header ({exc})") from exc
+    header = parse_json(header_bytes, f"{file.name}: corrupt safetensors header", CheckpointError, check_ints=False)
     if not isinstance(header, dict):
         raise CheckpointError(
             f"{file.name}: corrupt safetensors header (a JSON {type(header).__name__}, "
@@ -149,9 +179,10 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
         )
         if not ok:
             raise CheckpointError(
-                f"{file.name}: corrupt safetensors header: entry {key!r} is not "
+                f"{file.name}: corrupt safetensors header: entry {key[:200]!r} is not "
                 f"{{dtype, shape, data_offsets}} ({str(entry)[:120]})"
             )
+        _check_extent(file.name, key, dtype, shape, offsets)
         end = max(end, offsets[1])
     if data_start + end > size:
         raise CheckpointError(
@@ -204,6 +235,26 @@ def read_quantization_config(folder: Path) -> dict | None:
     return quant if quant else None
 
 
+def _check_extent(where: str, key: str, dtype: str, shape: list[int], offsets: list[int]) -> None:
+    """The entry's shape is one safetensors allows (at most MAX_DIMS dimensions, each below 2**63) and its
+    bytes are exactly shape x dtype. Checked before anything multiplies shapes: a header of long shapes or
+    huge numbers would otherwise cost time quadratic in its size."""
+    name = repr(key[:200])
+    if dtype not in DTYPE_BITS:
+        raise CheckpointError(f"{where}: tensor {name} has an unknown dtype {dtype[:40]!r}")
+    if len(shape) > MAX_DIMS or any(d > MAX_DIM for d in shape):
+        raise CheckpointError(
+            f"{where}: corrupt safetensors header: tensor {name} has a shape of {len(shape)} dimension(s) out of "
+            f"range (at most {MAX_DIMS}, each below 2**63)"
+        )
+    nbytes, bits = offsets[1] - offsets[0], math.prod(shape) * DTYPE_BITS[dtype]
+    if bits != 8 * nbytes:
+        raise CheckpointError(
+            f"{where}: corrupt safetensors data: tensor {name} has {nbytes:,} bytes for shape {shape} of {dtype} "
+            f"({bits // 8 if bits % 8 == 0 else bits / 8:,} expected)"
+        )
+
+
 def config_from_json(data: Any) -> K3Config:
     """A parsed config.json as a K3Config: a Hugging Face Kimi K3 / Kimi Linear one, or k3lab's own."""
     return config_from_hf(data) if is_hf_config(data) else K3Config.from_dict(data)
@@ -217,13 +268,14 @@ def read_config(folder: Path) -> K3Config:
             f"{folder.name}: config.json is missing (a checkpoint is a folder with config.json and model.safetensors)"
         )
     try:
-        data = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{folder.name}/config.json is not valid JSON ({exc})") from exc
+        raw = read_bytes_limited(cfg_path, MAX_CONFIG_BYTES)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder.name}/{exc}") from exc
+    data = parse_json(raw, f"{folder.name}/config.json", CheckpointError)
     try:
         return config_from_json(data)
-    except (ConfigError, KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{folder.name}/config.json: invalid config: {exc}") from exc
+    except (ConfigError, KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise CheckpointError(f"{folder.name}/config.json: invalid config: {str(exc)[:300]}") from exc
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -232,10 +284,10 @@ def weight_files(path: Path) -> list[Path]:
         return [path]
     if (path / INDEX_NAME).is_file():
         try:
-            index = json.loads((path / INDEX_NAME).read_text())
+            index = parse_json(read_bytes_limited(path / INDEX_NAME, MAX_INDEX_BYTES), INDEX_NAME)
             names = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{path.name}/{INDEX_NAME}: invalid shard index ({exc})") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path.name}/{INDEX_NAME}: invalid shard index ({str(exc)[:300]})") from exc
         if not all(isinstance(n, str) and "/" not in n and "\\" not in n and n not in ("", ".", "..") for n in names):
             raise CheckpointError(f"{path.name}/{INDEX_NAME}: shard names must be plain file names in the folder")
         files = [path / n for n in names]
@@ -260,9 +312,42 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path.name}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
 
 
+def check_pickle_zip(file: Path, fh: BinaryIO) -> None:
+    """A torch.save zip (open as ``fh``) that torch.load can read without inflating anything: every entry stored
+    uncompressed and inside the file (a deflated entry could unpack to any size: a 200 KB file to a 200 MB
+    tensor). Leaves ``fh`` at its start."""
+    size = os.fstat(fh.fileno()).st_size
+    if not zipfile.is_zipfile(fh):
+        raise CheckpointError(
+            f"{file.name}: refusing to load this pickle file: not a torch.save zip archive (older pickle formats "
+            f"are not read); convert it to safetensors"
+        )
+    try:
+        with zipfile.ZipFile(fh) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{file.name}: damaged torch.save zip archive ({exc})") from exc
+    fh.seek(0)
+    total = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+            raise CheckpointError(
+                f"{file.name}: refusing to load this pickle file: the zip entry {info.filename[:120]!r} is "
+                f"compressed (torch.save never compresses, and a compressed entry can unpack to far more than the "
+                f"file holds); convert it to safetensors"
+            )
+        total += info.file_size
+    if total > size:
+        raise CheckpointError(f"{file.name}: its zip entries declare {total:,} bytes, more than the file's {size:,}")
+
+
 def _read_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
     try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
+        with os.fdopen(open_for_reading(file), "rb") as fh:
+            check_pickle_zip(file, fh)
+            obj = torch.load(fh, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure means we refuse the file
         raise CheckpointError(
             f"{file.name}: refusing to load this pickle file: torch.load(weights_only=True) "
@@ -393,7 +478,7 @@ class CheckpointFiles:
             )
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
-        with open(info.file, "rb") as fh:
+        with os.fdopen(open_for_reading(info.file), "rb") as fh:
             fh.seek(info.begin)
             data = bytearray(fh.read(info.nbytes))
         if len(data) != info.nbytes:
@@ -464,13 +549,14 @@ def _fingerprint(folder: Path, files: list[Path]) -> str:
     for name in (CONFIG_NAME, INDEX_NAME, *TOKENIZER_FILES):
         file = folder / name
         if file.is_file():
-            h.update(name.encode() + b"\0" + file.read_bytes())
+            with os.fdopen(open_for_reading(file), "rb") as fh:
+                h.update(name.encode() + b"\0" + fh.read())
     for file in files:
         if not file.is_file():
             continue
-        st = file.stat()
-        h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        with open(file, "rb") as fh:
+        with os.fdopen(open_for_reading(file), "rb") as fh:
+            st = os.fstat(fh.fileno())
+            h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
             if file.suffix in PICKLE_SUFFIXES:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)

@@ -37,6 +37,44 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or inconsistent."""
 
 
+# Upper limits on the sizes a config may ask for: generous (Kimi K3: 93 layers, 896 experts, width 7,168,
+# vocab 163,840, FFN 33,792), stated in the README, so that a hostile config.json of a few bytes is refused
+# before a model, a placement plan or a layer table is sized by it.
+LIMITS: dict[str, int] = {
+    "num_hidden_layers": 256,
+    "num_experts": 2048,
+    "vocab_size": 4 * 1024**2,
+    "hidden_size": 64 * 1024,
+    "intermediate_size": 256 * 1024,
+    "moe_intermediate_size": 256 * 1024,
+    "routed_expert_hidden_size": 64 * 1024,
+    "kda_num_heads": 1024,
+    "num_attention_heads": 1024,
+    "kda_head_dim": 4096,
+    "qk_nope_head_dim": 4096,
+    "qk_rope_head_dim": 4096,
+    "v_head_dim": 4096,
+    "q_lora_rank": 64 * 1024,
+    "kv_lora_rank": 64 * 1024,
+    "kda_conv_size": 64,
+    "kda_chunk_size": 64 * 1024,
+    "num_experts_per_token": 2048,
+    "num_shared_experts": 64,
+    "attn_res_block_size": 256,
+    "max_position_embeddings": 2**40,
+}
+MAX_EXPERT_SLOTS = 256 * 1024  # layers x routed experts (Kimi K3: 83,328): names and views per expert
+MAX_NAME_CHARS = 256
+
+
+def check_limit(key: str, value: object) -> None:
+    """ConfigError when ``value`` is an int over LIMITS[key]: checked before the value sizes anything."""
+    limit = LIMITS[key]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > limit:
+        shown = f"{value:,}" if value < 10**30 else f"a number of {len(str(value))} digits"
+        raise ConfigError(f"{key}={shown} is over k3lab's limit of {limit:,}")
+
+
 @dataclass
 class K3Config:
     # ---- trunk
@@ -98,6 +136,10 @@ class K3Config:
     name: str = "custom"
 
     def __post_init__(self) -> None:
+        for key in ("full_attn_layers", "layer_width_multipliers"):  # before anything walks the lists
+            value = getattr(self, key)
+            if isinstance(value, (list, tuple)) and len(value) > LIMITS["num_hidden_layers"]:
+                raise ConfigError(f"{key} has {len(value):,} entries; at most {LIMITS['num_hidden_layers']} layers")
         _check_field_types(self)
         self.full_attn_layers = sorted(self.full_attn_layers)
         self.validate()
@@ -117,7 +159,15 @@ class K3Config:
         }
         for key, allowed in choices.items():
             value = getattr(self, key)
-            need(value in allowed, f"{key}={value!r} is not one of {allowed}")
+            need(value in allowed, f"{key}={str(value)[:40]!r} is not one of {allowed}")
+        for key in LIMITS:
+            check_limit(key, getattr(self, key))
+        need(len(self.name) <= MAX_NAME_CHARS, f"name has {len(self.name):,} characters; at most {MAX_NAME_CHARS}")
+        need(
+            self.num_hidden_layers * self.num_experts <= MAX_EXPERT_SLOTS,
+            f"{self.num_hidden_layers} layers x {self.num_experts} experts is over k3lab's limit of "
+            f"{MAX_EXPERT_SLOTS:,} expert slots",
+        )
         for key in (
             "vocab_size",
             "hidden_size",
@@ -270,4 +320,5 @@ def _check_field_types(config: K3Config) -> None:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if not _type_ok(value, str(f.type)):
-            raise ConfigError(f"{f.name} must be of type {f.type}, got {value!r} ({type(value).__name__})")
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
+            raise ConfigError(f"{f.name} must be of type {f.type}, got {shown} ({type(value).__name__})")

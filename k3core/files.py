@@ -1,10 +1,18 @@
-"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never half of one."""
+"""Files: atomic writes (a reader, or a crash, sees the old file or the new one, never half of one), and
+bounded reads of files users supply (a size limit, JSON parsed into the caller's own error type, and an
+optional check of every opened descriptor that a server installs with ``checked_opens``)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -45,3 +53,91 @@ def fsync_dir(path: str | Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- reading
+# What a server (the app) may add to every open of a checkpoint file: a check of the opened descriptor
+# (regular file, one link, inside the allowed folders) that raises the caller's error to refuse it. None:
+# plain opens, as on a user's own machine.
+FileCheck = Callable[[int, Path], None]  # (fd, path as given) -> None, or raises
+_FILE_CHECK: ContextVar[FileCheck | None] = ContextVar("k3lab_file_check", default=None)
+
+
+@contextmanager
+def checked_opens(check: FileCheck) -> Iterator[None]:
+    """Within this block (this thread / context), every ``open_for_reading`` resolves the path, opens it with
+    O_NOFOLLOW and hands the descriptor to ``check`` before anything is read from it."""
+    token = _FILE_CHECK.set(check)
+    try:
+        yield
+    finally:
+        _FILE_CHECK.reset(token)
+
+
+def open_for_reading(path: str | Path) -> int:
+    """A read-only descriptor of ``path`` (the caller closes it). Under ``checked_opens`` the resolved path is
+    opened without following a last link and the descriptor itself is checked (no check-then-open race)."""
+    check = _FILE_CHECK.get()
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if check is None:
+        return os.open(path, flags)
+    fd = os.open(os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        check(fd, Path(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bytes_limited(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of a file through one descriptor; ValueError when it holds more than ``max_bytes``."""
+    fd = open_for_reading(path)
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            raise ValueError(f"{Path(path).name} is {size:,} bytes, over the limit of {max_bytes:,} for this file")
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{Path(path).name} is over the limit of {max_bytes:,} bytes for this file")
+    return data
+
+
+MAX_JSON_INT_DIGITS = 20  # no count, width or id in a checkpoint's JSON needs more (2**63 has 19 digits)
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise _Refused(f"a number of {len(text.lstrip('-')):,} digits ({text[:12]}...) is out of range")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"the number {text[:24]} is out of range")
+    return value
+
+
+def _json_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON value")
+
+
+def parse_json(data: bytes | str, where: str, error: type[Exception] = ValueError, check_ints: bool = True) -> Any:
+    """JSON from a file a user supplied, every failure raised as ``error`` naming ``where``: invalid JSON,
+    nesting too deep for the parser, integers over MAX_JSON_INT_DIGITS digits, NaN / Infinity, floats that
+    overflow (1e999). ``check_ints=False`` leaves integers to Python's own limit (4,300 digits) for files of
+    millions of integers that the caller range-checks itself (a per-integer hook costs 3x the parse)."""
+    int_hook = _json_int if check_ints else None
+    try:
+        return json.loads(data, parse_int=int_hook, parse_float=_json_float, parse_constant=_json_constant)
+    except _Refused as exc:
+        raise error(f"{where}: {exc}") from None
+    except RecursionError:
+        raise error(f"{where}: nested too deeply to be a checkpoint file") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise error(f"{where} is not valid JSON ({exc})") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .config import ConfigError, K3Config
+from .config import MAX_NAME_CHARS, ConfigError, K3Config, check_limit
 
 HF_MODEL_TYPES = ("kimi_k3", "kimi_linear")
 HF_MARKERS = ("text_config", "linear_attn_config")
@@ -63,10 +63,10 @@ def config_from_hf(data: dict[str, Any]) -> K3Config:
         return _from_hf(data)
     except KeyError as exc:
         raise ConfigError(f"Hugging Face config is missing the field {exc}") from exc
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:  # a value of the wrong JSON type
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"Hugging Face config has an invalid value: {exc}") from exc
+        raise ConfigError(f"Hugging Face config has an invalid value: {str(exc)[:200]}") from exc
 
 
 def _from_hf(data: dict[str, Any]) -> K3Config:
@@ -74,7 +74,10 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
     if not isinstance(text, dict):
         raise ConfigError(f"text_config must be a JSON object, got {type(text).__name__}")
     lac = text.get("linear_attn_config") or {}
+    if not isinstance(lac, dict):
+        raise ConfigError(f"linear_attn_config must be a JSON object, got {type(lac).__name__}")
     n_layers = int(text["num_hidden_layers"])
+    check_limit("num_hidden_layers", n_layers)  # before any per-layer list is built from it
     full = _hf_full_attn_layers(text, lac, n_layers)
     # Kimi K3 text configs may omit hidden_act and only carry the SiTU parameters.
     act = text.get("hidden_act", "situ" if "activation_situ_beta" in text else "silu")
@@ -91,7 +94,7 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
         num_experts = 0  # every layer dense: transformers still writes (unused) expert counts
     max_pos = text.get("max_position_embeddings", text.get("model_max_length", 1_048_576))
     kw = dict(
-        name=str(data.get("_name_or_path") or data.get("model_type") or text.get("model_type", "hf")),
+        name=str(data.get("_name_or_path") or data.get("model_type") or text.get("model_type", "hf"))[:MAX_NAME_CHARS],
         vocab_size=int(text["vocab_size"]),
         hidden_size=int(text["hidden_size"]),
         num_hidden_layers=n_layers,

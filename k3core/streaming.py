@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .checkpoint_files import DTYPES, CheckpointError, CheckpointFiles, TensorInfo
+from .files import open_for_reading
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -135,9 +136,11 @@ def stream_weights(
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     from .quantized import stored_parts
 
-    fds = {f: os.open(f, os.O_RDONLY) for f in {i.file for i in stored_parts(order) if i.begin >= 0}}
+    fds: dict[Path, int] = {}
     done = 0
     try:
+        for file in {i.file for i in stored_parts(order) if i.begin >= 0}:
+            fds[file] = open_for_reading(file)
         if zero_copy:
             mapped = _map_in_place(model, order, targets, fds)
             for info in [i for i in order if i.name in mapped]:

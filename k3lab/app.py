@@ -39,7 +39,9 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
            "--server.port", str(args.port),
            "--server.maxUploadSize", str(args.max_upload_mb),
            "--browser.gatherUsageStats", "false",
-           "--client.toolbarMode", "viewer"]  # fmt: skip
+           "--client.toolbarMode", "viewer",
+           # Tracebacks (with server paths) reach the browser only with --debug; users get the page's message.
+           "--client.showErrorDetails", "full" if args.debug else "none"]  # fmt: skip
     if args.headless:
         cmd += ["--server.headless", "true"]
     return cmd, env
@@ -76,6 +78,9 @@ def app_parser() -> argparse.ArgumentParser:
         f"are opened by path",
     )
     parser.add_argument("--headless", action="store_true", help="do not try to open a browser")
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks in the browser (off: users see messages only)"
+    )
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -87,7 +88,8 @@ def _app(max_tokens: int = MAX_TOKENS) -> AppTest:
 
 
 def _errors(at: AppTest) -> list[str]:
-    return [e.value for e in at.error]
+    """The error boxes' text as shown (the app escapes messages for Markdown: drop the escapes)."""
+    return [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", e.value) for e in at.error]
 
 
 def _charts(at: AppTest) -> int:
@@ -187,6 +189,15 @@ def test_generate_page(app_env, runs):
     assert out and out[-1].startswith("ROMEO:")
     assert {m.label for m in at.metric} >= {"New tokens", "Decode cache"}
     assert [m.value for m in at.metric if m.label == "New tokens"] == ["12"]
+    # A Stop ends the script while it streams: what was kept so far (every 16 tokens) is shown as stopped, with its
+    # heading, speed, cache and download, on the next run.
+    kept = {**at.session_state["k3lab_generated"], "text": "abc", "new": 16, "asked": 200, "done": False}
+    at.session_state["k3lab_generated"] = kept
+    at.run()
+    assert any("stopped: 16 of 200 new tokens" in c.value for c in at.caption), [c.value for c in at.caption]
+    assert {m.label for m in at.metric} >= {"New tokens", "Speed", "Decode cache"}
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["16"]
+    assert any(h.value.startswith("#### Output of") for h in at.markdown)
 
 
 # ------------------------------------------------------------------------------------ pure helpers
@@ -202,6 +213,14 @@ def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     assert len(problems) == 1 and "missing" in problems[0]
     found, _ = run_list.discover_runs(str(runs["good"]), samples)
     assert [r.label for r in found] == ["nano-a", "nano-a (2)"]
+    # a shipped sample opened by path under a new name is listed (and linkable) under that name; under its own
+    # folder name it is not listed twice
+    by_path = [
+        run_list.RunRef("my-sample", str(samples / "nano-a"), "path"),
+        run_list.RunRef("nano-a", str(samples / "nano-a"), "path"),
+    ]
+    found, _ = run_list.discover_runs(None, samples, by_path)
+    assert [(r.label, r.origin) for r in found] == [("nano-a", "sample"), ("my-sample", "path")]
     # A folder of runs expands to its checkpoint folders.
     found, problems = run_list.discover_runs(str(runs["good"].parent), None)
     assert [r.label for r in found] == ["corrupt", "nan-weights", "nano-a", "nano-b"] and not problems
@@ -339,8 +358,8 @@ def test_a_link_with_unknown_values_warns_and_falls_back(app_env, runs):
     at.query_params.update({"run": "no-such-run", "text": "poetry", "tokens": "999999", "colour": "red"})
     at.run()
     assert not at.exception and _errors(at) == []
-    warnings = " ".join(w.value for w in at.warning)
-    for shown in ("'no-such-run'", "'poetry'", "'999999'", "['colour']"):
+    warnings = " ".join(w.value for w in at.warning).replace("\\", "")  # the notes are Markdown-escaped
+    for shown in ("'no-such-run'", "'poetry'", "'999999'", "'colour'"):
         assert shown in warnings, (shown, warnings)
     assert at.session_state["k3lab_run"] == "nano-a"  # the default
     assert at.session_state["k3lab_text_source"] == inputs.TEXT_SHAKESPEARE

@@ -5,6 +5,7 @@ big for the device's memory gets a message instead of a load."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def _library_page(max_tokens: int = 16) -> AppTest:
 
 
 def _errors(at: AppTest) -> list[str]:
-    return [e.value for e in at.error]
+    """The error boxes' text as shown (the app escapes messages for Markdown: drop the escapes)."""
+    return [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", e.value) for e in at.error]
 
 
 def _upload(at: AppTest, folder: Path, names=("config.json", "model.safetensors"), weights_from: Path | None = None):
@@ -163,6 +165,11 @@ def test_preset_rename_and_delete(env):
     at.button(key=f"k3lab_lib_delete_{entry.id}").click().run()
     assert RunsLibrary(env).entries() == [] and not entry.path.exists()
     assert "fresh · preset" not in at.selectbox(key="k3lab_run").options
+    # the page says what it deleted, and the Run box shows a run that is there (with a note on why)
+    assert any("Deleted **fresh**" in m.value for m in at.success), [m.value for m in at.success]
+    box = at.selectbox(key="k3lab_run")
+    assert box.value in box.options and box.value != "fresh"
+    assert any("**fresh** is no longer in the runs library" in i.value for i in at.sidebar.info)
 
 
 def test_a_run_too_big_for_memory_gets_a_message_not_a_load(env, runs, monkeypatch):

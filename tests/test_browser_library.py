@@ -68,6 +68,24 @@ def _k3lab_app(home: Path, preload: Path, log: Path, extra: tuple[str, ...] = ()
             proc.wait(timeout=15)
 
 
+@contextmanager
+def chromium():
+    """Playwright's Chromium on the system's /usr/bin/chromium, closed at the end."""
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def open_library_page(page, url: str) -> None:
+    """Go to the Runs library page and wait until it is drawn."""
+    page.goto(f"{url}/upload")
+    page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
+    settle(page)
+
+
 def _wait_text(page, text: str) -> None:
     page.wait_for_function("t => document.body.innerText.includes(t)", arg=text, timeout=RENDER_TIMEOUT_MS)
 
@@ -83,60 +101,52 @@ def test_upload_survives_reload_and_restart(tmp_path):
     home = tmp_path / "k3lab-home"
     log = tmp_path / "k3lab-app.log"
 
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            with _k3lab_app(home, preload, log) as url:
-                page = browser.new_page(viewport={"width": 1440, "height": 1000})
-                page.goto(f"{url}/upload")
-                page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
-                settle(page)
-                page.locator(DROPZONE).set_input_files([str(mine / "config.json"), str(mine / "model.safetensors")])
-                page.wait_for_function(
-                    "() => document.querySelectorAll('[data-testid=\"stFileChip\"]').length === 2",
-                    timeout=RENDER_TIMEOUT_MS,
-                )
-                page.get_by_label("Name").first.fill("persisted")
-                page.get_by_role("button", name="Add run").click()
-                _wait_text(page, "Added persisted to the runs library")
-                assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
+    with chromium() as browser:
+        with _k3lab_app(home, preload, log) as url:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            open_library_page(page, url)
+            page.locator(DROPZONE).set_input_files([str(mine / "config.json"), str(mine / "model.safetensors")])
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stFileChip\"]').length === 2",
+                timeout=RENDER_TIMEOUT_MS,
+            )
+            page.get_by_label("Name").first.fill("persisted")
+            page.get_by_role("button", name="Add run").click()
+            _wait_text(page, "Added persisted to the runs library")
+            assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
 
-                page.reload()  # a browser reload: a new session, same server
-                page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
-                _wait_text(page, "persisted · uploaded")
-                settle(page)
-                assert str(home) not in page.locator("body").inner_text()  # no server paths of the library
+            page.reload()  # a browser reload: a new session, same server
+            page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
+            _wait_text(page, "persisted · uploaded")
+            settle(page)
+            assert str(home) not in page.locator("body").inner_text()  # no server paths of the library
 
-                # A whole folder in one go (the browser drops files of other types, e.g. notes.txt).
-                page.get_by_text("A whole folder", exact=True).click()
-                page.wait_for_selector(f"{DROPZONE}[webkitdirectory]", state="attached", timeout=RENDER_TIMEOUT_MS)
-                settle(page)
-                page.locator(f"{DROPZONE}[webkitdirectory]").set_input_files(str(mine))
-                page.wait_for_function(
-                    "() => document.querySelectorAll('[data-testid=\"stFileChip\"]').length >= 2",
-                    timeout=RENDER_TIMEOUT_MS,
-                )
-                page.get_by_role("button", name="Add run").click()
-                _wait_text(page, "Added to-upload to the runs library")
+            # A whole folder in one go (the browser drops files of other types, e.g. notes.txt).
+            page.get_by_text("A whole folder", exact=True).click()
+            page.wait_for_selector(f"{DROPZONE}[webkitdirectory]", state="attached", timeout=RENDER_TIMEOUT_MS)
+            settle(page)
+            page.locator(f"{DROPZONE}[webkitdirectory]").set_input_files(str(mine))
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stFileChip\"]').length >= 2",
+                timeout=RENDER_TIMEOUT_MS,
+            )
+            page.get_by_role("button", name="Add run").click()
+            _wait_text(page, "Added to-upload to the runs library")
 
-            # A server restart on the same home, this time with a 1 MB upload limit.
-            with _k3lab_app(home, preload, log, ("--max-upload-mb", "1")) as url:
-                page = browser.new_page(viewport={"width": 1440, "height": 1000})
-                page.goto(f"{url}/overview?run=persisted")
-                page.get_by_role("heading", name="persisted").wait_for(timeout=RENDER_TIMEOUT_MS)
-                settle(page)
-                assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
-                assert page.locator('[data-testid="stAlertContentError"]').count() == 0
+        # A server restart on the same home, this time with a 1 MB upload limit.
+        with _k3lab_app(home, preload, log, ("--max-upload-mb", "1")) as url:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.goto(f"{url}/overview?run=persisted")
+            page.get_by_role("heading", name="persisted").wait_for(timeout=RENDER_TIMEOUT_MS)
+            settle(page)
+            assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
+            assert page.locator('[data-testid="stAlertContentError"]').count() == 0
 
-                # A weights file over the limit: the browser refuses it, and the app says why nothing loads.
-                page.goto(f"{url}/upload")
-                page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
-                settle(page)
-                page.locator(DROPZONE).set_input_files([str(big / "config.json"), str(big / "model.safetensors")])
-                _wait_text(page, "Up to 1 MB per file")
-                page.get_by_role("button", name="Add run").click()
-                _wait_text(page, "over the upload limit (1 MB per file)")
-                assert "no weights among the files (config.json)" in page.locator("body").inner_text()
-        finally:
-            browser.close()
+            # A weights file over the limit: the browser refuses it, and the app says why nothing loads.
+            open_library_page(page, url)
+            page.locator(DROPZONE).set_input_files([str(big / "config.json"), str(big / "model.safetensors")])
+            _wait_text(page, "Up to 1 MB per file")
+            page.get_by_role("button", name="Add run").click()
+            _wait_text(page, "over the upload limit (1 MB per file)")
+            assert "no weights among the files (config.json)" in page.locator("body").inner_text()
     assert "serving on http://localhost:" in log.read_text()

@@ -27,6 +27,13 @@ def test_app_listens_on_localhost_by_default(tmp_path, monkeypatch):
     assert "--server.headless" not in cmd
 
 
+def test_tracebacks_reach_the_browser_only_with_debug():
+    cmd, _ = app_command(app_parser().parse_args([]), {})
+    assert _option(cmd, "--client.showErrorDetails") == "none"  # users see the pages' messages, no server paths
+    cmd, _ = app_command(app_parser().parse_args(["--debug"]), {})
+    assert _option(cmd, "--client.showErrorDetails") == "full"
+
+
 def test_host_home_roots_and_upload_limit_are_passed_on(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     args = app_parser().parse_args(

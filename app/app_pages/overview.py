@@ -10,6 +10,8 @@ from analysis.format import format_count
 from analysis.views import section_views
 from app import caching, cards, page
 from app.download_all import download_all
+from app.errors import markdown_card, md_escape
+from k3core.checkpoint_files import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
@@ -25,7 +27,7 @@ model = page.model_or_stop(inputs)
 cfg = model.config
 
 st.subheader(f"{run.label}")
-st.caption(f"{run.path} · preset name `{cfg.name}` · {run.origin}")
+st.caption(f"config name {md_escape(cfg.name)} · {run.origin}")  # names only: no server folders
 
 # ------------------------------------------------------------------- parameter counts
 total = model.num_parameters()
@@ -38,7 +40,7 @@ RESIDUAL_NAMES = {
     "plain": "PreNorm",
 }
 c = st.columns([1, 1, 0.7, 1.4, 0.8])
-c[0].metric("Parameters", format_count(total), help="All weights, embeddings and LM head included.")
+c[0].metric("Parameters", format_count(total), help=PARAMETER_RULE)
 c[1].metric("Active per token", format_count(active), help="Routed experts counted k of E.")
 c[2].metric(
     "Layers",
@@ -90,7 +92,7 @@ card = caching.run_card(run)
 st.markdown("#### Model card")
 if card:
     with st.container(border=True):
-        st.markdown(card)
+        st.markdown(markdown_card(card))  # no images from elsewhere
 else:
     st.caption("This run has no README.md.")
 

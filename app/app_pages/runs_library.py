@@ -7,11 +7,11 @@ import streamlit as st
 
 from analysis.format import format_bytes
 from app import caching, error_text, library_home, memory_fit, page, run_list
-from app.inputs import InputError, current_inputs
+from app.errors import USER_ERRORS, describe, log, md_escape, plain
+from app.inputs import current_inputs
 from app.library import LibraryError
 from app.roots import PathRefused, confine_folder
 from app.run_folders import describe_folder, human_count, summary_text
-from k3core.checkpoint_files import CheckpointError
 
 page.page_header(
     "Runs library",
@@ -34,7 +34,7 @@ VALIDATE_LOAD_BYTES = 2 * 1024**3  # uploads up to this size are loaded once to 
 try:
     lib = library_home.library()
 except LibraryError as exc:
-    st.error(f"The runs library cannot be opened: {exc}. Start the app with `k3lab app --home DIR`.")
+    st.error(f"The runs library cannot be opened: {plain(exc)}. Start the app with `k3lab app --home DIR`.")
     st.stop()
 
 
@@ -85,12 +85,15 @@ with tab_upload:
             ref = run_list.ref_of(entry)
             if entry.size_bytes <= VALIDATE_LOAD_BYTES and not memory_fit.fit_problem(ref, device, dtype):
                 caching.load_run(ref, device, dtype)  # reads every tensor: NaN/Inf, shapes
-        except (LibraryError, CheckpointError, InputError) as exc:
+        except Exception as exc:  # noqa: BLE001 - an upload that fails any check is not kept, whatever failed
             if entry is not None:
                 lib.delete(entry.id)
-            st.error(f"This checkpoint cannot be used: {error_text.message(exc, ref)}")
+            if not isinstance(exc, USER_ERRORS):
+                log.exception("checking an upload failed")
+            shown = describe(exc) if ref is None else plain(error_text.message(exc, ref))
+            st.error(f"This checkpoint cannot be used: {shown}")
         else:
-            _added(entry, f" Skipped: {', '.join(skipped)}." if skipped else "")
+            _added(entry, f" Skipped: {md_escape(', '.join(skipped))}." if skipped else "")
 
 # ----------------------------------------------------------------------------------------- by path
 with tab_path:
@@ -109,8 +112,10 @@ with tab_path:
         try:
             folder = confine_folder(checked, roots)
             info = describe_folder(folder)
-        except (PathRefused, LibraryError) as exc:
-            st.error(str(exc))
+        except PathRefused as exc:
+            st.error(md_escape(exc))
+        except LibraryError as exc:
+            st.error(plain(exc))
         else:
             plan = memory_fit.placement_plan(folder, device, dtype)
             free = memory_fit.available_memory(device)
@@ -120,8 +125,8 @@ with tab_path:
             c3.metric(f"Memory in {dtype}", format_bytes(plan.total_bytes))
             c4.metric(f"Free on {device}", format_bytes(free) if free is not None else "unknown")
             st.caption(
-                f"{summary_text(info.summary)}; stored as "
-                + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
+                f"{md_escape(summary_text(info.summary))}; stored as "
+                + ", ".join(f"{md_escape(k)} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
                 + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
                 + "; in memory: "
                 + ", ".join(
@@ -155,7 +160,7 @@ with tab_path:
                 try:
                     entry = lib.add_path(folder, path_name)
                 except LibraryError as exc:
-                    st.error(str(exc))
+                    st.error(plain(exc))
                 else:
                     ss.pop("k3lab_open_checked", None)
                     _added(entry)
@@ -189,7 +194,7 @@ with tab_preset:
             with st.spinner(f"Initialising and saving {preset}..."):
                 entry = lib.add_preset(preset, preset_name, int(seed))
         except LibraryError as exc:
-            st.error(error_text.message(exc))
+            st.error(plain(exc))
         else:
             _added(entry)
 
@@ -202,17 +207,17 @@ if not entries:
 for entry in entries:
     with st.container(border=True):
         c1, c2, c3, c4 = st.columns([6, 1, 1, 1])
-        where = f" · `{entry.path}`" if entry.source == "path" else ""
+        where = f" · {md_escape(entry.path)}" if entry.source == "path" else ""
         c1.markdown(
             f"**{entry.name}** · {SOURCE_NAMES[entry.source]} · {format_bytes(entry.size_bytes)} · added "
             f"{entry.added_at.replace('T', ' ')[:16]} UTC{where}"
         )
-        c1.caption(f"{summary_text(entry.summary)} · fingerprint {entry.fingerprint[:12]}")
+        c1.caption(f"{md_escape(summary_text(entry.summary))} · fingerprint {md_escape(entry.fingerprint[:12])}")
         refused = library_home.path_refusal(entry) if entry.available else None
         if not entry.available:
             c1.warning("The files of this run are gone (a folder moved or a disk unmounted); delete the entry.")
         elif refused:
-            c1.warning(f"Not offered in the run picker: {refused}")
+            c1.warning(f"Not offered in the run picker: {md_escape(refused)}")
         elif c2.button("Select", key=f"k3lab_lib_select_{entry.id}"):
             ss["k3lab_pending_run"] = str(entry.path)
             st.rerun()
@@ -222,7 +227,7 @@ for entry in entries:
                 try:
                     lib.rename(entry.id, new_name)
                 except LibraryError as exc:
-                    st.error(str(exc))
+                    st.error(plain(exc))
                 else:
                     ss["k3lab_pending_run"] = str(entry.path)
                     st.rerun()
@@ -233,4 +238,7 @@ for entry in entries:
             )
             if st.button("Delete", key=f"k3lab_lib_delete_{entry.id}", type="primary"):
                 lib.delete(entry.id)
+                ss["k3lab_library_ok"] = f"Deleted **{md_escape(entry.name)}** from the runs library." + (
+                    " Its files are removed." if entry.stored else " The folder itself is left where it is."
+                )
                 st.rerun()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
+from ..files import parse_json, read_bytes_limited
 from .base import Tokenizer, TokenizerError, content_digest
+
+MAX_TOKENIZER_BYTES = 256 * 1024**2  # tokenizer.json (a 256K-token vocabulary: about 35 MB)
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -68,13 +70,14 @@ class HFTokenizer(Tokenizer):
 
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
-            spec = json.loads(text)
+            text = read_bytes_limited(path, MAX_TOKENIZER_BYTES).decode("utf-8")
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{path.name}: unreadable tokenizer.json ({str(exc)[:200]})") from exc
+        spec = parse_json(text, f"{path.name}: unreadable tokenizer.json", TokenizerError)
+        try:
             tokenizer = _Tokenizer.from_str(text)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TokenizerError(f"{path}: unreadable tokenizer.json ({exc})") from exc
         except Exception as exc:  # tokenizers raises plain Exception for a JSON it cannot build a tokenizer from
-            raise TokenizerError(f"{path}: not a tokenizers tokenizer.json ({exc})") from exc
+            raise TokenizerError(f"{path.name}: not a tokenizers tokenizer.json ({str(exc)[:200]})") from exc
         decoder = spec.get("decoder") if isinstance(spec, dict) else None
         return cls(tokenizer, name=path.name, decoder_spec=decoder, digest=content_digest(text.encode("utf-8")))
 

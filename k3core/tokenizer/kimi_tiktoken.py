@@ -8,6 +8,7 @@ import binascii
 import json
 from pathlib import Path
 
+from ..files import parse_json, read_bytes_limited
 from .base import Tokenizer, TokenizerError, content_digest
 
 #: Kimi's pre-tokenizer split (``pat_str`` of ``tokenization_kimi.py``, Kimi K2 / Kimi Linear): runs of Han
@@ -35,48 +36,61 @@ KIMI_NUM_RESERVED_SPECIAL_TOKENS = 256
 # pieces of at most 400,000 characters with at most 25,000 consecutive whitespace / non-whitespace characters.
 _TIKTOKEN_MAX_CHARS = 400_000
 _TIKTOKEN_MAX_RUN = 25_000
+MAX_RANKS_BYTES = 64 * 1024**2  # Kimi's tiktoken.model: 2.6 MB
+MAX_CONFIG_BYTES = 16 * 1024**2  # tokenizer_config.json
+MAX_SPECIAL_TOKENS = 64 * 1024  # when no model vocabulary bounds them
 
 
-def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
+def read_tiktoken_ranks(path: str | Path, max_ranks: int | None = None) -> dict[bytes, int]:
     """The BPE ranks of a tiktoken file: one ``base64(token bytes) rank`` line per token.
 
     Checks what tiktoken needs and would otherwise crash on: ranks ``0..n-1`` each used once, no token twice,
-    every single byte present (BPE starts from bytes). Raises TokenizerError naming the file and line."""
+    every single byte present (BPE starts from bytes); with ``max_ranks`` (the model's vocabulary), no more
+    lines than that, counted before any is parsed. Raises TokenizerError naming the file and line."""
     path = Path(path)
     ranks: dict[bytes, int] = {}
     try:
-        lines = path.read_bytes().splitlines()
-    except OSError as exc:
-        raise TokenizerError(f"{path}: unreadable ({exc})") from exc
+        data = read_bytes_limited(path, MAX_RANKS_BYTES)
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{path.name}: unreadable ({exc})") from exc
+    if max_ranks is not None and data.count(b"\n") > max_ranks:
+        raise TokenizerError(f"{path.name}: more ranks than the model's {max_ranks:,} token ids")
+    lines = data.splitlines()
     for lineno, line in enumerate(lines, 1):
         parts = line.split()
         if not parts:
             continue
         if len(parts) != 2:
-            raise TokenizerError(f"{path}, line {lineno}: expected 'base64-token rank', got {line[:80]!r}")
+            raise TokenizerError(f"{path.name}, line {lineno}: expected 'base64-token rank', got {line[:80]!r}")
         try:
             token = base64.b64decode(parts[0], validate=True)
             rank = int(parts[1])
         except (binascii.Error, ValueError) as exc:
-            raise TokenizerError(f"{path}, line {lineno}: expected 'base64-token rank' ({exc})") from exc
+            raise TokenizerError(f"{path.name}, line {lineno}: expected 'base64-token rank' ({exc})") from exc
         if token in ranks:
-            raise TokenizerError(f"{path}, line {lineno}: token {token!r} appears twice")
+            raise TokenizerError(f"{path.name}, line {lineno}: token {token!r} appears twice")
         ranks[token] = rank
     if not ranks:
-        raise TokenizerError(f"{path}: no ranks (expected one 'base64-token rank' line per token)")
+        raise TokenizerError(f"{path.name}: no ranks (expected one 'base64-token rank' line per token)")
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise TokenizerError(f"{path}: ranks must be 0..{len(ranks) - 1}, each once")
+        raise TokenizerError(f"{path.name}: ranks must be 0..{len(ranks) - 1}, each once")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise TokenizerError(
-            f"{path}: {len(missing)} single bytes have no rank (e.g. 0x{missing[0]:02X}); byte-level BPE needs all 256"
+            f"{path.name}: {len(missing)} single bytes have no rank (e.g. 0x{missing[0]:02X}); byte-level BPE "
+            "needs all 256"
         )
     return ranks
 
 
-def _special_tokens_from_config(config: dict, n_ranks: int, where: Path) -> dict[str, int]:
+def _special_tokens_from_config(
+    config: dict, n_ranks: int, where: str, vocab_size: int | None = None
+) -> dict[str, int]:
     """Kimi's special tokens: ids ``n_ranks .. n_ranks + 255`` (more if ``added_tokens_decoder`` names higher
-    ids), named by ``added_tokens_decoder`` or ``<|reserved_token_{id}|>``."""
+    ids), named by ``added_tokens_decoder`` or ``<|reserved_token_{id}|>``.
+
+    Every id is checked against the model's ``vocab_size`` (when given; else at most MAX_SPECIAL_TOKENS)
+    before any token is made: one id of 10**6 would otherwise build a million special tokens."""
     decoder = config.get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
         raise TokenizerError(f"{where}: added_tokens_decoder must be an object of id -> token")
@@ -84,9 +98,11 @@ def _special_tokens_from_config(config: dict, n_ranks: int, where: Path) -> dict
     for key, entry in decoder.items():
         content = entry.get("content") if isinstance(entry, dict) else entry
         try:
-            idx = int(key)
-        except ValueError as exc:
-            raise TokenizerError(f"{where}: added_tokens_decoder key {key!r} is not a token id") from exc
+            idx = int(key) if len(key) <= 20 else None
+        except ValueError:
+            idx = None
+        if idx is None:
+            raise TokenizerError(f"{where}: added_tokens_decoder key {key[:40]!r} is not a token id")
         if not isinstance(content, str) or not content:
             raise TokenizerError(f"{where}: added_tokens_decoder[{key}] has no 'content' string")
         if idx < n_ranks:
@@ -96,6 +112,13 @@ def _special_tokens_from_config(config: dict, n_ranks: int, where: Path) -> dict
         named[idx] = content
     top = max(named) + 1 if named else 0
     count = max(KIMI_NUM_RESERVED_SPECIAL_TOKENS, top - n_ranks)
+    if vocab_size is not None and n_ranks + count > vocab_size:
+        raise TokenizerError(
+            f"{where}: the tokenizer ({n_ranks:,} BPE ranks + {count:,} special ids) has ids up to "
+            f"{n_ranks + count - 1:,} but the model's vocab_size is {vocab_size:,}: it is not this model's tokenizer"
+        )
+    if count > MAX_SPECIAL_TOKENS:
+        raise TokenizerError(f"{where}: {count:,} special token ids; at most {MAX_SPECIAL_TOKENS:,}")
     specials: dict[str, int] = {}
     for idx in range(n_ranks, n_ranks + count):
         content = named.get(idx, f"<|reserved_token_{idx}|>")
@@ -146,24 +169,28 @@ class TiktokenTokenizer(Tokenizer):
         self.name = f"{name} ({len(ranks):,} BPE ranks + {len(special_tokens)} special ids)"
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> TiktokenTokenizer:
-        """Read ``tiktoken.model`` and ``tokenizer_config.json`` from a checkpoint folder (Kimi's layout)."""
+    def from_folder(cls, folder: str | Path, vocab_size: int | None = None) -> TiktokenTokenizer:
+        """Read ``tiktoken.model`` and ``tokenizer_config.json`` from a checkpoint folder (Kimi's layout).
+
+        With ``vocab_size`` (the model's), a tokenizer with more ids is refused before it is built."""
         folder = Path(folder)
         model_file, config_file = folder / "tiktoken.model", folder / "tokenizer_config.json"
         if not config_file.is_file():
             raise TokenizerError(
-                f"{folder}: has tiktoken.model but no tokenizer_config.json (needed for the special tokens; "
+                f"{folder.name}: has tiktoken.model but no tokenizer_config.json (needed for the special tokens; "
                 "copy it from the checkpoint's repository)"
             )
-        ranks = read_tiktoken_ranks(model_file)
         try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TokenizerError(f"{config_file}: unreadable ({exc})") from exc
+            raw_config = read_bytes_limited(config_file, MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{config_file.name}: unreadable ({exc})") from exc
+        config = parse_json(raw_config, f"{config_file.name}: unreadable", TokenizerError)
         if not isinstance(config, dict):
-            raise TokenizerError(f"{config_file}: expected a JSON object")
-        specials = _special_tokens_from_config(config, len(ranks), config_file)
-        digest = content_digest(model_file.read_bytes(), json.dumps(specials, sort_keys=True).encode())
+            raise TokenizerError(f"{config_file.name}: expected a JSON object")
+        ranks = read_tiktoken_ranks(model_file, vocab_size)
+        specials = _special_tokens_from_config(config, len(ranks), config_file.name, vocab_size)
+        model_bytes = read_bytes_limited(model_file, MAX_RANKS_BYTES)
+        digest = content_digest(model_bytes, json.dumps(specials, sort_keys=True).encode())
         return cls(ranks, specials, name=model_file.name, digest=digest)
 
     def encode(self, text: str) -> list[int]:

@@ -20,22 +20,22 @@ def load_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise TokenizerError(f"{folder}: not a folder (looked for tokenizer.json or tiktoken.model in it)")
+        raise TokenizerError(f"{folder.name}: not a folder (looked for tokenizer.json or tiktoken.model in it)")
     if (folder / "tokenizer.json").is_file():
         tok: Tokenizer = HFTokenizer.from_file(folder / "tokenizer.json")
     elif (folder / "tiktoken.model").is_file():
-        tok = TiktokenTokenizer.from_folder(folder)
+        tok = TiktokenTokenizer.from_folder(folder, int(vocab_size))
     elif int(vocab_size) == ByteTokenizer.vocab_size:
         return ByteTokenizer()
     else:
         raise TokenizerError(
-            f"{folder}: no tokenizer for a model with {int(vocab_size):,} token ids (looked for tokenizer.json, "
+            f"{folder.name}: no tokenizer for a model with {int(vocab_size):,} token ids (looked for tokenizer.json, "
             f"or tiktoken.model + tokenizer_config.json; the built-in byte tokenizer fits only vocab_size 256). "
             "Copy the checkpoint's tokenizer files into the folder."
         )
     if tok.vocab_size > int(vocab_size):
         raise TokenizerError(
-            f"{folder}: the tokenizer ({tok.name}) has ids up to {tok.vocab_size - 1:,} but the model's "
+            f"{folder.name}: the tokenizer ({tok.name}) has ids up to {tok.vocab_size - 1:,} but the model's "
             f"vocab_size is {int(vocab_size):,}: it is not this model's tokenizer"
         )
     return tok
