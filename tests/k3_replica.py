@@ -97,7 +97,10 @@ class Replica:
 
     @property
     def params(self) -> int:
-        return sum(math.prod(s) for s in self.shapes.values())
+        """Parameters under k3lab's rule (``checkpoint_files.PARAMETER_RULE``: the router selection bias is not one)."""
+        from k3core.checkpoint_files import counts_as_parameter
+
+        return sum(math.prod(s) for n, s in self.shapes.items() if counts_as_parameter(n))
 
     def stored_bytes(self, pattern: str = "") -> int:
         return sum(math.prod(s) * SIZES[d] for n, (d, s) in self.stored.items() if pattern in n)

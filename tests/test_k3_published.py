@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.model import K3ForCausalLM
 
 from .k3_replica import EXPERT_RE, VISION, k3_config_json, model_shapes, write_replica
@@ -49,7 +49,8 @@ def test_published_layout_headers(truncated):
     files = CheckpointFiles.open(truncated.folder)
     assert files.config.name == "kimi_k3"
     assert files.quantization["format"] == "mxfp4-pack-quantized"
-    assert files.num_parameters == truncated.params
+    biases = 2 * 896  # the router selection biases: stored elements, not parameters (checkpoint_files.PARAMETER_RULE)
+    assert files.num_parameters == truncated.params + biases
     assert files.skipped == sorted(VISION)
     by_format = files.bytes_by_format()
     assert list(by_format) == ["MXFP4", "BF16", "F32"]
@@ -62,9 +63,9 @@ def test_published_layout_headers(truncated):
     assert (expert.dtype, expert.shape, expert.nbytes) == ("MXFP4", (3584, 3072), 3584 * 1536 + 3584 * 96)
     # the placement plan counts what the model computes with, and says what is stored
     plan = K3ForCausalLM.plan_placement(truncated.folder, device="cpu", dtype=None)
-    assert plan.stored_parameters == truncated.params
+    assert plan.stored_parameters == truncated.params + biases
     assert plan.stored_bytes_by_format == by_format
-    assert plan.total_bytes == 4 * truncated.params - 4 * 32 * 3  # fp32 in memory; A_log's padding is not loaded
+    assert plan.total_bytes == 4 * (truncated.params + biases) - 4 * 32 * 3  # fp32; A_log's padding is not loaded
     assert "MXFP4" in plan.describe()
 
 
@@ -78,7 +79,10 @@ def test_published_layout_inspect_and_weights(published, tmp_path):
     check = doc["checkpoint"]["check"]
     assert check["matches_config"], {k: v[:3] for k, v in check.items() if isinstance(v, list)}
     by_layer = {int(k): v for k, v in doc["checkpoint"]["params_by_layer"].items()}
-    want = {i: sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"model.layers.{i}.")) for i in range(93)}
+    want = {
+        i: sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"model.layers.{i}.") and counts_as_parameter(n))
+        for i in range(93)
+    }
     assert by_layer == want
     assert 29.9e9 < want[1] < 30.4e9  # an MoE layer: about 30B, not 16.4B of packed bytes
     by_format = doc["checkpoint"]["bytes_by_dtype"]
