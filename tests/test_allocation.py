@@ -83,7 +83,7 @@ def test_parameters_by_kind_equal_the_stored_shapes_of_each_layout(preset, overr
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.parent.name)
 def test_parameters_by_kind_equal_the_headers_of_every_sample(sample):
     files = CheckpointFiles.open(sample.parent)
-    assert len(SAMPLES) == 4
+    assert len(SAMPLES) >= 4  # the glob found the shipped samples
     by_kind = al.params_by_kind(files.config)
     pd.testing.assert_frame_equal(_stored_by_kind(files.tensors, files.config), by_kind)
     # k3core PARAMETER_RULE: the router-bias buffers are stored, not counted; the allocation table sums the same
