@@ -52,6 +52,7 @@ from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
 from k3core.checkpoint_files import folder_fingerprint
 from k3core.trace import WHAT_ALL, WHAT_DEFAULT
+from k3core.trace_dir import is_trace_dir, trace_dir_fingerprint
 
 
 # ----------------------------------------------------------------------------------------- model use
@@ -108,6 +109,8 @@ def run_fingerprint(path: str | Path) -> str:
     file's size or mtime changes (``app.run_folders.folder_stamp``)."""
     path = Path(path)
     try:
+        if is_trace_dir(path):  # its run card holds every trace file's digest
+            return trace_dir_fingerprint(path)
         return _fingerprint(str(path), folder_stamp(path))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
@@ -142,6 +145,19 @@ def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32") -> Run:
     Raises CheckpointError / InputError."""
     check_device(device, dtype)
     return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path, ref.label)
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def _shape_model(fingerprint: str, _config: Any) -> Any:
+    from k3core.model import K3ForCausalLM
+
+    return K3ForCausalLM.from_config(_config, device="meta")
+
+
+def shape_model(run: Run) -> Any:
+    """A model of the run's config on the meta device (shapes only, no weights): parameter counts of a trace
+    folder's run, which has no model."""
+    return _shape_model(run.fingerprint, run.config)
 
 
 def run_metrics(ref: RunRef) -> dict | None:
@@ -200,6 +216,8 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
 
 def make_tokens(choice: TextChoice, run: Run) -> Input:
     """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
+    if run.recorded is not None:  # a trace folder: the text it recorded, whatever the sidebar says
+        return runs.recorded_input(run)
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
 
@@ -312,6 +330,8 @@ def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
     """A context for the views drawn from the weights alone (``analysis.weights.read_weight_summary``: headers
     and small tensors, no model built), cached per folder state; ``experts`` also reads every expert matrix.
     Raises CheckpointError / OSError / ValueError."""
+    if is_trace_dir(ref.path):
+        raise CheckpointError(f"{ref.label} is a trace folder without its weights: this page needs the checkpoint")
     fingerprint = run_fingerprint(ref.path)
     summary = _weight_summary(fingerprint, str(ref.path), experts, progress)
     ctx = AnalysisContext(trace=None, config=summary.config, label=ref.label, weights=summary)

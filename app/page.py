@@ -58,17 +58,28 @@ def inputs_or_stop() -> Inputs:
     return inputs
 
 
-def model_or_stop(inputs: Inputs, ref: RunRef | None = None):
-    """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page."""
+def model_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool = False):
+    """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page.
+
+    A trace folder (no weights) gives a shapes-only model of its config, or, with ``needs_weights``, a message
+    that the page needs the checkpoint."""
     ref = ref or inputs.run
     _stop_if_too_big(inputs, ref)
     try:
-        return caching.load_run(ref, inputs.device, inputs.dtype).model
+        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        model = run.model if run.model is not None or needs_weights else caching.shape_model(run)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{md_escape(ref.label)}** could not be loaded on {inputs.device}/{inputs.dtype}: {describe(exc)}"
+    else:
+        if model is None:
+            st.info(
+                f"**{md_escape(ref.label)}** is a trace folder without its weights: this page needs the checkpoint."
+            )
+            st.stop()
+        return model
     st.error(error)
     st.stop()
 
@@ -191,7 +202,7 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
 def _render_views(views: list[View], loaded: Loaded) -> int:
     drawn = 0
     for view in views:
-        if view.needs_model:
+        if view.needs_model and loaded.model is not None:
             importance_card(view, loaded)
         else:
             drawn += cards.render_view(view, loaded)

@@ -61,6 +61,49 @@ if ss.get("k3lab_library_ok"):
 
 tab_upload, tab_path, tab_preset = st.tabs(["Upload", "Open a folder on the server", "Fresh random model"])
 
+
+def _show_plan(folder, info) -> None:
+    """A checkpoint folder's size, parameters and where its weights would go (from headers and config)."""
+    plan = memory_fit.placement_plan(folder, device, dtype)
+    free = memory_fit.available_memory(device)
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Size on disk", format_bytes(info.size_bytes))
+    c2.metric("Parameters", human_count(info.num_parameters))
+    c3.metric(f"Memory in {dtype}", format_bytes(plan.total_bytes))
+    c4.metric(f"Free on {device}", format_bytes(free) if free is not None else "unknown")
+    st.caption(
+        f"{md_escape(summary_text(info.summary))}; stored as "
+        + ", ".join(f"{md_escape(k)} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
+        + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
+        + "; in memory: "
+        + ", ".join(
+            f"{d} {format_bytes(memory_fit.placement_plan(folder, device, d).total_bytes)}"
+            for d in ("float32", "bfloat16")
+        )
+    )
+    auto = memory_fit.placement_plan(folder, "auto", dtype)
+    rows = []
+    for name, p in ((f"on {device}", plan), ("spread (GPUs, then CPU, then disk)", auto)):
+        for dev, nbytes in p.bytes_by_device.items():
+            dev_free = memory_fit.available_memory(dev) if dev != "disk" else None
+            rows.append(
+                {
+                    "placement": name,
+                    "device": dev,
+                    "memory": format_bytes(nbytes),
+                    "free now": format_bytes(dev_free) if dev_free is not None else "",
+                    "decoder layers": _span(p.layers_by_device.get(dev, [])),
+                }
+            )
+    st.dataframe(rows, hide_index=True)
+    ref = run_list.RunRef(folder.name, str(folder), "path")
+    problem = memory_fit.fit_problem(ref, device, dtype)
+    if problem:
+        st.warning(problem)
+    else:
+        st.success(f"Fits: {format_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
+
+
 # ----------------------------------------------------------------------------------------- upload
 with tab_upload:
     limit = library_home.upload_limit_mb()
@@ -117,44 +160,10 @@ with tab_path:
         except LibraryError as exc:
             st.error(plain(exc))
         else:
-            plan = memory_fit.placement_plan(folder, device, dtype)
-            free = memory_fit.available_memory(device)
-            c1, c2, c3, c4 = st.columns(4)
-            c1.metric("Size on disk", format_bytes(info.size_bytes))
-            c2.metric("Parameters", human_count(info.num_parameters))
-            c3.metric(f"Memory in {dtype}", format_bytes(plan.total_bytes))
-            c4.metric(f"Free on {device}", format_bytes(free) if free is not None else "unknown")
-            st.caption(
-                f"{md_escape(summary_text(info.summary))}; stored as "
-                + ", ".join(f"{md_escape(k)} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
-                + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
-                + "; in memory: "
-                + ", ".join(
-                    f"{d} {format_bytes(memory_fit.placement_plan(folder, device, d).total_bytes)}"
-                    for d in ("float32", "bfloat16")
-                )
-            )
-            auto = memory_fit.placement_plan(folder, "auto", dtype)
-            rows = []
-            for name, p in ((f"on {device}", plan), ("spread (GPUs, then CPU, then disk)", auto)):
-                for dev, nbytes in p.bytes_by_device.items():
-                    dev_free = memory_fit.available_memory(dev) if dev != "disk" else None
-                    rows.append(
-                        {
-                            "placement": name,
-                            "device": dev,
-                            "memory": format_bytes(nbytes),
-                            "free now": format_bytes(dev_free) if dev_free is not None else "",
-                            "decoder layers": _span(p.layers_by_device.get(dev, [])),
-                        }
-                    )
-            st.dataframe(rows, hide_index=True)
-            ref = run_list.RunRef(folder.name, str(folder), "path")
-            problem = memory_fit.fit_problem(ref, device, dtype)
-            if problem:
-                st.warning(problem)
+            if info.files is None:  # a trace folder: no weights, nothing to place
+                st.caption(f"A trace folder: {md_escape(summary_text(info.summary))}; {format_bytes(info.size_bytes)}.")
             else:
-                st.success(f"Fits: {format_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
+                _show_plan(folder, info)
             path_name = st.text_input("Name", value=folder.name, key="k3lab_open_name")
             if st.button("Add to the runs library", key="k3lab_open_add", type="primary"):
                 try:

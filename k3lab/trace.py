@@ -1,0 +1,64 @@
+"""``k3lab trace RUN [--text FILE ...] --out DIR``: trace a checkpoint on one or more texts and write a trace folder
+(``k3core.trace_dir``: the traces, a run card, config and tokenizer) that ``k3lab report DIR`` and the app open
+without the weights.
+
+On one process the work is ``analysis.trace_files.write_run_traces``. Exit codes: 0 written, 2 bad input
+(unreadable checkpoint, missing text, DIR not empty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from k3lab.options import add_device_options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from analysis.runs import DEFAULT_MAX_TOKENS, SAMPLES
+
+    p = argparse.ArgumentParser(
+        prog="k3lab trace",
+        description="Run a checkpoint on one or more texts, record every trace item, and write DIR: one trace per "
+        "text (trace-N.npz), a run card (run_card.json: config, tokens and their strings, tokenizer, where and how "
+        "it was made), config.json and the tokenizer files. DIR is written whole or not at all. `k3lab report DIR` "
+        "and `k3lab app DIR` open it without the checkpoint.",
+    )
+    p.add_argument("run", metavar="RUN", help="checkpoint folder")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--text", metavar="FILE", action="append", help="UTF-8 text file (repeat for several texts: one trace each)"
+    )
+    src.add_argument(
+        "--sample", metavar="NAME", choices=SAMPLES, help=f"built-in input: {', '.join(SAMPLES)} (default shakespeare)"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="trace folder to write (must not exist, or be empty)")
+    p.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"tokens per text (default {DEFAULT_MAX_TOKENS})"
+    )
+    add_device_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_tokens < 2:
+        print("k3lab trace: --max-tokens must be at least 2", file=sys.stderr)
+        return 2
+
+    from analysis import runs as runs_mod
+    from analysis.trace_files import read_inputs, write_run_traces
+    from k3core.checkpoint import CheckpointError
+    from k3core.trace_dir import check_out_dir
+
+    try:
+        check_out_dir(args.out)
+        run = runs_mod.load_run(args.run, device=args.device, dtype=args.dtype)
+        inputs = read_inputs(run, args.text, args.sample, args.max_tokens)
+        out = write_run_traces(run, inputs, args.out)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"k3lab trace: {exc}", file=sys.stderr)
+        return 2
+    tokens = ", ".join(f"{c.name} {c.n}" for c in inputs)
+    print(f"k3lab trace: wrote {out} ({len(inputs)} trace(s): {tokens} tokens)")
+    return 0

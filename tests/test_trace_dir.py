@@ -1,0 +1,150 @@
+"""Trace folders (k3core.trace_dir): `k3lab trace` writes one whole or not at all; `k3lab report DIR`, the app and
+the runs library open it with the checkpoint folder gone (trace views drawn, weight views saying they need it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import runs as runs_mod
+from analysis.trace_files import read_inputs
+from k3core.checkpoint import CheckpointError
+from k3core.trace import Trace
+from k3core.trace_dir import CARD_NAME, is_trace_dir, read_trace_dir, write_trace_dir
+from k3lab.cli import main as k3lab
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_checkpoints" / "k3-full"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> dict[str, Path]:
+    """`k3lab trace` of a copy of k3-full on two texts; the copy is then deleted (the folder travels alone)."""
+    root = tmp_path_factory.mktemp("traced")
+    ckpt = root / "k3-full"
+    shutil.copytree(SAMPLE, ckpt)
+    texts = []
+    for i, text in enumerate(("ROMEO:\nBut soft, what light through yonder window breaks?", "To be, or not to be.")):
+        texts += ["--text", str(root / f"text{i}.txt")]
+        (root / f"text{i}.txt").write_text(text)
+    out = root / "trace"
+    assert k3lab(["trace", str(ckpt), *texts, "--max-tokens", str(MAX_TOKENS), "--out", str(out)]) == 0
+    run = runs_mod.load_run(ckpt)
+    reference = [
+        runs_mod.trace_run(run, chosen, what="all").trace
+        for chosen in read_inputs(run, [root / "text0.txt", root / "text1.txt"], None, MAX_TOKENS)
+    ]
+    shutil.rmtree(ckpt)
+    return {"out": out, "root": root, "reference": reference}
+
+
+def test_trace_folder_holds_traces_equal_to_a_direct_trace_and_a_run_card(traced):
+    out = traced["out"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [
+            "README.md",
+            CARD_NAME,
+            "config.json",
+            "metrics.json",
+            "trace-0.npz",
+            "trace-1.npz",
+        ]
+    )
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".trace.partial")]
+    folder = read_trace_dir(out)
+    card = folder.card
+    assert card["config"]["num_hidden_layers"] == traced["reference"][0].config["num_hidden_layers"]
+    assert {"host", "device", "dtype", "k3lab_version", "source_fingerprint", "time"} <= set(card["made"])
+    assert card["edits"] is None
+    for i, want in enumerate(traced["reference"]):
+        entry = card["texts"][i]
+        assert entry["tokens"] == [int(t) for t in want["tokens"][0]]
+        assert len(entry["token_strings"]) == len(entry["tokens"])
+        got = folder.trace(i)
+        assert sorted(got.arrays) == sorted(want.arrays)
+        for name, array in want.arrays.items():
+            assert got.axes[name] == want.axes[name], name
+            np.testing.assert_array_equal(got[name], array, err_msg=name)
+
+
+def test_report_opens_the_folder_without_the_checkpoint(traced, tmp_path):
+    out = tmp_path / "report"
+    assert k3lab(["report", str(traced["out"]), "--out", str(out), "--no-static", "--quiet"]) == 0
+    html = (out / "report.html").read_text()
+    headline = json.loads((out / "headline.json").read_text())
+    assert headline["input"]["tokens"] == len(read_trace_dir(traced["out"]).texts[0]["tokens"])
+    assert len(list((out / "figures").glob("*.csv"))) > 10  # the trace views are drawn
+    assert "needs the checkpoint" in html  # weight views and importance say why they are not drawn
+    # the recorded loss is the reference's
+    want = traced["reference"][0].meta["run"]["loss"]
+    assert headline["runs"][0]["loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_trace_folder_run_has_no_model_and_refuses_another_text(traced):
+    run = runs_mod.load_run(traced["out"])
+    assert run.model is None and run.recorded is not None
+    chosen = runs_mod.recorded_input(run, 1)
+    ctx = runs_mod.trace_run(run, chosen)
+    np.testing.assert_array_equal(ctx.trace["tokens"], traced["reference"][1]["tokens"])
+    assert ctx.token_strings is not None and len(ctx.token_strings) == chosen.n
+    other = runs_mod.sample_input("mqar", run.config, 16)
+    with pytest.raises(ValueError, match="needs the checkpoint"):
+        runs_mod.trace_run(run, other)
+
+
+def test_writing_is_all_or_nothing(traced, tmp_path):
+    folder = read_trace_dir(traced["out"])
+    good = folder.trace(0)
+    bad = Trace(arrays=dict(good.arrays), axes=dict(good.axes), meta={"x": object()})  # meta not JSON: save fails
+    card = {"config": folder.card["config"], "texts": [folder.texts[0], folder.texts[1]]}
+    out = tmp_path / "out"
+    with pytest.raises(TypeError):
+        write_trace_dir(out, [good, bad], card, "{}")
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no partial folder, no staging left
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        write_trace_dir(tmp_path / "full", [good], {"config": {}, "texts": [{}]}, "{}")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_a_changed_trace_file_is_a_clear_error(traced, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(traced["out"], copy)
+    data = (copy / "trace-0.npz").read_bytes()
+    (copy / "trace-0.npz").write_bytes(data[: len(data) // 2])
+    run = runs_mod.load_run(copy)
+    with pytest.raises(CheckpointError, match="does not match its run card"):
+        runs_mod.trace_run(run, runs_mod.recorded_input(run))
+    (copy / CARD_NAME).write_text('{"format": "something else"}')
+    with pytest.raises(CheckpointError, match="not a k3lab run card"):
+        runs_mod.load_run(copy)
+
+
+def test_trace_refuses_a_non_empty_out_and_a_trace_folder_as_input(traced, tmp_path, capsys):
+    assert k3lab(["trace", str(traced["out"]), "--out", str(tmp_path / "again")]) == 2
+    assert "already a trace folder" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+    assert k3lab(["trace", str(SAMPLE), "--out", str(traced["out"])]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_runs_library_keeps_trace_folders(traced, tmp_path):
+    from app.library import RunsLibrary
+    from app.run_folders import summary_text
+
+    lib = RunsLibrary(tmp_path / "home")
+    by_path = lib.add_path(traced["out"], "my-trace")
+    assert by_path.source == "path" and "no weights" in summary_text(by_path.summary)
+    files = [(p.name, p.read_bytes()) for p in traced["out"].iterdir()]
+    uploaded, skipped = lib.add_files(files, name="uploaded-trace")
+    assert skipped == [] and is_trace_dir(uploaded.path)
+    assert runs_mod.load_run(uploaded.path).recorded is not None
+    renamed = lib.rename(uploaded.id, "renamed-trace")
+    assert renamed.name == "renamed-trace"
+    lib.delete(renamed.id)
+    assert [e.name for e in lib.entries()] == ["my-trace"]
