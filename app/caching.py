@@ -236,7 +236,7 @@ def _cached_trace(
     fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Input
 ) -> AnalysisContext:
     start = time.perf_counter()
-    with model_use(_run.model):
+    with model_use(_run.model) if _run.model is not None else contextlib.nullcontext():  # None: a trace folder
         ctx = runs.trace_run(_run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN)
     _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
     return ctx

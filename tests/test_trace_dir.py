@@ -148,3 +148,37 @@ def test_runs_library_keeps_trace_folders(traced, tmp_path):
     assert renamed.name == "renamed-trace"
     lib.delete(renamed.id)
     assert [e.name for e in lib.entries()] == ["my-trace"]
+
+
+APP = Path(__file__).resolve().parent.parent / "app" / "main.py"
+
+
+def test_the_app_opens_a_trace_folder_without_the_checkpoint(traced, monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+
+    from app import run_list
+    from app.settings import HOME_ENV
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(run_list.RUNS_ENV, str(traced["out"]))
+    (tmp_path / "no-samples").mkdir()
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", tmp_path / "no-samples")
+    at = AppTest.from_file(str(APP), default_timeout=180)
+    at.run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == []
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Layers"] == str(read_trace_dir(traced["out"]).card["config"]["num_hidden_layers"])
+    want = traced["reference"][0].meta["run"]["loss"]
+    assert any(f"loss {want:.3f}" in c.value for c in at.caption)  # the recorded forward's loss
+    for name in ("density", "attnres", "moe", "degradation"):
+        at.switch_page(f"app_pages/{name}.py").run()
+        assert not at.exception, (name, at.exception)
+        assert [e.value for e in at.error] == [], name
+        assert len(at.get("plotly_chart")) >= 2, name
+    at.switch_page("app_pages/density.py").run()
+    assert any("needs the checkpoint" in i.value for i in at.info), [i.value for i in at.info]
+    at.switch_page("app_pages/weights.py").run()
+    assert any("needs the checkpoint" in e.value for e in at.error)
+    at.switch_page("app_pages/generate.py").run()
+    assert not at.exception and any("needs the checkpoint" in i.value for i in at.info)
