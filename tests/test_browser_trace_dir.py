@@ -5,7 +5,6 @@ it needs the checkpoint. Every wait is on a condition."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
