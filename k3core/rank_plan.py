@@ -182,3 +182,19 @@ def parse_size(text: str) -> int:
     power = "KMGT".index(unit[0]) + 1
     base = 1024 if "I" in unit else 1000
     return int(value * base**power)
+
+
+def sizes_of(source: str, dtype: torch.dtype) -> tuple[dict[str, int], int]:
+    """({name: resident bytes}, decoder layers) of a checkpoint folder (headers only) or a preset name (shapes)."""
+    from pathlib import Path
+
+    from .checkpoint_files import CheckpointFiles
+
+    path = Path(source)
+    if path.exists():
+        files = CheckpointFiles.open(path)
+        return tensor_sizes(files, dtype), files.config.num_hidden_layers
+    from .model import K3ForCausalLM
+
+    model = K3ForCausalLM.from_config(source, device="meta")
+    return model_sizes(model, dtype), model.config.num_hidden_layers
