@@ -6,12 +6,14 @@ from __future__ import annotations
 import streamlit as st
 
 from analysis.format import format_bytes
+from analysis.runs import DTYPES
 from app import caching, error_text, library_home, memory_fit, page, run_list
 from app.errors import USER_ERRORS, describe, log, md_escape, plain
 from app.inputs import current_inputs
 from app.library import LibraryError
 from app.roots import PathRefused, confine_folder
 from app.run_folders import describe_folder, human_count, summary_text
+from k3core import rank_plan
 
 page.page_header(
     "Runs library",
@@ -102,6 +104,23 @@ def _show_plan(folder, info) -> None:
         st.warning(problem)
     else:
         st.success(f"Fits: {format_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
+    _show_rank_plan(info)
+
+
+def _show_rank_plan(info) -> None:
+    """Over several GPUs (pipeline parallel, ``k3lab inspect --plan``): how many, and which layers each holds."""
+    gpu_gb = st.number_input("GPU memory (GB) for a multi-GPU plan", 1.0, 100000.0, 141.0, key="k3lab_open_gpu_gb")
+    try:
+        sizes = rank_plan.tensor_sizes(info.files, DTYPES[dtype])
+        ranks = rank_plan.plan_for(sizes, info.files.config.num_hidden_layers, capacity=int(gpu_gb * 1e9 * 0.9))
+    except ValueError as exc:
+        st.caption(md_escape(exc))
+        return
+    st.caption(
+        f"Resident over GPUs of {gpu_gb:g} GB (10% kept free) in {dtype}: {len(ranks.ranks)} GPU(s), one process "
+        "each under torchrun (`k3lab inspect RUN --plan`)."
+    )
+    st.dataframe([r | {"bytes": format_bytes(r["bytes"])} for r in ranks.as_rows()], hide_index=True)
 
 
 # ----------------------------------------------------------------------------------------- upload
