@@ -421,8 +421,11 @@ def trace_run(
     label: str | None = None,
     max_attn_len: int = 1024,
     options: dict[str, Any] | None = None,
+    edits: list | None = None,
 ) -> AnalysisContext:
     """Run the model once on ``input_ids`` [B, T] inside ``record`` and wrap the trace in an AnalysisContext.
+
+    ``edits`` (``k3core.interventions``): record the edited forward instead (``trace.meta["edits"]`` lists them).
 
     The loss (``token_nll``) uses ``targets`` when given (aligned, -100 ignored), else next-token labels.
     Everything is recorded for the whole input (``max_tokens`` = T); attention matrices up to ``max_attn_len``.
@@ -438,14 +441,25 @@ def trace_run(
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if run.recorded is not None:
+        if edits:
+            raise ValueError(
+                f"{run.label} is a trace folder: an edited forward reruns the model and needs the checkpoint"
+            )
         return _recorded_context(run, input_ids, label, options)
     model = run.model
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     T = int(ids.shape[1])
     kwargs = {"targets": targets.to(device)} if targets is not None else {"labels": ids}
-    with record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace:
+    from k3core.interventions import intervene
+
+    with (
+        intervene(model, edits or []),
+        record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace,
+    ):
         out = model(ids, **kwargs)
+    if edits:
+        trace.meta["edits"] = [e.to_dict() for e in edits]
     trace.meta["run"] = {
         "path": str(run.path),
         "fingerprint": run.fingerprint,

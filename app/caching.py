@@ -233,12 +233,24 @@ _TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forwar
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
 def _cached_trace(
-    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], _run: Run, _tokens: Input
+    fingerprint: str,
+    device: str,
+    dtype: str,
+    digest: str,
+    what: tuple[str, ...],
+    _run: Run,
+    _tokens: Input,
+    edits: str = "",
 ) -> AnalysisContext:
+    from k3core.interventions import edits_from_json
+
     start = time.perf_counter()
     with model_use(_run.model) if _run.model is not None else contextlib.nullcontext():  # None: a trace folder
-        ctx = runs.trace_run(_run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN)
-    _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        ctx = runs.trace_run(
+            _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
+        )
+    if not edits:
+        _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
     return ctx
 
 
@@ -279,13 +291,15 @@ def load(
     record_attn: bool = True,
     options: dict[str, Any] | None = None,
     label: str | None = None,
+    edits: str = "",
 ) -> Loaded:
-    """Run + traced AnalysisContext for a run on a text choice (all cached).
+    """Run + traced AnalysisContext for a run on a text choice (all cached); ``edits`` (JSON of
+    ``k3core.interventions`` edits): the edited forward's trace instead.
 
-    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options).
+    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options / edits).
     """
     run = load_run(ref, device, dtype)
-    return trace(ref, run, make_tokens(choice, run), record_attn, options, label)
+    return trace(ref, run, make_tokens(choice, run), record_attn, options, label, edits)
 
 
 def trace(
@@ -295,13 +309,21 @@ def trace(
     record_attn: bool = True,
     options: dict[str, Any] | None = None,
     label: str | None = None,
+    edits: str = "",
 ) -> Loaded:
-    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens and trace items), under
-    ``label`` and the view ``options``. Raises InputError for bad options."""
+    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens, trace items and edits),
+    under ``label`` and the view ``options``. Raises InputError for bad options or edits that do not fit."""
     options = dict(options or {})
     check_options(options)
     what = trace_items(record_attn)
-    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens)
+    if edits:
+        from k3core.interventions import EditError, compile_edits, edits_from_json
+
+        try:
+            compile_edits(run.config, edits_from_json(edits))
+        except EditError as exc:
+            raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -316,6 +338,7 @@ def trace(
         label,
         options_key(options),
         metrics_digest(run.metrics),
+        edits,
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
 

@@ -2,7 +2,8 @@
 and text from users or files made safe for Markdown.
 
 Each layer of the stack has its own error type (k3core: ``CheckpointError``, ``ConfigError``,
-``TokenizerError``; the app: ``LibraryError``, ``PathRefused``, ``ZipRefused``, ``InputError``). ``shown_errors``
+``TokenizerError``, ``EditError``; analysis: ``PatchingError``, ``AttributionError``, ``TokenDetailError``;
+the app: ``LibraryError``, ``PathRefused``, ``ZipRefused``, ``InputError``). ``shown_errors``
 turns any of them into an ``st.error`` with its message, and anything else into a short message naming the
 error's type (the traceback goes to the server log, never to the browser), so every page keeps serving.
 Messages never carry server folders (``plain`` keeps only a path's last component).
@@ -17,17 +18,33 @@ from contextlib import contextmanager
 
 import streamlit as st
 
+from analysis.attribution import AttributionError
+from analysis.patching import PatchingError
+from analysis.token_detail import TokenDetailError
 from app.inputs import InputError
 from app.roots import PathRefused
 from app.run_folders import LibraryError
 from app.safe_zip import ZipRefused
 from k3core.checkpoint_files import CheckpointError
 from k3core.config import ConfigError
+from k3core.interventions import EditError
 from k3core.tokenizer import TokenizerError
 
 log = logging.getLogger("k3lab.app")
 
-USER_ERRORS = (CheckpointError, ConfigError, TokenizerError, LibraryError, PathRefused, ZipRefused, InputError)
+USER_ERRORS = (
+    CheckpointError,
+    ConfigError,
+    TokenizerError,
+    EditError,
+    PatchingError,
+    AttributionError,
+    TokenDetailError,
+    LibraryError,
+    PathRefused,
+    ZipRefused,
+    InputError,
+)
 MAX_MESSAGE_CHARS = 1000
 _PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")  # every ASCII punctuation character may be backslash-escaped
 _ABSOLUTE_PATH = re.compile(r"(?<![\w:/])/(?:[^\s'\"/:,;()\[\]]+/)+([^\s'\"/:,;()\[\]]*)")

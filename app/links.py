@@ -9,6 +9,7 @@ query parameters, written on every run and read on a session's first run:
     attn     0: do not record MLA attention      mode     compare: runs | texts
     b        compare: run B label                text_b   compare: text B (as ``text``)
     section  compare: density | attnres | moe | degradation | weights
+    edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interventions)
 
 An unknown value gets a warning that names it, and the default is used instead. Pasted and uploaded
 texts are not put in links (they can be large and private): such a link opens with the text source
@@ -40,10 +41,11 @@ SECTIONS = {
     "degradation": "Degradation",
     "weights": "Weights",
 }
-TWO_RUNS, TWO_TEXTS = "Two runs, same text", "One run, two texts"
-MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS}
+TWO_RUNS, TWO_TEXTS, EDITED = "Two runs, same text", "One run, two texts", "Baseline vs edited"
+MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS, "edited": EDITED}
+EDITS = "k3lab_edits"  # session key: the experiment's edits, as a list of edit dicts
 SLUG_OF_MODE = {v: k for k, v in MODES.items()}
-PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section")
+PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section", "edits")
 APPLIED = "k3lab_link_applied"
 NOTES = "k3lab_link_notes"
 
@@ -116,6 +118,14 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
         put("k3lab_cmp_text_source", _choice("text_b", params["text_b"], TEXT_SLUGS, notes))
     if "section" in params:
         put("k3lab_cmp_section", _choice("section", params["section"], list(SECTIONS), notes))
+    if "edits" in params:
+        from k3core.interventions import EditError, edits_from_json
+
+        try:
+            put(EDITS, [e.to_dict() for e in edits_from_json(params["edits"])])
+            out["k3lab_exp_autorun"] = True  # a link to an experiment shows its result
+        except EditError as exc:
+            notes.append(f"The link's edits could not be read ({exc}); the experiment starts with none.")
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
         notes.append(
@@ -185,3 +195,16 @@ def write_compare(mode: str, run_b: str | None, text_b: str | None, section: str
     current = st.query_params.to_dict()
     if any(current.get(k) != v for k, v in extra.items()):
         st.query_params.update(extra)
+
+
+def write_edits(edits: list[dict]) -> None:
+    """Add the experiment's edits to the address bar (JSON), or take them out when there are none."""
+    import json
+
+    value = json.dumps(edits, separators=(",", ":")) if edits else None
+    current = st.query_params.to_dict()
+    if value is None:
+        if "edits" in current:
+            del st.query_params["edits"]
+    elif current.get("edits") != value:
+        st.query_params["edits"] = value

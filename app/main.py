@@ -59,6 +59,7 @@ PAGES = {
         _page("history", "Training history", ":material/show_chart:"),
     ],
     "Tools": [
+        _page("experiment", "Experiment", ":material/science:"),
         _page("generate", "Generate", ":material/edit_note:"),
         _page("runs_library", "Runs library", ":material/folder_open:", url_path="upload"),
     ],

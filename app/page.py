@@ -117,9 +117,11 @@ def load_or_stop(
     choice: TextChoice | None = None,
     label: str | None = None,
     text_error: str | None = None,
+    edits: str = "",
 ) -> Loaded:
     """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
-    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page."""
+    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page. ``edits`` (JSON
+    of ``k3core.interventions`` edits): the edited forward's trace."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
@@ -131,7 +133,7 @@ def load_or_stop(
         run = caching.load_run(ref, inputs.device, inputs.dtype)
         tokens = caching.make_tokens(choice, run)
         _confirm_long_input(inputs, ref, run, tokens, choice)
-        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label)
+        loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label, edits)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down

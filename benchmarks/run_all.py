@@ -29,6 +29,7 @@ SUITES = {
     "forward": "bench_forward",
     "cache": "bench_cache",
     "trace": "bench_trace",
+    "hooks": "bench_hooks",
     "moe": "bench_moe",
     "decode": "bench_decode",
 }

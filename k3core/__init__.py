@@ -1,0 +1,54 @@
+"""k3core: the K3 model, its hook points, recording and interventions.
+
+    from k3core import K3ForCausalLM, record, intervene, MoEEdit
+    from k3core.hooks import hooks        # read / write hook points directly
+
+The names below are imported on first use (``import k3core.checkpoint_files`` alone stays free of the
+model and of torch's start-up cost).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "K3ForCausalLM": "model",
+    "K3Model": "model",
+    "K3DecoderLayer": "model",
+    "K3Output": "model",
+    "K3Config": "config",
+    "from_preset": "presets",
+    "PRESETS": "presets",
+    "K3Cache": "cache",
+    "record": "trace",
+    "Trace": "trace",
+    "TraceNames": "trace",
+    "names": "trace",
+    "HookNames": "hooks",
+    "hook_points": "hooks",
+    "intervene": "interventions",
+    "parse_edit": "interventions",
+    "edits_from_json": "interventions",
+    "edits_to_json": "interventions",
+    "EditError": "interventions",
+    "ValueEdit": "interventions",
+    "AttnResEdit": "interventions",
+    "KDAEdit": "interventions",
+    "MoEEdit": "interventions",
+    "MLAEdit": "interventions",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'k3core' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -6,7 +6,7 @@
 The residual stream is one of four modes (``config.residual``):
 
 - ``block_attnres`` (K3): each sub-layer input is a softmax mix over depth of a bank of completed
-  block sums plus the running partial sum P (arXiv 2603.15031); see ``K3Model._forward_block``.
+  block sums plus the running partial sum P (arXiv 2603.15031); see ``ResidualStream``.
 - ``full_attnres``: the mix runs over the embedding and every earlier sub-layer output.
 - ``scale_bias``: h = h + scale_l * f(RMSNorm(h)) + bias_l with learned per-channel scale and bias.
 - ``plain``: pre-norm residual h = h + f(RMSNorm(h)).
@@ -26,20 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import trace as _trace
 from .cache import K3Cache
 from .checkpoint import build_meta_model, load_config, load_pretrained, save_pretrained
 from .config import K3Config
 from .generate import generate as _generate
+from .hooks import HookContext, HookNames, active, point
 from .layers.ffn import GatedMLP
 from .layers.kda import KDACache, KimiDeltaAttention
 from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
-from .ops.attnres import attnres_mix
+from .ops.attnres import attnres_combine, attnres_mix
 from .placement import Plan, load_placed, plan_for_model
 from .presets import PRESETS, from_preset
-from .trace import TraceNames
 
 
 def scale_bias_init(config: K3Config, layer_idx: int) -> float:
@@ -54,6 +53,110 @@ class K3Output:
     loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     cache: K3Cache | None = None
+
+
+class ResidualStream:
+    """What flows from layer to layer: the depth sources so far, and how a sub-layer reads and adds to them.
+
+    - plain / scale_bias: one source h; read h; write h + f (scale_bias: h + scale * f + bias).
+    - block_attnres: completed block sums (the bank, starting with the embedding) + the running partial
+      sum P of the current block; read = the site's softmax mix over bank + [P] (layer 0's attention reads
+      P = x directly); each block's first attention output starts a new P.
+    - full_attnres: the embedding and every sub-layer output; read = the site's mix over all of them.
+    """
+
+    def __init__(self, config: K3Config, x: torch.Tensor):
+        self.mode = config.residual
+        self.block_size = config.attn_res_block_size
+        self.num_layers = config.num_hidden_layers
+        self.bank: list[torch.Tensor] = []  # block: completed blocks; full: every source but the last
+        self.bank_names: list[str] = []
+        self.last: torch.Tensor | None = x  # additive: h; block: partial P; full: the newest source
+        self.last_name = "embedding"
+
+    @property
+    def attnres(self) -> bool:
+        return self.mode in ("block_attnres", "full_attnres")
+
+    def sources(self) -> tuple[list[torch.Tensor], list[str]]:
+        if self.last is None:
+            return list(self.bank), list(self.bank_names)
+        return self.bank + [self.last], self.bank_names + [self.last_name]
+
+    def offer(self, hooks: HookContext, name: str) -> None:
+        """The depth state as one hook point [source, batch, token, hidden] (built only when asked for)."""
+        if not hooks.wants(name):
+            return
+        sources, names = self.sources()
+        stacked = torch.stack([s.to(sources[-1].device) for s in sources])
+        new = hooks.point(name, stacked, sources=names)
+        if new is not stacked:
+            self.bank = [new[j].to(s.device) for j, s in enumerate(self.bank)]
+            self.last = new[-1].to(sources[-1].device)
+
+    def read(self, layer: K3DecoderLayer | K3Model, side: str, hooks: HookContext | None) -> torch.Tensor:
+        """The input of a sub-layer ("attn" or "mlp" of a decoder layer, "output" for the model)."""
+        if not self.attnres:
+            return self.last
+        if side == "output":
+            site, proj, norm = HookNames.OUTPUT_SITE, layer.output_attn_res_proj, layer.output_attn_res_norm
+        elif side == "attn":
+            if not self.bank:  # the first layer reads the embedding itself
+                return self.last
+            site = HookNames.attnres_site(layer.layer_idx, "attn")
+            proj, norm = layer.self_attention_res_proj, layer.self_attention_res_norm
+        else:
+            site = HookNames.attnres_site(layer.layer_idx, "mlp")
+            proj, norm = layer.mlp_res_proj, layer.mlp_res_norm
+        sources, names = self.sources()
+        return depth_mix(hooks, site, proj, norm, sources, names)
+
+    def write(self, layer: K3DecoderLayer, side: str, out: torch.Tensor) -> None:
+        """Add a sub-layer's output ("attn" or "mlp") to the stream."""
+        i = layer.layer_idx
+        if self.mode == "plain":
+            self.last = self.last.to(out.device) + out
+        elif self.mode == "scale_bias":
+            scale, bias = (
+                (layer.self_attention_res_scale, layer.self_attention_res_bias)
+                if side == "attn"
+                else (layer.mlp_res_scale, layer.mlp_res_bias)
+            )
+            self.last = self.last.to(out.device) + out * scale + bias
+        elif self.mode == "full_attnres":
+            self.bank.append(self.last)
+            self.bank_names.append(self.last_name)
+            self.last, self.last_name = out, f"L{i}.{'attn' if side == 'attn' else 'ffn'}"
+        else:
+            if side == "attn" and i % self.block_size == 0:  # a new block starts
+                self.bank.append(self.last)
+                self.bank_names.append(self.last_name)
+                self.last, self.last_name = None, f"block {i // self.block_size + 1} (partial)"
+            self.last = out if self.last is None else self.last.to(out.device) + out
+            if side == "mlp" and ((i + 1) % self.block_size == 0 or i + 1 == self.num_layers):
+                self.last_name = self.last_name.replace(" (partial)", "")
+
+
+def depth_mix(
+    hooks: HookContext | None,
+    site: str,
+    proj: nn.Linear,
+    norm: RMSNorm,
+    sources: list[torch.Tensor],
+    names: list[str],
+) -> torch.Tensor:
+    """AttnRes mix of ``sources`` at ``site``; its depth weights and output are hook points."""
+    # Layers may sit on different devices (device="auto"): the mix runs where its pseudo-query is.
+    dev = proj.weight.device
+    stacked = torch.stack([s.to(dev) for s in sources])
+    if hooks is None:
+        return attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps)
+    mixed, p = attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps, return_weights=True)
+    weights = p.permute(1, 2, 0)
+    new = hooks.point(HookNames.attnres_point(site, "weights"), weights, sources=names, site=site)
+    if new is not weights:
+        mixed = attnres_combine(new.permute(2, 0, 1), stacked)
+    return hooks.point(HookNames.attnres_point(site, "mix"), mixed, site=site)
 
 
 class K3DecoderLayer(nn.Module):
@@ -89,10 +192,36 @@ class K3DecoderLayer(nn.Module):
         return self.block_sparse_moe if self.is_moe else self.mlp
 
     def attention(self, h: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(h), cache)
+        """The attention sub-layer on its (pre-norm) input h: KDA or MLA of RMSNorm(h)."""
+        hooks = active()
+        x = self.input_layernorm(h)
+        if hooks is None:
+            return self.self_attn(x, cache)
+        x = hooks.point(HookNames.block(self.layer_idx, "mixer_in"), x)
+        return hooks.point(HookNames.block(self.layer_idx, "mixer_out"), self.self_attn(x, cache))
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ffn(self.post_attention_layernorm(h))
+        """The FFN sub-layer on its (pre-norm) input h: dense FFN or LatentMoE of RMSNorm(h)."""
+        hooks = active()
+        out = self.ffn(self.post_attention_layernorm(h))
+        return out if hooks is None else hooks.point(HookNames.block(self.layer_idx, "ffn_out"), out)
+
+    def forward(self, stream: ResidualStream, cache: KDACache | MLACache | None = None) -> ResidualStream:
+        """One decoder layer on the residual stream (any residual mode): read the attention input from the
+        stream, add the attention output, read the FFN input, add the FFN output."""
+        hooks = active()
+        i = self.layer_idx
+        if hooks is not None:
+            stream.offer(hooks, HookNames.block(i, "stream"))
+        h = stream.read(self, "attn", hooks)
+        if hooks is not None:
+            h = hooks.point(HookNames.block(i, "resid_in"), h)
+        stream.write(self, "attn", self.attention(h, cache))
+        h = stream.read(self, "mlp", hooks)
+        if hooks is not None:
+            h = hooks.point(HookNames.block(i, "ffn_in"), h)
+        stream.write(self, "mlp", self.feed_forward(h))
+        return stream
 
 
 class K3Model(nn.Module):
@@ -107,23 +236,6 @@ class K3Model(nn.Module):
             self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
 
-    # -------------------------------------------------------------- depth mixing
-    def _mix(
-        self, site: str, proj: nn.Linear, norm: RMSNorm, sources: list[torch.Tensor], names: list[str], rec
-    ) -> torch.Tensor:
-        want = rec is not None and rec.wants("attnres")
-        # Layers may sit on different devices (device="auto"): the mix runs where its pseudo-query is.
-        dev = proj.weight.device
-        stacked = torch.stack([s.to(dev) for s in sources])
-        out = attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps, return_weights=want)
-        if not want:
-            return out
-        mixed, p = out
-        rec.put_tokens(TraceNames.attnres(site), p.permute(1, 2, 0), ("batch", "token", "source"))
-        rec.put(TraceNames.attnres_query_norm(site), proj.weight.detach().float().norm().reshape(()), ())
-        rec.trace.meta.setdefault(TraceNames.ATTNRES_SOURCES_META, {})[site] = list(names)
-        return mixed
-
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
         """Final hidden states after the last RMSNorm, [B, T, D]."""
         if input_ids.dim() != 2:
@@ -134,116 +246,17 @@ class K3Model(nn.Module):
             raise ValueError("input_ids has no tokens (shape [batch, 0])")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
-        rec = _trace.current()
-        if rec is not None:
-            rec.start_forward(input_ids)
-        x = self.embed_tokens(input_ids)
-        mode = self.config.residual
-        if mode == "block_attnres":
-            final = self._forward_block(x, cache, rec)
-        elif mode == "full_attnres":
-            final = self._forward_full(x, cache, rec)
-        else:
-            final = self._forward_additive(x, cache, rec)
-        if rec is not None:
-            rec.hidden(final)
-        return self.norm(final)
-
-    def _layer_cache(self, cache: K3Cache | None, i: int):
-        return None if cache is None else cache.layers[i]
-
-    def _forward_additive(self, h, cache, rec):
-        scale_bias = self.config.residual == "scale_bias"
+        hooks = active()
+        if hooks is not None:
+            hooks.point(HookNames.TOKENS, input_ids)
+        x = point(hooks, HookNames.EMBED, self.embed_tokens(input_ids))
+        stream = ResidualStream(self.config, x)
         for i, layer in enumerate(self.layers):
-            if rec is not None:
-                rec.hidden(h)
-                if scale_bias and rec.wants("attnres"):
-                    for side, module_side in (("attn", "self_attention_res"), ("mlp", "mlp_res")):
-                        for kind in ("scale", "bias"):
-                            value = getattr(layer, f"{module_side}_{kind}")
-                            rec.put(TraceNames.residual(i, side, kind), value, ("hidden",))
-            a = layer.attention(h, self._layer_cache(cache, i))
-            h = h.to(a.device)  # no-op unless layers sit on different devices
-            h = h + a * layer.self_attention_res_scale + layer.self_attention_res_bias if scale_bias else h + a
-            m = layer.feed_forward(h)
-            h = h + m * layer.mlp_res_scale + layer.mlp_res_bias if scale_bias else h + m
-        return h
-
-    def _forward_block(self, x, cache, rec):
-        """Block AttnRes: a bank of completed block sums + the running partial sum P (P starts as x)."""
-        size = self.config.attn_res_block_size
-        bank: list[torch.Tensor] = []
-        names: list[str] = []
-        partial: torch.Tensor | None = x
-        partial_name = "embedding"
-        for i, layer in enumerate(self.layers):
-            if bank:
-                site = TraceNames.attnres_site(i, "attn")
-                h = self._mix(
-                    site,
-                    layer.self_attention_res_proj,
-                    layer.self_attention_res_norm,
-                    bank + [partial],
-                    names + [partial_name],
-                    rec,
-                )
-            else:
-                h = partial
-            if rec is not None:
-                rec.hidden(h)
-            if i % size == 0:
-                bank.append(partial)
-                names.append(partial_name)
-                partial, partial_name = None, f"block {i // size + 1} (partial)"
-            a = layer.attention(h, self._layer_cache(cache, i))
-            partial = a if partial is None else partial.to(a.device) + a
-            h = self._mix(
-                TraceNames.attnres_site(i, "mlp"),
-                layer.mlp_res_proj,
-                layer.mlp_res_norm,
-                bank + [partial],
-                names + [partial_name],
-                rec,
-            )
-            ffn = layer.feed_forward(h)
-            partial = partial.to(ffn.device) + ffn
-            if (i + 1) % size == 0 or i + 1 == len(self.layers):
-                partial_name = partial_name.replace(" (partial)", "")
-        return self._mix(
-            TraceNames.OUTPUT_SITE,
-            self.output_attn_res_proj,
-            self.output_attn_res_norm,
-            bank + [partial],
-            names + [partial_name],
-            rec,
-        )
-
-    def _forward_full(self, x, cache, rec):
-        """Full AttnRes: every sub-layer input mixes the embedding and all earlier sub-layer outputs."""
-        sources, names = [x], ["embedding"]
-        for i, layer in enumerate(self.layers):
-            h = (
-                x
-                if len(sources) == 1
-                else self._mix(
-                    TraceNames.attnres_site(i, "attn"),
-                    layer.self_attention_res_proj,
-                    layer.self_attention_res_norm,
-                    sources,
-                    names,
-                    rec,
-                )
-            )
-            if rec is not None:
-                rec.hidden(h)
-            sources.append(layer.attention(h, self._layer_cache(cache, i)))
-            names.append(f"L{i}.attn")
-            site = TraceNames.attnres_site(i, "mlp")
-            h = self._mix(site, layer.mlp_res_proj, layer.mlp_res_norm, sources, names, rec)
-            sources.append(layer.feed_forward(h))
-            names.append(f"L{i}.ffn")
-        out_proj, out_norm = self.output_attn_res_proj, self.output_attn_res_norm
-        return self._mix(TraceNames.OUTPUT_SITE, out_proj, out_norm, sources, names, rec)
+            stream = layer(stream, None if cache is None else cache.layers[i])
+        if hooks is not None:
+            stream.offer(hooks, HookNames.FINAL_STREAM)
+        final = point(hooks, HookNames.FINAL_RESID, stream.read(self, "output", hooks))
+        return point(hooks, HookNames.FINAL_NORM, self.norm(final))
 
 
 class K3ForCausalLM(nn.Module):
@@ -382,7 +395,8 @@ class K3ForCausalLM(nn.Module):
                     f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(t.shape)}"
                 )
         hidden = self.model(input_ids, cache=cache)
-        logits = self.lm_head(hidden)
+        hooks = active()
+        logits = point(hooks, HookNames.LOGITS, self.lm_head(hidden))
         if labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         if targets is not None:
@@ -397,19 +411,13 @@ class K3ForCausalLM(nn.Module):
             ).view_as(targets)
             valid = targets != -100
             loss = nll.sum() / valid.sum().clamp_min(1)
-            rec = _trace.current()
-            if rec is not None and rec.wants("loss"):
-                rec.put_tokens(TraceNames.TOKEN_NLL, nll.masked_fill(~valid, float("nan")), ("batch", "token"))
+            if hooks is not None:
+                hooks.point(HookNames.TOKEN_NLL_POINT, nll.masked_fill(~valid, float("nan")))
             if self.config.balancing == "aux_loss" and self.training:
                 parts = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
                 if parts:
                     aux = torch.stack(parts).mean()
         return K3Output(logits=logits, loss=loss, aux_loss=aux, cache=cache)
-
-    @torch.no_grad()
-    def update_router_biases(self) -> None:
-        for moe in self.moe_layers():
-            moe.update_bias()
 
     def num_parameters(self, active: bool = False) -> int:
         """Total parameters, or parameters touched per token (routed experts counted k of E)."""

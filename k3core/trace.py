@@ -6,12 +6,15 @@
     trace.axes["kda.0.g"]     # ("batch", "token", "head", "channel")
     trace.save("run.trace.npz"); Trace.load("run.trace.npz")
 
-Layers call ``current()`` (one context-variable read) and do nothing more when no recorder is
-active, so a model with tracing off runs at full speed. The recorder lives in a ``contextvars``
-variable, so each thread (each app session) records its own model without seeing another's. What
+The recorder is one consumer of the model's hook points (``k3core.hooks``): ``record`` adds read hooks
+for the items asked for and turns what they see into these arrays; with no hook context active the
+forward runs at full speed. The hook context lives in a ``contextvars`` variable, so each thread (each
+app session) records its own model without seeing another's. Recording inside ``intervene`` shows the
+edited forward. What
 is recorded is bounded: the first ``max_batch`` sequences and the first ``max_tokens`` positions of
 each (a contiguous prefix, so that causal and next-token statistics stay meaningful); MLA attention
-probabilities only when asked and only up to ``max_attn_len`` positions. Whole-batch aggregates (MoE
+probabilities only when asked and only up to ``max_attn_len`` positions (computed here from the
+layer's q and k; the model's attention path is the same with or without recording). Whole-batch aggregates (MoE
 load counts) use every token.
 
 Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``;
@@ -45,7 +48,6 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import zipfile
 import zlib
@@ -57,19 +59,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from .hooks import HookNames, active, hooks
+from .ops.kda import kda_chunk_end_states
+
 WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
 WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
 
-_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("k3lab_trace_recorder", default=None)
+_RECORDER = "recorder"  # the hook context's owner key of the active recorder
 
 
 def current() -> Recorder | None:
     """The recorder active in this thread/context, or None (the common, free case)."""
-    return _ACTIVE.get()
+    ctx = active()
+    return None if ctx is None else ctx.owners.get(_RECORDER)
 
 
-class TraceNames:
-    """Every trace array name, built in one place (``i`` is a 0-based layer index).
+class TraceNames(HookNames):
+    """Every trace array name, built in one place (``i`` is a 0-based layer index); the hook point
+    names of ``k3core.hooks.HookNames`` are part of it (``names.block(3, "kda.g")``).
 
     AttnRes sites are ``"{i}.attn"``, ``"{i}.mlp"`` (decoder layer ``i``) and ``"output"`` (the final
     mix); build them with ``attnres_site``. Use as ``from k3core.trace import names``.
@@ -122,13 +129,6 @@ class TraceNames:
     @staticmethod
     def mla_gate(i: int) -> str:
         return f"mla.{i}.gate"
-
-    @staticmethod
-    def attnres_site(i: int, side: str) -> str:
-        """The site of decoder layer ``i``; ``side`` is "attn" or "mlp"."""
-        if side not in ("attn", "mlp"):
-            raise ValueError(f"AttnRes side must be 'attn' or 'mlp', got {side!r}")
-        return f"{i}.{side}"
 
     @staticmethod
     def attnres(site: str) -> str:
@@ -263,9 +263,16 @@ class Trace:
 
 
 class Recorder:
-    """Collects tensors from layer hooks into a Trace. Created by ``record``."""
+    """Turns what the model's hook points show into a Trace (read hooks only). Created by ``record``."""
 
-    def __init__(self, what: Iterable[str], max_tokens: int, max_batch: int, max_attn_len: int):
+    def __init__(
+        self,
+        what: Iterable[str],
+        max_tokens: int,
+        max_batch: int,
+        max_attn_len: int,
+        model: torch.nn.Module | None = None,
+    ):
         self.what = frozenset(what)
         unknown = self.what - set(WHAT_ALL)
         if unknown:
@@ -273,8 +280,10 @@ class Recorder:
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.max_attn_len = max_attn_len
+        self.model = model
         self.trace = Trace()
         self._hidden: list[torch.Tensor] = []
+        self._held: dict[str, torch.Tensor] = {}  # per layer q, k, ... until the point that needs them
 
     def wants(self, item: str) -> bool:
         return item in self.what
@@ -293,10 +302,13 @@ class Recorder:
     def start_forward(self, input_ids: torch.Tensor) -> None:
         """A new forward begins: earlier per-forward data is dropped (the last forward wins)."""
         self._hidden = []
+        self._held = {}
         self.trace.arrays.clear()
         self.trace.axes.clear()
         self.trace.meta.pop(TraceNames.ATTNRES_SOURCES_META, None)
         self.put_tokens(TraceNames.TOKENS, input_ids, ("batch", "token"))
+        if "attnres" in self.what and self.model is not None:
+            self._residual_parameters()
 
     def hidden(self, h: torch.Tensor) -> None:
         if "hidden" in self.what:
@@ -308,6 +320,155 @@ class Recorder:
             self.trace.add(TraceNames.HIDDEN, stacked, ("depth", "batch", "token", "hidden"))
             self.trace.add(TraceNames.HIDDEN_RMS, stacked.pow(2).mean(-1).sqrt(), ("depth", "batch", "token"))
             self._hidden = []
+        self._held = {}
+
+    # ------------------------------------------------------------------ hook consumers
+    def read_hooks(self, config: Any) -> dict[str, Any]:
+        """{hook point: read hook} for the items of ``self.what`` on a model of this config."""
+        N = TraceNames
+        table: dict[str, Any] = {N.TOKENS: lambda v, n, info: self.start_forward(v)}
+        if "hidden" in self.what:
+            for i in range(config.num_hidden_layers):
+                table[N.block(i, "resid_in")] = lambda v, n, info: self.hidden(v)
+            table[N.FINAL_RESID] = lambda v, n, info: self.hidden(v)
+        if "loss" in self.what:
+            table[N.TOKEN_NLL_POINT] = lambda v, n, info: self.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
+        for i in range(config.num_hidden_layers):
+            if config.is_mla_layer(i):
+                self._mla_hooks(table, i, config)
+            elif "kda" in self.what:
+                self._kda_hooks(table, i)
+            if config.is_moe_layer(i) and "moe" in self.what:
+                self._moe_hooks(table, i, config)
+        if "attnres" in self.what and config.residual in ("block_attnres", "full_attnres"):
+            sites = [N.attnres_site(i, side) for i in range(config.num_hidden_layers) for side in ("attn", "mlp")]
+            for site in [*sites, N.OUTPUT_SITE]:
+                table[N.attnres_point(site, "weights")] = self._attnres_weights
+        return table
+
+    def _hold(self, key: str) -> Any:
+        def hook(value: torch.Tensor, name: str, info: dict) -> None:
+            self._held[key] = value
+
+        return hook
+
+    def _kda_hooks(self, table: dict[str, Any], i: int) -> None:
+        N = TraceNames
+        for part in ("q", "k", "v"):
+            table[N.block(i, f"kda.{part}")] = self._hold(f"{i}.{part}")
+
+        def g(value, name, info):
+            self._held[f"{i}.g"] = value
+            self.put_tokens(N.kda_g(i), value, ("batch", "token", "head", "channel"))
+
+        def beta(value, name, info):
+            self._held[f"{i}.beta"] = value
+            self.put_tokens(N.kda_beta(i), value, ("batch", "token", "head"))
+
+        def gate(value, name, info):
+            self.put_tokens(N.kda_gate(i), value.float().mean(-1), ("batch", "token", "head"))
+
+        table[N.block(i, "kda.g")] = g
+        table[N.block(i, "kda.beta")] = beta
+        table[N.block(i, "kda.gate")] = gate
+        table[N.block(i, "kda.state")] = lambda value, name, info: self._kda_state(i, value, info)
+
+    @torch.no_grad()
+    def _kda_state(self, i: int, final_state: torch.Tensor, info: dict) -> None:
+        N = TraceNames
+        self.put(N.kda_final_state(i), final_state[: self.max_batch], ("batch", "head", "key", "value"))
+        qs, ks, vs, gs, bs = (self.clip(self._held.pop(f"{i}.{p}")) for p in ("q", "k", "v", "g", "beta"))
+        if qs.shape[1] == 0:
+            return
+        initial = info.get("initial")
+        init = None if initial is None else initial[: self.max_batch]
+        states, steps = kda_chunk_end_states(qs, ks, vs, gs, bs, init, info["chunk_size"])
+        self.put(N.kda_state_norm(i), states.flatten(-2).norm(dim=-1), ("batch", "step", "head"))
+        self.put(N.kda_state_steps(i), torch.tensor(steps), ("step",))
+
+    def _mla_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
+        N = TraceNames
+        if "mla" in self.what and config.mla_output_gate:
+            table[N.block(i, "mla.gate")] = lambda v, n, info: self.put_tokens(
+                N.mla_gate(i), v.float().mean(-1), ("batch", "token", "head")
+            )
+        if "attn_probs" not in self.what:
+            return
+        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+        table[N.block(i, "mla.q")] = self._hold(f"{i}.mla.q")
+
+        def probs(value, name, info, mask=None):
+            q = self._held[f"{i}.mla.q"]
+            k = value if mask is None else self._held[f"{i}.mla.k"]
+            self._held[f"{i}.mla.k"] = k
+            T, S = q.shape[2], k.shape[2]
+            if T != S:  # decoding with a cache: not recorded
+                return
+            n = min(T, self.max_attn_len)
+            q, k = q[: self.max_batch, :, :n], k[: self.max_batch, :, :n]
+            visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if mask is None else mask[..., :n, :n]
+            self.put(N.mla_attn(i), attention_probabilities(q, k, visible, scale), ("batch", "head", "query", "key"))
+
+        table[N.block(i, "mla.k")] = probs
+        # A key mask is a hook point only when an edit writes it; then the probabilities follow it.
+        table[N.block(i, "mla.key_mask")] = lambda v, n, info: probs(None, n, info, mask=v)
+
+        def release(value, name, info):  # the attention output: this layer's q and k are not needed any more
+            self._held.pop(f"{i}.mla.q", None)
+            self._held.pop(f"{i}.mla.k", None)
+
+        table[N.block(i, "mla.o")] = release
+
+    def _moe_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
+        N = TraceNames
+        E = config.num_experts
+        table[N.block(i, "moe.scores")] = lambda v, n, info: self.put_tokens(
+            N.moe_scores(i), v, ("batch", "token", "expert")
+        )
+        table[N.block(i, "moe.selection_bias")] = lambda v, n, info: self.put(N.moe_bias(i), v, ("expert",))
+
+        def experts(value, name, info):
+            self.put_tokens(N.moe_experts(i), value, ("batch", "token", "rank"))
+            self.put(N.moe_load(i), torch.bincount(value.reshape(-1), minlength=E), ("expert",))
+
+        table[N.block(i, "moe.experts")] = experts
+        table[N.block(i, "moe.weights")] = lambda v, n, info: self.put_tokens(
+            N.moe_weights(i), v, ("batch", "token", "rank")
+        )
+        if "latent" in self.what:
+            table[N.block(i, "moe.latent")] = lambda v, n, info: self.put_tokens(
+                N.moe_latent(i), v, ("batch", "token", "latent")
+            )
+
+    def _attnres_weights(self, value: torch.Tensor, name: str, info: dict) -> None:
+        site = info["site"]
+        self.put_tokens(TraceNames.attnres(site), value, ("batch", "token", "source"))
+        self.trace.meta.setdefault(TraceNames.ATTNRES_SOURCES_META, {})[site] = list(info["sources"])
+        if self.model is not None:
+            inner = self.model.model
+            owner = inner if site == TraceNames.OUTPUT_SITE else inner.layers[int(site.split(".")[0])]
+            proj = owner.output_attn_res_proj if site == TraceNames.OUTPUT_SITE else (
+                owner.self_attention_res_proj if site.endswith(".attn") else owner.mlp_res_proj
+            )  # fmt: skip
+            self.put(TraceNames.attnres_query_norm(site), proj.weight.detach().float().norm().reshape(()), ())
+
+    def _residual_parameters(self) -> None:
+        """Scale/bias residual parameters of every layer (read from the model, not the forward)."""
+        if self.model.config.residual != "scale_bias":
+            return
+        for i, layer in enumerate(self.model.model.layers):
+            for side, module_side in (("attn", "self_attention_res"), ("mlp", "mlp_res")):
+                for kind in ("scale", "bias"):
+                    value = getattr(layer, f"{module_side}_{kind}")
+                    self.put(TraceNames.residual(i, side, kind), value, ("hidden",))
+
+
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) over the visible keys, in fp32: q [..., T, d], k [..., S, d], visible [T, S]
+    (True = seen). A query that sees no key gets all zeros."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return probs.nan_to_num(0.0)
 
 
 @contextlib.contextmanager
@@ -324,8 +485,10 @@ def record(
     attention matrices, which are quadratic in length). If several forwards run inside the block,
     the last one wins. The recorder is bound to the calling thread/context only: forwards run by
     other threads meanwhile are not recorded, and they may record their own models concurrently.
+    ``model`` gives the hook points to read (its config) and the parameters some arrays copy; without
+    it only the tokens and the loss are recorded.
     """
-    if _ACTIVE.get() is not None:
+    if current() is not None:
         raise RuntimeError("record() blocks cannot be nested")
     if what is None:
         what = WHAT_DEFAULT
@@ -333,15 +496,27 @@ def record(
         what = WHAT_ALL
     elif isinstance(what, str):
         what = (what,)
-    rec = Recorder(what, max_tokens=max_tokens, max_batch=max_batch, max_attn_len=max_attn_len)
-    if model is not None and hasattr(model, "config"):
-        cfg = model.config
-        rec.trace.meta["config"] = cfg.to_dict()
-        rec.trace.meta["layer_types"] = cfg.layer_types()
+    config = getattr(model, "config", None)
+    rec = Recorder(
+        what, max_tokens=max_tokens, max_batch=max_batch, max_attn_len=max_attn_len,
+        model=model if config is not None else None,
+    )  # fmt: skip
+    if config is not None:
+        rec.trace.meta["config"] = config.to_dict()
+        rec.trace.meta["layer_types"] = config.layer_types()
     rec.trace.meta.update(what=sorted(rec.what), max_tokens=max_tokens, max_batch=max_batch)
-    token = _ACTIVE.set(rec)
+    table = rec.read_hooks(config) if config is not None else _model_free_hooks(rec)
     try:
-        yield rec.trace
+        with hooks(read=table, owner=(_RECORDER, rec)):
+            yield rec.trace
     finally:
-        _ACTIVE.reset(token)
         rec.finish()
+
+
+def _model_free_hooks(rec: Recorder) -> dict[str, Any]:
+    """Without a model (no config): tokens, the final hidden state and the loss."""
+    N = TraceNames
+    table: dict[str, Any] = {N.TOKENS: lambda v, n, info: rec.start_forward(v)}
+    if "loss" in rec.what:
+        table[N.TOKEN_NLL_POINT] = lambda v, n, info: rec.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
+    return table

@@ -8,6 +8,9 @@ k3lab inspect RUN          config, parameter counts, layer map, headline numbers
 k3lab weights PATH --out DIR   weight-only diagnostics of a checkpoint of any size            k3lab/weights.py
 k3lab generate RUN         sample text from a checkpoint                                      k3lab/generate.py
 k3lab presets              list the named configurations and their sizes                      k3lab/presets.py
+k3lab experiment RUN --edit E --text T --out DIR   an edited forward beside the baseline          k3lab/experiment.py
+k3lab patch RUN --clean A --corrupted B --out DIR  activation patching                            k3lab/patch.py
+k3lab attribute RUN --prompt P --target Y --out DIR  Captum attribution per output x input token  k3lab/attribute.py
 
 Each command module has ``main(argv) -> exit code`` and imports its heavy libraries (torch) inside it, so
 ``k3lab --help`` stays instant.
@@ -27,6 +30,9 @@ COMMANDS = {
     "weights": "weight-only diagnostics (decay, depth, routing) of a checkpoint of any size",
     "generate": "generate text from a checkpoint",
     "presets": "list the named configurations",
+    "experiment": "run a text with edits (interventions) beside the baseline, per token",
+    "patch": "activation patching between a clean and a corrupted text",
+    "attribute": "attribution of a continuation to the prompt's tokens (Captum)",
 }
 
 

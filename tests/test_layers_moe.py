@@ -13,6 +13,7 @@ from k3core.layers.ffn import activation
 from k3core.layers.moe import LatentMoE, grouped_mm_available
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
+from k3core.training.balancing import update_router_biases
 
 from .conftest import nano_model
 
@@ -171,7 +172,7 @@ def test_sign_rule_moves_the_overloaded_expert_down():
     _train_forward(model, torch.randint(0, 256, (2, 8)))
     load = moe.last_load.float()
     assert load[0] == 16 and load[0] > load.mean()
-    model.update_router_biases()
+    update_router_biases(model)
     delta = moe.gate.e_score_correction_bias - before
     u = model.config.bias_update_rate
     assert torch.allclose(delta, u * torch.sign(load.mean() - load))
@@ -185,13 +186,13 @@ def test_quantile_rule_matches_its_formula_and_moves_the_overloaded_expert_down(
     moe.gate.e_score_correction_bias[0] = 1.0
     before = moe.gate.e_score_correction_bias.clone().numpy().astype(np.float64)
     _train_forward(model, torch.randint(0, 256, (2, 8)))
-    s = moe._last_scores.numpy().astype(np.float64)
+    s = moe.last_scores.numpy().astype(np.float64)
     k, E = model.config.num_experts_per_token, model.config.num_experts
     # alpha_t = (k+1)-th largest of s + b; b_j = quantile_t(alpha_t - s_tj, k/E); b -= mean(b)
     alpha = np.sort(s + before, axis=1)[:, -(k + 1)][:, None]
     target = np.quantile(alpha - s, k / E, axis=0)
     target -= target.mean()
-    model.update_router_biases()
+    update_router_biases(model)
     after = moe.gate.e_score_correction_bias.numpy()
     np.testing.assert_allclose(after, before + 0.5 * (target - before), rtol=1e-5, atol=1e-6)
     delta = after - before
@@ -203,8 +204,8 @@ def test_quantile_rule_lowers_the_bias_of_an_expert_with_high_scores():
     moe = model.moe_layers()[0]
     scores = torch.rand(64, 8) * 0.5
     scores[:, 0] = 0.9  # expert 0 scores highest for every token
-    moe._last_scores = scores
-    model.update_router_biases()
+    moe.last_scores = scores
+    update_router_biases(model)
     bias = moe.gate.e_score_correction_bias
     assert bias[0] < 0 and bias[0] == bias.min()
     assert bias.sum().abs() < 1e-6  # b -= mean(b)

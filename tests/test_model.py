@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from k3core import trace as trace_mod
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM, scale_bias_init
+from k3core.training.balancing import update_router_biases
 
 from .conftest import nano_config, nano_model, randomize_attnres_queries
 from .test_ops_attnres import explicit_mix
@@ -105,7 +106,7 @@ def test_every_switch_combination_trains():
         assert all(torch.isfinite(g).all() for g in grads.values()), label
         assert grads["model.embed_tokens.weight"].abs().sum() > 0, label
         assert grads["lm_head.weight"].abs().sum() > 0, label
-        model.update_router_biases()
+        update_router_biases(model)
         for moe in model.moe_layers():
             assert torch.isfinite(moe.gate.e_score_correction_bias).all(), label
 

@@ -1,6 +1,9 @@
-"""Compare: two runs on the same text, or one run on two texts (analysis.compare)."""
+"""Compare: two runs on the same text, one run on two texts, or one run as it is and with the Experiment
+page's edits (analysis.compare)."""
 
 from __future__ import annotations
+
+import json
 
 import streamlit as st
 
@@ -8,7 +11,7 @@ from analysis.compare import distinct_labels
 from analysis.views import section_views
 from app import cards, links, page
 from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
-from app.links import SECTIONS, TWO_RUNS, TWO_TEXTS
+from app.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
 from app.sidebar import text_choice
 
 inputs = page.inputs_or_stop()
@@ -18,7 +21,9 @@ page.page_header(
     "the two tables align, and the headline numbers with their delta. Run A and text A are the sidebar's.",
 )
 
-mode = st.radio("Compare", (TWO_RUNS, TWO_TEXTS), horizontal=True, key="k3lab_cmp_mode", label_visibility="collapsed")
+mode = st.radio(
+    "Compare", (TWO_RUNS, TWO_TEXTS, EDITED), horizontal=True, key="k3lab_cmp_mode", label_visibility="collapsed"
+)
 run_a = inputs.run
 label_b = source_b = None
 if mode == TWO_RUNS:
@@ -32,6 +37,13 @@ if mode == TWO_RUNS:
         st.session_state.pop("k3lab_cmp_run_b", None)
     label_b = c2.selectbox("Run B", [r.label for r in others], key="k3lab_cmp_run_b")
     run_b = next(r for r in others if r.label == label_b)
+elif mode == EDITED:
+    edits = st.session_state.get(EDITS) or []
+    if not edits:
+        st.info("No edits yet: build them on the **Experiment** page, then come back.")
+        st.stop()
+    st.caption("B = the sidebar's run and text with these edits: " + "; ".join(json.dumps(e) for e in edits))
+    links.write_edits(edits)
 else:
     c1, c2 = st.columns(2)
     c1.text_input("Text A (sidebar)", value=inputs.text.source, disabled=True, key="k3lab_cmp_text_a")
@@ -48,6 +60,9 @@ links.write_compare(mode, label_b, source_b, section)
 if mode == TWO_RUNS:
     a = page.load_or_stop(inputs, label=run_a.label)
     b = page.load_or_stop(inputs, ref=run_b, label=run_b.label)
+elif mode == EDITED:
+    a = page.load_or_stop(inputs, label="baseline")
+    b = page.load_or_stop(inputs, label="edited", edits=json.dumps(edits))
 else:
     label_a, label_b = distinct_labels(inputs.text.short, choice_b.short)  # "A: "/"B: " come from the tables
     a = page.load_or_stop(inputs, label=label_a)

@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import trace as _trace
 from ..config import K3Config
+from ..hooks import HookNames, active
 from ..ops.kda import kda_chunk, kda_recurrent
 from ..ops.kda_gate import kda_decay_gate
-from ..trace import names
 from .norm import RMSNorm
 
 
@@ -137,9 +136,14 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.decay(x)
 
+        hooks = active()
+        if hooks is not None:
+            name = lambda p: HookNames.block(self.layer_idx, f"kda.{p}")  # noqa: E731
+            q, k, v = hooks.point(name("q"), q), hooks.point(name("k"), k), hooks.point(name("v"), v)
+            g, beta = hooks.point(name("g"), g), hooks.point(name("beta"), beta)
+        want_state = hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.state"))
+
         initial = cache.recurrent_state if cache is not None else None
-        rec = _trace.current()
-        want_states = rec is not None and rec.wants("kda")
         if T == 1 and cache is not None:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True)
         else:
@@ -150,73 +154,20 @@ class KimiDeltaAttention(nn.Module):
                 g,
                 beta,
                 initial_state=initial,
-                output_final_state=cache is not None or want_states,
+                output_final_state=cache is not None or want_state,
                 chunk_size=self.config.kda_chunk_size,
             )
+        if want_state:
+            state = hooks.point(name("state"), state, initial=initial, chunk_size=self.config.kda_chunk_size)
         if cache is not None:
             cache.conv_state = torch.cat([tq, tk, tv], dim=1).detach()
             cache.recurrent_state = state.detach()
             cache.seen_tokens += T
 
+        if hooks is not None:
+            o = hooks.point(name("o"), o)
         o = self.o_norm(o.view(B, T, H, d))
         gate = torch.sigmoid(self.output_gate(x).view(B, T, H, d).float()).to(o.dtype)
-        out = self.o_proj((o * gate).reshape(B, T, H * d))
-
-        if want_states:
-            self._record(rec, q, k, v, g, beta, gate, state, initial)
-        return out
-
-    @torch.no_grad()
-    def _record(self, rec, q, k, v, g, beta, gate, final_state, initial=None) -> None:
-        i = self.layer_idx
-        rec.put_tokens(names.kda_g(i), g, ("batch", "token", "head", "channel"))
-        rec.put_tokens(names.kda_beta(i), beta, ("batch", "token", "head"))
-        rec.put_tokens(names.kda_gate(i), gate.float().mean(-1), ("batch", "token", "head"))
-        rec.put(names.kda_final_state(i), final_state[: rec.max_batch], ("batch", "head", "key", "value"))
-        qs, ks, vs, gs, bs = (rec.clip(t) for t in (q, k, v, g, beta))
-        if qs.shape[1] == 0:
-            return
-        init = None if initial is None else initial[: rec.max_batch]
-        norms, steps = self._chunk_end_state_norms(qs, ks, vs, gs, bs, init)
-        rec.put(names.kda_state_norm(i), norms, ("batch", "step", "head"))
-        rec.put(names.kda_state_steps(i), torch.tensor(steps), ("step",))
-
-    def _chunk_end_state_norms(self, q, k, v, g, beta, initial) -> tuple[torch.Tensor, list[int]]:
-        """Frobenius norm of the state S at every chunk end, [B, N, H], with one batched kda_chunk call.
-
-        Within a chunk the state map is affine: S_end = A_n S_start + B_n (A_n: K x K). Running every
-        chunk independently (chunks as batch) with values [v | 0] and initial state [0 | I] gives
-        [B_n | A_n] as the final state, since value columns evolve independently. Then S_n = A_n S_{n-1} + B_n
-        is one small matmul per chunk. (Zero padding of the last chunk, k = beta = g = 0, is the identity.)
-        """
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        C = self.config.kda_chunk_size
-        N = -(-T // C)
-        pad = N * C - T
-
-        def as_chunks(x: torch.Tensor) -> torch.Tensor:
-            x = F.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad))
-            return x.reshape(B * N, C, *x.shape[2:])
-
-        v_aug = torch.cat([v.float(), v.new_zeros(B, T, H, K, dtype=torch.float32)], dim=-1)
-        eye = torch.eye(K, device=q.device).expand(B * N, H, K, K)
-        start = torch.cat([eye.new_zeros(B * N, H, K, V), eye], dim=-1)
-        _, end = kda_chunk(
-            as_chunks(q),
-            as_chunks(k),
-            as_chunks(v_aug),
-            as_chunks(g),
-            as_chunks(beta),
-            initial_state=start,
-            output_final_state=True,
-            chunk_size=C,
-        )
-        end = end.float().view(B, N, H, K, V + K)
-        inject, trans = end[..., :V], end[..., V:]
-        state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial is None else initial.float()
-        norms = []
-        for n in range(N):
-            state = torch.matmul(trans[:, n], state) + inject[:, n]
-            norms.append(state.flatten(-2).norm(dim=-1))
-        return torch.stack(norms, 1), [min((n + 1) * C, T) for n in range(N)]
+        if hooks is not None:
+            gate = hooks.point(name("gate"), gate)
+        return self.o_proj((o * gate).reshape(B, T, H * d))

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import trace as _trace
 from ..config import K3Config
-from ..trace import names
+from ..hooks import HookNames, active
 from .norm import RMSNorm
 
 
@@ -83,14 +82,16 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(B, H, S, self.rope)], dim=-1)
 
-        rec = _trace.current()
-        want_probs = rec is not None and rec.wants("attn_probs") and past == 0
-        if want_probs:
-            attn_out, probs = self._attention_with_probs(q, k, v, past)
-            n = min(T, rec.max_attn_len)
-            rec.put(
-                names.mla_attn(self.layer_idx), probs[: rec.max_batch, :, :n, :n], ("batch", "head", "query", "key")
-            )
+        hooks = active()
+        mask = None
+        if hooks is not None:
+            name = lambda p: HookNames.block(self.layer_idx, f"mla.{p}")  # noqa: E731
+            q, k, v = hooks.point(name("q"), q), hooks.point(name("k"), k), hooks.point(name("v"), v)
+            if hooks.writes(name("key_mask")):
+                causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                mask = hooks.point(name("key_mask"), causal)
+        if mask is not None:
+            attn_out = masked_attention(q, k, v, mask, self.scale)
         elif past == 0:
             attn_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
@@ -98,17 +99,22 @@ class MultiHeadLatentAttention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
             attn_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         attn_out = attn_out.transpose(1, 2)  # [B, T, H, v]
+        if hooks is not None:
+            attn_out = hooks.point(name("o"), attn_out)
         if self.config.mla_output_gate:
             gate = torch.sigmoid(self.g_proj(x).view(B, T, H, self.vdim).float()).to(attn_out.dtype)
+            if hooks is not None:
+                gate = hooks.point(name("gate"), gate)
             attn_out = attn_out * gate
-            if rec is not None and rec.wants("mla"):
-                rec.put_tokens(names.mla_gate(self.layer_idx), gate.float().mean(-1), ("batch", "token", "head"))
         return self.o_proj(attn_out.reshape(B, T, H * self.vdim))
 
-    def _attention_with_probs(self, q, k, v, past: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Explicit softmax attention (fp32) for recording the probabilities."""
-        T, S = q.shape[2], k.shape[2]
-        scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        return (probs @ v.float()).to(v.dtype), probs
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale over the visible keys) v; mask [T, S] (or broadcastable), True = visible.
+    A query that sees no key at all gets a zero output (not NaN)."""
+    seen = mask.any(-1, keepdim=True)  # [..., T, 1]
+    safe = mask | ~seen  # rows without keys attend everywhere, then are zeroed
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=scale)
+    return out.masked_fill(~seen, 0.0) if not bool(seen.all()) else out

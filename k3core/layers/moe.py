@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import trace as _trace
 from ..config import K3Config
-from ..trace import names
+from ..hooks import HookContext, HookNames, active
 from .ffn import GatedMLP, activation
 from .norm import RMSNorm
 
@@ -234,45 +233,65 @@ class LatentMoE(nn.Module):
         self.experts = StackedExperts(config, E, width, m)
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(config, D, config.num_shared_experts * m)
-        # Balancing statistics of the last training forward (read by update_bias / the trainer).
+        # Balancing statistics of the last training forward (read by k3core.training.balancing).
         self.last_load: torch.Tensor | None = None
+        self.last_scores: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
-        self._last_scores: torch.Tensor | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (scores [N, E], experts [N, k], weights [N, k]); experts sorted by weight."""
-        scores = self.gate(x)
+    def _point(self, hooks: HookContext | None, name: str, value: torch.Tensor, shape: tuple[int, ...]):
+        """A [N, ...] routing tensor as hook point ``name`` viewed [B, T, ...] (unchanged without hooks)."""
+        if hooks is None:
+            return value
+        return hooks.point(HookNames.block(self.layer_idx, f"moe.{name}"), value.view(*shape, -1)).flatten(0, -2)
+
+    def route(
+        self, x: torch.Tensor, shape: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (scores [N, E], experts [N, k], weights [N, k]); experts sorted by weight.
+
+        ``shape``: the leading [B, T] of x, for the hook points (scores, selection bias, selection,
+        experts, weights)."""
+        hooks = active() if shape is not None else None
+        scores = self._point(hooks, "scores", self.gate(x), shape)
+        bias = self.gate.e_score_correction_bias
+        if hooks is not None:
+            bias = hooks.point(HookNames.block(self.layer_idx, "moe.selection_bias"), bias)
+        selection = self._point(hooks, "selection", scores + bias, shape)
         k = self.config.num_experts_per_token
-        chosen = (scores + self.gate.e_score_correction_bias).topk(k, dim=-1).indices
+        chosen = selection.topk(k, dim=-1).indices
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20) * self.config.routed_scaling_factor
         weights, order = weights.sort(dim=-1, descending=True)
-        return scores, chosen.gather(1, order), weights
+        experts = self._point(hooks, "experts", chosen.gather(1, order), shape)
+        return scores, experts, self._point(hooks, "weights", weights, shape)
+
+    def routed_experts(
+        self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, dispatch: str
+    ) -> torch.Tensor:
+        """y = sum_j w_j Expert_j(z) for z [N, L]: the one place expert weights are used (swap the source here)."""
+        if dispatch == "masked":
+            return self.experts.forward_masked_loop(z, experts, weights)
+        return self.experts(z, experts, weights, backend="auto" if dispatch == "grouped" else dispatch)
 
     def forward(self, x: torch.Tensor, dispatch: str = "grouped") -> torch.Tensor:
         """x [B, T, D]. ``dispatch``: "grouped" (auto backend), "sorted_loop", "grouped_mm" or "masked"."""
         if dispatch not in ("grouped", "sorted_loop", "grouped_mm", "masked"):
             raise ValueError(f"dispatch must be 'grouped', 'sorted_loop', 'grouped_mm' or 'masked', got {dispatch!r}")
+        hooks = active()
         B, T, D = x.shape
         flat = x.reshape(-1, D)
-        scores, experts, weights = self.route(flat)
-        z = self.routed_expert_down_proj(flat) if self.latent else flat
-        if dispatch == "masked":
-            y = self.experts.forward_masked_loop(z, experts, weights)
-        else:
-            y = self.experts(z, experts, weights, backend="auto" if dispatch == "grouped" else dispatch)
+        scores, experts, weights = self.route(flat, (B, T))
+        z = self._point(hooks, "latent", self.routed_expert_down_proj(flat) if self.latent else flat, (B, T))
+        y = self.routed_experts(z, experts, weights, dispatch)
         if self.latent:
             if self.config.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
+        y = self._point(hooks, "routed_out", y, (B, T))
         if self.config.num_shared_experts:
-            y = y + self.shared_experts(flat)
-
+            y = y + self._point(hooks, "shared_out", self.shared_experts(flat), (B, T))
         if self.training:
             self._balance_stats(scores, experts)
-        rec = _trace.current()
-        if rec is not None and rec.wants("moe"):
-            self._record(rec, B, T, scores, experts, weights, z)
         return y.view(B, T, D)
 
     def _balance_stats(self, scores: torch.Tensor, experts: torch.Tensor) -> None:
@@ -280,40 +299,9 @@ class LatentMoE(nn.Module):
         load = torch.bincount(experts.reshape(-1), minlength=E)
         self.last_load = load.detach()
         if self.config.balancing == "quantile":
-            self._last_scores = scores.detach()
+            self.last_scores = scores.detach()
         if self.config.balancing == "aux_loss":
             # Switch Transformer: E * sum_i f_i P_i, f = share of assignments, P = mean routing probability.
             f = load.float() / experts.numel()
             P = (scores / scores.sum(-1, keepdim=True)).mean(0)
             self.aux_loss = E * (f * P).sum()
-
-    @torch.no_grad()
-    def update_bias(self) -> None:
-        """Selection-bias update after an optimiser step (auxiliary-loss-free balancing)."""
-        rule = self.config.balancing
-        bias = self.gate.e_score_correction_bias
-        if rule == "sign" and self.last_load is not None:
-            load = self.last_load.float()
-            bias += self.config.bias_update_rate * torch.sign(load.mean() - load)
-        elif rule == "quantile" and self._last_scores is not None:
-            # K3's rule: alpha_t = (k+1)-th largest s+b per token; b_j = quantile_t(alpha_t - s_tj, k/E).
-            s = self._last_scores
-            k, E = self.config.num_experts_per_token, self.config.num_experts
-            if k < E:
-                alpha = (s + bias).topk(k + 1, dim=-1).values[:, -1:]
-                target = torch.quantile(alpha - s, k / E, dim=0)
-                target -= target.mean()
-                bias.lerp_(target, 0.5)  # halfway each step: damps batch-to-batch noise
-            self._last_scores = None
-
-    @torch.no_grad()
-    def _record(self, rec, B, T, scores, experts, weights, z) -> None:
-        i, E = self.layer_idx, self.config.num_experts
-        shape = lambda t: t.view(B, T, -1)  # noqa: E731
-        rec.put_tokens(names.moe_scores(i), shape(scores), ("batch", "token", "expert"))
-        rec.put_tokens(names.moe_experts(i), shape(experts), ("batch", "token", "rank"))
-        rec.put_tokens(names.moe_weights(i), shape(weights), ("batch", "token", "rank"))
-        rec.put(names.moe_load(i), torch.bincount(experts.reshape(-1), minlength=E), ("expert",))
-        rec.put(names.moe_bias(i), self.gate.e_score_correction_bias, ("expert",))
-        if rec.wants("latent"):
-            rec.put_tokens(names.moe_latent(i), shape(z), ("batch", "token", "latent"))

@@ -31,3 +31,9 @@ def attnres_mix(
     p = torch.softmax(logits, dim=0)
     mixed = (p.unsqueeze(-1) * src32).sum(0).to(sources.dtype)
     return (mixed, p) if return_weights else mixed
+
+
+def attnres_combine(weights: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """sum_i p_i v_i with given depth weights p: [N, ...] and sources [N, ..., D] (the second half of
+    ``attnres_mix``, for weights edited between the softmax and the mix). Returns the dtype of sources."""
+    return (weights.float().unsqueeze(-1) * sources.float()).sum(0).to(sources.dtype)

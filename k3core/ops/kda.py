@@ -34,7 +34,7 @@ import math
 
 import torch
 
-__all__ = ["kda_step", "kda_recurrent", "kda_chunk"]
+__all__ = ["kda_step", "kda_recurrent", "kda_chunk", "kda_chunk_end_states"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,3 +492,53 @@ def kda_chunk(
             use_qk_l2norm_in_kernel=False,
         )
     return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+def kda_chunk_end_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 32,
+) -> tuple[torch.Tensor, list[int]]:
+    """The state S at every chunk end, [B, N, HV, K, V] fp32, and the token position of each (one
+    batched :func:`kda_chunk` call).
+
+    Within a chunk the state map is affine: S_end = A_n S_start + B_n (A_n: K x K). Running every chunk
+    independently (chunks as batch) with values [v | 0] and initial state [0 | I] gives [B_n | A_n] as
+    the final state, since value columns evolve independently. Then S_n = A_n S_{n-1} + B_n is one small
+    matmul per chunk. (Zero padding of the last chunk, k = beta = g = 0, is the identity.)
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+
+    def as_chunks(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.reshape(B * N, C, *x.shape[2:])
+
+    v_aug = torch.cat([v.float(), v.new_zeros(B, T, H, K, dtype=torch.float32)], dim=-1)
+    eye = torch.eye(K, device=q.device).expand(B * N, H, K, K)
+    start = torch.cat([eye.new_zeros(B * N, H, K, V), eye], dim=-1)
+    _, end = kda_chunk(
+        as_chunks(q),
+        as_chunks(k),
+        as_chunks(v_aug),
+        as_chunks(g),
+        as_chunks(beta),
+        initial_state=start,
+        output_final_state=True,
+        chunk_size=C,
+    )
+    end = end.float().view(B, N, H, K, V + K)
+    inject, trans = end[..., :V], end[..., V:]
+    state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    states = []
+    for n in range(N):
+        state = torch.matmul(trans[:, n], state) + inject[:, n]
+        states.append(state)
+    return torch.stack(states, 1), [min((n + 1) * C, T) for n in range(N)]

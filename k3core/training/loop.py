@@ -6,7 +6,7 @@ What a step does (``s`` = completed steps so far, ``N`` = ``steps``)::
     loss  = CE(model(x), y)                    (+ aux_loss_coef * aux_loss when balancing="aux_loss")
     g     = clip(grad loss, grad_clip)         (global L2 norm)
     theta = AdamW(theta, g, lr(s))             (decay only on >= 2-D weights; lr(s): k3core.training.schedule)
-    e_bias updated (model.update_router_biases) when balancing is "sign" or "quantile"
+    e_bias updated (k3core.training.balancing.update_router_biases) when balancing is "sign" or "quantile"
 
 A checkpoint is written every ``save_every`` steps and on Ctrl-C (SIGINT: finish the current step,
 save, exit). Resuming restores the weights, AdamW moments, the LR-schedule position, the data
@@ -34,6 +34,7 @@ from ..files import atomic_write_text
 from ..generate import generate_text
 from ..model import K3ForCausalLM
 from ..trace import record
+from .balancing import update_router_biases
 from .card import model_card
 from .config import (
     RUNTIME_FIELDS,
@@ -226,7 +227,7 @@ class Trainer:
                 self._moe_acc[layer.layer_idx] += layer.block_sparse_moe.last_load.cpu()
         self.optimizer.step()
         if mcfg.balancing in ("sign", "quantile"):
-            model.update_router_biases()
+            update_router_biases(model)
         self.step += 1
         return {
             "loss": float(out.loss.detach()),

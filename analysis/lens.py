@@ -1,0 +1,108 @@
+"""Logit lens and AttnRes lens: what the model would predict if its depth stopped early.
+
+AttnRes lens (block / full AttnRes runs): at each block boundary (block AttnRes: the embedding, then
+after every completed block; full AttnRes: after every layer) the model's own output depth mix,
+restricted to the sources that exist so far, then the final RMSNorm and the LM head:
+
+    logits_d = W_head RMSNorm( sum_{i in sources_d} p_i v_i ),  p = softmax_i(<w_out, norm(v_i)>)
+
+Plain logit lens (plain / scale-bias runs): logits_d = W_head RMSNorm(h_d) for the hidden state h_d
+entering layer d, and the final one. In both, the last depth is exactly the model's own logits.
+
+Per depth and position the table gives the top-k tokens and probabilities, the rank of the actual next
+token (0 = top) and KL(p_final || p_d) in nats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+
+from k3core.hooks import HookNames, hooks
+from k3core.ops.attnres import attnres_mix
+
+
+def boundary_layers(config: object) -> list[int]:
+    """Layers whose entering depth state is a lens depth (then the final state)."""
+    if config.residual == "block_attnres":
+        size = config.attn_res_block_size
+        return [i for i in range(config.num_hidden_layers) if i % size == 0]
+    return list(range(config.num_hidden_layers))
+
+
+@torch.no_grad()
+def lens_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """(depth labels, logits [depth, batch, token, vocab]) of the lens on one forward."""
+    config = model.config
+    inner = model.model
+    layers = boundary_layers(config)
+    names = [HookNames.block(i, "stream") for i in layers] + [HookNames.FINAL_STREAM]
+    states: dict[str, tuple[torch.Tensor, list[str]]] = {}
+
+    def keep(value: torch.Tensor, name: str, info: dict) -> None:
+        states[name] = (value, list(info["sources"]))
+
+    was_training = model.training
+    model.eval()
+    try:
+        with hooks(read=dict.fromkeys(names, keep)):
+            model(ids)
+    finally:
+        model.train(was_training)
+    attnres = config.residual in ("block_attnres", "full_attnres")
+    labels, out = [], []
+    for layer, name in zip([*layers, None], names):
+        stacked, sources = states[name]
+        if attnres:
+            proj, norm = inner.output_attn_res_proj, inner.output_attn_res_norm
+            dev = proj.weight.device
+            h = attnres_mix(proj.weight[0], stacked.to(dev), norm.weight, norm.eps)
+            label = f"{sources[-1]} ({len(sources)} sources)"
+        else:
+            h = stacked[-1]
+            done = config.num_hidden_layers if layer is None else layer  # layers already applied
+            label = "embedding" if done == 0 else f"after layer {done - 1}" + (" (final)" if layer is None else "")
+        out.append(model.lm_head(inner.norm(h)))
+        labels.append(label)
+    return labels, torch.stack(out)
+
+
+def lens_table(
+    labels: list[str],
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int = 5,
+    token_label: Callable[[int], str] = str,
+    batch: int = 0,
+) -> pd.DataFrame:
+    """One row per (depth, position): depth, label, position, top-k tokens / probabilities, the next
+    token's rank (-1 at the last position) and KL(final || depth)."""
+    logp = torch.log_softmax(logits[:, batch].float(), -1)  # [depth, T, V]
+    final = logp[-1]
+    kl = (final.exp() * (final - logp)).sum(-1)  # [depth, T]
+    top = logp.topk(top_k, dim=-1)
+    T = ids.shape[1]
+    rows = []
+    for d, label in enumerate(labels):
+        for t in range(T):
+            if t + 1 < T:
+                nxt = int(ids[batch, t + 1])
+                rank = int((logp[d, t] > logp[d, t, nxt]).sum())
+            else:
+                nxt, rank = -1, -1
+            rows.append(
+                dict(
+                    depth=d,
+                    label=label,
+                    position=t,
+                    top_tokens=[token_label(int(i)) for i in top.indices[d, t]],
+                    top_ids=[int(i) for i in top.indices[d, t]],
+                    top_probs=[float(p) for p in top.values[d, t].exp()],
+                    next_token=nxt,
+                    next_rank=rank,
+                    kl_to_final=float(kl[d, t]),
+                )
+            )
+    return pd.DataFrame(rows)

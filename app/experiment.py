@@ -1,0 +1,71 @@
+"""The Experiment page's pieces that are not drawing: the edit menus' choices for a run, token labels, and the
+session's results (a result is kept per run, text and edits, so a rerun shows it again)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from analysis import runs as runs_mod
+from k3core.hooks import HookNames, hook_points
+
+KINDS = {
+    "moe": "MoE routing",
+    "attnres": "AttnRes depth weights",
+    "kda": "KDA gates and state",
+    "mla": "MLA keys",
+    "value": "Any hook point (zero / scale / add / replace)",
+}
+OP_LABELS = {
+    "ban": "ban experts (never selected)",
+    "force": "force experts (always selected)",
+    "uniform": "uniform routing weights",
+    "bias_off": "selection bias off",
+    "shared_off": "shared experts off",
+    "pin_g": "pin the decay g",
+    "scale_g": "scale the decay g",
+    "scale_beta": "scale beta",
+    "reset_state": "reset the state before a position",
+    "gate_off": "output gate off",
+    "mask_keys": "mask a key range",
+    "zero": "zero",
+    "scale": "scale",
+    "add": "add",
+    "replace": "replace",
+}
+RESULTS = "k3lab_exp_results"
+
+
+def layers_with(config: Any, point: str) -> list[int]:
+    """Layers that have hook point ``point`` (e.g. "moe.selection", "kda.g", "mla.key_mask")."""
+    names = set(hook_points(config))
+    return [i for i in range(config.num_hidden_layers) if HookNames.block(i, point) in names]
+
+
+def value_points(config: Any) -> list[str]:
+    """Hook points a value edit may touch (without the layer prefix), in forward order, once each."""
+    seen: list[str] = []
+    for name in hook_points(config):
+        local = HookNames.point_of(name)
+        if local in ("tokens", "token_nll", "mla.key_mask", "moe.experts", "stream", "final_stream"):
+            continue
+        if local not in seen:
+            seen.append(local)
+    return seen
+
+
+def token_labeler(run: Any) -> Callable[[int], str]:
+    """A short readable label of a token id (the run's tokenizer; the id itself without one)."""
+    try:
+        tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
+    except ValueError:
+        return str
+    return lambda i: repr(tok.token_strings([int(i)])[0])[1:-1] or "∅"
+
+
+def remember(store: dict, key: tuple, value: Any, keep: int = 8) -> Any:
+    """Keep a result under ``key`` (the oldest dropped past ``keep``) and return it."""
+    store[key] = value
+    while len(store) > keep:
+        store.pop(next(iter(store)))
+    return value

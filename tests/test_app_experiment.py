@@ -1,0 +1,113 @@
+"""The Experiment page and Compare's baseline-vs-edited mode, headless (AppTest) on a real k3-nano."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from app import links
+from k3core.interventions import MoEEdit
+
+from . import test_app
+from .test_app import _app, _errors, _page, _save_nano
+
+app_env = test_app.app_env  # the fixture: runs given by folder only, a fresh runs library
+
+
+@pytest.fixture(scope="module")
+def nano_run(tmp_path_factory):
+    return _save_nano(tmp_path_factory.mktemp("runs") / "nano-a", 0)
+
+
+def _table(at, column: str):
+    """The first table on the page with this column (AppTest does not expose a dataframe's key)."""
+    tables = [d.value for d in at.dataframe] + [t.value.reset_index() for t in at.table]
+    return next(t for t in tables if column in t.columns)
+
+
+def _ready(app_env, nano_run):
+    app_env(nano_run)
+    at = _app(24)
+    at.run()
+    return _page(at, "experiment")
+
+
+def test_build_an_edit_from_the_menus_and_run_it(app_env, nano_run):
+    at = _ready(app_env, nano_run)
+    assert not at.exception and _errors(at) == []
+    at.selectbox(key="k3lab_exp_kind").set_value("moe").run()
+    at.selectbox(key="k3lab_exp_layer_moe").set_value(2)
+    at.selectbox(key="k3lab_exp_op_moe").set_value("ban")
+    at.multiselect(key="k3lab_exp_experts").set_value([0, 1, 2])
+    at.button(key="FormSubmitter:k3lab_exp_form_moe-Add edit").click().run()
+    assert not at.exception and _errors(at) == []
+    assert at.session_state[links.EDITS] == [MoEEdit("ban", layer=2, experts=[0, 1, 2]).to_dict()]
+    in_link = at.query_params["edits"]
+    in_link = in_link[0] if isinstance(in_link, list) else in_link
+    assert json.loads(in_link) == at.session_state[links.EDITS]
+    at.button(key="k3lab_exp_run").click().run()
+    assert not at.exception and _errors(at) == []
+    metrics = {m.label: m.value for m in at.metric}
+    assert {"Mean loss, baseline", "Mean loss, edited"} <= set(metrics)
+    table = _table(at, "loss_change")
+    assert len(table) == 23 and np.allclose(table.loss_change, table.edited_loss - table.base_loss)
+    assert table.loss_change.abs().max() > 0
+    # Compare: baseline vs edited, on the same run and text
+    at.session_state["k3lab_cmp_mode"] = links.EDITED
+    at.session_state["k3lab_cmp_section"] = "moe"
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert any("**B** = edited" in c.value for c in at.caption)
+    assert len(at.get("plotly_chart")) >= 2
+
+
+def test_a_bad_edit_shows_an_error_and_a_link_restores_the_edits(app_env, nano_run):
+    at = _ready(app_env, nano_run)
+    at.selectbox(key="k3lab_exp_kind").set_value("moe").run()
+    at.selectbox(key="k3lab_exp_op_moe").set_value("force")
+    at.multiselect(key="k3lab_exp_experts").set_value([0, 1, 2, 3])  # more than k = 2
+    at.button(key="FormSubmitter:k3lab_exp_form_moe-Add edit").click().run()
+    assert not at.exception
+    assert any("at most k = 2" in e for e in _errors(at)) and not at.session_state[links.EDITS]
+    values, notes = links.from_params(
+        {"edits": json.dumps([{"kind": "moe", "op": "ban", "layer": 1, "experts": [3]}])}, []
+    )
+    assert values[links.EDITS] == [MoEEdit("ban", layer=1, experts=[3]).to_dict()] and not notes
+    values, notes = links.from_params({"edits": "[{'kind': 1}"}, [])
+    assert links.EDITS not in values and "could not be read" in notes[0]
+
+
+def test_patching_attribution_and_token_tabs(app_env, nano_run):
+    at = _ready(app_env, nano_run)
+    at.radio(key="k3lab_exp_section").set_value("Patching").run()
+    at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
+    assert not at.exception and _errors(at) == []
+    df = _table(at, "fraction_restored")
+    assert abs(df[(df.layer == 3) & (df.site == "resid")].fraction_restored.iloc[0] - 1) < 1e-6
+    at.radio(key="k3lab_exp_section").set_value("Attribution").run()
+    at.number_input(key="k3lab_attr_n").set_value(5)
+    at.number_input(key="k3lab_attr_m").set_value(2)
+    at.button(key="FormSubmitter:k3lab_attr_form-Run attribution").click().run()
+    assert not at.exception and _errors(at) == []
+    at.radio(key="k3lab_exp_section").set_value("Lens").run()
+    assert not at.exception and _errors(at) == []
+    lens_rows = _table(at, "kl_to_final")
+    assert len(lens_rows) == 3 and lens_rows.kl_to_final.iloc[-1] == pytest.approx(0, abs=1e-6)  # block AttnRes
+    at.radio(key="k3lab_exp_section").set_value("Token").run()
+    at.selectbox(key="k3lab_tok_pos").set_value(6).run()
+    assert not at.exception and _errors(at) == []
+    experts = _table(at, "expert")
+    from analysis.runs import sample_input
+    from k3core.model import K3ForCausalLM
+    from k3core.trace import record
+
+    model = K3ForCausalLM.from_pretrained(nano_run).eval()
+    ids = sample_input("shakespeare", model.config, 24).input_ids
+    with torch.no_grad(), record(model, what="moe") as trace:
+        logits = model(ids).logits
+    for layer in (1, 2, 3):
+        assert list(experts[experts.layer == layer].expert) == trace[f"moe.{layer}.experts"][0, 6].tolist()
+    assert list(_table(at, "prob").token_id) == logits[0, 6].topk(5).indices.tolist()

@@ -1,0 +1,202 @@
+"""Activation patching, the AttnRes / logit lens, Captum attribution, per-token effects and inspection,
+on real k3-nano models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from captum.attr import LayerIntegratedGradients
+
+from analysis import attribution as attr
+from analysis import effects, lens, patching
+from analysis.token_detail import TokenDetailError, token_detail
+from k3core.interventions import MoEEdit, ValueEdit, intervene
+from k3core.trace import record
+
+from .conftest import nano_model, random_ids, randomize_attnres_queries
+
+RESIDUALS = ["block_attnres", "full_attnres", "plain", "scale_bias"]
+
+
+def _pair(T: int = 10):
+    clean = random_ids(T, 1, 3)
+    corrupted = clean.clone()
+    corrupted[0, 2] = (corrupted[0, 2] + 7) % 256
+    return clean, corrupted
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_patching_the_last_layers_residual_restores_everything_and_nothing_restores_nothing(residual):
+    model = nano_model(residual=residual)
+    randomize_attnres_queries(model)
+    clean, corrupted = _pair()
+    metric = patching.Metric("logit_diff", correct=5, wrong=9)
+    df = patching.activation_patching(model, clean, corrupted, metric)
+    last = df[(df.layer == 3) & (df.site == "resid")].iloc[0]
+    assert abs(last.fraction_restored - 1.0) <= 1e-6
+    assert (df.site == "depth_weights").any() == residual.endswith("attnres")
+    clean_metric, corrupt_metric = df.attrs["clean_metric"], df.attrs["corrupted_metric"]
+    assert abs(clean_metric - corrupt_metric) > 1e-3  # the corruption matters
+    cache = patching.record_activations(model, clean, [])
+    assert patching.patched_metric(model, corrupted, cache, [], metric, clean) == corrupt_metric
+    assert 0 < df.fraction_restored.abs().max() < 10
+
+
+def test_patching_clean_into_clean_changes_no_logit():
+    model = nano_model()
+    randomize_attnres_queries(model)
+    clean, _ = _pair()
+    points = [p for layer in range(4) for s in patching.SITES for p in patching.site_points(model.config, layer, s)]
+    cache = patching.record_activations(model, clean, points)
+    from k3core.hooks import hooks
+
+    with torch.no_grad(), hooks(write={p: (lambda v, n, info: cache[n].clone()) for p in points}):
+        again = model(clean).logits
+    assert torch.equal(again, cache["logits"])
+
+
+def test_patching_per_position_on_a_span_loss_and_bad_inputs():
+    model = nano_model(residual="plain")
+    clean, corrupted = _pair()
+    metric = patching.Metric("span_loss", start=3, stop=10)
+    df = patching.activation_patching(model, clean, corrupted, metric, sites=["resid"], layers=[1], per_position=True)
+    assert list(df.position) == list(range(10))
+    # Positions before the corrupted token are equal in both runs: patching them does nothing.
+    assert (df[df.position < 2].fraction_restored == 0).all()
+    assert df[df.position == 2].fraction_restored.abs().iloc[0] > 0
+    with pytest.raises(patching.PatchingError, match="same length"):
+        patching.activation_patching(model, clean, corrupted[:, :5], metric)
+    with pytest.raises(patching.PatchingError, match="unknown site"):
+        patching.activation_patching(model, clean, corrupted, metric, sites=["attn"])
+    with pytest.raises(patching.PatchingError, match="correct and the wrong"):
+        patching.Metric("logit_diff", correct=1)
+    stops = iter([False, False, True])
+    with pytest.raises(patching.Stopped) as stopped:
+        patching.activation_patching(model, clean, corrupted, metric, should_stop=lambda: next(stops))
+    assert len(stopped.value.partial) == 2
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_lens_last_depth_is_the_models_logits(residual):
+    model = nano_model(residual=residual)
+    randomize_attnres_queries(model)
+    ids = random_ids(12, 1)
+    labels, logits = lens.lens_logits(model, ids)
+    with torch.no_grad():
+        own = model(ids).logits
+    torch.testing.assert_close(logits[-1], own, rtol=1e-6, atol=1e-6)
+    expect = {"block_attnres": 3, "full_attnres": 5, "plain": 5, "scale_bias": 5}[residual]
+    assert logits.shape[0] == len(labels) == expect
+    table = lens.lens_table(labels, logits, ids, top_k=3)
+    final = table[table.depth == expect - 1]
+    assert np.allclose(final.kl_to_final, 0, atol=1e-6)
+    top1 = own[0].argmax(-1)
+    assert [ids_[0] for ids_ in final.top_ids] == top1.tolist()
+    row = table[(table.depth == 0) & (table.position == 4)].iloc[0]
+    logp = torch.log_softmax(logits[0, 0, 4].float(), -1)
+    assert row.next_rank == int((logp > logp[int(ids[0, 5])]).sum())
+    assert table.kl_to_final.min() >= -1e-6
+
+
+def test_block_lens_first_depth_is_the_embedding_alone():
+    model = nano_model()
+    ids = random_ids(6, 1)
+    labels, logits = lens.lens_logits(model, ids)
+    with torch.no_grad():
+        want = model.lm_head(model.model.norm(model.model.embed_tokens(ids)))
+    torch.testing.assert_close(logits[0], want)
+    assert labels[0].startswith("embedding") and labels[-1].startswith("block 2")
+
+
+def test_integrated_gradients_completeness_within_the_reported_delta():
+    model = nano_model()
+    x, y = random_ids(8, 1, 1)[0], random_ids(2, 1, 2)[0]
+    result = attr.token_attribution(model, x, y, "integrated_gradients", n_steps=64)
+    assert result.matrix.shape == (2, 8) and "token 0" in result.baseline
+    for j in range(2):
+        total = float(result.matrix[j].sum())
+        assert abs(total - result.difference[j]) <= abs(result.delta[j]) + 1e-6
+    # The reported delta is Captum's own convergence delta (it computes f(baseline) itself).
+    prefix = x.unsqueeze(0)
+
+    def first_token(ids):
+        return torch.log_softmax(model(ids).logits[:, -1].float(), -1)[:, int(y[0])]
+
+    lig = LayerIntegratedGradients(first_token, model.model.embed_tokens)
+    _, delta = lig.attribute(prefix, baselines=torch.zeros_like(prefix), n_steps=64, return_convergence_delta=True)
+    assert float(delta) == pytest.approx(result.delta[0], abs=1e-5)
+
+
+def test_feature_ablation_on_one_token_is_the_hand_computed_loss_change():
+    model = nano_model()
+    x, y = torch.tensor([65]), torch.tensor([66])
+    result = attr.token_attribution(model, x, y, "feature_ablation", baseline_token=3)
+
+    @torch.no_grad()
+    def loss(token: int) -> float:
+        return float(torch.nn.functional.cross_entropy(model(torch.tensor([[token]])).logits[0, -1:], y))
+
+    assert result.matrix.shape == (1, 1)
+    assert float(result.matrix[0, 0]) == pytest.approx(loss(3) - loss(65), abs=1e-5)
+
+
+def test_shapley_on_one_token_equals_its_ablation_and_the_method_is_checked():
+    model = nano_model()
+    x, y = random_ids(1, 1, 4)[0], random_ids(2, 1, 5)[0]
+    fa = attr.token_attribution(model, x, y, "feature_ablation")
+    sv = attr.token_attribution(model, x, y, "shapley", n_samples=2)
+    torch.testing.assert_close(sv.matrix, fa.matrix, rtol=1e-5, atol=1e-6)
+    with pytest.raises(attr.AttributionError, match="methods: feature_ablation"):
+        attr.token_attribution(model, x, y, "saliency")
+    with pytest.raises(attr.AttributionError, match="0..255"):
+        attr.token_attribution(model, x, torch.tensor([300]))
+
+
+def test_layer_attribution_groups_kinds_and_is_complete():
+    model = nano_model()
+    x, y = random_ids(6, 1, 1)[0], random_ids(2, 1, 2)[0]
+    result = attr.layer_attribution(model, x, y, n_steps=64)
+    kinds = set(zip(result.by_kind.group, result.by_kind.kind))
+    assert kinds == {("mixer", "KDA"), ("mixer", "MLA"), ("ffn", "dense"), ("ffn", "routed"), ("ffn", "shared")}
+    total = result.table.attribution.sum()
+    assert total == pytest.approx(result.f_model - result.f_baseline + result.delta, abs=1e-4)
+    assert result.f_model == pytest.approx(float(attr.target_log_probs(model, x, y).sum()), abs=1e-5)
+    with torch.no_grad(), intervene(model, [ValueEdit(p, "zero") for p in ("mixer_out", "ffn_out")]):
+        removed = float(attr.target_log_probs(model, x, y).sum())
+    assert result.f_baseline == pytest.approx(removed, abs=1e-5)
+
+
+def test_per_token_effects_of_a_ban_and_prediction_changes():
+    model = nano_model()
+    ids = random_ids(16, 1)
+    exp = effects.run_experiment(model, ids, [MoEEdit("ban", layer=2, experts=[0, 1, 2])], traces=True)
+    table = exp.effects(ids)
+    base = effects.token_losses(exp.base_logits, ids)
+    assert len(table) == 15 and np.allclose(table.base_loss, base.numpy(), atol=1e-6)
+    assert np.allclose(table.loss_change, table.edited_loss - table.base_loss)
+    assert table.loss_change.abs().max() > 0
+    assert exp.edited_trace["moe.2.load"][[0, 1, 2]].sum() == 0 and exp.base_trace["moe.2.load"][[0, 1, 2]].sum() > 0
+    changes = effects.prediction_changes(exp.base_logits, exp.edited_logits, [3, 7], k=5)
+    assert (
+        len(changes) == 10 and (changes.groupby("position").base_prob.apply(lambda s: s.is_monotonic_decreasing)).all()
+    )
+    assert exp.summary(ids)["edits"][0]["kind"] == "moe"
+
+
+def test_token_detail_reads_the_trace():
+    model = nano_model()
+    ids = random_ids(12, 1)
+    with torch.no_grad(), record(model, what="all") as tr:
+        logits = model(ids, labels=ids).logits
+    d = token_detail(tr, logits, 6, top_k=4)
+    assert d.summary["token_id"] == int(ids[0, 6]) and d.summary["loss"] == pytest.approx(float(tr["token_nll"][0, 6]))
+    assert list(d.top_k.token_id) == logits[0, 6].topk(4).indices.tolist()
+    for layer in (1, 2, 3):
+        rows = d.experts[d.experts.layer == layer]
+        assert list(rows.expert) == tr[f"moe.{layer}.experts"][0, 6].tolist()
+    assert set(d.depth.site) == set(tr.meta["attnres_sources"])
+    assert np.allclose(d.mla.groupby("head").prob.sum(), 1.0, atol=1e-5) and d.mla.key.max() == 6
+    assert set(d.kda.layer) == {0, 1, 2} and len(d.kda) == 3 * model.config.kda_num_heads
+    with pytest.raises(TokenDetailError, match="0..11"):
+        token_detail(tr, logits, 12)
