@@ -109,3 +109,80 @@ def write_run_traces(
     made = made_card(run.device, run.dtype, run.path, run.fingerprint, world_size)
     card = run_card(run.config, run.tokenizer, inputs, traces, made, parameters=run.card.get("parameters"))
     return write_trace_dir(out, traces, card, run.config.to_json() + "\n", copy_from=run.path)
+
+
+def write_pipeline_traces(
+    path: str | Path,
+    text_files: list[str | Path] | None,
+    sample: str | None,
+    max_tokens: int,
+    out: str | Path,
+    dtype: str | None = None,
+    timeout: float = 300.0,
+    what: Any = "all",
+    keep_logits: bool = False,
+) -> dict[str, Any]:
+    """The pipeline-parallel ``k3lab trace`` of one rank under torchrun (``k3core.pipeline``): load this rank's
+    layers, run every text through them as micro-batches, gather on rank 0, which writes the trace folder ``out``
+    (the same folder one process writes, with the ranks' plan and bytes read in ``made``). Returns this rank's
+    summary {rank, layers, bytes_read, seconds}. Raises PipelineError, CheckpointError, ValueError."""
+    import torch.distributed as dist
+
+    from k3core import pipeline as pp
+    from k3core.checkpoint_files import CheckpointFiles, folder_fingerprint
+    from k3core.rank_plan import plan_for, tensor_sizes
+
+    t0 = time.perf_counter()
+    rank, world, device = pp.init_from_env(timeout)
+    pp.install_stop_message(rank)
+    path = Path(path)
+    if rank == 0:
+        from k3core.trace_dir import check_out_dir
+
+        check_out_dir(out)
+    files = CheckpointFiles.open(path)
+    config = files.config
+    dtype_name = runs_mod.dtype_name(dtype)
+    plan = plan_for(tensor_sizes(files, runs_mod.DTYPES[dtype_name]), config.num_hidden_layers, world_size=world)
+    stage = pp.Stage(rank, world, plan, timeout)
+    tokenizer, _ = runs_mod.run_tokenizer(path, config.vocab_size)
+    reader = runs_mod.Run(
+        model=None, config=config, metrics=None, card={}, path=path, fingerprint="", tokenizer=tokenizer
+    )
+    inputs = read_inputs(reader, text_files, sample, max_tokens)
+    model, bytes_read = pp.load_stage(path, stage, device, runs_mod.DTYPES[dtype_name])
+    parts, logits = pp.run_stage(model, stage, [c.input_ids for c in inputs], what=what)
+    summary = {
+        "rank": rank,
+        "layers": [stage.start, stage.stop],
+        "bytes_read": int(bytes_read),
+        "seconds": time.perf_counter() - t0,
+        "host": platform.node(),
+        "device": str(device),
+    }
+    if stage.last and keep_logits:
+        for part, lg in zip(parts, logits):
+            part.add("logits", lg, ("batch", "token", "vocab"))
+    gathered = pp.gather_traces(parts, stage, summary)
+    if gathered is not None:
+        by_text, summaries = gathered
+        fingerprint = folder_fingerprint(path)
+        traces = []
+        for chosen, pieces in zip(inputs, by_text):
+            trace = pp.merge_traces(pieces)
+            trace.meta["run"].update(
+                path=str(path),
+                fingerprint=fingerprint,
+                sample=chosen.name,
+                tokenizer=tokenizer.describe() if tokenizer is not None else None,
+            )
+            traces.append(trace)
+        made = made_card(str(device), dtype_name, path, fingerprint, world)
+        made["ranks"] = summaries
+        made["backend"] = dist.get_backend()
+        parameters = sum(files.tensors[n].numel for n in files.tensors)
+        card = run_card(config, tokenizer, inputs, traces, made, parameters=parameters)
+        write_trace_dir(out, traces, card, config.to_json() + "\n", copy_from=path)
+    summary["seconds"] = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return summary

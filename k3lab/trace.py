@@ -2,13 +2,20 @@
 (``k3core.trace_dir``: the traces, a run card, config and tokenizer) that ``k3lab report DIR`` and the app open
 without the weights.
 
-On one process the work is ``analysis.trace_files.write_run_traces``. Exit codes: 0 written, 2 bad input
-(unreadable checkpoint, missing text, DIR not empty).
+On one process the work is ``analysis.trace_files.write_run_traces``. Under torchrun with more than one process
+(WORLD_SIZE > 1) it is the pipeline-parallel trace (``analysis.trace_files.write_pipeline_traces``,
+``k3core.pipeline``): each rank loads and runs its own layers, rank 0 writes DIR.
+
+    torchrun --nproc-per-node 8 -m k3lab trace RUN --text a.txt --text b.txt --out DIR --device cuda --dtype bfloat16
+
+Exit codes: 0 written, 2 bad input (unreadable checkpoint, missing text, DIR not empty), 3 a pipeline rank failed,
+died or hung (the message names it and its layers; nothing is written).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from k3lab.options import add_device_options
@@ -37,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"tokens per text (default {DEFAULT_MAX_TOKENS})"
     )
     add_device_options(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="under torchrun: seconds a rank waits for another before all exit naming it (default 300)",
+    )
+    p.add_argument("--logits", action="store_true", help="under torchrun: also keep the logits in the traces")
     return p
 
 
@@ -45,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 2:
         print("k3lab trace: --max-tokens must be at least 2", file=sys.stderr)
         return 2
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _pipeline(args)
 
     from analysis import runs as runs_mod
     from analysis.trace_files import read_inputs, write_run_traces
@@ -61,4 +78,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokens = ", ".join(f"{c.name} {c.n}" for c in inputs)
     print(f"k3lab trace: wrote {out} ({len(inputs)} trace(s): {tokens} tokens)")
+    return 0
+
+
+def _pipeline(args) -> int:
+    """One rank of the pipeline-parallel trace; a failure ends the process at once (no teardown that could wait on
+    a dead peer)."""
+    from analysis.trace_files import write_pipeline_traces
+    from k3core.checkpoint import CheckpointError
+    from k3core.pipeline import PipelineError
+
+    rank = os.environ.get("RANK", "?")
+    try:
+        summary = write_pipeline_traces(
+            args.run,
+            args.text,
+            args.sample,
+            args.max_tokens,
+            args.out,
+            args.dtype,
+            args.timeout,
+            keep_logits=args.logits,
+        )
+    except PipelineError as exc:
+        print(f"k3lab trace: {exc}", file=sys.stderr, flush=True)
+        os._exit(3)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"k3lab trace: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
+    a, b = summary["layers"]
+    print(
+        f"k3lab trace: rank {summary['rank']}: layers {a}-{b - 1}, read {summary['bytes_read']:,} bytes, "
+        f"{summary['seconds']:.2f} s" + (f"; wrote {args.out}" if summary["rank"] == 0 else ""),
+        flush=True,
+    )
     return 0
