@@ -151,11 +151,16 @@ def write_pipeline_traces(
     )
     inputs = read_inputs(reader, text_files, sample, max_tokens)
     model, bytes_read = pp.load_stage(path, stage, device, runs_mod.DTYPES[dtype_name])
+    load_seconds = time.perf_counter() - t0
+    pp.barrier(stage, "the other ranks to load their layers")
+    t_forward = time.perf_counter()
     parts, logits = pp.run_stage(model, stage, [c.input_ids for c in inputs], what=what)
     summary = {
         "rank": rank,
         "layers": [stage.start, stage.stop],
         "bytes_read": int(bytes_read),
+        "load_seconds": load_seconds,
+        "forward_seconds": time.perf_counter() - t_forward,
         "seconds": time.perf_counter() - t0,
         "host": platform.node(),
         "device": str(device),
@@ -166,6 +171,7 @@ def write_pipeline_traces(
     gathered = pp.gather_traces(parts, stage, summary)
     if gathered is not None:
         by_text, summaries = gathered
+        summaries[0]["forward_and_gather_seconds"] = time.perf_counter() - t_forward
         fingerprint = folder_fingerprint(path)
         traces = []
         for chosen, pieces in zip(inputs, by_text):

@@ -263,6 +263,17 @@ def run_stage(
     return parts, logits
 
 
+def barrier(stage: Stage, what: str) -> None:
+    """Every rank here before any goes on (with the timeout; a rank that fails to arrive is named)."""
+    _doing(f"waiting for {what}")
+    try:
+        dist.monitored_barrier(
+            timeout=timedelta(seconds=stage.timeout)
+        ) if dist.get_backend() == "gloo" else dist.barrier()
+    except RuntimeError as exc:
+        raise PipelineError(f"rank {stage.rank}: waiting for {what}: {str(exc).splitlines()[0][:300]}") from exc
+
+
 # --------------------------------------------------------------------------------------------- gathering
 def _trace_bytes(trace: Trace) -> bytes:
     buf = io.BytesIO()

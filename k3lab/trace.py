@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="under torchrun: seconds a rank waits for another before all exit naming it (default 300)",
     )
     p.add_argument("--logits", action="store_true", help="under torchrun: also keep the logits in the traces")
+    p.add_argument(
+        "--pipeline", action="store_true", help="run the pipeline code even on one process (torchrun, for benchmarks)"
+    )
     return p
 
 
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print("k3lab trace: --max-tokens must be at least 2", file=sys.stderr)
         return 2
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.pipeline:
         return _pipeline(args)
 
     from analysis import runs as runs_mod
