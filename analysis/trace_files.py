@@ -129,8 +129,9 @@ def write_pipeline_traces(
     import torch.distributed as dist
 
     from k3core import pipeline as pp
-    from k3core.checkpoint_files import CheckpointFiles, folder_fingerprint
-    from k3core.rank_plan import plan_for, tensor_sizes
+    from k3core.checkpoint import CheckpointError, load_config
+    from k3core.checkpoint_files import folder_fingerprint
+    from k3core.model import K3ForCausalLM
 
     t0 = time.perf_counter()
     rank, world, device = pp.init_from_env(timeout)
@@ -140,17 +141,19 @@ def write_pipeline_traces(
         from k3core.trace_dir import check_out_dir
 
         check_out_dir(out)
-    files = CheckpointFiles.open(path)
-    config = files.config
+    config = load_config(path)
     dtype_name = runs_mod.dtype_name(dtype)
-    plan = plan_for(tensor_sizes(files, runs_mod.DTYPES[dtype_name]), config.num_hidden_layers, world_size=world)
+    plan = pp.stage_plan(config, runs_mod.DTYPES[dtype_name], world)
     stage = pp.Stage(rank, world, plan, timeout)
     tokenizer, _ = runs_mod.run_tokenizer(path, config.vocab_size)
     reader = runs_mod.Run(
         model=None, config=config, metrics=None, card={}, path=path, fingerprint="", tokenizer=tokenizer
     )
     inputs = read_inputs(reader, text_files, sample, max_tokens)
-    model, bytes_read = pp.load_stage(path, stage, device, runs_mod.DTYPES[dtype_name])
+    try:
+        model, bytes_read = pp.load_stage(path, stage, device, runs_mod.DTYPES[dtype_name])
+    except CheckpointError as exc:
+        raise CheckpointError(f"{stage.describe(rank)} cannot load its layers: {exc}") from exc
     load_seconds = time.perf_counter() - t0
     pp.barrier(stage, "the other ranks to load their layers")
     t_forward = time.perf_counter()
@@ -186,7 +189,7 @@ def write_pipeline_traces(
         made = made_card(str(device), dtype_name, path, fingerprint, world)
         made["ranks"] = summaries
         made["backend"] = dist.get_backend()
-        parameters = sum(files.tensors[n].numel for n in files.tensors)
+        parameters = K3ForCausalLM.from_config(config, device="meta").num_parameters()
         card = run_card(config, tokenizer, inputs, traces, made, parameters=parameters)
         write_trace_dir(out, traces, card, config.to_json() + "\n", copy_from=path)
     summary["seconds"] = time.perf_counter() - t0

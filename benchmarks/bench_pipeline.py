@@ -1,7 +1,7 @@
 """Pipeline-parallel trace overhead on CPU: the same model and texts traced by `k3lab trace --pipeline` under
 torchrun with 1 process and with 2 (gloo), side by side, alternating, best of ``--rounds``.
 
-    .venv/bin/python -m benchmarks.bench_pipeline                 # k3-small (random init), 4 texts of 256 tokens
+    .venv/bin/python -m benchmarks.bench_pipeline                 # k3-small (random init, vocab 256), 4 texts x 256 tokens
     .venv/bin/python -m benchmarks.bench_pipeline --preset k3-mini --tokens 128 --rounds 2
 
 Timed: rank 0's wall clock from the moment every rank has loaded its layers (a barrier) until every trace part
@@ -55,11 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     from analysis.runs import shakespeare_passage
     from k3core.checkpoint_files import CheckpointFiles
     from k3core.model import K3ForCausalLM
+    from k3core.presets import from_preset
 
     with tempfile.TemporaryDirectory(prefix="k3lab-bench-pipeline-") as tmp:
         root = Path(tmp)
         torch.manual_seed(0)
-        ckpt = K3ForCausalLM.from_config(args.preset).save_pretrained(root / args.preset)
+        # byte-level (vocab 256), so the texts are read without a tokenizer file
+        config = from_preset(args.preset, vocab_size=256)
+        ckpt = K3ForCausalLM.from_config(config).save_pretrained(root / args.preset)
         passage = shakespeare_passage(8 * args.tokens * args.texts)
         texts = []
         for i in range(args.texts):

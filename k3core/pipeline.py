@@ -20,8 +20,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,12 +33,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import build_meta_model, check_headers
-from .checkpoint_files import CheckpointFiles
+from .checkpoint import build_meta_model, check_headers, load_config
+from .checkpoint_files import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    TOKENIZER_FILES,
+    CheckpointError,
+    CheckpointFiles,
+    canonical_name,
+)
 from .config import K3Config
+from .files import parse_json, read_bytes_limited
 from .hooks import HookNames, active
 from .model import K3ForCausalLM, ResidualStream
-from .rank_plan import RankPlan
+from .rank_plan import RankPlan, model_sizes, plan_for
 from .streaming import published_tensors, stream_weights
 from .trace import Trace, TraceNames, record
 
@@ -118,19 +129,53 @@ def _materialise_owned(model: torch.nn.Module, prefixes: tuple[str, ...], device
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+def stage_plan(config: K3Config, dtype: torch.dtype | None, world_size: int) -> RankPlan:
+    """The layer ranges of ``world_size`` ranks, from the config alone (a meta-device model's bytes in ``dtype``),
+    so that every node computes the same split whatever shards it holds."""
+    sizes = model_sizes(build_meta_model(K3ForCausalLM, config, dtype), dtype or torch.float32)
+    return plan_for(sizes, config.num_hidden_layers, world_size=world_size)
+
+
+def _own_shards(path: Path, prefixes: tuple[str, ...], view: Path) -> Path:
+    """A folder of links to config, tokenizer and only the shards holding tensors under ``prefixes`` (with an
+    index of those shards), so the headers of other nodes' shards are never needed. A single-file checkpoint is
+    used as it is."""
+    if not (path / INDEX_NAME).is_file():
+        return path
+    index = parse_json(read_bytes_limited(path / INDEX_NAME, MAX_INDEX_BYTES), INDEX_NAME, error=CheckpointError)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path.name}/{INDEX_NAME}: no weight_map")
+    shards = sorted({f for raw, f in weight_map.items() if (n := canonical_name(raw)) and n.startswith(prefixes)})
+    missing = [f for f in shards if not (path / str(f)).is_file()]
+    if missing:
+        raise CheckpointError(f"{path.name}: this node needs the shards holding its layers; missing: {missing[:8]}")
+    for name in (CONFIG_NAME, *TOKENIZER_FILES, *shards):
+        if (path / name).is_file():
+            (view / name).symlink_to((path / name).resolve())
+    kept = {raw: f for raw, f in weight_map.items() if f in set(shards)}
+    (view / INDEX_NAME).write_text(json.dumps({"metadata": index.get("metadata", {}), "weight_map": kept}))
+    return view
+
+
 def load_stage(
     path: str | Path, stage: Stage, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[K3ForCausalLM, int]:
     """The model with only this stage's modules loaded (the rest on the meta device), and the tensor bytes read.
 
-    Headers of every shard are read (they say where each tensor lies); tensor data only for this stage."""
-    files = CheckpointFiles.open(path)
-    model = build_meta_model(K3ForCausalLM, files.config, dtype)
-    check_headers(files, published_tensors(model))
-    prefixes = owned_prefixes(files.config, stage.start, stage.stop, stage.first, stage.last)
-    mine = replace(files, tensors={n: i for n, i in files.tensors.items() if n.startswith(prefixes)}, bytes_read=0)
-    _materialise_owned(model, prefixes, device)
-    stream_weights(model, mine)
+    Only the shards holding this stage's tensors are opened (headers, then this stage's tensor data), so a node
+    needs only its own shards on disk."""
+    path = Path(path)
+    config = load_config(path)
+    prefixes = owned_prefixes(config, stage.start, stage.stop, stage.first, stage.last)
+    with tempfile.TemporaryDirectory(prefix="k3lab-stage-") as tmp:
+        files = CheckpointFiles.open(_own_shards(path, prefixes, Path(tmp)))
+        model = build_meta_model(K3ForCausalLM, files.config, dtype)
+        expected = {n: t for n, t in published_tensors(model).items() if n.startswith(prefixes) or n in files.tensors}
+        check_headers(files, expected)
+        mine = replace(files, tensors={n: i for n, i in files.tensors.items() if n.startswith(prefixes)}, bytes_read=0)
+        _materialise_owned(model, prefixes, device)
+        stream_weights(model, mine)
     return model.eval(), mine.bytes_read
 
 
@@ -271,7 +316,12 @@ def barrier(stage: Stage, what: str) -> None:
             timeout=timedelta(seconds=stage.timeout)
         ) if dist.get_backend() == "gloo" else dist.barrier()
     except RuntimeError as exc:
-        raise PipelineError(f"rank {stage.rank}: waiting for {what}: {str(exc).splitlines()[0][:300]}") from exc
+        late = sorted({int(r) for r in re.findall(r"[Rr]ank (\d+)", str(exc)) if int(r) != stage.rank})
+        named = ", ".join(stage.describe(r) for r in late if r < stage.world_size) or "another rank"
+        raise PipelineError(
+            f"rank {stage.rank}: {named} never arrived while waiting for {what} (it failed, died or hung; waited at "
+            f"most the {stage.timeout:g} s timeout)"
+        ) from exc
 
 
 # --------------------------------------------------------------------------------------------- gathering

@@ -107,7 +107,8 @@ def _pipeline(args) -> int:
         print(f"k3lab trace: {exc}", file=sys.stderr, flush=True)
         os._exit(3)
     except (CheckpointError, ValueError, OSError) as exc:
-        print(f"k3lab trace: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        where = "" if str(exc).startswith("rank ") else f"rank {rank}: "
+        print(f"k3lab trace: {where}{exc}", file=sys.stderr, flush=True)
         os._exit(2)
     a, b = summary["layers"]
     print(

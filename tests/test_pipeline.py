@@ -20,8 +20,8 @@ from analysis import runs as runs_mod
 from analysis.trace_files import read_inputs
 from k3core.checkpoint_files import CheckpointFiles
 from k3core.model import K3ForCausalLM
+from k3core.pipeline import stage_plan
 from k3core.presets import from_preset
-from k3core.rank_plan import plan_for, tensor_sizes
 from k3core.trace_dir import read_trace_dir
 from tests.test_hf_kimi_linear import kimi_linear_type
 
@@ -47,7 +47,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, cfg in _configs().items():
         torch.manual_seed(3)
-        out[name] = K3ForCausalLM.from_config(cfg).save_pretrained(root / name)
+        # the Kimi-Linear-shaped one in many shards: each rank opens only the shards of its own layers
+        shard = 40_000 if name == "kimi-linear-5" else 2 * 1024**3
+        out[name] = K3ForCausalLM.from_config(cfg).save_pretrained(root / name, max_shard_bytes=shard)
     for i, text in enumerate(TEXTS):
         (root / f"text{i}.txt").write_text(text)
     out["root"] = root
@@ -76,7 +78,7 @@ def test_gathered_trace_equals_the_single_process_trace(checkpoints, tmp_path, n
     proc, _ = torchrun(nproc, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = CheckpointFiles.open(path)
-    plan = plan_for(tensor_sizes(files, torch.float32), files.config.num_hidden_layers, world_size=nproc)
+    plan = stage_plan(files.config, torch.float32, nproc)
     if name == "k3-nano":  # an AttnRes block is split over two ranks: the partial block sum travels
         bounds = [s.start for s in plan.ranks[1:]]
         assert any(b % files.config.attn_res_block_size for b in bounds), bounds
@@ -146,3 +148,26 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_with_its_name(checkpoints, t
     after = ended - fault_at
     print(f"\n{kind}: every rank gone {after:.1f} s after the fault (timeout {timeout} s; {seconds:.1f} s in all)")
     assert after < timeout + GRACE, text[-3000:]
+
+
+def test_a_node_needs_only_its_own_shards(checkpoints, tmp_path):
+    """Shards of layers no rank of this node holds may be absent; a missing own shard is named."""
+    import json
+    import shutil
+
+    src = checkpoints["kimi-linear-5"]
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 3
+    plan = stage_plan(CheckpointFiles.open(src).config, torch.float32, 2)
+    rank1_only = {f for raw, f in index.items() if raw.startswith(f"model.layers.{plan.ranks[1].stop - 1}.")}
+    rank1_only -= {f for raw, f in index.items() if raw.startswith(("model.embed_tokens.", "model.layers.0."))}
+    folder = tmp_path / "ckpt"
+    shutil.copytree(src, folder)
+    for f in rank1_only:
+        (folder / f).unlink()
+    out = tmp_path / "trace"
+    proc, _ = torchrun(2, [str(folder), "--text", str(checkpoints["root"] / "text0.txt"), "--out", str(out),
+                           "--timeout", "20"])  # fmt: skip
+    text = proc.stderr + proc.stdout
+    assert proc.returncode != 0 and "this node needs the shards holding its layers; missing" in text, text[-3000:]
+    assert "rank 1 (layers" in text and not out.exists(), text[-3000:]
