@@ -1,7 +1,7 @@
 """Pipeline-parallel trace overhead on CPU: the same model and texts traced by `k3lab trace --pipeline` under
 torchrun with 1 process and with 2 (gloo), side by side, alternating, best of ``--rounds``.
 
-    .venv/bin/python -m benchmarks.bench_pipeline                 # k3-small (random init, vocab 256), 4 texts x 256 tokens
+    .venv/bin/python -m benchmarks.bench_pipeline       # k3-small (random init, vocab 256), 4 texts x 256 tokens
     .venv/bin/python -m benchmarks.bench_pipeline --preset k3-mini --tokens 128 --rounds 2
 
 Timed: rank 0's wall clock from the moment every rank has loaded its layers (a barrier) until every trace part
