@@ -271,7 +271,7 @@ def _fault(stage: Stage, layer: int) -> None:
 
 @torch.no_grad()
 def run_stage(
-    model: K3ForCausalLM, stage: Stage, texts: list[torch.Tensor], what="all", max_attn_len: int = 1024
+    model: K3ForCausalLM, stage: Stage, texts: list[torch.Tensor], what: str | tuple = "all", max_attn_len: int = 1024
 ) -> tuple[list[Trace], list[torch.Tensor | None]]:
     """Every text through this stage as one micro-batch each; per text this rank's trace part (and, on the last
     rank, the logits). Raises PipelineError."""

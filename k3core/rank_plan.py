@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ def memory_bytes(name: str, numel: int, stored_dtype: str | None, stored_bytes: 
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
-def tensor_sizes(files, dtype: torch.dtype) -> dict[str, int]:
+def tensor_sizes(files: Any, dtype: torch.dtype) -> dict[str, int]:
     """{canonical name: resident bytes} of a checkpoint's text-model tensors (``CheckpointFiles``), headers only."""
     return {n: memory_bytes(n, i.numel, i.dtype, i.nbytes, dtype) for n, i in files.tensors.items()}
 
@@ -161,7 +162,9 @@ def split_layers(per_layer: list[int], first: int, last: int, world_size: int) -
     return _plan(best, per_layer, first, last, None)
 
 
-def plan_for(sizes: dict[str, int], num_layers: int, capacity: int | None = None, world_size: int | None = None):
+def plan_for(
+    sizes: dict[str, int], num_layers: int, capacity: int | None = None, world_size: int | None = None
+) -> RankPlan:
     """``ranks_needed`` for GPUs of ``capacity`` usable bytes, or ``split_layers`` over ``world_size`` ranks."""
     per_layer, first, last = layer_bytes(sizes, num_layers)
     if world_size is not None:
