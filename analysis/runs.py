@@ -265,16 +265,7 @@ def _recorded_context(run: Run, input_ids: torch.Tensor, label: str | None, opti
                 trace = run.recorded.trace(index)
             except TraceError as exc:
                 raise CheckpointError(str(exc)) from exc
-            return AnalysisContext(
-                trace=trace,
-                config=run.config,
-                model=None,
-                input_ids=input_ids.cpu(),
-                metrics=run.metrics,
-                label=label or run.label,
-                tokenizer=run.tokenizer,
-                options=dict(options or {}),
-            )
+            return _context(run, trace, input_ids, label, options)
     raise ValueError(
         f"{run.label} is a trace folder of {len(run.recorded.texts)} recorded text(s); running the model on another "
         "text needs the checkpoint"
@@ -467,10 +458,15 @@ def trace_run(
         "loss": float(out.loss) if out.loss is not None else None,
         "tokenizer": run.tokenizer.describe() if run.tokenizer is not None else None,
     }
+    return _context(run, trace, input_ids, label, options)
+
+
+def _context(run: Run, trace: Any, input_ids: torch.Tensor, label: str | None, options: dict | None) -> AnalysisContext:
+    """The AnalysisContext of a run's trace on ``input_ids`` (the run's model: None for a trace folder)."""
     return AnalysisContext(
         trace=trace,
         config=run.config,
-        model=model,
+        model=run.model,
         input_ids=input_ids.cpu(),
         metrics=run.metrics,
         label=label or run.label,

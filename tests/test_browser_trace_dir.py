@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.bench_app import CHART, CHROMIUM, EXCEPTION, RENDER_TIMEOUT_MS, REPO, app_server, open_page, settle
 from k3lab.cli import main as k3lab
+from tests.test_browser import browser  # noqa: F401 - the module's Chromium, shared
 
 pytestmark = pytest.mark.browser
 
@@ -33,15 +34,7 @@ def server(tmp_path_factory):
         yield url, log
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from tests.test_browser_library import chromium
-
-    with chromium() as launched:
-        yield launched
-
-
-def test_trace_folder_pages_in_a_browser(server, browser):
+def test_trace_folder_pages_in_a_browser(server, browser):  # noqa: F811
     url, log = server
     page, _ = open_page(browser, url)
     try:
