@@ -1,13 +1,13 @@
 """The plan of a resident run over several GPUs (pipeline parallel): how many ranks, which layers each one holds.
 
 Each rank holds a contiguous range of decoder layers; the first rank also holds the embedding, the last the
-output depth mix, the final norm and the LM head (``END_NAMES``). The bytes per layer come from the checkpoint
-headers (``tensor_sizes``; quantised weights count as stored, e.g. MXFP4 experts, fp32-kept tensors at 4 bytes,
-the rest at the run's dtype) or, for a preset, from a meta-device model: nothing is read or allocated.
+output depth mix, the final norm and the LM head. The bytes per layer come from the checkpoint
+headers (``tensor_sizes``: fp32-kept tensors at 4 bytes, the rest at the run's dtype, quantised weights too: a
+resident run holds them decoded) or, for a preset, from a meta-device model: nothing is read or allocated.
 
 ``ranks_needed`` is the fewest ranks whose contiguous ranges fit ``capacity`` bytes each (greedy filling in
 depth order is optimal for that); ``split_layers`` splits over a given number of ranks with the largest rank as
-small as it can be (a binary search over the cap, each cap checked greedily). ``plan_ranks`` does both.
+small as it can be (a binary search over the cap, each cap checked greedily); ``plan_for`` picks one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_files import DTYPES, keep_fp32
+from .checkpoint_files import keep_fp32
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 FIRST_NAMES = ("model.embed_tokens.",)  # on the first rank; every other non-layer tensor goes on the last
@@ -58,11 +58,9 @@ class RankPlan:
         ]
 
 
-def memory_bytes(name: str, numel: int, stored_dtype: str | None, stored_bytes: int, dtype: torch.dtype) -> int:
-    """Bytes one tensor takes in a resident run in ``dtype``: a quantised weight as stored (its storage format is
-    not a safetensors dtype), a tensor k3lab keeps in fp32 at 4 bytes, the rest at ``dtype``'s size."""
-    if stored_dtype is not None and stored_dtype not in DTYPES:
-        return int(stored_bytes)
+def memory_bytes(name: str, numel: int, dtype: torch.dtype) -> int:
+    """Bytes one tensor takes in a resident run in ``dtype``: a tensor k3lab keeps in fp32 at 4 bytes, every other
+    at ``dtype``'s size, quantised weights included (they are decoded as they are read)."""
     if keep_fp32(name):
         return 4 * numel
     return numel * torch.empty((), dtype=dtype).element_size()
@@ -70,12 +68,12 @@ def memory_bytes(name: str, numel: int, stored_dtype: str | None, stored_bytes: 
 
 def tensor_sizes(files: Any, dtype: torch.dtype) -> dict[str, int]:
     """{canonical name: resident bytes} of a checkpoint's text-model tensors (``CheckpointFiles``), headers only."""
-    return {n: memory_bytes(n, i.numel, i.dtype, i.nbytes, dtype) for n, i in files.tensors.items()}
+    return {n: memory_bytes(n, i.numel, dtype) for n, i in files.tensors.items()}
 
 
 def model_sizes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
     """{name: resident bytes} of a (meta-device) model's state dict."""
-    return {n: memory_bytes(n, t.numel(), None, 0, dtype) for n, t in model.state_dict().items()}
+    return {n: memory_bytes(n, t.numel(), dtype) for n, t in model.state_dict().items()}
 
 
 def layer_bytes(sizes: dict[str, int], num_layers: int) -> tuple[list[int], int, int]:
