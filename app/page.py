@@ -166,9 +166,16 @@ def run_line(loaded: Loaded) -> None:
     """One caption naming what is shown: run, tokens, text source, loss, device and dtype."""
     loss = loaded.ctx.loss
     loss_txt = f" · loss {loss:.3f} nats/token" if loss is not None else ""
+    made = loaded.run.card.get("trace_folder") if loaded.run.recorded is not None else None
+    where = ""
+    if made:  # a trace folder: where and how it was recorded (its run card)
+        procs = int(made.get("world_size") or 1)
+        where = f" · recorded {md_escape(str(made.get('time', '?')))} on {md_escape(str(made.get('host', '?')))}" + (
+            f" by {procs} pipeline ranks" if procs > 1 else ""
+        )
     st.caption(
         f"**{loaded.ctx.label}** · {loaded.tokens.n:,} tokens of {md_escape(loaded.tokens.source)}"
-        f"{loss_txt} · {loaded.run.device}/{loaded.run.dtype}"
+        f"{loss_txt} · {loaded.run.device}/{loaded.run.dtype}{where}"
     )
 
 

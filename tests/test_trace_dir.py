@@ -170,7 +170,7 @@ def test_the_app_opens_a_trace_folder_without_the_checkpoint(traced, monkeypatch
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Layers"] == str(read_trace_dir(traced["out"]).card["config"]["num_hidden_layers"])
     want = traced["reference"][0].meta["run"]["loss"]
-    assert any(f"loss {want:.3f}" in c.value for c in at.caption)  # the recorded forward's loss
+    assert any(f"loss {want:.3f}" in c.value and "recorded" in c.value for c in at.caption)  # the recorded forward
     for name in ("density", "attnres", "moe", "degradation"):
         at.switch_page(f"app_pages/{name}.py").run()
         assert not at.exception, (name, at.exception)
@@ -182,3 +182,6 @@ def test_the_app_opens_a_trace_folder_without_the_checkpoint(traced, monkeypatch
     assert any("needs the checkpoint" in e.value for e in at.error)
     at.switch_page("app_pages/generate.py").run()
     assert not at.exception and any("needs the checkpoint" in i.value for i in at.info)
+    at.switch_page("app_pages/experiment.py").run()
+    shown = [i.value for i in at.info] + [e.value for e in at.error] + [w.value for w in at.warning]
+    assert not at.exception and any("needs the checkpoint" in v for v in shown), shown
