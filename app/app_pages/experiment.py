@@ -38,7 +38,8 @@ page.run_line(loaded)
 model, run, config = loaded.model, loaded.run, loaded.run.config
 if model is None:  # a trace folder (analysis.runs.load_trace_folder): nothing to rerun
     st.info(
-        f"**{loaded.ref.label}** is a trace folder without its weights: experiments rerun the model, so this page needs the checkpoint."
+        f"**{loaded.ref.label}** is a trace folder without its weights: experiments rerun the model, so this page "
+        "needs the checkpoint."
     )
     st.stop()
 ids = loaded.ctx.input_ids[:1]
