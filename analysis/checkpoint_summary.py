@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from analysis.weights.layout import COMPONENTS, layer_of, tensor_kind
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.config import K3Config
 
 if TYPE_CHECKING:  # k3core.model imports torch: loaded only where a model is built
@@ -85,6 +85,8 @@ def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[st
     out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
     share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
     for name, info in files.tensors.items():
+        if not counts_as_parameter(name):  # k3core.checkpoint_files.PARAMETER_RULE
+            continue
         comp = component_of(name, cfg)
         out[comp]["total"] += info.numel
         out[comp]["active"] += round(info.numel * share) if comp == "MoE routed experts" else info.numel
@@ -100,11 +102,11 @@ def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
-    """Parameters per decoder layer, from header shapes."""
+    """Parameters per decoder layer, from header shapes (k3core PARAMETER_RULE: no router-bias buffers)."""
     out: dict[int, int] = {}
     for name, info in files.tensors.items():
         i = layer_of(name)[0]
-        if i is not None:
+        if i is not None and counts_as_parameter(name):
             out[i] = out.get(i, 0) + info.numel
     return out
 

@@ -13,11 +13,12 @@ Headline numbers and their delta live in ``analysis.headline``.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
 from analysis.context import AnalysisContext
-from analysis.difference import difference_figure, difference_table, reduce_keys
+from analysis.difference import LEARNED_UNITS, difference_figure, difference_table, readable, reduce_keys
 from analysis.side_by_side import combine_side_by_side, placeholder_figure
 from analysis.view import NotApplicable, View
 
@@ -70,7 +71,7 @@ def side_by_side(
         return _overlay(view, a, b)
     built = build_both(view, a, b) if built is None else built
     if all(isinstance(r, NotApplicable) for r in built):
-        raise NotApplicable(f"{view.title}: not applicable to either run ({built[0]})")
+        raise NotApplicable(f"not applicable to either run ({built[0]})")
     figs = [placeholder_figure(str(r)) if isinstance(r, NotApplicable) else r[0] for r in built]
     fig = combine_side_by_side(figs[0], figs[1], a.label, b.label, title=f"{view.title}: {a.label} vs {b.label}")
     tables = [r[1].assign(run=ctx.label) for r, ctx in zip(built, (a, b)) if not isinstance(r, NotApplicable)]
@@ -116,10 +117,21 @@ def difference_view(
     df_a, df_b = built[0][1], built[1][1]
     keys = list(spec.keys or df_a.attrs.get("keys") or [])
     values = list(spec.difference)
-    df_a, df_b = (reduce_keys(df, keys, values, spec.reduce) for df in (df_a, df_b))
-    keys = [k for k in keys if k not in spec.reduce]
+    reduce = list(spec.reduce)
+    units = [k for k in keys if k in LEARNED_UNITS and k not in reduce]
+    if units and not spec.same_weights and not same_weights(a, b):
+        reduce += units  # head i of one checkpoint is not head i of another: the mean over heads is comparable
+    df_a, df_b = (reduce_keys(df, keys, values, reduce) for df in (df_a, df_b))
+    keys = [k for k in keys if k not in reduce]
     diff = difference_table(df_a, df_b, keys, values)
-    what = ", ".join(values)
-    averaged = f" (mean over {', '.join(spec.reduce)})" if spec.reduce else ""
-    fig = difference_figure(diff, f"{view.title}: {what}{averaged}, {a.label} - {b.label}", x=spec.x)
+    changed = diff[[f"{v}_diff" for v in values]].to_numpy(dtype=float)
+    if np.all(np.nan_to_num(changed) == 0.0):
+        raise NotApplicable(
+            f"A - B is zero everywhere: the two runs have the same {', '.join(readable(v) for v in values)} "
+            "(it follows from the configuration alone, or the runs agree)"
+        )
+    what = ", ".join(readable(v) for v in values)
+    averaged = f" (mean over {', '.join(readable(k) + 's' for k in reduce)})" if reduce else ""
+    x = spec.x if spec.x in keys else None
+    fig = difference_figure(diff, f"{view.title}: {what}{averaged}, {a.label} - {b.label}", x=x)
     return fig, diff

@@ -18,10 +18,45 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis.style import DIVERGING, apply_style
+from analysis.style import DIVERGING, apply_style, subplot_spacing
 from analysis.view import NotApplicable
 
 POSITIVE, NEGATIVE = "#d6604d", "#4393c3"  # the ends of DIVERGING: A above B, A below B
+# Rows that are learned units of one checkpoint: head i (or expert i) of one checkpoint is not head i of another,
+# so between two checkpoints a difference averages over them (analysis.compare.difference_view).
+LEARNED_UNITS = ("head", "expert")
+READABLE = {
+    "depth_label": "depth",
+    "layer_type": "layer type",
+    "part": "part",
+    "seq_len": "sequence length",
+    "entropy_norm": "normalised entropy",
+    "first_token_mass": "first-token mass",
+    "gate_mean": "gate (mean)",
+    "state_norm": "state norm ‖S‖",
+    "half_life_median": "median half-life",
+    "frac_near_lb": "share near the gate bound",
+    "g_mean": "mean decay g",
+    "active_params": "active parameters",
+    "cache_bytes": "cache bytes",
+    "ablation_attn": "attention ablation Δloss",
+    "ablation_ffn": "FFN ablation Δloss",
+    "block_influence": "Block Influence",
+    "cka": "linear CKA",
+    "query_norm": "query norm",
+    "scale_mean": "scale (mean)",
+    "bias_mean": "bias (mean)",
+    "effective_rank": "effective rank",
+    "token_cosine": "token cosine",
+    "max_weight": "max weight",
+    "embedding_weight": "embedding weight",
+    "mean": "mean",
+}
+
+
+def readable(column: str) -> str:
+    """A column name as words for a title or label: ``READABLE``, else underscores as spaces."""
+    return READABLE.get(column, column.replace("_", " "))
 
 
 def difference_table(
@@ -65,10 +100,15 @@ def reduce_keys(df: pd.DataFrame, keys: Sequence[str], values: Sequence[str], ov
     return out
 
 
+def _key_label(key: str, value) -> str:
+    """A key's value as a label: text values as they are ("KDA", "L0 in"), numbers with their key ("layer 3")."""
+    return str(value) if isinstance(value, str) else f"{readable(key)} {value}"
+
+
 def _row_labels(diff: pd.DataFrame, keys: Sequence[str]) -> pd.Series:
     if not keys:
         return pd.Series([""] * len(diff), index=diff.index)
-    return diff[list(keys)].astype(str).agg(lambda r: " ".join(f"{k} {v}" for k, v in zip(keys, r)), axis=1)
+    return diff[list(keys)].agg(lambda r: " ".join(_key_label(k, v) for k, v in zip(keys, r)), axis=1)
 
 
 def difference_figure(diff: pd.DataFrame, title: str, x: str | None = None) -> go.Figure:
@@ -104,19 +144,32 @@ def _heatmap(diff: pd.DataFrame, value: str, x: str, row_keys: list[str], title:
             zmid=0.0,
             zmin=-m,
             zmax=m,
-            colorbar={"title": {"text": f"{value}<br>A - B"}},
+            colorbar={"title": {"text": f"A - B ({readable(value)})"}},
             hovertemplate="%{y}, " + x + " %{x}<br>A - B = %{z:.4g}<extra></extra>",
         )
     )
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
-    return apply_style(fig, title, x, " / ".join(row_keys), height=min(900, max(260, 110 + 24 * len(pivot))))
+    return apply_style(
+        fig,
+        title,
+        readable(x),
+        " / ".join(readable(k) for k in row_keys),
+        height=min(900, max(260, 110 + 24 * len(pivot))),
+    )
 
 
 def _bars(diff: pd.DataFrame, values: list[str], keys: list[str], x: str, title: str) -> go.Figure:
     labels = _row_labels(diff, [k for k in keys if k != x])
-    xs = [f"{lab} {x} {v}".strip() if lab else str(v) for lab, v in zip(labels, diff[x])]
-    fig = make_subplots(rows=len(values), cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=values)
+    xs = [f"{lab} {_key_label(x, v)}".strip() for lab, v in zip(labels, diff[x])]
+    height = max(260, 90 + 170 * len(values))
+    fig = make_subplots(
+        rows=len(values),
+        cols=1,
+        shared_xaxes=True,
+        subplot_titles=[readable(v) for v in values],
+        **subplot_spacing(len(values), 1, height),
+    )
     for row, value in enumerate(values, start=1):
         d = diff[f"{value}_diff"].to_numpy(dtype=np.float64)
         fig.add_trace(
@@ -135,5 +188,5 @@ def _bars(diff: pd.DataFrame, values: list[str], keys: list[str], x: str, title:
         )
         m = _symmetric(d) * 1.08
         fig.update_yaxes(range=[-m, m], zeroline=True, zerolinecolor="#888", title_text="A - B", row=row, col=1)
-    fig.update_xaxes(type="category", title_text=" / ".join(keys), row=len(values), col=1)
-    return apply_style(fig, title, height=max(260, 90 + 170 * len(values)))
+    fig.update_xaxes(type="category", title_text=" / ".join(readable(k) for k in keys), row=len(values), col=1)
+    return apply_style(fig, title, height=height)

@@ -9,6 +9,8 @@ in ``analysis.attnres``, training numbers in ``analysis.history``.
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,26 @@ HEADLINE_LABELS = {
 }
 
 _NAN = float("nan")
+DIAGNOSTICS_DOC = Path(__file__).resolve().parent.parent / "docs" / "DIAGNOSTICS.md"
+_HELP_LINE = re.compile(r"^- `([a-z0-9_]+)`: (.+)$")
+
+
+def headline_help(doc: Path = DIAGNOSTICS_DOC) -> dict[str, str]:
+    """The one-line definition and unit of each headline number, from the "Headline numbers" section of
+    docs/DIAGNOSTICS.md (lines ``- `key`: definition; unit``). Empty when the file is missing."""
+    try:
+        text = doc.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    section = text.split("## Headline numbers", 1)[-1] if "## Headline numbers" in text else ""
+    out = {}
+    for line in section.splitlines():
+        if line.startswith("## "):
+            break
+        m = _HELP_LINE.match(line.strip())
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
 
 
 def degradation_summary(trace: Trace) -> dict[str, float]:

@@ -160,7 +160,11 @@ def _cell_edges(trace: dict, letter: str, values: np.ndarray) -> np.ndarray:
     if not on_positions or values.size == 0 or values.dtype == object:
         return values
     v = np.unique(values[np.isfinite(values)])
-    half = float(np.diff(v).min()) / 2 if v.size > 1 else 0.5
+    width = trace.get("width") if kind == "bar" else None
+    if isinstance(width, (int, float)) and width > 0:  # bars of a set width: half of it, whatever their spacing
+        half = float(width) / 2  # (MLA bars at layers 3 and 7 alone widened the axis to layer 9)
+    else:
+        half = float(np.diff(v).min()) / 2 if v.size > 1 else 0.5
     return np.concatenate([values, [v.min() - half, v.max() + half]]) if v.size else values
 
 
@@ -209,9 +213,64 @@ def _numeric_range(
     return lo, hi
 
 
-def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
+AXIS_TOP = "k3lab-axis-top"  # a trace's ``meta``: its markers stand at the top of the range the data set
+AXIS_TOP_AT = 0.93  # where, as a fraction of the axis (in its own units: log10 on log axes)
+
+
+def stacked_bar_ends(traces: list[dict], layout: dict) -> list[np.ndarray]:
+    """For ``barmode`` "stack" / "relative": per group of bars on one pair of axes, the stacked ends at each
+    position (positive values summed upwards, negative downwards), so a range covers the whole stack and not
+    only the largest single segment. Empty for other bar modes."""
+    if layout.get("barmode") not in ("stack", "relative"):
+        return []
+    sums: dict[tuple, dict[str, list[float]]] = {}
+    for tr in traces:
+        if tr.get("type") != "bar" or tr.get("visible") is False or not is_cartesian(tr):
+            continue
+        value = _value_axis(tr)
+        position = "y" if value == "x" else "x"
+        pos, val = plotly_array(tr.get(position)), plotly_array(tr.get(value))
+        if val is None:
+            continue
+        pos = np.arange(val.size) if pos is None else pos.ravel()
+        key = (tr.get("xaxis") or "x", tr.get("yaxis") or "y", value)
+        per = sums.setdefault(key, {})
+        for p, v in zip(pos, val.astype(np.float64).ravel()):
+            if np.isfinite(v):
+                up, down = per.setdefault(str(p), [0.0, 0.0])
+                per[str(p)] = [up + max(v, 0.0), down + min(v, 0.0)]
+    out = []
+    for (xref, yref, value), per in sums.items():
+        ends = np.asarray([e for pair in per.values() for e in pair], dtype=np.float64)
+        out.append((axis_name(value, _ref_number(xref if value == "x" else yref, value)), ends))
+    return out
+
+
+def _pin_to_top(traces: list[dict], layout: dict) -> None:
+    """Markers flagged ``meta=AXIS_TOP`` (e.g. "unbounded memory" for full-attention layers) moved to the top of
+    their y axis' final range, so every panel sharing the axis draws them at one height."""
+    for tr in traces:
+        if tr.get("meta") != AXIS_TOP:
+            continue
+        axis = layout.get(axis_name("y", _ref_number(tr.get("yaxis"), "y")), {})
+        rng = axis.get("range")
+        x = plotly_array(tr.get("x"))
+        if not _numeric_pair(rng) or x is None:
+            continue
+        lo, hi = sorted(float(r) for r in rng)
+        top = lo + AXIS_TOP_AT * (hi - lo)
+        tr["y"] = [10**top if axis.get("type") == "log" else top] * x.size
+
+
+def shared_axis_ranges(
+    fig: dict, pairs: Iterable[tuple[str, str]], visible: list[bool] | None = None
+) -> dict[str, list[float]]:
     """Give every group of axes (``pairs`` of axis layout names that must agree, plus each figure's own
-    ``matches``) one explicit range covering every trace on them, in place.
+    ``matches``) one explicit range covering every trace on them, in place; returns the ranges set.
+
+    Only the traces shown count: ``visible`` (one flag per trace, e.g. a dropdown's state) or else each
+    trace's own ``visible`` (False: hidden). Stacked bars count by their stacked ends; markers flagged
+    ``meta=AXIS_TOP`` do not set the range but are moved to its top.
 
     Numeric axes: [min, max] of the data padded by 5% (bars from 0; heatmap cells and bar slots by
     their own half width instead), widened to any explicit range the
@@ -228,10 +287,25 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
     values: dict[str, list[np.ndarray]] = {}
     bar_axes: set[str] = set()
     unedged_axes: set[str] = set()  # axes with a trace that is not heatmap cells or bar positions
-    for tr in fig.get("data", []):
+    traces = fig.get("data", [])
+    shown = [
+        (tr.get("visible") is not False) if visible is None else bool(v)
+        for tr, v in zip(traces, visible or [None] * len(traces))
+    ]
+    counted = [tr for tr, on in zip(traces, shown) if on]
+    pinned_axes = {
+        axis_name("y", _ref_number(tr.get("yaxis"), "y"))
+        for tr, on in zip(traces, shown)
+        if on and tr.get("meta") == AXIS_TOP
+    }
+    for name, ends in stacked_bar_ends(counted, layout):
+        values.setdefault(name, []).append(ends)
+    for tr in counted:
         if not is_cartesian(tr):
             continue
         for letter in ("x", "y"):
+            if letter == "y" and tr.get("meta") == AXIS_TOP:  # placed at the top of the range, not part of it
+                continue
             name = axis_name(letter, _ref_number(tr.get(f"{letter}axis"), letter))
             vals = trace_axis_values(tr, letter)
             if vals.size:
@@ -241,6 +315,7 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
             if tr.get("type") == "bar" and letter == _value_axis(tr) and vals.size and vals.dtype != object:
                 bar_axes.add(name)
     names |= set(values)
+    set_ranges: dict[str, list[float]] = {}
     for group in _groups(links, names):
         axes = [layout.setdefault(n, {}) for n in sorted(group)]
         data = [v for n in group for v in values.get(n, [])]
@@ -277,31 +352,42 @@ def shared_axis_ranges(fig: dict, pairs: Iterable[tuple[str, str]]) -> None:
                 if raw.size:
                     lo = glo if raw.min() >= glo else lo
                     hi = ghi if raw.max() <= ghi else hi
+            if group & pinned_axes:  # room above the data for the markers pinned to the top
+                hi += (1.0 / AXIS_TOP_AT - 1.0) * 2 * (hi - lo)
             rng = [lo, hi]
         if reversed_:
             rng = rng[::-1]
-        for ax in axes:
+        for n, ax in zip(sorted(group), axes):
             ax["range"] = list(rng)
             ax["autorange"] = False
+            set_ranges[n] = list(rng)
+    _pin_to_top(traces, layout)
+    return set_ranges
 
 
 # ----------------------------------------------------------------------------- colours
+def finite_range(values: Any) -> tuple[float, float] | None:
+    """(min, max) of the finite numbers of a trace attribute (any encoding); None without numbers."""
+    arr = plotly_array(values)
+    if arr is None or isinstance(values, str):
+        return None
+    try:
+        finite = arr.astype(np.float64)
+    except (TypeError, ValueError):
+        return None
+    finite = finite[np.isfinite(finite)]
+    return (float(finite.min()), float(finite.max())) if finite.size else None
+
+
 def _value_range(tr: dict) -> tuple[float, float] | None:
     """Colour range of a trace dict: explicit zmin/zmax, else the finite min/max of z (None without z)."""
-    z = plotly_array(tr.get("z"))
-    if z is None:
-        return None
     lo, hi = tr.get("zmin"), tr.get("zmax")
     if lo is None or hi is None:
-        try:
-            finite = z.astype(np.float64)
-        except (TypeError, ValueError):
+        found = finite_range(tr.get("z"))
+        if found is None:
             return None
-        finite = finite[np.isfinite(finite)]
-        if not finite.size:
-            return None
-        lo = float(finite.min()) if lo is None else lo
-        hi = float(finite.max()) if hi is None else hi
+        lo = found[0] if lo is None else lo
+        hi = found[1] if hi is None else hi
     return float(lo), float(hi)
 
 

@@ -20,7 +20,7 @@ import streamlit as st
 
 from analysis.export import export_figure, static_export_available
 from analysis.format import format_number
-from analysis.headline import HEADLINE_LABELS, headline_table
+from analysis.headline import HEADLINE_LABELS, headline_help, headline_table
 from analysis.style import screen_figure
 from analysis.view import NotApplicable, View
 from app import caching
@@ -194,13 +194,16 @@ def headline_metrics(loaded: Loaded) -> None:
         st.error(f"Headline numbers could not be computed: {type(exc).__name__}: {exc}")
         return
     keys = [k for k in KEY_HEADLINES if k in numbers]
+    help_text = headline_help()  # one line of definition and unit each, from docs/DIAGNOSTICS.md
     per_row = 4
     for start in range(0, len(keys), per_row):
         cols = st.columns(per_row)
         for col, key in zip(cols, keys[start : start + per_row]):
-            col.metric(HEADLINE_LABELS.get(key, key), format_number(numbers[key]), help=f"`{key}`")
+            col.metric(HEADLINE_LABELS.get(key, key), format_number(numbers[key]), help=help_text.get(key))
     rows = [
-        {"metric": k, "description": HEADLINE_LABELS.get(k, k), "value": v} for k, v in numbers.items() if k != "label"
+        {"metric": HEADLINE_LABELS.get(k, k), "definition": help_text.get(k, ""), "value": v, "key": k}
+        for k, v in numbers.items()
+        if k != "label"
     ]
     table = pd.DataFrame(rows)
     with st.expander("All headline numbers"):
@@ -217,7 +220,9 @@ def headline_delta(a: Loaded, b: Loaded) -> None:
         log.exception("headline table failed")
         st.error(f"Headline numbers could not be compared: {type(exc).__name__}: {exc}")
         return
-    shown = table.rename(columns={"a": f"A: {a.ctx.label}", "b": f"B: {b.ctx.label}", "delta": "A - B"})
+    # printed as the Overview prints them (missing: "n/a"), the exported table keeps the numbers
+    shown = table.assign(**{c: [format_number(v) for v in table[c]] for c in ("a", "b", "delta")})
+    shown = shown.rename(columns={"a": f"A: {a.ctx.label}", "b": f"B: {b.ctx.label}", "delta": "A - B"})
     st.dataframe(shown.drop(columns=["metric"]), hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
     table_downloads(table, f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_headline", "k3lab_cmp_head")
 

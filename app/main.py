@@ -25,7 +25,10 @@ from k3core.files import checked_opens  # noqa: E402
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
 
-st.set_page_config(page_title="k3lab", page_icon=":material/biotech:", layout="wide", initial_sidebar_state="expanded")
+# A local image: a Material icon name makes the browser fetch the favicon from fonts.gstatic.com (nothing may come
+# from a public CDN).
+FAVICON = str(Path(__file__).resolve().parent / "favicon.png")
+st.set_page_config(page_title="k3lab", page_icon=FAVICON, layout="wide", initial_sidebar_state="expanded")
 
 
 def _page(name: str, title: str, icon: str, default: bool = False, url_path: str | None = None, hidden: bool = False):

@@ -44,12 +44,13 @@ def discover_runs(
     """Runs in picker order: K3LAB_RUNS entries, then sample_checkpoints/* folders, then library runs.
 
     A K3LAB_RUNS entry is a checkpoint folder, or a folder of checkpoint folders (each becomes a run).
-    Duplicate folders are listed once (first origin wins); labels are the folder names (a library run's
-    name), made unique with a " (2)", " (3)" suffix. Returns (runs, problems) where problems names
+    Duplicate folders are listed once per name (first origin wins; a library run named otherwise than the
+    folder is listed under its name as well); labels are the folder names (a library run's name), made unique
+    with a " (2)", " (3)" suffix. Returns (runs, problems) where problems names
     K3LAB_RUNS entries that are not checkpoint folders.
     """
     library = list(library)
-    found: list[tuple[Path, str]] = []
+    found: list[tuple[Path, str, RunRef | None]] = []
     problems: list[str] = []
     for entry in (env_value or "").split(os.pathsep):
         entry = entry.strip()
@@ -58,27 +59,27 @@ def discover_runs(
         path = Path(entry).expanduser()
         children = sorted(p for p in path.iterdir() if is_checkpoint_dir(p)) if path.is_dir() else []
         if is_checkpoint_dir(path):
-            found.append((path.resolve(), "preloaded"))
+            found.append((path.resolve(), "preloaded", None))
         elif children:  # a folder of runs
-            found.extend((child.resolve(), "preloaded") for child in children)
+            found.extend((child.resolve(), "preloaded", None) for child in children)
         else:
             problems.append(f"{entry}: not a checkpoint folder (no config.json)")
     if samples_dir is not None and Path(samples_dir).is_dir():
         for path in sorted(Path(samples_dir).iterdir()):
             if is_checkpoint_dir(path):
-                found.append((path.resolve(), "sample"))
-    by_path = {str(Path(r.path).resolve()): r for r in library}
-    found.extend((Path(p), r.origin) for p, r in by_path.items())
+                found.append((path.resolve(), "sample", None))
+    found.extend((Path(r.path).resolve(), r.origin, r) for r in library)
 
     runs: list[RunRef] = []
-    seen_paths: set[Path] = set()
+    seen: set[tuple[Path, str]] = set()
     labels: set[str] = set()
-    for path, origin in found:
-        if path in seen_paths:
-            continue
-        seen_paths.add(path)
-        lib_ref = by_path.get(str(path)) if origin in LIBRARY_ORIGINS else None
+    for path, origin, lib_ref in found:
         base = lib_ref.label if lib_ref is not None else path.name
+        # one folder once per name: a library entry that names a listed folder (e.g. a shipped sample opened by
+        # path as "my-sample") is listed under its own name too, so the name it was given can be picked and linked
+        if (path, base) in seen or (lib_ref is None and any(p == path for p, _ in seen)):
+            continue
+        seen.add((path, base))
         label, n = base, 2
         while label in labels:
             label, n = f"{base} ({n})", n + 1

@@ -14,6 +14,7 @@ import streamlit as st
 from analysis.format import format_tokens
 from app import inputs as inp
 from app import links, run_list
+from app.errors import md_escape
 from app.inputs import InputError, Inputs, TextChoice
 from app.run_list import RunRef
 
@@ -43,7 +44,12 @@ def sidebar() -> Inputs:
     if pending_label is not None:
         ss["k3lab_run"] = pending_label
     elif ss.get("k3lab_run") not in by_label:
-        ss.pop("k3lab_run", None)
+        gone = ss.pop("k3lab_run", None)
+        if gone is not None and labels:  # deleted (here or in another tab): the box shows the run used instead
+            ss["k3lab_run"] = labels[0]
+            ss["k3lab_run_gone"] = (
+                f"The run **{md_escape(gone)}** is no longer in the runs library; showing **{md_escape(labels[0])}**."
+            )
 
     with st.sidebar:
         run = None
@@ -63,6 +69,8 @@ def sidebar() -> Inputs:
             )
         for problem in problems:
             st.warning(problem)
+        if ss.get("k3lab_run_gone"):
+            st.info(ss.pop("k3lab_run_gone"))
 
         choice, text_error = text_choice("k3lab")
         st.divider()

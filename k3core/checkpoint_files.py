@@ -90,6 +90,22 @@ KEEP_FP32_PATTERNS: tuple[str, ...] = (
 )
 _KEEP_FP32 = re.compile("|".join(KEEP_FP32_PATTERNS))
 
+# The parameter-count rule, one for the model, the model card, the Weights page and ``inspect``: parameters are
+# the tensors training learns by gradient (``nn.Parameter``). The router selection bias is a buffer that load
+# balancing sets (it steers which experts are chosen, never their weights): stored in the checkpoint, not counted.
+NOT_PARAMETER_PATTERNS: tuple[str, ...] = (r"\.gate\.e_score_correction_bias$",)
+_NOT_PARAMETER = re.compile("|".join(NOT_PARAMETER_PATTERNS))
+PARAMETER_RULE = (
+    "Learned weights (nn.Parameter) of the text model, tied weights once; the router selection bias "
+    "(e_score_correction_bias, a load-balancing buffer) is stored but not counted."
+)
+
+
+def counts_as_parameter(name: str) -> bool:
+    """Whether a checkpoint tensor counts as parameters under ``PARAMETER_RULE`` (router selection bias: no)."""
+    return _NOT_PARAMETER.search(name) is None
+
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,

@@ -439,7 +439,8 @@ class K3ForCausalLM(nn.Module):
         return K3Output(logits=logits, loss=loss, aux_loss=aux, cache=cache)
 
     def num_parameters(self, active: bool = False) -> int:
-        """Total parameters, or parameters touched per token (routed experts counted k of E)."""
+        """Total parameters, or parameters touched per token (routed experts counted k of E). Parameters are
+        ``nn.Parameter``s (k3core.checkpoint_files.PARAMETER_RULE): the router selection bias, a buffer, is not."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total

@@ -189,6 +189,15 @@ def test_generate_page(app_env, runs):
     assert out and out[-1].startswith("ROMEO:")
     assert {m.label for m in at.metric} >= {"New tokens", "Decode cache"}
     assert [m.value for m in at.metric if m.label == "New tokens"] == ["12"]
+    # A Stop ends the script while it streams: what was kept so far (every 16 tokens) is shown as stopped, with its
+    # heading, speed, cache and download, on the next run.
+    kept = {**at.session_state["k3lab_generated"], "text": "abc", "new": 16, "asked": 200, "done": False}
+    at.session_state["k3lab_generated"] = kept
+    at.run()
+    assert any("stopped: 16 of 200 new tokens" in c.value for c in at.caption), [c.value for c in at.caption]
+    assert {m.label for m in at.metric} >= {"New tokens", "Speed", "Decode cache"}
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["16"]
+    assert any(h.value.startswith("#### Output of") for h in at.markdown)
 
 
 # ------------------------------------------------------------------------------------ pure helpers
@@ -204,6 +213,14 @@ def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     assert len(problems) == 1 and "missing" in problems[0]
     found, _ = run_list.discover_runs(str(runs["good"]), samples)
     assert [r.label for r in found] == ["nano-a", "nano-a (2)"]
+    # a shipped sample opened by path under a new name is listed (and linkable) under that name; under its own
+    # folder name it is not listed twice
+    by_path = [
+        run_list.RunRef("my-sample", str(samples / "nano-a"), "path"),
+        run_list.RunRef("nano-a", str(samples / "nano-a"), "path"),
+    ]
+    found, _ = run_list.discover_runs(None, samples, by_path)
+    assert [(r.label, r.origin) for r in found] == [("nano-a", "sample"), ("my-sample", "path")]
     # A folder of runs expands to its checkpoint folders.
     found, problems = run_list.discover_runs(str(runs["good"].parent), None)
     assert [r.label for r in found] == ["corrupt", "nan-weights", "nano-a", "nano-b"] and not problems

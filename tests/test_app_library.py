@@ -167,6 +167,11 @@ def test_preset_rename_and_delete(env):
     at.button(key=f"k3lab_lib_delete_{entry.id}").click().run()
     assert RunsLibrary(env).entries() == [] and not entry.path.exists()
     assert "fresh · preset" not in at.selectbox(key="k3lab_run").options
+    # the page says what it deleted, and the Run box shows a run that is there (with a note on why)
+    assert any("Deleted **fresh**" in m.value for m in at.success), [m.value for m in at.success]
+    box = at.selectbox(key="k3lab_run")
+    assert box.value in box.options and box.value != "fresh"
+    assert any("**fresh** is no longer in the runs library" in i.value for i in at.sidebar.info)
 
 
 def test_a_run_too_big_for_memory_gets_a_message_not_a_load(env, runs, monkeypatch):

@@ -21,6 +21,7 @@ import torch
 from analysis import weights as wt
 from analysis.context import AnalysisContext
 from analysis.view import NotApplicable
+from k3core.checkpoint_files import counts_as_parameter
 from k3core.config import K3Config
 from k3core.hf_config import config_from_hf
 from k3core.model import K3ForCausalLM
@@ -91,7 +92,7 @@ def test_samples_weight_only_matches_loaded_model(run):
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             entry = layers[i]
-            assert entry["params"] == sum(p.numel() for p in layer.state_dict().values())
+            assert entry["params"] == sum(p.numel() for p in layer.parameters())  # k3core PARAMETER_RULE
             if layer.is_mla:
                 assert entry["kda_half_life"] is None
             else:  # the model's own gate at zero input is g0
@@ -240,8 +241,8 @@ def test_params_by_depth_and_kind():
     got = p[p["layer"] == 3].set_index("kind")["params"]
     assert got["MLA"] == sum(t.numel() for t in layer.self_attn.parameters())
     assert got["shared experts"] == sum(t.numel() for t in layer.block_sparse_moe.shared_experts.parameters())
-    assert got["routed experts"] == sum(
-        v.numel() for k, v in layer.block_sparse_moe.state_dict().items() if not k.startswith("shared_experts.")
+    assert got["routed experts"] == sum(  # parameters only: the router-bias buffer is not (PARAMETER_RULE)
+        v.numel() for k, v in layer.block_sparse_moe.named_parameters() if not k.startswith("shared_experts.")
     )
     assert p[p["layer"] == 0].set_index("kind")["params"]["dense FFN"] == sum(
         t.numel() for t in model.model.layers[0].mlp.parameters()
@@ -457,7 +458,9 @@ def test_sparse_kimi_k3_checkpoint(sparse_k3, tmp_path):
     assert peak_rss < 2 * 1024**3
     assert doc["bytes_read"] < 0.001 * doc["bytes_total"]
     assert doc["bytes_total"] == sum(math.prod(s) * (4 if F32_RULE.search(n) else 2) for n, s in shapes.items())
-    assert doc["total_params"] == sum(math.prod(s) for s in shapes.values())
+    # parameters: every tensor but the router-bias buffers (k3core PARAMETER_RULE)
+    assert doc["total_params"] == sum(math.prod(s) for n, s in shapes.items() if counts_as_parameter(n))
+    assert doc["total_params"] < sum(math.prod(s) for s in shapes.values())
     assert doc["skipped_tensors"] == sorted(extra)
     assert (out / "index.html").is_file() and (out / "figures" / "weights_kda_half_life.html").is_file()
 
@@ -467,7 +470,8 @@ def test_sparse_kimi_k3_checkpoint(sparse_k3, tmp_path):
         assert entry["index"] == i
         assert entry["mixer"] == ("mla" if cfg.is_mla_layer(i) else "kda")
         assert entry["ffn"] == ("moe" if i >= 1 else "dense")
-        assert entry["params"] == sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"model.layers.{i}."))
+        in_layer = [s for n, s in shapes.items() if n.startswith(f"model.layers.{i}.") and counts_as_parameter(n)]
+        assert entry["params"] == sum(math.prod(s) for s in in_layer)
         if i in kda:
             a = planted[f"model.layers.{i}.self_attn.A_log"][:H].astype(np.float64)
             dt = planted[f"model.layers.{i}.self_attn.dt_bias"].astype(np.float64).reshape(H, d)
@@ -540,6 +544,8 @@ def test_app_weights_page_for_sample_runs_and_compare(monkeypatch, tmp_path):
     # 9 side-by-side views; differences of the per-layer views both runs have: half-life, bias spread, norms, params
     assert charts == 9 + 4
     at.selectbox(key="k3lab_weights_cmp").set_value("(none)").run()
+    # the page's own button, where the expert norms would be, instead of a command line to type elsewhere
+    assert not any("--experts" in i.value for i in at.info), [i.value for i in at.info]
     at.button(key="k3lab_weights_exp").click().run()  # the button names the bytes it will read
     assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) == 9  # now with the expert weight norms

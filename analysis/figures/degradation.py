@@ -60,10 +60,9 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
         "entropy_norm",
         "MLA L",
         f"MLA attention entropy, causal-normalised (1 = uniform, 0 = one key) — {ctx.label}",
-        "H / log(i+1)",
-        zmin=0.0,
-        zmax=1.0,
-    )
+        "H / log(i+1) (1 = uniform)",
+        fmt=".3f",
+    )  # the colours span the values present (often 0.9-1): a fixed 0..1 drew every head in one colour
     return fig, df
 
 
@@ -83,7 +82,6 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
                 hovertemplate=f"MLA layer {layer}, query %{{text}}<br>H / log(i+1) = %{{y:.3f}}<extra></extra>",
             )
         )
-    fig.update_yaxes(range=[0, 1.05])
     apply_style(
         fig,
         f"MLA attention entropy by query position (mean over heads) — {ctx.label}",
@@ -114,7 +112,9 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         annotation_text=f"sink threshold {at.SINK_THRESHOLD}",
         annotation_position="top left",
     )
-    fig.update_yaxes(range=[0, 1.0])
+    # from 0 (bars) to just above the larger of the data and the threshold: a fixed 0..1 squashed the bars
+    top = max(float(df["first_token_mass"].max()), at.SINK_THRESHOLD)
+    fig.update_yaxes(range=[0, min(1.0, top * 1.15)])
     T = at.attention_tokens(ctx.trace)
     title = f"Attention sink: first-token mass per MLA head (sink rate {rate:.0%}) — {ctx.label}"
     if T < at.MIN_SINK_TOKENS:
@@ -243,7 +243,7 @@ def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
             "title": {"text": "linear CKA"},
             "overlaying": "y",
             "side": "right",
-            "range": [0, 1.05],
+            "range": [-0.06, 1.06],  # 0 above the x axis: clear of the turned layer labels
             "showgrid": False,
             "tickmode": "linear",
             "tick0": 0,

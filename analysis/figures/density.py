@@ -120,17 +120,21 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
             )
         )
     at = table[table["seq_len"] == T].set_index("layer_type")["bytes"]
-    readout = ", ".join(f"{k} {format_bytes(v)}" for k, v in at.items() if v > 0)
+    readout = "<br>".join(f"{k} {format_bytes(v)}" for k, v in at.items() if v > 0)
     fig.add_vline(x=T, line={"color": "#888", "dash": "dot"})
+    # In the top left corner of the plot (cache grows to the right): inside the panel at any width.
     fig.add_annotation(
-        x=np.log10(T),
-        y=1.0,
+        x=0.02,
+        y=0.98,
+        xref="paper",
         yref="paper",
-        text=f"T = {format_tokens(T)}: {readout}",
+        text=f"at T = {format_tokens(T)} (dotted line):<br>{readout}",
         showarrow=False,
-        xanchor="right" if T > 2**15 else "left",
-        yanchor="bottom",
+        xanchor="left",
+        yanchor="top",
+        align="left",
         font={"size": 11},
+        bgcolor="rgba(255, 255, 255, 0.8)",
     )
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
@@ -372,8 +376,9 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     x=g["token"],
                     y=g["state_norm"],
                     mode="lines+markers",
-                    name=f"L{layer} h{head}",
+                    name=f"L{layer}",  # one legend entry per layer (heads: line styles, named in the hover)
                     legendgroup=f"L{layer}",
+                    showlegend=bool(head == sub["head"].min()),
                     line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4]},
                     text=ctx.position_labels(g["token"]),
                     hovertemplate=f"layer {layer}, head {head}<br>token %{{text}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
@@ -387,7 +392,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
         "state Frobenius norm ‖S‖_F",
     )
     fig.update_xaxes(**ctx.token_axis(table["token"]))
-    if not per_head or len(fig.data) > 8:  # many entries: legend as a column on the right
+    if len(layers) > 4:  # many entries: legend as a column on the right
         fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table
 
@@ -399,7 +404,7 @@ VIEWS: list[View] = [
         "density",
         build_allocation,
         description="Parameters, active parameters, FLOPs per token and cache bytes per layer, from the config.",
-        compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("layer",)),
+        compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("part",)),
     ),
     View(
         "density_cache_vs_length",

@@ -12,7 +12,7 @@ from plotly.subplots import make_subplots
 
 from analysis import history as hist
 from analysis.context import AnalysisContext
-from analysis.style import RUN_COLORS, apply_style
+from analysis.style import RUN_COLORS, apply_style, subplot_spacing
 from analysis.view import Comparison, NotApplicable, View
 
 
@@ -85,24 +85,27 @@ def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFram
         panels.remove("val loss")  # the same numbers in another unit
     x, x_title = _x_axis(df)
     colours = run_colours(runs)
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=panels, horizontal_spacing=0.08)
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=panels, **subplot_spacing(1, len(panels), 380))
+    in_legend: set[str] = set()
     for label, part in df.groupby("run", sort=False):
         for col, panel in enumerate(panels, start=1):
             for curve, c in part[part["panel"] == panel].groupby("curve", sort=False):
                 dotted = curve.startswith("train") and panel == "bits per byte"
+                name = label if not dotted else f"{label} (train)"
                 fig.add_trace(
                     go.Scatter(
                         x=c[x],
                         y=c["value"],
                         mode="lines+markers" if len(c) < 30 else "lines",
-                        name=label if not dotted else f"{label} (train)",
+                        name=name,
                         legendgroup=label,
-                        showlegend=col == 1 or dotted,
+                        showlegend=name not in in_legend,
                         line={"color": colours[label], "dash": "dot" if dotted else None},
                     ),
                     row=1,
                     col=col,
                 )
+                in_legend.add(name)
     apply_style(fig, "Training curves", height=380)
     for col, panel in enumerate(panels, start=1):
         fig.update_yaxes(title_text=PANEL_Y.get(panel, panel), row=1, col=col)
@@ -120,8 +123,12 @@ def history_moe_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
     colours = run_colours(runs)
     titles = {"MaxVio": "MaxVio = max c / mean c - 1", "CV": "CV = std c / mean c"}
     fig = make_subplots(
-        rows=1, cols=len(stats), subplot_titles=[f"{titles[s]} (mean and max over layers)" for s in stats]
+        rows=1,
+        cols=len(stats),
+        subplot_titles=[f"{titles[s]} (mean and max over layers)" for s in stats],
+        **subplot_spacing(1, len(stats), 380),
     )
+    in_legend: set[str] = set()
     for label, part in df.groupby("run", sort=False):
         for col, stat in enumerate(stats, start=1):
             agg = part[part["stat"] == stat].groupby("step")["value"].agg(["mean", "max"]).reset_index()
@@ -133,12 +140,13 @@ def history_moe_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:
                         mode="lines",
                         name=f"{label} {kind}",
                         legendgroup=label,
-                        showlegend=col == 1,
+                        showlegend=f"{label} {kind}" not in in_legend,
                         line={"color": colours[label], "dash": dash},
                     ),
                     row=1,
                     col=col,
                 )
+                in_legend.add(f"{label} {kind}")
     apply_style(fig, "MoE load balance over training", height=380)
     for col, stat in enumerate(stats, start=1):
         fig.update_yaxes(title_text=stat, rangemode="tozero", row=1, col=col)
@@ -155,10 +163,21 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
         raise NotApplicable("metrics.json has no AttnRes summaries (history.attnres)")
     metrics = list(dict.fromkeys(df["metric"]))[:6]
     colours = run_colours(runs)
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[field_title(m)[0] for m in metrics])
+    cols = min(len(metrics), 3)  # at most three panels a row: six in one row ran their titles together
+    rows = -(-len(metrics) // cols)
+    height = 80 + 300 * rows
+    fig = make_subplots(
+        rows=rows,
+        cols=cols,
+        subplot_titles=[field_title(m)[0] for m in metrics],
+        **subplot_spacing(rows, cols, height, title_lines=2),
+    )
+    in_legend: set[str] = set()
     for label, part in df.groupby("run", sort=False):
-        for col, metric in enumerate(metrics, start=1):
+        for n, metric in enumerate(metrics):
             agg = part[part["metric"] == metric].groupby("step", as_index=False)["value"].mean()
+            if agg.empty:
+                continue
             fig.add_trace(
                 go.Scatter(
                     x=agg["step"],
@@ -166,16 +185,19 @@ def history_attnres_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFra
                     mode="lines+markers" if len(agg) < 30 else "lines",
                     name=label,
                     legendgroup=label,
-                    showlegend=col == 1,
+                    showlegend=label not in in_legend,  # the run's first panel, whichever that is
                     line={"color": colours[label]},
                 ),
-                row=1,
-                col=col,
+                row=n // cols + 1,
+                col=n % cols + 1,
             )
-    apply_style(fig, "AttnRes over training (mean over sites)", height=380)
-    for col, metric in enumerate(metrics, start=1):
-        fig.update_yaxes(title_text=field_title(metric)[1], row=1, col=col)
-    fig.update_xaxes(title_text="training step")
+            in_legend.add(label)
+    apply_style(fig, "AttnRes over training (mean over sites)", height=height)
+    for n, metric in enumerate(metrics):
+        fig.update_yaxes(title_text=field_title(metric)[1], row=n // cols + 1, col=n % cols + 1)
+    for n in range(len(metrics)):  # the x title under the bottom panel of each column only
+        if n + cols >= len(metrics):
+            fig.update_xaxes(title_text="training step", row=n // cols + 1, col=n % cols + 1)
     _legend_right(fig)
     return fig, df
 

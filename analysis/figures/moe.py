@@ -101,7 +101,7 @@ def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             colorscale=SEQUENTIAL,
             zmin=0,
             customdata=count.to_numpy(),
-            colorbar={"title": {"text": "share of layer"}},
+            colorbar={"title": {"text": "share of the layer's assignments"}, "tickformat": ".1%"},
             hovertemplate="layer %{y}, expert %{x}<br>share %{z:.2%} (%{customdata} assignments)<extra></extra>",
         )
     )

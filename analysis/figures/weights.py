@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 from analysis import moe as mo
 from analysis import weights as wt
 from analysis.context import AnalysisContext
+from analysis.shared_scales import AXIS_TOP, AXIS_TOP_AT
 from analysis.style import DIVERGING, LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.view import Comparison, NotApplicable, View
 from k3core.model import scale_bias_init
@@ -92,12 +93,20 @@ def build_kda_half_life(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
     )
     mla = s.structure.loc[s.structure["mixer"] == "mla", "layer"].to_list()
-    top = float(np.nanmax(np.where(np.isfinite(hi), hi, np.nan))) if np.isfinite(hi).any() else 1.0
+    finite = np.concatenate([np.asarray(v, dtype=np.float64) for v in (lo, med, hi)])
+    finite = finite[np.isfinite(finite) & (finite > 0)]
+    bottom, top = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 10.0)
     if mla:
+        # "Unbounded" has no value: the markers stand at the top of the axis (AXIS_TOP), above every KDA
+        # layer, here and on any axis this one shares in a comparison.
+        span = np.log10(top) - np.log10(bottom) or 1.0
+        y_range = [np.log10(bottom) - 0.05 * span, np.log10(top) + 0.25 * span]
+        fig.update_yaxes(range=y_range)
         fig.add_trace(
             go.Scatter(
                 x=mla,
-                y=[top * 3.0] * len(mla),
+                y=[10 ** (y_range[0] + AXIS_TOP_AT * (y_range[1] - y_range[0]))] * len(mla),
+                meta=AXIS_TOP,
                 mode="markers",
                 name="MLA: unbounded memory (full attention)",
                 marker={"color": LAYER_TYPE_COLORS["MLA"], "symbol": "triangle-up", "size": 11},

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from k3core.checkpoint_files import counts_as_parameter
 from k3core.config import K3Config
 
 EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
@@ -149,6 +150,8 @@ def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.Da
     n = len(structure)
     totals: dict[tuple[int, str], int] = {}
     for name, meta in shapes.items():
+        if not counts_as_parameter(name):  # the router selection bias: a buffer (k3core PARAMETER_RULE)
+            continue
         i = layer_of(name)[0]
         if i is None:
             i = -1 if name.startswith("model.embed_tokens") else n

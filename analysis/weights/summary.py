@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from k3core.checkpoint_files import counts_as_parameter
 from k3core.config import K3Config
 
 from .decay import kda_tables
@@ -72,7 +73,7 @@ def summarize_values(
     return WeightSummary(
         label="",
         config=config,
-        total_params=int(sum(numel(m) for m in shapes.values())),
+        total_params=int(sum(numel(m) for name, m in shapes.items() if counts_as_parameter(name))),
         bytes_total=int(sum(int(getattr(m, "nbytes", 0)) for m in shapes.values())),
         bytes_read=0,
         seconds=0.0,

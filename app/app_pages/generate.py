@@ -30,6 +30,35 @@ if tok is None:
     )
     st.stop()
 st.caption(f"Tokenizer: {tok.name}")  # file name and counts: no user text
+
+
+def show_result(result: dict, live: bool = False) -> None:
+    """The output: heading, text, new tokens, speed, decode cache and a download; a note when the generation was
+    stopped before its end (or, while it runs, how far it is: a Stop keeps all of this on the page)."""
+    st.markdown(f"#### Output of {md_escape(result['run'])}")
+    if not result.get("done", True):
+        note = "generating" if live else "stopped"
+        st.caption(f"{note}: {result['new']:,} of {result.get('asked', result['new']):,} new tokens")
+    st.code(result["prompt"] + result["text"], language=None)
+    c = st.columns(3)
+    c[0].metric("New tokens", f"{result['new']:,}")
+    c[1].metric("Speed", f"{result['new'] / max(result['seconds'], 1e-9):,.0f} tokens/s")
+    c[2].metric(
+        "Decode cache",
+        f"{result['cache_bytes'] / 1024:,.1f} KiB",
+        f"after {result['cache_tokens']:,} tokens",
+        delta_color="off",
+    )
+    st.download_button(
+        "Download text",
+        data=result["prompt"] + result["text"],
+        file_name="k3lab-generated.txt",
+        mime="text/plain",
+        # while generating the button is drawn again every 16 tokens: no fixed key (one per script run)
+        key=None if live else "k3lab_gen_download",
+    )
+
+
 with st.form("k3lab_generate"):
     prompt = st.text_area("Prompt", value="ROMEO:\n", height=100, key="k3lab_prompt")
     c = st.columns(4)
@@ -50,13 +79,31 @@ if go:
     cache = K3Cache.for_config(model.config)
     live = st.empty()
     produced: list[int] = []
+    start = time.perf_counter()
+
+    def _result(done: bool) -> dict:
+        return {
+            "run": run.label,
+            "prompt": prompt,
+            "text": tok.decode(produced),
+            "new": len(produced),
+            "asked": int(new_tokens),
+            "seconds": time.perf_counter() - start,
+            "cache_bytes": cache.nbytes(),
+            "cache_tokens": cache.seen_tokens,
+            "done": done,
+        }
 
     def _stream(column: torch.Tensor) -> None:
         produced.append(int(column[0]))
         if len(produced) % 16 == 0:
-            live.code(prompt + tok.decode(produced), language=None)
+            # Kept as it goes: a Stop ends the script here, and what is on the page (heading, text, speed, cache,
+            # download) and in the session (shown as "stopped" on the next run) is the text so far.
+            partial = _result(done=False)
+            st.session_state["k3lab_generated"] = partial
+            with live.container():
+                show_result(partial, live=True)
 
-    start = time.perf_counter()
     try:
         with caching.model_use(model):  # shared: other sessions' forwards run at the same time
             out = model.generate(
@@ -71,37 +118,13 @@ if go:
             )
     except (ValueError, RuntimeError) as exc:
         live.empty()
+        st.session_state.pop("k3lab_generated", None)
         st.error(f"Generation failed: {exc}")
         st.stop()
-    seconds = time.perf_counter() - start
+    produced = out[0, len(ids) :].tolist()
     live.empty()
-    st.session_state["k3lab_generated"] = {
-        "run": run.label,
-        "prompt": prompt,
-        "text": tok.decode(out[0, len(ids) :].tolist()),
-        "new": int(out.shape[1] - len(ids)),
-        "seconds": seconds,
-        "cache_bytes": cache.nbytes(),
-        "cache_tokens": cache.seen_tokens,
-    }
+    st.session_state["k3lab_generated"] = _result(done=True)
 
 result = st.session_state.get("k3lab_generated")
 if result:
-    st.markdown(f"#### Output of {result['run']}")
-    st.code(result["prompt"] + result["text"], language=None)
-    c = st.columns(3)
-    c[0].metric("New tokens", f"{result['new']:,}")
-    c[1].metric("Speed", f"{result['new'] / max(result['seconds'], 1e-9):,.0f} tokens/s")
-    c[2].metric(
-        "Decode cache",
-        f"{result['cache_bytes'] / 1024:,.1f} KiB",
-        f"after {result['cache_tokens']:,} tokens",
-        delta_color="off",
-    )
-    st.download_button(
-        "Download text",
-        data=result["prompt"] + result["text"],
-        file_name="k3lab-generated.txt",
-        mime="text/plain",
-        key="k3lab_gen_download",
-    )
+    show_result(result)

@@ -11,6 +11,7 @@ from analysis.views import section_views
 from app import caching, cards, page
 from app.download_all import download_all
 from app.errors import markdown_card, md_escape
+from k3core.checkpoint_files import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
@@ -39,7 +40,7 @@ RESIDUAL_NAMES = {
     "plain": "PreNorm",
 }
 c = st.columns([1, 1, 0.7, 1.4, 0.8])
-c[0].metric("Parameters", format_count(total), help="All weights, embeddings and LM head included.")
+c[0].metric("Parameters", format_count(total), help=PARAMETER_RULE)
 c[1].metric("Active per token", format_count(active), help="Routed experts counted k of E.")
 c[2].metric(
     "Layers",

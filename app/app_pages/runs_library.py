@@ -266,4 +266,7 @@ for entry in entries:
             )
             if st.button("Delete", key=f"k3lab_lib_delete_{entry.id}", type="primary"):
                 lib.delete(entry.id)
+                ss["k3lab_library_ok"] = f"Deleted **{md_escape(entry.name)}** from the runs library." + (
+                    " Its files are removed." if entry.stored else " The folder itself is left where it is."
+                )
                 st.rerun()

@@ -12,7 +12,7 @@ from analysis.format import format_bytes
 from analysis.views import section_views
 from app import caching, cards, error_text, page
 from app.run_folders import human_count
-from k3core.checkpoint_files import CheckpointError
+from k3core.checkpoint_files import PARAMETER_RULE, CheckpointError
 
 
 def weights_or_stop(ref, experts: bool = False, progress=None) -> caching.Loaded:
@@ -41,7 +41,7 @@ summary = a.ctx.weights
 
 structure = summary.structure
 c = st.columns(5)
-c[0].metric("Parameters", human_count(summary.total_params), help="Every tensor of the text model (headers).")
+c[0].metric("Parameters", human_count(summary.total_params), help=PARAMETER_RULE)
 c[1].metric("Declared size", format_bytes(summary.bytes_total))
 c[2].metric(
     "Read",
@@ -63,7 +63,7 @@ for note in summary.notes:
 if summary.skipped:
     with st.expander(f"{len(summary.skipped)} tensors skipped (not part of the text model)"):
         st.code("\n".join(summary.skipped[:200]) + ("\n..." if len(summary.skipped) > 200 else ""))
-left, right = st.columns([1, 3])
+left = st.columns([1, 3])[0]
 left.download_button(
     "weights.json",
     json.dumps(wt.weights_json(summary), indent=1),
@@ -71,11 +71,18 @@ left.download_button(
     mime="application/json",
     key="k3lab_weights_json",
 )
-if summary.expert_norms is None and (structure["ffn"] == "moe").any():
-    n = summary.expert_bytes
-    if right.button(f"Read expert matrices for per-expert norms ({format_bytes(n)})", key="k3lab_weights_exp"):
+
+
+def expert_norms_button(where) -> None:
+    """The button that reads the expert matrices (what ``k3lab weights PATH --experts`` does) and draws the
+    per-expert norms: shown where that view would be."""
+    label = f"Read the expert matrices for per-expert norms ({format_bytes(summary.expert_bytes)})"
+    if where.button(label, key="k3lab_weights_exp"):
         st.session_state[f"k3lab_weights_experts_{ref.label}"] = True
         st.rerun()
+
+
+needs_experts = summary.expert_norms is None and (structure["ffn"] == "moe").any()
 
 others = [r for r in inputs.runs if r.label != ref.label]
 other = st.selectbox(
@@ -87,6 +94,10 @@ other = st.selectbox(
 views = section_views("weights")
 if other == "(none)":
     for view in views:
+        if view.key == "weights_expert_norms" and needs_experts:  # the page's own button, not a command line
+            st.markdown(f"**{view.title}**: the expert matrices are not read yet.")
+            expert_norms_button(st)
+            continue
         cards.render_view(view, a)
 else:
     b = weights_or_stop(next(r for r in others if r.label == other))
