@@ -29,6 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 TEXTS = ("ROMEO:\nBut soft, what light through yonder window breaks?", "To be, or not to be: that is the question.")
 MAX_TOKENS = 24
 LAUNCH_TIMEOUT = 240
+KIMI_MXFP4 = "kimi-linear-5-mxfp4"
+try:  # issue 18's quantised checkpoints: then the Kimi-Linear-shaped case has MXFP4 experts
+    import k3core.quantized  # noqa: F401
+
+    QUANTISED = True
+except ImportError:
+    QUANTISED = False
+KIMI = KIMI_MXFP4 if QUANTISED else "kimi-linear-5"
 GRACE = 10  # seconds for torchrun to notice the exits and stop the hung rank, on a loaded 2-core machine
 
 
@@ -52,6 +60,16 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         out[name] = K3ForCausalLM.from_config(cfg).save_pretrained(root / name, max_shard_bytes=shard)
     for i, text in enumerate(TEXTS):
         (root / f"text{i}.txt").write_text(text)
+    if QUANTISED:  # the Kimi-Linear-shaped layers with MXFP4 routed experts (compressed-tensors' own compressor)
+        from tests.test_quantized import quantise_folder
+
+        widths = dict(hidden_size=64, moe_intermediate_size=32, q_lora_rank=None)  # MXFP4 groups of 32
+        cfg = kimi_linear_type(name="kimi-linear-5", vocab_size=256, num_hidden_layers=5, full_attn_layers=[2, 5],
+                               first_k_dense_replace=1, **widths)  # fmt: skip
+        torch.manual_seed(4)
+        dense = K3ForCausalLM.from_config(cfg).save_pretrained(root / "kimi-dense")
+        quantise_folder(dense, root / KIMI_MXFP4, "mxfp4-pack-quantized", ".experts.")
+        out[KIMI_MXFP4] = root / KIMI_MXFP4
     out["root"] = root
     return out
 
@@ -70,7 +88,7 @@ def _texts(checkpoints) -> list[str]:
     return [a for i in range(len(TEXTS)) for a in ("--text", str(checkpoints["root"] / f"text{i}.txt"))]
 
 
-@pytest.mark.parametrize("name,nproc", [("k3-nano", 2), ("k3-nano", 3), ("kimi-linear-5", 2), ("kimi-linear-5", 3)])
+@pytest.mark.parametrize("name,nproc", [("k3-nano", 2), ("k3-nano", 3), (KIMI, 2), (KIMI, 3)])
 def test_gathered_trace_equals_the_single_process_trace(checkpoints, tmp_path, name, nproc):
     path = checkpoints[name]
     out = tmp_path / "trace"
