@@ -5,6 +5,7 @@ the others exit naming it and its layers, within the timeout, with nothing writt
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -30,12 +31,9 @@ TEXTS = ("ROMEO:\nBut soft, what light through yonder window breaks?", "To be, o
 MAX_TOKENS = 24
 LAUNCH_TIMEOUT = 240
 KIMI_MXFP4 = "kimi-linear-5-mxfp4"
-try:  # issue 18's quantised checkpoints: then the Kimi-Linear-shaped case has MXFP4 experts
-    import k3core.quantized  # noqa: F401
-
-    QUANTISED = True
-except ImportError:
-    QUANTISED = False
+# With issue 18's quantised checkpoints (and compressed-tensors to write one) the Kimi-Linear-shaped case has MXFP4
+# routed experts; without them it is dense, and every other case still runs.
+QUANTISED = all(importlib.util.find_spec(m) is not None for m in ("k3core.quantized", "compressed_tensors"))
 KIMI = KIMI_MXFP4 if QUANTISED else "kimi-linear-5"
 GRACE = 10  # seconds for torchrun to notice the exits and stop the hung rank, on a loaded 2-core machine
 
