@@ -185,3 +185,41 @@ def test_the_app_opens_a_trace_folder_without_the_checkpoint(traced, monkeypatch
     at.switch_page("app_pages/experiment.py").run()
     shown = [i.value for i in at.info] + [e.value for e in at.error] + [w.value for w in at.warning]
     assert not at.exception and any("needs the checkpoint" in v for v in shown), shown
+
+
+def test_upload_and_open_by_path_of_a_trace_folder_in_the_app(traced, monkeypatch, tmp_path):
+    """The runs library page: a trace folder uploaded file by file, and one opened by path, become runs whose
+    pages draw the recorded trace."""
+    from streamlit.testing.v1 import AppTest
+
+    from app import library_home, run_list
+    from app.settings import HOME_ENV, ROOTS_ENV
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(ROOTS_ENV, str(traced["out"].parent))
+    monkeypatch.setenv(run_list.RUNS_ENV, "")
+    (tmp_path / "no-samples").mkdir()
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", tmp_path / "no-samples")
+    library_home._library.clear()
+    at = AppTest.from_file(str(APP), default_timeout=180)
+    at.run()
+    at.switch_page("app_pages/runs_library.py").run()
+    uploader = at.get("file_uploader")[0]
+    for file in sorted(traced["out"].iterdir()):
+        uploader.upload(file.name, file.read_bytes())
+    at.text_input(key="k3lab_upload_name").input("uploaded-trace")
+    at.button(key="k3lab_upload_add").click().run()
+    assert not at.exception and [e.value for e in at.error] == []
+    assert at.session_state["k3lab_run"] == "uploaded-trace"
+    at.switch_page("app_pages/moe.py").run()
+    assert not at.exception and [e.value for e in at.error] == []
+    assert len(at.get("plotly_chart")) >= 2
+
+    at.switch_page("app_pages/runs_library.py").run()
+    at.text_input(key="k3lab_open_path").input(str(traced["out"]))
+    at.button(key="k3lab_open_check").click().run()
+    assert not at.exception and [e.value for e in at.error] == []
+    assert any("A trace folder" in c.value and "no weights" in c.value for c in at.caption)
+    at.button(key="k3lab_open_add").click().run()
+    assert not at.exception and [e.value for e in at.error] == []
+    assert at.session_state["k3lab_run"] == "trace"

@@ -30,7 +30,7 @@ inputs = current_inputs()
 device = inputs.device if inputs else "cpu"
 dtype = inputs.dtype if inputs else "float32"
 SOURCE_NAMES = {"upload": "uploaded", "path": "folder on the server", "preset": "random-init preset"}
-UPLOAD_TYPES = ["json", "safetensors", "md", "bin", "pt", "model", "zip"]
+UPLOAD_TYPES = ["json", "safetensors", "md", "bin", "pt", "model", "zip", "npz"]  # npz: trace folders
 VALIDATE_LOAD_BYTES = 2 * 1024**3  # uploads up to this size are loaded once to check every tensor
 
 try:
