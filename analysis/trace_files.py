@@ -100,14 +100,18 @@ def read_inputs(
 
 
 def write_run_traces(
-    run: runs_mod.Run, inputs: list[runs_mod.Input], out: str | Path, what: Any = "all", world_size: int = 1
+    run: runs_mod.Run, inputs: list[runs_mod.Input], out: str | Path, what: Any = "all", edits: list | None = None
 ) -> Path:
-    """Trace ``run`` on each input (``analysis.runs.trace_run``) and write the trace folder ``out`` atomically."""
+    """Trace ``run`` on each input (``analysis.runs.trace_run``; with ``edits``, the edited forward) and write the
+    trace folder ``out`` atomically."""
     if run.recorded is not None:
         raise ValueError(f"{run.label} is already a trace folder: tracing needs the checkpoint")
-    traces = [runs_mod.trace_run(run, chosen, what=what).trace for chosen in inputs]
-    made = made_card(run.device, run.dtype, run.path, run.fingerprint, world_size)
-    card = run_card(run.config, run.tokenizer, inputs, traces, made, parameters=run.card.get("parameters"))
+    traces = [runs_mod.trace_run(run, chosen, what=what, edits=edits).trace for chosen in inputs]
+    made = made_card(run.device, run.dtype, run.path, run.fingerprint)
+    listed = [e.to_dict() for e in edits] if edits else None
+    card = run_card(
+        run.config, run.tokenizer, inputs, traces, made, edits=listed, parameters=run.card.get("parameters")
+    )
     return write_trace_dir(out, traces, card, run.config.to_json() + "\n", copy_from=run.path)
 
 

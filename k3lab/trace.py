@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="under torchrun: seconds a rank waits for another before all exit naming it (default 300)",
     )
+    p.add_argument(
+        "--edit",
+        action="append",
+        metavar="EDIT",
+        help="on one process: trace the edited forward (repeatable; JSON or KIND.OP key=value, as k3lab experiment); "
+        "the run card lists the edits",
+    )
     p.add_argument("--logits", action="store_true", help="under torchrun: also keep the logits in the traces")
     p.add_argument(
         "--pipeline", action="store_true", help="run the pipeline code even on one process (torchrun, for benchmarks)"
@@ -64,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.pipeline:
+        if args.edit:
+            print("k3lab trace: --edit runs on one process only (not under torchrun)", file=sys.stderr)
+            return 2
         return _pipeline(args)
 
     from analysis import runs as runs_mod
@@ -75,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         check_out_dir(args.out)
         run = runs_mod.load_run(args.run, device=args.device, dtype=args.dtype)
         inputs = read_inputs(run, args.text, args.sample, args.max_tokens)
-        out = write_run_traces(run, inputs, args.out)
+        edits = None
+        if args.edit:
+            from k3core.interventions import compile_edits, parse_edit
+
+            edits = [parse_edit(e) for e in args.edit]
+            compile_edits(run.config, edits)  # names checked before any forward
+        out = write_run_traces(run, inputs, args.out, edits=edits)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"k3lab trace: {exc}", file=sys.stderr)
         return 2

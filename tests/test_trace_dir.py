@@ -223,3 +223,20 @@ def test_upload_and_open_by_path_of_a_trace_folder_in_the_app(traced, monkeypatc
     at.button(key="k3lab_open_add").click().run()
     assert not at.exception and [e.value for e in at.error] == []
     assert at.session_state["k3lab_run"] == "trace"
+
+
+def test_trace_of_an_edited_forward_lists_its_edits(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("ROMEO:\nBut soft, what light through yonder window breaks?")
+    args = ["trace", str(SAMPLE), "--text", str(text), "--max-tokens", str(MAX_TOKENS)]
+    assert k3lab([*args, "--out", str(tmp_path / "base")]) == 0
+    assert k3lab([*args, "--edit", "attnres.uniform site=1.attn", "--out", str(tmp_path / "edited")]) == 0
+    base, edited = read_trace_dir(tmp_path / "base"), read_trace_dir(tmp_path / "edited")
+    assert base.card["edits"] is None
+    [listed] = edited.card["edits"]
+    assert listed["kind"] == "attnres" and listed["site"] == "1.attn"
+    weights = edited.trace(0)["attnres.1.attn"]
+    np.testing.assert_allclose(weights, 1.0 / weights.shape[-1], rtol=1e-6)  # the edit is in the trace
+    assert not np.allclose(base.trace(0)["attnres.1.attn"], weights)
+    assert k3lab([*args, "--edit", "moe.ban layer=99 experts=1", "--out", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()
