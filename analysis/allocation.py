@@ -1,7 +1,10 @@
 """Layer density allocated by a config: parameters, FLOPs per token and decode cache per layer (no data).
 
-- parameters and active parameters per token, per layer, exactly as ``K3ForCausalLM`` builds them
-  (routed experts count k of E when active);
+- parameters of each layer by kind (``params_by_kind``: the one definition of "parameters of layer i by
+  kind", under ``k3core.checkpoint_files.PARAMETER_RULE``: the router selection bias is not counted);
+  ``analysis.weights.layout.params_by_depth`` counts the same from stored shapes, checked equal on every
+  sample and preset by tests/test_allocation.py; the allocation table's ``params`` are their sum per layer
+  (``K3ForCausalLM.num_parameters`` in total) and ``active_params`` count k of E routed experts;
 - FLOPs per token at sequence length T:
   ``flops = 2 * active matmul weights  +  sequence mixing  +  depth mixing``
   * matmul weights: every ``nn.Linear`` and depthwise-conv weight a token passes through (the router,
@@ -28,6 +31,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
+from analysis.weights.layout import KINDS, depth_label
 from k3core.config import K3Config
 
 DEFAULT_LENGTHS = tuple(2**p for p in range(10, 21))  # 1K .. 1M tokens
@@ -81,7 +85,7 @@ def _ffn_params(config: K3Config, layer: int) -> tuple[int, int, int, int]:
     m = config.scaled_width(config.moe_intermediate_size, layer)
     latent = config.routed_expert_hidden_size
     width = latent or D
-    fixed_matmul = E * D + 3 * D * config.num_shared_experts * m
+    fixed_matmul = E * D + _shared_expert_params(config, layer)
     fixed_other = 0
     if latent:
         fixed_matmul += 2 * D * latent
@@ -92,6 +96,12 @@ def _ffn_params(config: K3Config, layer: int) -> tuple[int, int, int, int]:
     return total, active, fixed_matmul + E * per_expert, fixed_matmul + k * per_expert
 
 
+def _shared_expert_params(config: K3Config, layer: int) -> int:
+    """Shared experts of an MoE layer: 3 D (n_shared m)."""
+    m = config.scaled_width(config.moe_intermediate_size, layer)
+    return 3 * config.hidden_size * config.num_shared_experts * m
+
+
 def _residual_params(config: K3Config) -> int:
     """Per-layer residual parameters: AttnRes 2 sites x (norm D + query D); scale/bias 4 D; plain 0."""
     D = config.hidden_size
@@ -100,6 +110,42 @@ def _residual_params(config: K3Config) -> int:
     if config.residual == "scale_bias":
         return 4 * D
     return 0
+
+
+def params_by_kind(config: K3Config) -> pd.DataFrame:
+    """Parameters of each depth by kind, from the config: the one definition of "parameters of layer i by kind"
+    (k3core PARAMETER_RULE: the router selection bias is not counted). Columns as
+    ``analysis.weights.layout.params_by_depth``: layer (-1 = embedding, L = output: LM head, final norm,
+    output mix), depth, kind (of ``KINDS``), params; only (depth, kind) pairs with parameters.
+
+    Layer i: its mixer (KDA or MLA, formulas in ``_kda_params`` / ``_mla_params``); dense FFN 3 D w, or routed
+    experts (router E D, latent projections and norm, E experts) and shared experts; norms/other:
+    the two layer norms 2 D and the residual parameters. Embedding V D; output: LM head V D (none when tied)
+    with the final norm D and the AttnRes output mix 2 D under norms/other.
+    """
+    D, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    rows: list[tuple[int, str, int]] = [(-1, "embedding / LM head", V * D)]
+    for i in range(L):
+        mla = config.is_mla_layer(i)
+        rows.append((i, "MLA" if mla else "KDA", (_mla_params(config) if mla else _kda_params(config))[0]))
+        ffn_all = _ffn_params(config, i)[0]
+        if config.is_moe_layer(i):
+            shared = _shared_expert_params(config, i)
+            rows += [(i, "routed experts", ffn_all - shared)]
+            rows += [(i, "shared experts", shared)]
+        else:
+            rows.append((i, "dense FFN", ffn_all))
+        rows.append((i, "norms/other", 2 * D + _residual_params(config)))
+    out_mix = 2 * D if config.residual in ("block_attnres", "full_attnres") else 0
+    rows += [(L, "norms/other", D + out_mix), (L, "embedding / LM head", 0 if config.tie_word_embeddings else V * D)]
+    table = [
+        {"layer": i, "depth": depth_label(i, L), "kind": kind, "params": p}
+        for i, kind, p in sorted(rows, key=lambda r: (r[0], KINDS.index(r[1])))
+        if p
+    ]
+    df = pd.DataFrame(table, columns=["layer", "depth", "kind", "params"])
+    df.attrs["keys"] = ["layer", "depth", "kind"]
+    return df
 
 
 def ffn_kind(config: K3Config, layer: int) -> str:
@@ -176,6 +222,7 @@ def layer_allocation(
     """
     D, V, L = config.hidden_size, config.vocab_size, config.num_hidden_layers
     mix = depth_mix_sources(config)
+    by_layer = params_by_kind(config).groupby("layer")["params"].sum()
     rows = [
         dict(
             layer=-1,
@@ -184,8 +231,8 @@ def layer_allocation(
             ffn_kind="",
             width_multiplier=np.nan,
             ffn_width=0,
-            params=V * D,
-            active_params=V * D,
+            params=int(by_layer[-1]),
+            active_params=int(by_layer[-1]),
             matmul_flops=0.0,
             mixing_flops=0.0,
             depth_mix_flops=0.0,
@@ -193,9 +240,9 @@ def layer_allocation(
         )
     ]
     for i in range(L):
-        mixer_all, mixer_mm = _mla_params(config) if config.is_mla_layer(i) else _kda_params(config)
+        mixer_mm = (_mla_params(config) if config.is_mla_layer(i) else _kda_params(config))[1]
         ffn_all, ffn_act, _, ffn_act_mm = _ffn_params(config, i)
-        norms = 2 * D + _residual_params(config)
+        params = int(by_layer[i])
         if config.is_moe_layer(i):
             width = config.scaled_width(config.moe_intermediate_size, i)
         else:
@@ -209,16 +256,14 @@ def layer_allocation(
                 ffn_kind=ffn_kind(config, i),
                 width_multiplier=config.width_multiplier(i),
                 ffn_width=width,
-                params=mixer_all + ffn_all + norms,
-                active_params=mixer_all + ffn_act + norms,
+                params=params,
+                active_params=params - (ffn_all - ffn_act),
                 matmul_flops=2.0 * (mixer_mm + ffn_act_mm),
                 mixing_flops=sequence_mixing_flops(config, i, seq_len, mode),
                 depth_mix_flops=depth,
                 cache_bytes=layer_cache_bytes(config, i, seq_len, dtype_bytes),
             )
         )
-    head = 0 if config.tie_word_embeddings else V * D
-    out_mix = 2 * D if config.residual in ("block_attnres", "full_attnres") else 0
     rows.append(
         dict(
             layer=L,
@@ -227,8 +272,8 @@ def layer_allocation(
             ffn_kind="",
             width_multiplier=np.nan,
             ffn_width=0,
-            params=head + D + out_mix,
-            active_params=head + D + out_mix,
+            params=int(by_layer[L]),
+            active_params=int(by_layer[L]),
             matmul_flops=2.0 * V * D,
             mixing_flops=0.0,
             depth_mix_flops=4.0 * mix.get("output", 0) * D,

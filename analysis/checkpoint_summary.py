@@ -14,9 +14,10 @@ device, so any size works, without weights.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from analysis.weights.layout import COMPONENTS, layer_of, tensor_kind
+from analysis.weights.layout import COMPONENTS, layer_of, layer_structure, num_layers_of, params_by_depth, tensor_kind
 from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.config import K3Config
 
@@ -64,32 +65,30 @@ def component_of(name: str, cfg: K3Config) -> str:
 
 
 def parameter_breakdown(model: K3ForCausalLM) -> dict[str, dict[str, int]]:
-    """{component: {"total": n, "active": n}}; routed experts count k of E per token as active."""
-    cfg = model.config
-    out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
-    share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
+    """{component: {"total": n, "active": n}} of the model's parameters (buffers such as the router's selection
+    bias are not parameters); routed experts count k of E per token as active."""
     seen: set[int] = set()
+    sizes = []
     for name, p in model.named_parameters():
-        if id(p) in seen:  # tied weights count once
-            continue
-        seen.add(id(p))
-        comp = component_of(name, cfg)
-        n = p.numel()
-        out[comp]["total"] += n
-        out[comp]["active"] += round(n * share) if comp == "MoE routed experts" else n
-    return {k: v for k, v in out.items() if v["total"]}
+        if id(p) not in seen:  # tied weights count once
+            seen.add(id(p))
+            sizes.append((name, p.numel()))
+    return _breakdown(sizes, model.config)
 
 
 def header_breakdown(files: CheckpointFiles, cfg: K3Config) -> dict[str, dict[str, int]]:
-    """``parameter_breakdown`` from the safetensors headers alone (shapes; no tensor is read)."""
+    """``parameter_breakdown`` from the safetensors headers alone (shapes; no tensor is read; k3core PARAMETER_RULE:
+    the router-bias buffers are stored, not counted)."""
+    return _breakdown(((name, t.numel) for name, t in files.tensors.items() if counts_as_parameter(name)), cfg)
+
+
+def _breakdown(sizes: Iterable[tuple[str, int]], cfg: K3Config) -> dict[str, dict[str, int]]:
     out = {c: {"total": 0, "active": 0} for c in COMPONENTS}
     share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
-    for name, info in files.tensors.items():
-        if not counts_as_parameter(name):  # k3core.checkpoint_files.PARAMETER_RULE
-            continue
+    for name, n in sizes:
         comp = component_of(name, cfg)
-        out[comp]["total"] += info.numel
-        out[comp]["active"] += round(info.numel * share) if comp == "MoE routed experts" else info.numel
+        out[comp]["total"] += n
+        out[comp]["active"] += round(n * share) if comp == "MoE routed experts" else n
     return {k: v for k, v in out.items() if v["total"]}
 
 
@@ -102,13 +101,11 @@ def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
-    """Parameters per decoder layer, from header shapes (k3core PARAMETER_RULE: no router-bias buffers)."""
-    out: dict[int, int] = {}
-    for name, info in files.tensors.items():
-        i = layer_of(name)[0]
-        if i is not None and counts_as_parameter(name):
-            out[i] = out.get(i, 0) + info.numel
-    return out
+    """Parameters per decoder layer, from header shapes: ``analysis.weights.layout.params_by_depth`` over its kinds
+    (k3core PARAMETER_RULE: no router-bias buffers)."""
+    table = params_by_depth(files.tensors, layer_structure(files.tensors, files.config))
+    layers = table[(table["layer"] >= 0) & (table["layer"] < num_layers_of(files.tensors, files.config))]
+    return {int(i): int(n) for i, n in layers.groupby("layer")["params"].sum().items()}
 
 
 def header_check(files: CheckpointFiles, cfg: K3Config) -> dict[str, Any]:

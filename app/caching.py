@@ -175,8 +175,17 @@ def _read_metrics(path: str, stamp: tuple) -> dict | None:
 
 
 def run_card(ref: RunRef) -> str | None:
-    """The run's model card text (README.md), or None."""
-    return runs.read_card_text(ref.path, max_chars=20000)
+    """The run's model card text (README.md), or None; read again only when a file of the folder changes."""
+    try:
+        stamp = folder_stamp(Path(ref.path))
+    except (CheckpointError, OSError):
+        return None
+    return _read_card(ref.path, stamp)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _read_card(path: str, stamp: tuple) -> str | None:
+    return runs.read_card_text(path, max_chars=20000)
 
 
 def metrics_digest(metrics: dict | None) -> str:
@@ -409,12 +418,22 @@ def cached_build(view, *loadeds: Loaded):
 
 
 @st.cache_resource(show_spinner=False, max_entries=256)
+def _cached_both(view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> list:
+    """analysis.compare.build_both: each run's figure (or its NotApplicable), asked of the figure cache once for
+    both comparisons, side by side and difference (as ``analysis.report`` builds them)."""
+    from analysis import compare
+
+    return compare.build_both(cached_build(_view, _a, _b), _a.ctx, _b.ctx)
+
+
+@st.cache_resource(show_spinner=False, max_entries=256)
 def _cached_pair(kind: str, view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> tuple:
     from analysis import compare
 
     fn = compare.side_by_side if kind == "side" else compare.difference_view
+    built = None if _view.compare.overlay else _cached_both(view_key, key_a, key_b, _view, _a, _b)
     try:
-        fig, df = fn(cached_build(_view, _a, _b), _a.ctx, _b.ctx)
+        fig, df = fn(cached_build(_view, _a, _b), _a.ctx, _b.ctx, built=built)
     except NotApplicable as exc:
         return None, None, exc
     return fig, df, None

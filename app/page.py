@@ -58,28 +58,27 @@ def inputs_or_stop() -> Inputs:
     return inputs
 
 
-def model_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool = False):
-    """The run's model (cached); on a bad checkpoint, device or failure shows st.error and stops the page.
-
-    A trace folder (no weights) gives a shapes-only model of its config, or, with ``needs_weights``, a message
-    that the page needs the checkpoint."""
+def run_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool = False) -> Run:
+    """The loaded run (cached); on a bad checkpoint, device or failure shows st.error and stops the page. A page
+    loads it once and hands it on (``config_context``, ``load_or_stop(run=...)``). A trace folder's run has no
+    model (``Run.model`` None; ``caching.shape_model`` gives its shapes); with ``needs_weights`` the page says it
+    needs the checkpoint and stops."""
     ref = ref or inputs.run
     _stop_if_too_big(inputs, ref)
     try:
         run = caching.load_run(ref, inputs.device, inputs.dtype)
-        model = run.model if run.model is not None or needs_weights else caching.shape_model(run)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{md_escape(ref.label)}** could not be loaded on {inputs.device}/{inputs.dtype}: {describe(exc)}"
     else:
-        if model is None:
+        if run.model is None and needs_weights:
             st.info(
                 f"**{md_escape(ref.label)}** is a trace folder without its weights: this page needs the checkpoint."
             )
             st.stop()
-        return model
+        return run
     st.error(error)
     st.stop()
 
@@ -94,10 +93,11 @@ def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
 
 def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, choice: TextChoice) -> None:
     """Above LONG_INPUT_TOKENS, say what a forward will cost and run it only when the user says so."""
-    what = caching.trace_items(inputs.record_attn)
-    key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, what)
+    if tokens.n <= LONG_INPUT_TOKENS:
+        return
+    key = (run.fingerprint, inputs.device, inputs.dtype, tokens.digest, caching.trace_items(inputs.record_attn))
     confirmed = st.session_state.setdefault("k3lab_confirmed", set())
-    if tokens.n <= LONG_INPUT_TOKENS or key in confirmed or caching.is_traced(key):
+    if key in confirmed or caching.is_traced(key):
         return
     speed = caching.tokens_per_second(run.fingerprint, inputs.device, inputs.dtype)
     estimate = f"about {tokens.n / speed:,.0f} s" if speed else "not measured yet for this run"
@@ -118,19 +118,21 @@ def load_or_stop(
     label: str | None = None,
     text_error: str | None = None,
     edits: str = "",
+    run: Run | None = None,
 ) -> Loaded:
-    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace); a long
-    input waits for the user's go; on a bad checkpoint or text shows st.error and stops the page. ``edits`` (JSON
-    of ``k3core.interventions`` edits): the edited forward's trace."""
+    """Run + trace + context for a run, each loaded once (``app.caching``: the run, its tokens, the trace; ``run``
+    when the page has loaded it already); a long input waits for the user's go; on a bad checkpoint or text shows
+    st.error and stops the page. ``edits`` (JSON of ``k3core.interventions`` edits): the edited forward's trace."""
     ref = ref or inputs.run
     if choice is None:
         choice, text_error = inputs.text, inputs.text_error
     if text_error:
         st.error(md_escape(text_error))
         st.stop()
-    _stop_if_too_big(inputs, ref)
+    if run is None:
+        _stop_if_too_big(inputs, ref)
     try:
-        run = caching.load_run(ref, inputs.device, inputs.dtype)
+        run = run or caching.load_run(ref, inputs.device, inputs.dtype)
         tokens = caching.make_tokens(choice, run)
         _confirm_long_input(inputs, ref, run, tokens, choice)
         loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label, edits)
@@ -275,11 +277,10 @@ def section_page(section: str, title: str, intro: str) -> None:
     prefetch_sections(loaded)
 
 
-def config_context(inputs: Inputs, ref: RunRef | None = None) -> Loaded:
+def config_context(inputs: Inputs, run: Run, ref: RunRef | None = None) -> Loaded:
     """A context for views drawn from the config alone (the layer map): no tokens, no forward pass, so a
-    page can show them before it runs the model. The run must already be loaded (model_or_stop)."""
+    page can show them before it runs the model (``run`` from ``run_or_stop``)."""
     ref = ref or inputs.run
-    run = caching.load_run(ref, inputs.device, inputs.dtype)
     options = inputs.options()
     ctx = AnalysisContext(
         trace=Trace(), config=run.config, metrics=run.metrics, label=ref.label, options=options, tokenizer=run.tokenizer

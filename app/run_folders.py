@@ -8,13 +8,15 @@ Failures are ``LibraryError`` messages that name the run, not the server folder.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from analysis.checkpoint_summary import config_summary
 from analysis.format import format_count
-from k3core.checkpoint_files import CheckpointError, CheckpointFiles
+from k3core.checkpoint_files import CheckpointError, CheckpointFiles, folder_fingerprint
 from k3core.config import K3Config
 from k3core.trace import TraceError
 from k3core.trace_dir import is_trace_dir, read_trace_dir, trace_dir_fingerprint
@@ -67,7 +69,7 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
         return describe_trace_folder(folder, label)
     try:
         files = CheckpointFiles.open(folder)
-        fingerprint = files.fingerprint()
+        fingerprint = folder_fingerprint(folder)
     except CheckpointError as exc:
         raise LibraryError(_rename(str(exc), folder.name, label)) from exc
     except OSError as exc:
@@ -76,15 +78,7 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
     dtypes: dict[str, int] = {}
     for info in files.tensors.values():
         dtypes[info.dtype] = dtypes.get(info.dtype, 0) + info.nbytes
-    summary = {
-        "model_type": getattr(cfg, "model_type", "k3"),
-        "layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "experts": cfg.num_experts,
-        "parameters": files.num_parameters,
-        "dtypes": sorted(dtypes),
-    }
+    summary = {**config_summary(cfg), "parameters": files.num_parameters, "dtypes": sorted(dtypes)}
     return FolderInfo(
         size_bytes=folder_size(folder),
         weight_bytes=files.bytes_total,
@@ -122,21 +116,30 @@ def describe_trace_folder(folder: Path, label: str | None = None) -> FolderInfo:
 
 
 def summary_text(summary: Mapping[str, Any]) -> str:
-    """'4 layers · width 64 · vocab 256 · 8 experts · 211.6K params' from a config summary."""
+    """'4 layers · width 64 · vocab 256 · 8 experts · 211.6K params' from a stored summary: the fields of
+    ``analysis.checkpoint_summary.config_summary`` with the folder's parameter count (``describe_folder``).
+    Rows indexed before that summary was the library's (keys ``layers`` and ``experts``) read the same."""
 
-    def number(key: str) -> int | None:  # the index is a file on disk: anything else in it shows as "?"
-        value = summary.get(key)
+    def number(*keys: str) -> int | None:  # the index is a file on disk: anything else in it shows as "?"
+        value = next((summary[k] for k in keys if k in summary), None)
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    layers, width, vocab, experts = (number(k) for k in ("layers", "hidden_size", "vocab_size", "experts"))
+    layers, width, vocab = number("num_hidden_layers", "layers"), number("hidden_size"), number("vocab_size")
     parts = [f"{layers if layers is not None else '?'} layers", f"width {width if width is not None else '?'}"]
     parts.append(f"vocab {vocab:,}" if vocab else "vocab ?")
+    experts = number("experts") or _experts_of(summary.get("moe"))
     if experts:
         parts.append(f"{experts} experts")
     parts.append(f"{human_count(number('parameters'))} params")
     if number("trace"):
         parts.append(f"trace of {number('trace')} text(s), no weights")
     return " · ".join(parts)
+
+
+def _experts_of(moe: Any) -> int | None:
+    """The expert count leading config_summary's "moe" field ('8 experts, top-2, ...'); None for dense."""
+    match = re.match(r"(\d{1,9}) experts,", moe) if isinstance(moe, str) else None
+    return int(match.group(1)) if match else None
 
 
 def _rename(message: str, folder_name: str, label: str | None) -> str:

@@ -4,7 +4,7 @@
 header (8 bytes of length + a JSON table of dtype, shape and byte offsets), so it answers for a
 5 TB checkpoint in milliseconds. ``read(name)`` then reads exactly that tensor's bytes. The model
 loader streams through it, the weight-only views read a few small tensors through it, and the
-app's cache key comes from ``fingerprint()`` (headers, sizes, modification times) without hashing
+app's cache key comes from ``folder_fingerprint`` (headers, sizes, modification times) without hashing
 terabytes.
 
 Published checkpoints spell the same tensor in several ways; the variants are data, in the
@@ -442,10 +442,6 @@ class CheckpointFiles:
             raise CheckpointError(f"{info.file.name}: truncated while reading {info.raw_name!r}")
         self.bytes_read += info.nbytes
         return torch.frombuffer(data, dtype=dtype).reshape(info.shape)
-
-    def fingerprint(self) -> str:
-        """See :func:`folder_fingerprint` (the same key, for the files this checkpoint reads)."""
-        return _fingerprint(self.folder, self.files)
 
 
 def folder_fingerprint(path: Path) -> str:

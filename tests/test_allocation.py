@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
 import pytest
 import torch
 
 from analysis import allocation as al
+from analysis.weights.layout import layer_structure, params_by_depth
 from k3core.cache import K3Cache
+from k3core.checkpoint import build_meta_model, published_shapes
+from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
 from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.presets import PRESETS, from_preset
 
 from .conftest import nano_model, random_ids
 
@@ -44,6 +51,46 @@ def test_parameter_counts_match_the_model_per_layer_and_in_total(preset, overrid
     assert list(layers["params"]) == [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     assert alloc["params"].sum() == model.num_parameters()
     assert alloc["active_params"].sum() == model.num_parameters(active=True)
+
+
+SAMPLES = sorted(p for p in (Path(__file__).resolve().parents[1] / "sample_checkpoints").glob("*/config.json"))
+
+
+def _stored_by_kind(shapes: dict, cfg) -> pd.DataFrame:
+    return params_by_depth(shapes, layer_structure(shapes, cfg)).reset_index(drop=True)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_parameters_by_kind_from_the_config_equal_the_stored_shapes_of_every_preset(preset):
+    """The one definition (params_by_kind) and the count from a checkpoint's shapes (params_by_depth) agree on
+    every (layer, kind)."""
+    cfg = from_preset(preset)
+    shapes = {
+        k: SimpleNamespace(shape=s) for k, s in published_shapes(build_meta_model(K3ForCausalLM, cfg, None)).items()
+    }
+    pd.testing.assert_frame_equal(_stored_by_kind(shapes, cfg), al.params_by_kind(cfg))
+
+
+@pytest.mark.parametrize("preset,overrides", VARIANTS[2:6])  # the layouts no preset has
+def test_parameters_by_kind_equal_the_stored_shapes_of_each_layout(preset, overrides):
+    cfg = from_preset(preset, **overrides)
+    shapes = {
+        k: SimpleNamespace(shape=s) for k, s in published_shapes(build_meta_model(K3ForCausalLM, cfg, None)).items()
+    }
+    pd.testing.assert_frame_equal(_stored_by_kind(shapes, cfg), al.params_by_kind(cfg))
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.parent.name)
+def test_parameters_by_kind_equal_the_headers_of_every_sample(sample):
+    files = CheckpointFiles.open(sample.parent)
+    assert len(SAMPLES) == 4
+    by_kind = al.params_by_kind(files.config)
+    pd.testing.assert_frame_equal(_stored_by_kind(files.tensors, files.config), by_kind)
+    # k3core PARAMETER_RULE: the router-bias buffers are stored, not counted; the allocation table sums the same
+    stored = [(name, t.numel) for name, t in files.tensors.items()]
+    assert any(not counts_as_parameter(name) for name, _ in stored) == bool(files.config.num_experts)
+    assert by_kind["params"].sum() == sum(n for name, n in stored if counts_as_parameter(name))
+    assert by_kind["params"].sum() == al.layer_allocation(files.config)["params"].sum()
 
 
 def test_parameter_counts_match_kimi_k3_on_meta():

@@ -34,7 +34,14 @@ from app.library import RunsLibrary
 from app.roots import PathRefused, confine_folder, descriptor_check
 from app.run_folders import LibraryError, describe_folder
 from app.safe_zip import ZipRefused, extract_run_zip
-from k3core.checkpoint_files import MAX_DIMS, CheckpointError, CheckpointFiles, read_config, read_safetensors_header
+from k3core.checkpoint_files import (
+    MAX_DIMS,
+    CheckpointError,
+    CheckpointFiles,
+    folder_fingerprint,
+    read_config,
+    read_safetensors_header,
+)
 from k3core.config import LIMITS
 from k3core.files import checked_opens
 from k3core.model import K3ForCausalLM
@@ -476,7 +483,7 @@ def test_hard_link_to_an_outside_file_is_refused(tmp_path, nano):
     confine_folder(folder, [root])
     os.link(outside, folder / "tokenizer_config.json")
     with checked_opens(descriptor_check(lambda: [root])):
-        bounded(lambda: CheckpointFiles.open(folder).fingerprint(), CheckpointError, "hard links")
+        bounded(lambda: (CheckpointFiles.open(folder), folder_fingerprint(folder)), CheckpointError, "hard links")
 
 
 def test_symlink_swapped_in_after_the_check_is_refused_at_open(tmp_path, nano):

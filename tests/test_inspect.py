@@ -141,3 +141,17 @@ def test_inspect_reports_mismatches_without_failing(tmp_path, capsys):
 def test_inspect_bad_folder_is_a_clear_error(tmp_path, capsys):
     code = insp.main([str(tmp_path / "nowhere")])
     assert code == 2 and "no such checkpoint" in capsys.readouterr().err
+
+
+def test_breakdowns_of_a_model_and_of_its_headers_agree(tmp_path):
+    """One per-component count for a model and for its headers (k3core PARAMETER_RULE: the stored router-bias
+    buffers are not counted)."""
+    from analysis.checkpoint_summary import header_breakdown, parameter_breakdown
+    from k3core.checkpoint_files import CheckpointFiles, counts_as_parameter
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM.from_config("k3-nano")
+    model.save_pretrained(tmp_path / "nano")
+    files = CheckpointFiles.open(tmp_path / "nano")
+    assert not all(map(counts_as_parameter, files.tensors))  # the buffers are there, in the headers
+    assert header_breakdown(files, model.config) == parameter_breakdown(model)

@@ -11,17 +11,19 @@ import sys
 import threading
 import time
 import zipfile
+from contextlib import closing
 
 import pytest
 import torch
 
+from analysis.checkpoint_summary import config_summary
 from app.library import (
     LibraryError,
     RunsLibrary,
     accepted_name,
     clean_name,
 )
-from app.run_folders import summary_text
+from app.run_folders import human_count, summary_text
 from app.settings import DEFAULT_MAX_UPLOAD_MB, HOME_ENV, MAX_UPLOAD_ENV, home_dir, max_upload_mb
 from k3core.model import K3ForCausalLM
 from tests.conftest import nano_model
@@ -70,8 +72,11 @@ def test_upload_is_stored_indexed_and_survives_a_restart(lib, ckpt):
     assert sorted(p.name for p in entry.path.iterdir()) == sorted(p.name for p in folder.iterdir())
     assert entry.size_bytes == sum(p.stat().st_size for p in folder.iterdir())
     assert entry.summary["parameters"] == _stored(model)
-    assert entry.summary["layers"] == 4 and entry.summary["vocab_size"] == 256
-    assert "4 layers" in summary_text(entry.summary)
+    assert entry.summary == {**config_summary(model.config), "parameters": _stored(model), "dtypes": ["F32"]}
+    assert (
+        summary_text(entry.summary)
+        == f"4 layers · width 64 · vocab 256 · 8 experts · {human_count(_stored(model))} params"
+    )
 
     again = RunsLibrary(lib.home)  # a server restart: a new process opens the same home
     assert [(e.id, e.name, e.fingerprint) for e in again.entries()] == [(entry.id, "my-run", entry.fingerprint)]
@@ -81,6 +86,22 @@ def test_upload_is_stored_indexed_and_survives_a_restart(lib, ckpt):
     loaded = K3ForCausalLM.from_pretrained(again.entries()[0].path)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_row_indexed_before_config_summary_still_shows(lib, ckpt):
+    """Rows written when the library built its own summary (keys layers / experts / model_type) read as they did."""
+    folder, model = ckpt
+    entry = lib.add_path(folder)
+    old = {"model_type": "k3", "layers": 4, "hidden_size": 64, "vocab_size": 256, "experts": 8,
+           "parameters": _stored(model), "dtypes": ["F32"]}  # fmt: skip
+    with closing(sqlite3.connect(lib.home / "library.sqlite")) as con, con:
+        con.execute("UPDATE runs SET config_summary = ? WHERE id = ?", (json.dumps(old), entry.id))
+    shown = RunsLibrary(lib.home).get(entry.id)
+    assert shown.summary == old and shown.available
+    assert summary_text(shown.summary) == summary_text(entry.summary)  # the same caption as a new row's
+    assert (
+        summary_text({**old, "experts": 0}) == f"4 layers · width 64 · vocab 256 · {human_count(_stored(model))} params"
+    )
 
 
 def test_names_are_made_unique_and_rename_checks_conflicts(lib, ckpt):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from analysis.runs import load_run
 from app.run_folders import LibraryError, content_fingerprint, describe_folder, human_count, summary_text
+from k3core.checkpoint_files import CheckpointFiles, folder_fingerprint
 from tests.conftest import nano_model
 
 
@@ -23,8 +25,19 @@ def test_describe_counts_from_headers(ckpt):
     assert info.num_parameters == stored
     assert info.weight_bytes == 4 * stored and info.dtypes == {"F32": info.weight_bytes}
     assert info.size_bytes == sum(p.stat().st_size for p in folder.iterdir())
-    assert info.summary["layers"] == model.config.num_hidden_layers and info.files.bytes_read == 0
+    assert info.summary["num_hidden_layers"] == model.config.num_hidden_layers and info.files.bytes_read == 0
+    assert info.summary["parameters"] == stored and info.summary["dtypes"] == ["F32"]
     assert summary_text(info.summary).startswith(f"{model.config.num_hidden_layers} layers · width 64")
+
+
+def test_one_fingerprint_per_thing_fingerprinted(ckpt):
+    """A folder on the server is keyed by k3core's folder_fingerprint (what the loader and the app's caches use);
+    the same folder's bytes by content_fingerprint (uploads); no second checkpoint fingerprint function."""
+    folder, _ = ckpt
+    info = describe_folder(folder)
+    assert info.fingerprint == folder_fingerprint(folder) == load_run(folder).fingerprint
+    assert content_fingerprint(folder) != info.fingerprint
+    assert not hasattr(CheckpointFiles, "fingerprint")
 
 
 def test_errors_name_the_run_not_the_folder(tmp_path):

@@ -4,11 +4,11 @@ weight summary reads."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from k3core.checkpoint_files import counts_as_parameter
@@ -54,7 +54,7 @@ NORMS = {  # label -> tensor suffix inside a decoder layer
 def numel(meta: Any) -> int:
     """Element count of a tensor meta: its ``numel``, else the product of its ``shape``."""
     n = getattr(meta, "numel", None)
-    return int(n) if n is not None else int(np.prod(meta.shape, dtype=np.int64))
+    return int(n) if n is not None else math.prod(meta.shape)  # Python ints: 250K names in a second, no overflow
 
 
 def layer_of(name: str) -> tuple[int | None, str]:
@@ -143,9 +143,10 @@ _DENSE_UNDER_MOE = frozenset(f"block_sparse_moe.{p}_proj.weight" for p in ("gate
 
 
 def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.DataFrame:
-    """Parameters (elements, from header shapes) per depth and kind. Columns: layer (-1 = embedding,
-    n = output: LM head, final norm, output mix), depth ("embedding", "L0".., "output"), kind, params.
-    Only (depth, kind) pairs with parameters appear."""
+    """Parameters (elements, from header shapes) per depth and kind: ``analysis.allocation.params_by_kind`` (the
+    definition and its rule) counted from what a checkpoint stores, so it answers without a config too. Columns:
+    layer (-1 = embedding, n = output: LM head, final norm, output mix), depth ("embedding", "L0".., "output"),
+    kind, params. Only (depth, kind) pairs with parameters appear."""
     mixers = dict(zip(structure["layer"], structure["mixer"]))
     n = len(structure)
     totals: dict[tuple[int, str], int] = {}
@@ -158,7 +159,7 @@ def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.Da
         kind = KIND_OF_COMPONENT[tensor_kind(name, mixers.get(i))]
         totals[(i, kind)] = totals.get((i, kind), 0) + numel(meta)
     rows = [
-        {"layer": i, "depth": _depth_label(i, n), "kind": kind, "params": p}
+        {"layer": i, "depth": depth_label(i, n), "kind": kind, "params": p}
         for (i, kind), p in sorted(totals.items(), key=lambda kv: (kv[0][0], KINDS.index(kv[0][1])))
     ]
     df = pd.DataFrame(rows, columns=["layer", "depth", "kind", "params"])
@@ -166,7 +167,8 @@ def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.Da
     return df
 
 
-def _depth_label(i: int, n: int) -> str:
+def depth_label(i: int, n: int) -> str:
+    """ "embedding" (i = -1), "L<i>" or "output" (i = n) of a model with n decoder layers."""
     return "embedding" if i < 0 else ("output" if i >= n else f"L{i}")
 
 

@@ -62,11 +62,11 @@ if mode == TWO_RUNS:
     b = page.load_or_stop(inputs, ref=run_b, label=run_b.label)
 elif mode == EDITED:
     a = page.load_or_stop(inputs, label="baseline")
-    b = page.load_or_stop(inputs, label="edited", edits=json.dumps(edits))
+    b = page.load_or_stop(inputs, label="edited", edits=json.dumps(edits), run=a.run)
 else:
     label_a, label_b = distinct_labels(inputs.text.short, choice_b.short)  # "A: "/"B: " come from the tables
     a = page.load_or_stop(inputs, label=label_a)
-    b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b)
+    b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b, run=a.run)
 
 st.caption(
     f"**A** = {a.ctx.label}: {a.tokens.n:,} tokens of {a.tokens.source} · "

@@ -20,8 +20,8 @@ page.page_header(
     "reads and extends the decode cache: KDA layers keep a fixed-size state, MLA layers one latent per token.",
 )
 
-model = page.model_or_stop(inputs, needs_weights=True)
-loaded_run = caching.load_run(run, inputs.device, inputs.dtype)  # cached: the model above and its tokenizer
+loaded_run = page.run_or_stop(inputs, needs_weights=True)
+model = loaded_run.model
 tok = loaded_run.tokenizer
 if tok is None:
     why = [note for note in loaded_run.card["notes"] if "tokenizer" in note]

@@ -23,8 +23,10 @@ page.page_header(
     "LatentMoE routing and attention degradation. Pick a run and a text in the sidebar; every page follows them.",
 )
 
-model = page.model_or_stop(inputs)
-cfg = model.config
+loaded_run = page.run_or_stop(inputs)  # loaded once: the layer map and the headline numbers use it too
+# a trace folder has no model: its config's shapes give the parameter counts (meta device)
+model = loaded_run.model if loaded_run.model is not None else caching.shape_model(loaded_run)
+cfg = loaded_run.config
 
 st.subheader(f"{run.label}")
 st.caption(f"config name {md_escape(cfg.name)} · {run.origin}")  # names only: no server folders
@@ -66,7 +68,7 @@ st.markdown("#### Layer map")
 st.markdown(cards.layer_badges(cfg))
 allocation = [v for v in section_views("density") if v.key == LAYER_MAP_VIEW]
 if allocation:
-    cards.render_view(allocation[0], page.config_context(inputs))
+    cards.render_view(allocation[0], page.config_context(inputs, loaded_run))
 with st.expander("Layer table"):
     st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
 
@@ -112,7 +114,7 @@ with headline_box:
     if inputs.text_error:
         st.error(inputs.text_error)
     else:
-        loaded = page.load_or_stop(inputs)
+        loaded = page.load_or_stop(inputs, run=loaded_run)
         page.show_input_notes(loaded)
         page.run_line(loaded)
         cards.headline_metrics(loaded)
