@@ -102,16 +102,7 @@ def describe_trace_folder(folder: Path, label: str | None = None) -> FolderInfo:
     except OSError as exc:
         raise LibraryError(f"{label or folder.name}: cannot read the trace folder ({exc.strerror})") from exc
     parameters = card.get("parameters") if isinstance(card.get("parameters"), int) else 0
-    summary = {
-        "model_type": "k3lab trace",
-        "layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "experts": cfg.num_experts,
-        "parameters": parameters,
-        "dtypes": [],
-        "trace": len(card["texts"]),
-    }
+    summary = {**config_summary(cfg), "parameters": parameters, "dtypes": [], "trace": len(card["texts"])}
     return FolderInfo(folder_size(folder), 0, parameters, {}, [], summary, fingerprint, None)
 
 
