@@ -93,11 +93,8 @@ def _breakdown(sizes: Iterable[tuple[str, int]], cfg: K3Config) -> dict[str, dic
 
 
 def bytes_by_dtype(files: CheckpointFiles) -> dict[str, int]:
-    """Declared bytes per stored dtype (``BF16``, ``F32``, ...), largest first."""
-    out: dict[str, int] = {}
-    for info in files.tensors.values():
-        out[info.dtype] = out.get(info.dtype, 0) + info.nbytes
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    """Declared bytes per storage format (``MXFP4``, ``BF16``, ``F32``, ...), largest first."""
+    return files.bytes_by_format()
 
 
 def params_by_layer(files: CheckpointFiles) -> dict[int, int]:

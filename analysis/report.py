@@ -186,6 +186,7 @@ def write_report(
     device: str = "cpu",
     dtype: str | None = None,
     static: bool = True,
+    max_memory: str | None = None,
     views: str | None = None,
     skip_model_views: bool = False,
     save_trace: bool = False,
@@ -208,7 +209,7 @@ def write_report(
     selected = select_views(all_views(), views, skip_model_views)
     runs = []
     for path in paths:
-        runs.append(runs_mod.load_run(path, device=device, dtype=dtype))
+        runs.append(runs_mod.load_run(path, device=device, dtype=dtype, max_memory=max_memory))
         progress.update(1)
     timings["load"] = time.perf_counter() - t_start
     labels = _labels(runs)

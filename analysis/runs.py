@@ -163,13 +163,15 @@ def load_run(
     fingerprint: str | None = None,
     progress: Callable[[int, int], None] | bool | None = None,
     offload_folder: str | Path | None = None,
+    max_memory: str | int | None = None,
 ) -> Run:
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
     The model is in eval mode on ``device`` in ``dtype``; torch's thread count is set for its size
     (``k3core.runtime.configure_threads``). ``fingerprint`` (``k3core.checkpoint_files.folder_fingerprint``)
     may be passed when the caller already has it; ``progress`` is a (bytes done, total) callback or True for a tqdm bar;
-    ``offload_folder`` is where ``device="auto"`` puts weights that fit on no device. Raises CheckpointError
+    ``offload_folder`` is where ``device="auto"`` puts weights that fit on no device; ``max_memory`` (e.g. "8GB"):
+    run it from the checkpoint files within that budget on ``device`` (``k3core.streamed``). Raises CheckpointError
     (missing folder, bad config, bad weights) and ValueError (unknown dtype)."""
     from k3core.model import K3ForCausalLM
 
@@ -182,9 +184,15 @@ def load_run(
             f"{path}: not a checkpoint folder (expected a folder with config.json and model.safetensors)"
         )
     fingerprint = fingerprint or folder_fingerprint(path)
-    model = K3ForCausalLM.from_pretrained(
-        path, device=device, dtype=DTYPES[dtype], progress=progress, offload_folder=offload_folder
-    ).eval()
+    if max_memory:
+        budget_device = "cpu" if str(device) == "auto" else str(device)
+        model = K3ForCausalLM.from_pretrained(
+            path, device=budget_device, dtype=DTYPES[dtype], max_memory={budget_device: max_memory}, stream=True
+        )
+    else:
+        model = K3ForCausalLM.from_pretrained(
+            path, device=device, dtype=DTYPES[dtype], progress=progress, offload_folder=offload_folder
+        ).eval()
     configure_threads(model)
     metrics, note = read_metrics(path)
     card = model_card(model, metrics, read_card_text(path))

@@ -45,6 +45,7 @@ from app.inputs import (
     check_device,
     check_options,
     check_text,
+    current_inputs,
     options_key,
 )
 from app.run_folders import folder_stamp
@@ -117,14 +118,14 @@ def run_fingerprint(path: str | Path) -> str:
 
 
 @st.cache_resource(show_spinner=False, max_entries=6)
-def _run_slot(fingerprint: str, device: str, dtype: str) -> dict[str, Any]:
+def _run_slot(fingerprint: str, device: str, dtype: str, max_memory: str = "") -> dict[str, Any]:
     """A cached holder for one loaded run. The load itself happens outside the cached function, so its
     progress bar can be drawn (elements drawn inside a cached function are replayed on every cache hit)."""
     return {"lock": threading.Lock()}
 
 
-def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: str = "") -> Run:
-    slot = _run_slot(fingerprint, device, dtype)
+def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: str = "", max_memory: str = "") -> Run:
+    slot = _run_slot(fingerprint, device, dtype, max_memory)
     with slot["lock"]:  # one load per (checkpoint, device, dtype), however many sessions ask at once
         if "run" not in slot:
             bar = st.empty()
@@ -134,17 +135,23 @@ def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: st
                 bar.progress(min(done / max(total, 1), 1.0), text=text)
 
             try:
-                slot["run"] = runs.load_run(_path, device, dtype, fingerprint=fingerprint, progress=progress)
+                slot["run"] = runs.load_run(
+                    _path, device, dtype, fingerprint=fingerprint, progress=progress, max_memory=max_memory or None
+                )
             finally:
                 bar.empty()
     return slot["run"]
 
 
-def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32") -> Run:
+def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memory: str | None = None) -> Run:
     """The run (model shared across sessions), via analysis.runs.load_run, with a progress bar while it loads.
-    Raises CheckpointError / InputError."""
+    ``max_memory`` (default: the sidebar's memory budget): run it from its files within that budget
+    (k3core.streamed). Raises CheckpointError / InputError."""
     check_device(device, dtype)
-    return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path, ref.label)
+    if max_memory is None:
+        inputs = current_inputs()
+        max_memory = inputs.max_memory if inputs is not None else ""
+    return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path, ref.label, max_memory)
 
 
 @st.cache_resource(show_spinner=False, max_entries=8)

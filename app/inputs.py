@@ -85,6 +85,7 @@ class Inputs:
     seq_len: int = SEQ_LEN_DEFAULT
     record_attn: bool = True
     problems: tuple[str, ...] = ()
+    max_memory: str = ""  # a memory budget ("8GB"): run from the checkpoint files within it (k3core.streamed)
 
     def options(self) -> dict[str, Any]:
         return {"seq_len": int(self.seq_len)}
@@ -140,6 +141,20 @@ def device_choices() -> list[str]:
 
 def dtype_choices(device: str) -> list[str]:
     return ["float32", "bfloat16", "float16"] if device == "cuda" else ["float32", "bfloat16"]
+
+
+def check_max_memory(text: str) -> str:
+    """A memory budget as typed ("" = none, "8GB", "6GiB", "512MB"); InputError when it cannot be read."""
+    from k3core.expert_store import parse_bytes
+
+    text = (text or "").strip()
+    if not text:
+        return ""
+    try:
+        parse_bytes(text)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    return text
 
 
 def check_device(device: str, dtype: str) -> None:

@@ -46,6 +46,22 @@ def placement_plan(path: str | Path, device: str, dtype: str):
     return _plan(str(path), folder_stamp(path), device, dtype)
 
 
+@st.cache_data(show_spinner=False, max_entries=32)
+def _stream_plan(path: str, stamp: tuple, device: str, dtype: str, max_memory: str):
+    from analysis.runs import DTYPES
+    from k3core.model import K3ForCausalLM
+    from k3core.streamed import plan_for_path
+
+    return plan_for_path(path, K3ForCausalLM, device=device, dtype=DTYPES[dtype], max_memory=max_memory)
+
+
+def stream_plan(path: str | Path, device: str, dtype: str, max_memory: str):
+    """k3core's streaming plan (what stays, what streams, bytes and expected time per prompt) for running the
+    checkpoint within ``max_memory``; cached per folder state. Raises CheckpointError (a budget too small)."""
+    path = Path(path)
+    return _stream_plan(str(path), folder_stamp(path), device, dtype, max_memory)
+
+
 def fit_problem(ref: RunRef, device: str, dtype: str) -> str | None:
     """A message when the run's weights cannot fit in the device's free memory, else None (config only, no load)."""
     if device == "auto":
@@ -62,5 +78,6 @@ def fit_problem(ref: RunRef, device: str, dtype: str) -> str | None:
         weights = " Its weights can still be read without loading it: see the **Weights** page."
     return (
         f"**{ref.label}** needs {format_bytes(needed)} in {dtype} but {device} has {format_bytes(free)} free: it "
-        f"cannot be loaded here. Pick a smaller dtype or another device in the sidebar.{weights}"
+        f"cannot be loaded here. Pick a smaller dtype or another device in the sidebar, or set a **Memory budget** "
+        f"there to run it from its files.{weights}"
     )

@@ -84,11 +84,69 @@ def run_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool =
 
 
 def _stop_if_too_big(inputs: Inputs, ref: RunRef) -> None:
-    """A run whose weights cannot fit in the device's free memory gets a message, never an out-of-memory crash."""
+    """A run whose weights cannot fit in the device's free memory gets a message, never an out-of-memory crash.
+    With a memory budget the run streams from its files instead: its plan first, then it runs when asked."""
+    if inputs.max_memory:
+        _confirm_streamed(inputs, ref)
+        return
     problem = memory_fit.fit_problem(ref, inputs.device, inputs.dtype)
     if problem:
         st.error(problem)
         st.stop()
+
+
+def _confirm_streamed(inputs: Inputs, ref: RunRef) -> None:
+    """Show the streaming plan (what stays, what streams, bytes and expected time) and run only when asked;
+    a Stop button while it runs. Drawn once per script run (a page may ask for the model, then the trace)."""
+    try:
+        plan = memory_fit.stream_plan(ref.path, inputs.device, inputs.dtype, inputs.max_memory)
+    except (CheckpointError, ValueError) as exc:
+        st.error(f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}")
+        st.stop()
+    tokens = inputs.text.max_tokens
+    key = (ref.path, inputs.device, inputs.dtype, inputs.max_memory, inputs.text.key())
+    confirmed = st.session_state.setdefault("k3lab_stream_confirmed", set())
+    if st.session_state.get("k3lab_stream_drawn"):
+        if key not in confirmed:
+            st.stop()
+        return
+    st.session_state["k3lab_stream_drawn"] = True
+    st.info(
+        f"**{md_escape(ref.label)}** runs from its files within {inputs.max_memory}:\n```\n{plan.describe(tokens)}\n```"
+    )
+    if key not in confirmed:
+        gb, seconds = plan.prompt_bytes(tokens) / 1e9, plan.expected_seconds(tokens)
+        label = f"Run streamed (reads up to {gb:,.1f} GB, about {seconds:,.0f} s)"
+        if not st.button(label, key="k3lab_stream_run", type="primary"):
+            st.stop()
+        confirmed.add(key)
+    if st.button("Stop", key="k3lab_stream_stop"):
+        confirmed.discard(key)
+        st.warning("Stopped. The plan above still holds; run it again when you like.")
+        st.stop()
+
+
+def _streaming_progress(run: Run):
+    """A progress bar (layer i of N, bytes read, expert cache hits) on a streamed run's forward; its remover."""
+    session = getattr(run.model, "streaming", None)
+    if session is None:
+        return lambda: None
+    bar = st.empty()
+
+    def progress(info: dict) -> None:
+        bar.progress(
+            (info["layer"] + 1) / info["layers"],
+            text=f"layer {info['layer'] + 1} of {info['layers']}: {info['bytes_read'] / 1e9:,.2f} GB read, expert "
+            f"cache {info['expert_hits']:,} hits / {info['expert_misses']:,} misses",
+        )
+
+    session.progress = progress
+
+    def remove() -> None:
+        session.progress = None
+        bar.empty()
+
+    return remove
 
 
 def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, choice: TextChoice) -> None:
@@ -131,10 +189,12 @@ def load_or_stop(
         st.stop()
     if run is None:
         _stop_if_too_big(inputs, ref)
+    done = lambda: None  # noqa: E731 - replaced by the streamed run's progress remover
     try:
         run = run or caching.load_run(ref, inputs.device, inputs.dtype)
         tokens = caching.make_tokens(choice, run)
         _confirm_long_input(inputs, ref, run, tokens, choice)
+        done = _streaming_progress(run)
         loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label, edits)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
@@ -145,6 +205,8 @@ def load_or_stop(
         for note in loaded.notes:
             st.warning(note)
         return loaded
+    finally:
+        done()
     st.error(error)
     st.stop()
 

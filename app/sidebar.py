@@ -79,6 +79,20 @@ def sidebar() -> Inputs:
         if ss.get("k3lab_dtype") not in inp.dtype_choices(device):  # e.g. float16 chosen on cuda, then cpu
             ss.pop("k3lab_dtype", None)
         dtype = c2.selectbox("dtype", inp.dtype_choices(device), key="k3lab_dtype")
+        max_memory = st.text_input(
+            "Memory budget",
+            key="k3lab_max_memory",
+            placeholder="e.g. 8GB (empty: load the whole model)",
+            help="Run the model from its checkpoint files within this much memory on the device: routed experts "
+            "are read when the router chooses them (and cached), dense parts stay when they fit, else are read "
+            "layer by layer. For checkpoints larger than memory, such as Kimi K3 (1.56 TB). The plan and the "
+            "expected time are shown before anything runs.",
+        )
+        try:
+            max_memory = inp.check_max_memory(max_memory)
+        except InputError as exc:
+            st.error(str(exc))
+            max_memory = ""
         ss.setdefault("k3lab_seq_len", inp.SEQ_LEN_DEFAULT)
         ss.setdefault("k3lab_record_attn", True)
         seq_len = st.select_slider(
@@ -106,8 +120,10 @@ def sidebar() -> Inputs:
         seq_len=int(seq_len),
         record_attn=bool(record_attn),
         problems=tuple(problems),
+        max_memory=max_memory,
     )
     ss["k3lab_inputs"] = inputs
+    ss["k3lab_stream_drawn"] = False  # the streaming plan and its buttons: drawn once per script run (app.page)
     links.write(inputs)
     return inputs
 

@@ -36,17 +36,18 @@ from .checkpoint_files import (
     CONFIG_NAME,
     DTYPES,
     INDEX_NAME,
-    MAX_CONFIG_BYTES,
     WEIGHTS_NAME,
     CheckpointError,
     CheckpointFiles,
     folder_fingerprint,
     keep_fp32,
     read_config,
+    read_quantization_config,
 )
 from .config import K3Config
-from .files import atomic_write_bytes, parse_json, read_bytes_limited
+from .files import atomic_write_bytes
 from .hf_config import config_to_hf, hf_incompatibility
+from .quantized import check_quant_config, check_quantised, stored_parts
 from .streaming import ProgressFn, materialise, published_tensors, stream_weights, tqdm_progress
 
 __all__ = [
@@ -201,12 +202,16 @@ def stored_shape_ok(name: str, stored: tuple[int, ...], want: tuple[int, ...]) -
 def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> None:
     """Every check the headers can answer, before any data is read. Raises CheckpointError."""
     where = files.folder.name or str(files.folder)
+    check_quantised(files)
     quantised = sorted(
         (info.raw_name, info.dtype)
         for name, info in files.tensors.items()
-        if info.raw_name.endswith(QUANTISED_SUFFIXES)
-        or info.dtype not in FLOAT_DTYPES
-        and (name not in expected or expected[name].is_floating_point())
+        if not info.parts
+        and (
+            info.raw_name.endswith(QUANTISED_SUFFIXES)
+            or info.dtype not in FLOAT_DTYPES
+            and (name not in expected or expected[name].is_floating_point())
+        )
     )
     if quantised:
         kinds = sorted({dtype for _, dtype in quantised})
@@ -215,7 +220,7 @@ def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> 
             f"{where}: {len(names)} quantised tensor(s) (dtypes {kinds}) that k3lab cannot use; it computes in "
             f"fp32/bf16/fp16 and needs unquantised weights: {names[:8]}{' ...' if len(names) > 8 else ''}"
         )
-    for info in files.tensors.values():
+    for info in stored_parts(files.tensors.values()):
         if info.begin < 0:
             continue  # pickle: the tensor itself is already in memory
         size = torch.empty((), dtype=DTYPES[info.dtype]).element_size()
@@ -245,20 +250,9 @@ def check_headers(files: CheckpointFiles, expected: dict[str, torch.Tensor]) -> 
 
 
 def refuse_quantised_config(folder: Path) -> None:
-    """CheckpointError for a config.json that declares a quantisation (``quantization_config``)."""
-    try:
-        data = parse_json(read_bytes_limited(folder / CONFIG_NAME, MAX_CONFIG_BYTES), CONFIG_NAME)
-    except (OSError, ValueError):
-        return  # read_config has already reported a bad config
-    if not isinstance(data, dict) or not isinstance(data.get("text_config") or {}, dict):
-        return
-    quant = data.get("quantization_config") or (data.get("text_config") or {}).get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise CheckpointError(
-            f"{folder.name}/config.json: a quantised checkpoint (quantization_config: {method}); k3lab needs "
-            f"unquantised weights (bf16/fp16/fp32)"
-        )
+    """CheckpointError for a ``quantization_config`` k3lab cannot read (anything but compressed-tensors'
+    MXFP4 / pack-quantized / FP8 / INT8 formats; k3core.quantized)."""
+    check_quant_config(read_quantization_config(folder), f"{folder.name}/config.json")
 
 
 @contextlib.contextmanager

@@ -21,8 +21,11 @@ Pickle files (``pytorch_model.bin`` and friends) have no header; they are read w
 
 from __future__ import annotations
 
+import errno
 import functools
+import gc
 import hashlib
+import json
 import math
 import os
 import re
@@ -36,6 +39,7 @@ import torch
 from .config import ConfigError, K3Config
 from .files import open_for_reading, parse_json, read_bytes_limited
 from .hf_config import config_from_hf, is_hf_config
+from .tensor_info import DTYPES, CheckpointError, TensorInfo
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -58,10 +62,6 @@ DTYPE_BITS: dict[str, int] = {
     "F6_E2M3": 6,
     "F6_E3M2": 6,
 }
-
-
-class CheckpointError(ValueError):
-    """Anything a user can get wrong with a checkpoint. The message says what and where."""
 
 
 # ---------------------------------------------------------------------------------- name table
@@ -106,20 +106,6 @@ def counts_as_parameter(name: str) -> bool:
     return _NOT_PARAMETER.search(name) is None
 
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 _TORCH_TO_ST = {v: k for k, v in DTYPES.items()}
 
 
@@ -147,27 +133,6 @@ def keep_fp32(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------- headers
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lies: ``file`` bytes [begin, end) hold it (begin = end = -1 for pickle files)."""
-
-    name: str
-    raw_name: str
-    file: Path
-    dtype: str  # safetensors spelling: "BF16", "F32", ...
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return max(self.end - self.begin, 0)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
 def read_safetensors_header(file: Path) -> tuple[dict, int]:
     """The parsed JSON header of a safetensors file and the absolute offset where its data starts.
 
@@ -224,6 +189,50 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
             f"{file.name}: truncated: the header describes {data_start + end} bytes but the file has {size}"
         )
     return header, data_start
+
+
+def is_hole(fd: int, begin: int, end: int) -> bool:
+    """Whether bytes [begin, end) of an open file are a hole of a sparse file (they read as zeros): no data
+    starts before ``end`` (``SEEK_DATA``). False where the filesystem cannot tell."""
+    if end <= begin or not hasattr(os, "SEEK_DATA"):
+        return False
+    try:
+        return os.lseek(fd, begin, os.SEEK_DATA) >= end
+    except OSError as exc:
+        return exc.errno == errno.ENXIO  # no data at all after begin
+
+
+def read_span(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
+    """Bytes [begin, end) of ``file`` as a uint8 tensor (one read; a hole of a sparse file is not read, it is
+    zeros); CheckpointError naming ``what`` if the file is shorter."""
+    with open(file, "rb", buffering=0) as fh:
+        if end <= file.stat().st_size and is_hole(fh.fileno(), begin, end):
+            return torch.zeros(end - begin, dtype=torch.uint8)
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        fh.seek(begin)
+        done = 0
+        while done < len(view):
+            n = fh.readinto(view[done:])
+            if not n:
+                raise CheckpointError(
+                    f"{file.name}: truncated while reading {what!r} (bytes {begin}-{end} of {file.stat().st_size})"
+                )
+            done += n
+    return buf
+
+
+def read_quantization_config(folder: Path) -> dict | None:
+    """config.json's ``quantization_config`` (inside ``text_config`` in the Kimi K3 repo), or None."""
+    try:
+        data = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    quant = data.get("quantization_config") or text.get("quantization_config")
+    return quant if quant else None
 
 
 def _check_extent(where: str, key: str, dtype: str, shape: list[int], offsets: list[int]) -> None:
@@ -294,6 +303,12 @@ def weight_files(path: Path) -> list[Path]:
     pickles = [path / n for n in PICKLE_NAMES if (path / n).is_file()]
     if pickles:
         return pickles[:1]
+    gguf = sorted(p.name for p in path.glob("*.gguf"))
+    if gguf:
+        raise CheckpointError(
+            f"{path.name}: GGUF files ({', '.join(gguf[:3])}) are a llama.cpp format k3lab does not read; it reads "
+            f"safetensors checkpoints (unquantised or compressed-tensors)"
+        )
     raise CheckpointError(f"{path.name}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
 
 
@@ -356,11 +371,25 @@ class CheckpointFiles:
     config: K3Config | None = None
     metadata: dict[str, dict] = field(default_factory=dict)  # per-file __metadata__
     bytes_read: int = 0
+    quantization: dict | None = None  # config.json's quantization_config (top level or in text_config)
+    foreign_quantised: dict[str, list[TensorInfo]] = field(default_factory=dict)  # format -> undecodable tensors
     _pickled: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: str | Path, require_config: bool = True) -> CheckpointFiles:
         """Read config.json (when ``require_config`` or present), the index and every header. Raises CheckpointError."""
+        # Kimi K3 has 497k stored tensors: a million small objects without reference cycles, which the cyclic
+        # garbage collector would otherwise rescan again and again while they are built (about half the time).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._open(path, require_config)
+        finally:
+            if enabled:
+                gc.enable()
+
+    @classmethod
+    def _open(cls, path: str | Path, require_config: bool) -> CheckpointFiles:
         path = Path(path)
         if not path.exists():
             raise CheckpointError(f"{path.name or path}: no such checkpoint")
@@ -400,7 +429,12 @@ class CheckpointFiles:
                         f"{table[name].raw_name!r} and {file.name}: {raw!r})"
                     )
                 table[name] = TensorInfo(name, raw, file, dtype, shape, begin, end)
-        out = cls(folder, files, table, sorted(skipped), config, metadata)
+        from .quantized import group_quantised
+
+        quantization = read_quantization_config(folder)
+        table, foreign = group_quantised(table, quantization)
+        out = cls(folder, files, table, sorted(skipped), config, metadata, quantization=quantization)
+        out.foreign_quantised = foreign
         out._pickled = {name: t for raw, t in pickled.items() if (name := canonical_name(raw)) is not None}
         return out
 
@@ -410,6 +444,13 @@ class CheckpointFiles:
         return sum(t.nbytes for t in self.tensors.values()) + sum(
             t.numel() * t.element_size() for t in self._pickled.values()
         )
+
+    def bytes_by_format(self) -> dict[str, int]:
+        """Declared bytes per storage format (``MXFP4``, ``BF16``, ``F32``, ...), largest first."""
+        out: dict[str, int] = {}
+        for info in self.tensors.values():
+            out[info.dtype] = out.get(info.dtype, 0) + info.nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     @property
     def num_parameters(self) -> int:
@@ -422,6 +463,8 @@ class CheckpointFiles:
             raise CheckpointError(f"{self.folder.name}: no tensor {name!r} in this checkpoint")
         if name in self._pickled:
             return self._pickled[name]
+        if info.parts:
+            return self.read_quantised(info)
         dtype = DTYPES.get(info.dtype)
         if dtype is None:
             raise CheckpointError(
@@ -442,6 +485,40 @@ class CheckpointFiles:
             raise CheckpointError(f"{info.file.name}: truncated while reading {info.raw_name!r}")
         self.bytes_read += info.nbytes
         return torch.frombuffer(data, dtype=dtype).reshape(info.shape)
+
+    def read_quantised(
+        self, info: TensorInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """A quantised weight decoded to ``dtype`` on ``device`` (its parts read in one go when they lie
+        back to back, the bytes moved to ``device`` before decoding)."""
+        from .quantized import decode, read_parts
+
+        def read(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
+            self.bytes_read += end - begin
+            return read_span(file, begin, end, what)
+
+        return decode(info, read_parts(info, read, device), dtype)
+
+    def sum_squares(self, name: str) -> float | None:
+        """sum(W^2) of an MXFP4 weight straight from its stored bytes (``quantized.mxfp4_sum_squares``: no
+        decoded copy, exact in float64), or None for any other tensor (read it and sum)."""
+        info = self.tensors.get(name)
+        if info is None or info.dtype != "MXFP4":
+            return None
+        from .quantized import contiguous, mxfp4_sum_squares, read_parts
+
+        if contiguous(info):
+            with open(info.file, "rb", buffering=0) as fh:
+                if info.end <= os.fstat(fh.fileno()).st_size and is_hole(fh.fileno(), info.begin, info.end):
+                    self.bytes_read += info.nbytes
+                    return 0.0  # a hole of a sparse file: zero bytes, zero values
+
+        def read(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
+            self.bytes_read += end - begin
+            return read_span(file, begin, end, what)
+
+        parts = read_parts(info, read)
+        return mxfp4_sum_squares(parts["weight_packed"], parts["weight_scale"])
 
 
 def folder_fingerprint(path: Path) -> str:

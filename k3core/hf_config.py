@@ -94,7 +94,7 @@ def _from_hf(data: dict[str, Any]) -> K3Config:
         num_experts = 0  # every layer dense: transformers still writes (unused) expert counts
     max_pos = text.get("max_position_embeddings", text.get("model_max_length", 1_048_576))
     kw = dict(
-        name=str(data.get("_name_or_path") or text.get("model_type", "hf"))[:MAX_NAME_CHARS],
+        name=str(data.get("_name_or_path") or data.get("model_type") or text.get("model_type", "hf"))[:MAX_NAME_CHARS],
         vocab_size=int(text["vocab_size"]),
         hidden_size=int(text["hidden_size"]),
         num_hidden_layers=n_layers,

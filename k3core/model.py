@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import K3Cache
-from .checkpoint import build_meta_model, load_config, load_pretrained, save_pretrained
+from .checkpoint import build_meta_model, load_pretrained, save_pretrained
+from .checkpoint_files import CheckpointFiles
 from .config import K3Config
 from .generate import generate as _generate
 from .hooks import HookContext, HookNames, active, point
@@ -342,12 +343,20 @@ class K3ForCausalLM(nn.Module):
         progress: Callable[[int, int], None] | bool | None = None,
         max_memory: dict[Any, int | str] | None = None,
         offload_folder: str | Path | None = None,
+        stream: bool = False,
     ) -> K3ForCausalLM:
         """Stream a checkpoint folder in (any size; see ``k3core.checkpoint.load_pretrained``).
 
         ``device="auto"`` places layers over every GPU, then CPU, then ``offload_folder`` (accelerate);
         tensors of the keep-fp32 rule stay fp32 whatever ``dtype``; ``progress``: (bytes done, total)
-        callback, or True for a tqdm bar. Raises CheckpointError."""
+        callback, or True for a tqdm bar. ``stream=True``: run from the checkpoint files within
+        ``max_memory`` (e.g. ``{"cpu": "8GB"}``) on ``device``: routed experts read as the router chooses them,
+        dense parts resident when they fit, else read module by module; nothing copied anywhere
+        (``k3core.streamed.load_streamed``; the plan is ``model.streaming.plan``). Raises CheckpointError."""
+        if stream:
+            from .streamed import load_streamed
+
+            return load_streamed(path, cls, device=device, dtype=dtype, max_memory=max_memory or "8GB")
         if str(device) == "auto" or max_memory is not None:
             return load_placed(
                 path,
@@ -370,13 +379,19 @@ class K3ForCausalLM(nn.Module):
     ) -> Plan:
         """Where ``from_pretrained(path, device, dtype)`` would put each layer and the bytes per device,
         computed on the meta device before anything is loaded (a checkpoint folder, a config or a preset)."""
+        files = None
         if isinstance(path_or_config, K3Config):
             config = path_or_config
         elif isinstance(path_or_config, str) and path_or_config in PRESETS:
             config = from_preset(path_or_config)
         else:
-            config = load_config(path_or_config)
-        return plan_for_model(build_meta_model(cls, config, dtype), device, max_memory)
+            files = CheckpointFiles.open(path_or_config)
+            config = files.config
+        plan = plan_for_model(build_meta_model(cls, config, dtype), device, max_memory)
+        if files is not None:
+            plan.stored_bytes_by_format = files.bytes_by_format()
+            plan.stored_parameters = files.num_parameters
+        return plan
 
     def save_pretrained(
         self, path: str | Path, max_shard_bytes: int = 2 * 1024**3, config_format: str = "auto"

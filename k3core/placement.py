@@ -48,6 +48,10 @@ class Plan:
     bytes_by_device: dict[str, int]
     main_device: str
     layers_by_device: dict[str, list[int]] = field(default_factory=dict)
+    # Planned from a checkpoint folder: its stored bytes by storage format (MXFP4 / BF16 / F32 ...) and
+    # parameter count, from the headers (a quantised checkpoint is smaller on disk than in memory).
+    stored_bytes_by_format: dict[str, int] = field(default_factory=dict)
+    stored_parameters: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +68,9 @@ class Plan:
             layers = self.layers_by_device.get(dev, [])
             span = f"  layers {_ranges(layers)}" if layers else ""
             lines.append(f"{dev:<8} {nbytes / 1e9:8.2f} GB{span}")
+        if self.stored_bytes_by_format:
+            stored = ", ".join(f"{fmt} {n / 1e9:.2f} GB" for fmt, n in self.stored_bytes_by_format.items())
+            lines.append(f"stored   {self.stored_parameters / 1e12:.2f}T parameters: {stored}")
         return "\n".join(lines)
 
 

@@ -56,13 +56,19 @@ def _adapt(name: str, value: torch.Tensor, want: tuple[int, ...], info: TensorIn
     return value[: want[0]]
 
 
-def _read_exact(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
+def pread_exact(fd: int, view: memoryview, offset: int, file_name: str, what: str) -> None:
+    """Fill ``view`` from ``offset`` of an open file (``os.preadv``: no shared file offset, releases the GIL);
+    CheckpointError naming the file and ``what`` when the file ends first."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if not n:
-            raise CheckpointError(f"{info.file.name}: truncated while reading {info.raw_name!r}")
+            raise CheckpointError(f"{file_name}: truncated while reading {what!r}")
         done += n
+
+
+def _read_exact(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
+    pread_exact(fd, view, offset, info.file.name, info.raw_name)
 
 
 def _load_one(info: TensorInfo, target: torch.Tensor, files: CheckpointFiles, fds: dict[Path, int]) -> None:
@@ -71,6 +77,16 @@ def _load_one(info: TensorInfo, target: torch.Tensor, files: CheckpointFiles, fd
     with torch.no_grad():
         if info.begin < 0:  # pickle: already in memory
             target.copy_(_adapt(name, files.read(name), want, info))
+        elif info.parts:  # quantised: the stored bytes go to the target's device and are decoded there
+            from .quantized import decode, read_parts
+
+            def read(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                _read_exact(fds[file], memoryview(buf.numpy()), begin, info)
+                return buf
+
+            parts = read_parts(info, read, target.device)
+            target.copy_(_adapt(name, decode(info, parts, torch.float32), want, info))
         else:
             stored = DTYPES[info.dtype]
             direct = (
@@ -118,10 +134,12 @@ def stream_weights(
     total = files.bytes_total
     order = sorted(files.tensors.values(), key=lambda i: (str(i.file), i.begin))
     workers = workers or max(1, min(4, os.cpu_count() or 1))
+    from .quantized import stored_parts
+
     fds: dict[Path, int] = {}
     done = 0
     try:
-        for file in {i.file for i in order if i.begin >= 0}:
+        for file in {i.file for i in stored_parts(order) if i.begin >= 0}:
             fds[file] = open_for_reading(file)
         if zero_copy:
             mapped = _map_in_place(model, order, targets, fds)

@@ -9,12 +9,22 @@ import sys
 from k3lab.options import add_device_options
 
 
-def print_placement_plan(run: str, device: str, dtype: str | None, prog: str) -> None:
-    """With ``--device auto``, the placement plan (bytes and layers per device) on stderr before loading."""
-    if device != "auto":
-        return
+def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, max_memory: str | None = None) -> None:
+    """With ``--max-memory``, the streaming plan (what stays, what streams, bytes and expected time per prompt);
+    with ``--device auto``, the placement plan (bytes and layers per device); on stderr before loading."""
     from analysis.runs import DTYPES, dtype_name
     from k3core.model import K3ForCausalLM
+
+    if max_memory:
+        from k3core.streamed import plan_for_path
+
+        device = "cpu" if device == "auto" else device
+        plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=DTYPES[dtype_name(dtype)], max_memory=max_memory)
+        print(f"{prog}: streaming plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
+              file=sys.stderr)  # fmt: skip
+        return
+    if device != "auto":
+        return
 
     plan = K3ForCausalLM.plan_placement(run, device="auto", dtype=DTYPES[dtype_name(dtype)])
     print(
@@ -45,9 +55,16 @@ def main(argv: list[str]) -> int:
     from k3core.generate import generate_text
 
     try:
-        print_placement_plan(args.run, args.device, args.dtype, "k3lab generate")
-        run = load_run(args.run, args.device, args.dtype, progress=True, offload_folder=args.offload_folder)
-    except CheckpointError as exc:
+        print_placement_plan(args.run, args.device, args.dtype, "k3lab generate", args.max_memory)
+        run = load_run(
+            args.run,
+            args.device,
+            args.dtype,
+            progress=True,
+            offload_folder=args.offload_folder,
+            max_memory=args.max_memory,
+        )
+    except (CheckpointError, ValueError) as exc:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
     if run.tokenizer is None:

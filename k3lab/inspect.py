@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics, _ = runs_mod.read_metrics(path)
             training = final_numbers(metrics) if metrics else None
             if args.text or args.sample:
-                run = runs_mod.load_run(path, device=args.device, dtype=args.dtype)
+                run = runs_mod.load_run(path, device=args.device, dtype=args.dtype, max_memory=args.max_memory)
                 if args.text:
                     sample = runs_mod.text_input(
                         Path(args.text).read_text(encoding="utf-8", errors="replace"),

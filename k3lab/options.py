@@ -1,6 +1,6 @@
-"""Options several commands share: --device / --dtype (/ --offload-folder) of every command that loads a model
-(generate, report, inspect) and --out / --no-static / --quiet of those that write a folder of figures (report,
-weights). Kept free of torch so that ``k3lab --help`` stays instant."""
+"""Options several commands share: --device / --dtype / --max-memory (/ --offload-folder) of every command that
+loads a model (generate, report, inspect) and --out / --no-static / --quiet of those that write a folder of figures
+(report, weights). Kept free of torch so that ``k3lab --help`` stays instant."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ def add_device_options(parser: argparse.ArgumentParser, offload_folder: bool = F
         default=None,
         choices=DTYPE_CHOICES,
         help=f"{when}weights dtype (default float32); gates, convolutions and router biases stay float32",
+    )
+    parser.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help=f"{when}memory budget on --device (e.g. 8GB, 6GiB): run from the checkpoint files within it, routed "
+        "experts read as the router chooses them (LRU cache), dense parts resident when they fit, else read "
+        "module by module; prints the plan (what stays, what streams, bytes and expected time per prompt) first",
     )
     if offload_folder:
         parser.add_argument(

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens,
             device=args.device,
             dtype=args.dtype,
+            max_memory=args.max_memory,
             static=not args.no_static,
             views=args.views,
             skip_model_views=args.skip_model_views,

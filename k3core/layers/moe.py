@@ -103,6 +103,9 @@ class StackedExperts(nn.Module):
     """E gated FFNs, weights stacked: w1 (gate) [E, m, L], w3 (up) [E, m, L], w2 (down) [E, L, m]."""
 
     WEIGHTS = ("w1", "w2", "w3")
+    # Optional source of expert weights (k3core.expert_store.LayerExperts): experts read from the checkpoint
+    # on demand instead of the stacked parameters (which then stay on the meta device).
+    weight_source = None
 
     def __init__(self, config: K3Config, num_experts: int, width: int, intermediate: int):
         super().__init__()
@@ -112,8 +115,15 @@ class StackedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, width))
         self.w2 = nn.Parameter(torch.empty(num_experts, width, intermediate))
 
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of expert e: from the weight source when there is one, else the stacked parameters."""
+        if self.weight_source is not None:
+            return self.weight_source.weights(e)
+        return self.w1[e], self.w2[e], self.w3[e]
+
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
-        return F.linear(activation(self.config, F.linear(z, self.w1[e]), F.linear(z, self.w3[e])), self.w2[e])
+        w1, w2, w3 = self.expert_weights(e)
+        return F.linear(activation(self.config, F.linear(z, w1), F.linear(z, w3)), w2)
 
     def forward(
         self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, backend: str = "auto"
@@ -141,7 +151,9 @@ class StackedExperts(nn.Module):
         token_of = order // k
         counts = torch.bincount(flat, minlength=self.num_experts)
         grouped = z.index_select(0, token_of)
-        use_mm = backend == "grouped_mm" or (backend == "auto" and grouped_mm_available(z))
+        use_mm = self.weight_source is None and (
+            backend == "grouped_mm" or (backend == "auto" and grouped_mm_available(z))
+        )
         out = None
         if use_mm:
             try:
@@ -281,6 +293,8 @@ class LatentMoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(-1, D)
         scores, experts, weights = self.route(flat, (B, T))
+        if self.experts.weight_source is not None:
+            self.experts.weight_source.request(experts)  # reads start now, while the latent projection runs
         z = self._point(hooks, "latent", self.routed_expert_down_proj(flat) if self.latent else flat, (B, T))
         y = self.routed_experts(z, experts, weights, dispatch)
         if self.latent:
