@@ -149,9 +149,12 @@ def report_input(
     runs: list[runs_mod.Run], text_file: str | Path | None, sample: str | None, max_tokens: int
 ) -> runs_mod.Input:
     """The one input every run reads: ``text_file`` (UTF-8) or the built-in ``sample`` (default Shakespeare),
-    read with the first run's tokenizer. Raises ValueError when the runs cannot read the same token ids."""
+    read with the first run's tokenizer (a trace folder's first recorded text when neither is given). Raises
+    ValueError when the runs cannot read the same token ids."""
     cfg = runs[0].config
-    if text_file:
+    if runs[0].recorded is not None and not text_file and not sample:
+        chosen = runs_mod.recorded_input(runs[0])  # a trace folder: the text it recorded
+    elif text_file:
         text_path = Path(text_file)
         if not text_path.is_file():
             raise ValueError(f"{text_path}: no such text file")

@@ -39,6 +39,8 @@ from k3core.config import K3Config
 from k3core.files import open_for_reading, parse_json, read_bytes_limited
 from k3core.runtime import configure_threads
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
+from k3core.trace import TraceError
+from k3core.trace_dir import TraceDir, is_trace_dir, read_trace_dir, trace_dir_fingerprint
 
 if TYPE_CHECKING:  # imported where a run is loaded (load_run), not when this module is
     from k3core.model import K3ForCausalLM
@@ -68,6 +70,7 @@ class Run:
     device: str = "cpu"
     dtype: str = "float32"  # a key of DTYPES
     tokenizer: Tokenizer | None = None  # the checkpoint's own tokenizer; None: token ids only (see notes)
+    recorded: TraceDir | None = None  # a trace folder opened without its weights (model None; load_trace_folder)
 
     @property
     def label(self) -> str:
@@ -173,6 +176,8 @@ def load_run(
     from k3core.model import K3ForCausalLM
 
     path = Path(path)
+    if is_trace_dir(path):
+        return load_trace_folder(path)
     dtype = dtype_name(dtype)
     if not path.is_dir():
         raise CheckpointError(
@@ -207,6 +212,71 @@ def load_run(
         fingerprint=fingerprint,
         device=str(device),
         dtype=dtype,
+    )
+
+
+def load_trace_folder(path: str | Path) -> Run:
+    """A trace folder (``k3core.trace_dir``, written by ``k3lab trace``) as a Run without a model: its traces are
+    what ``trace_run`` returns; views that need the weights say so. Raises CheckpointError for a bad folder."""
+    path = Path(path)
+    try:
+        folder = read_trace_dir(path)
+        config = K3Config.from_dict(folder.card["config"])
+    except (TraceError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path.name}: not a readable trace folder ({exc})") from exc
+    made = folder.card.get("made") if isinstance(folder.card.get("made"), dict) else {}
+    metrics, _ = read_metrics(path)
+    tokenizer, tokenizer_note = run_tokenizer(path, config.vocab_size)
+    card: dict[str, Any] = {"notes": [TRACE_ONLY_NOTE], "trace_folder": made, "tokenizer": folder.card.get("tokenizer")}
+    if tokenizer_note:
+        card["notes"].append(tokenizer_note)
+    return Run(
+        model=None,
+        config=config,
+        metrics=metrics,
+        card=card,
+        path=path,
+        fingerprint=trace_dir_fingerprint(path),
+        device=str(made.get("device", "cpu")),
+        dtype=str(made.get("dtype", "float32")),
+        tokenizer=tokenizer,
+        recorded=folder,
+    )
+
+
+TRACE_ONLY_NOTE = (
+    "a trace folder without the weights: every view drawn from the trace works; views that run the model or "
+    "read the weights need the checkpoint"
+)
+
+
+def recorded_input(run: Run, index: int = 0) -> Input:
+    """Text ``index`` of a trace folder's run (``load_trace_folder``) as an Input, as it was traced."""
+    if run.recorded is None:
+        raise ValueError(f"{run.label}: not a trace folder")
+    texts = run.recorded.texts
+    if not 0 <= index < len(texts):
+        raise ValueError(f"{run.label}: no text {index} (the trace folder has {len(texts)})")
+    entry = texts[index]
+    ids = torch.tensor([[int(t) for t in entry.get("tokens", [])]], dtype=torch.long)
+    name = str(entry.get("name") or f"text {index}")
+    description = str(entry.get("description") or f"{name}: {ids.shape[1]} tokens (recorded)")
+    return Input(name, ids, text=entry.get("text"), description=description, source=f"recorded: {name}")
+
+
+def _recorded_context(run: Run, input_ids: torch.Tensor, label: str | None, options: dict | None) -> AnalysisContext:
+    """The stored trace of a trace folder whose tokens are ``input_ids``; ValueError when it holds none."""
+    wanted = [int(t) for t in input_ids[0]]
+    for index, entry in enumerate(run.recorded.texts):
+        if [int(t) for t in entry.get("tokens", [])] == wanted:
+            try:
+                trace = run.recorded.trace(index)
+            except TraceError as exc:
+                raise CheckpointError(str(exc)) from exc
+            return _context(run, trace, input_ids, label, options)
+    raise ValueError(
+        f"{run.label} is a trace folder of {len(run.recorded.texts)} recorded text(s); running the model on another "
+        "text needs the checkpoint"
     )
 
 
@@ -369,6 +439,12 @@ def trace_run(
         input_ids = input_ids.input_ids
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
+    if run.recorded is not None:
+        if edits:
+            raise ValueError(
+                f"{run.label} is a trace folder: an edited forward reruns the model and needs the checkpoint"
+            )
+        return _recorded_context(run, input_ids, label, options)
     model = run.model
     device = next(model.parameters()).device
     ids = input_ids.to(device)
@@ -390,10 +466,15 @@ def trace_run(
         "loss": float(out.loss) if out.loss is not None else None,
         "tokenizer": run.tokenizer.describe() if run.tokenizer is not None else None,
     }
+    return _context(run, trace, input_ids, label, options)
+
+
+def _context(run: Run, trace: Any, input_ids: torch.Tensor, label: str | None, options: dict | None) -> AnalysisContext:
+    """The AnalysisContext of a run's trace on ``input_ids`` (the run's model: None for a trace folder)."""
     return AnalysisContext(
         trace=trace,
         config=run.config,
-        model=model,
+        model=run.model,
         input_ids=input_ids.cpu(),
         metrics=run.metrics,
         label=label or run.label,

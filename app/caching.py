@@ -53,6 +53,7 @@ from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
 from k3core.checkpoint_files import folder_fingerprint
 from k3core.trace import WHAT_ALL, WHAT_DEFAULT
+from k3core.trace_dir import is_trace_dir, trace_dir_fingerprint
 
 
 # ----------------------------------------------------------------------------------------- model use
@@ -109,6 +110,8 @@ def run_fingerprint(path: str | Path) -> str:
     file's size or mtime changes (``app.run_folders.folder_stamp``)."""
     path = Path(path)
     try:
+        if is_trace_dir(path):  # its run card holds every trace file's digest
+            return trace_dir_fingerprint(path)
         return _fingerprint(str(path), folder_stamp(path))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
@@ -149,6 +152,19 @@ def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memor
         inputs = current_inputs()
         max_memory = inputs.max_memory if inputs is not None else ""
     return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path, ref.label, max_memory)
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def _shape_model(fingerprint: str, _config: Any) -> Any:
+    from k3core.model import K3ForCausalLM
+
+    return K3ForCausalLM.from_config(_config, device="meta")
+
+
+def shape_model(run: Run) -> Any:
+    """A model of the run's config on the meta device (shapes only, no weights): parameter counts of a trace
+    folder's run, which has no model."""
+    return _shape_model(run.fingerprint, run.config)
 
 
 def run_metrics(ref: RunRef) -> dict | None:
@@ -216,6 +232,8 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
 
 def make_tokens(choice: TextChoice, run: Run) -> Input:
     """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
+    if run.recorded is not None:  # a trace folder: the text it recorded, whatever the sidebar says
+        return runs.recorded_input(run)
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
 
@@ -243,7 +261,7 @@ def _cached_trace(
     from k3core.interventions import edits_from_json
 
     start = time.perf_counter()
-    with model_use(_run.model):
+    with model_use(_run.model) if _run.model is not None else contextlib.nullcontext():  # None: a trace folder
         ctx = runs.trace_run(
             _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
         )
@@ -351,6 +369,8 @@ def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
     """A context for the views drawn from the weights alone (``analysis.weights.read_weight_summary``: headers
     and small tensors, no model built), cached per folder state; ``experts`` also reads every expert matrix.
     Raises CheckpointError / OSError / ValueError."""
+    if is_trace_dir(ref.path):
+        raise CheckpointError(f"{ref.label} is a trace folder without its weights: this page needs the checkpoint")
     fingerprint = run_fingerprint(ref.path)
     summary = _weight_summary(fingerprint, str(ref.path), experts, progress)
     ctx = AnalysisContext(trace=None, config=summary.config, label=ref.label, weights=summary)

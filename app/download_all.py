@@ -21,6 +21,7 @@ from app.cards import slug
 from app.inputs import SAMPLE_OF_SOURCE, InputError, TextChoice
 from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
+from k3core.trace_dir import is_trace_dir
 
 
 def report_options(choice: TextChoice, out: Path) -> dict:
@@ -47,7 +48,8 @@ def report_zip(refs: list[RunRef], choice: TextChoice, static: bool = True, skip
     """``k3lab report`` of one run (or two, compared) on this text, zipped. Raises InputError when it cannot run."""
     with tempfile.TemporaryDirectory(prefix="k3lab-report-") as tmp:
         out = Path(tmp) / "report"
-        options = report_options(choice, out)
+        # a trace folder reports on the text it recorded (it has no model to read another)
+        options = {"max_tokens": choice.max_tokens} if is_trace_dir(refs[0].path) else report_options(choice, out)
         try:
             write_report([r.path for r in refs], out, static=static, skip_model_views=skip_model_views, **options)
         except (CheckpointError, ValueError, OSError) as exc:

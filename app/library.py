@@ -52,11 +52,13 @@ from k3core.checkpoint_files import (
     WEIGHTS_NAME,
 )
 from k3core.files import parse_json, read_bytes_limited
+from k3core.trace_dir import CARD_NAME, is_trace_dir
 
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
 SOURCES = ("upload", "path", "preset")
 EXTRA_NAMES = ("metrics.json", "README.md", "generation_config.json", "special_tokens_map.json", *TOKENIZER_FILES)
 SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+TRACE_FILE_RE = re.compile(r"^trace-\d+\.npz$")  # a trace folder's traces (k3core.trace_dir)
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
 _CHUNK = 1 << 20
 _ORPHAN_AGE_S = 600  # a runs/<id> folder without a row younger than this may be another process's add
@@ -77,7 +79,11 @@ CREATE TABLE IF NOT EXISTS runs (
 
 def accepted_name(name: str) -> bool:
     """A file name that belongs in a checkpoint folder (config, weights, shards, index, tokenizer, card)."""
-    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, *PICKLE_NAMES, *EXTRA_NAMES) or bool(SHARD_RE.match(name))
+    return (
+        name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, *PICKLE_NAMES, *EXTRA_NAMES, CARD_NAME)
+        or bool(SHARD_RE.match(name))
+        or bool(TRACE_FILE_RE.match(name))
+    )
 
 
 def clean_name(name: str, default: str) -> str:
@@ -256,7 +262,7 @@ class RunsLibrary:
         """Tokenizer files that come with an upload must load and fit the model (checked before it is kept)."""
         from k3core.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
 
-        if not any((folder / f).is_file() for f in TOKENIZER_FILES) or info.files.config is None:
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES) or info.files is None or info.files.config is None:
             return
         try:
             load_tokenizer(folder, info.files.config.vocab_size)
@@ -271,6 +277,8 @@ class RunsLibrary:
         )
 
     def _check_weights_present(self, folder: Path, name: str) -> None:
+        if is_trace_dir(folder):  # a trace folder: traces and a run card, no weights (k3core.trace_dir)
+            return
         names = sorted(p.name for p in folder.iterdir())
         if CONFIG_NAME not in names:
             raise LibraryError(

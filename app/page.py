@@ -58,18 +58,27 @@ def inputs_or_stop() -> Inputs:
     return inputs
 
 
-def run_or_stop(inputs: Inputs, ref: RunRef | None = None) -> Run:
+def run_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool = False) -> Run:
     """The loaded run (cached); on a bad checkpoint, device or failure shows st.error and stops the page. A page
-    loads it once and hands it on (``config_context``, ``load_or_stop(run=...)``)."""
+    loads it once and hands it on (``config_context``, ``load_or_stop(run=...)``). A trace folder's run has no
+    model (``Run.model`` None; ``caching.shape_model`` gives its shapes); with ``needs_weights`` the page says it
+    needs the checkpoint and stops."""
     ref = ref or inputs.run
     _stop_if_too_big(inputs, ref)
     try:
-        return caching.load_run(ref, inputs.device, inputs.dtype)
+        run = caching.load_run(ref, inputs.device, inputs.dtype)
     except USER_ERRORS as exc:
         error = f"**{md_escape(ref.label)}**: {plain(error_text.message(exc, ref))}"
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{md_escape(ref.label)}** could not be loaded on {inputs.device}/{inputs.dtype}: {describe(exc)}"
+    else:
+        if run.model is None and needs_weights:
+            st.info(
+                f"**{md_escape(ref.label)}** is a trace folder without its weights: this page needs the checkpoint."
+            )
+            st.stop()
+        return run
     st.error(error)
     st.stop()
 
@@ -221,9 +230,16 @@ def run_line(loaded: Loaded) -> None:
     """One caption naming what is shown: run, tokens, text source, loss, device and dtype."""
     loss = loaded.ctx.loss
     loss_txt = f" · loss {loss:.3f} nats/token" if loss is not None else ""
+    made = loaded.run.card.get("trace_folder") if loaded.run.recorded is not None else None
+    where = ""
+    if made:  # a trace folder: where and how it was recorded (its run card)
+        procs = int(made.get("world_size") or 1)
+        where = f" · recorded {md_escape(str(made.get('time', '?')))} on {md_escape(str(made.get('host', '?')))}" + (
+            f" by {procs} pipeline ranks" if procs > 1 else ""
+        )
     st.caption(
         f"**{loaded.ctx.label}** · {loaded.tokens.n:,} tokens of {md_escape(loaded.tokens.source)}"
-        f"{loss_txt} · {loaded.run.device}/{loaded.run.dtype}"
+        f"{loss_txt} · {loaded.run.device}/{loaded.run.dtype}{where}"
     )
 
 
@@ -259,7 +275,7 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
 def _render_views(views: list[View], loaded: Loaded) -> int:
     drawn = 0
     for view in views:
-        if view.needs_model:
+        if view.needs_model and loaded.model is not None:
             importance_card(view, loaded)
         else:
             drawn += cards.render_view(view, loaded)

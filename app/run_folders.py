@@ -17,6 +17,9 @@ from typing import Any
 from analysis.checkpoint_summary import config_summary
 from analysis.format import format_count
 from k3core.checkpoint_files import CheckpointError, CheckpointFiles, folder_fingerprint
+from k3core.config import K3Config
+from k3core.trace import TraceError
+from k3core.trace_dir import is_trace_dir, read_trace_dir, trace_dir_fingerprint
 
 _CHUNK = 1 << 20
 
@@ -41,7 +44,7 @@ class FolderInfo:
     skipped: list[str]  # stored tensors that are not part of the text model (vision tower, ...)
     summary: dict[str, Any]
     fingerprint: str
-    files: CheckpointFiles  # the config and the tensor table, read from the headers
+    files: CheckpointFiles | None  # the config and the tensor table, read from the headers (None: a trace folder)
 
 
 def folder_stamp(path: Path) -> tuple:
@@ -62,6 +65,8 @@ def folder_size(folder: Path) -> int:
 def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
     """Size, parameter count, dtypes and a config summary of a checkpoint folder. Raises LibraryError."""
     folder = Path(folder)
+    if is_trace_dir(folder):
+        return describe_trace_folder(folder, label)
     try:
         files = CheckpointFiles.open(folder)
         fingerprint = folder_fingerprint(folder)
@@ -86,6 +91,21 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
     )
 
 
+def describe_trace_folder(folder: Path, label: str | None = None) -> FolderInfo:
+    """A trace folder (``k3core.trace_dir``: traces and a run card, no weights) as the library describes a run."""
+    try:
+        card = read_trace_dir(folder).card
+        cfg = K3Config.from_dict(card["config"])
+        fingerprint = trace_dir_fingerprint(folder)
+    except (TraceError, ValueError, TypeError) as exc:
+        raise LibraryError(_rename(str(exc), folder.name, label)) from exc
+    except OSError as exc:
+        raise LibraryError(f"{label or folder.name}: cannot read the trace folder ({exc.strerror})") from exc
+    parameters = card.get("parameters") if isinstance(card.get("parameters"), int) else 0
+    summary = {**config_summary(cfg), "parameters": parameters, "dtypes": [], "trace": len(card["texts"])}
+    return FolderInfo(folder_size(folder), 0, parameters, {}, [], summary, fingerprint, None)
+
+
 def summary_text(summary: Mapping[str, Any]) -> str:
     """'4 layers · width 64 · vocab 256 · 8 experts · 211.6K params' from a stored summary: the fields of
     ``analysis.checkpoint_summary.config_summary`` with the folder's parameter count (``describe_folder``).
@@ -102,6 +122,8 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     if experts:
         parts.append(f"{experts} experts")
     parts.append(f"{human_count(number('parameters'))} params")
+    if number("trace"):
+        parts.append(f"trace of {number('trace')} text(s), no weights")
     return " · ".join(parts)
 
 

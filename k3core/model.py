@@ -239,6 +239,13 @@ class K3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
         """Final hidden states after the last RMSNorm, [B, T, D]."""
+        stream = self.begin(input_ids)
+        for i, layer in enumerate(self.layers):
+            stream = layer(stream, None if cache is None else cache.layers[i])
+        return self.end(stream)
+
+    def begin(self, input_ids: torch.Tensor) -> ResidualStream:
+        """The stream entering layer 0: the checked token ids embedded (a pipeline's first stage runs this)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -251,9 +258,11 @@ class K3Model(nn.Module):
         if hooks is not None:
             hooks.point(HookNames.TOKENS, input_ids)
         x = point(hooks, HookNames.EMBED, self.embed_tokens(input_ids))
-        stream = ResidualStream(self.config, x)
-        for i, layer in enumerate(self.layers):
-            stream = layer(stream, None if cache is None else cache.layers[i])
+        return ResidualStream(self.config, x)
+
+    def end(self, stream: ResidualStream) -> torch.Tensor:
+        """The output depth mix and final RMSNorm of the stream leaving the last layer (a pipeline's last stage)."""
+        hooks = active()
         if hooks is not None:
             stream.offer(hooks, HookNames.FINAL_STREAM)
         final = point(hooks, HookNames.FINAL_RESID, stream.read(self, "output", hooks))
@@ -410,6 +419,16 @@ class K3ForCausalLM(nn.Module):
                     f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(t.shape)}"
                 )
         hidden = self.model(input_ids, cache=cache)
+        return self.head(hidden, labels, targets, cache)
+
+    def head(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+    ) -> K3Output:
+        """LM head and loss on the final hidden states (``forward`` after the decoder; a pipeline's last stage)."""
         hooks = active()
         logits = point(hooks, HookNames.LOGITS, self.lm_head(hidden))
         if labels is not None:

@@ -460,6 +460,8 @@ class Recorder:
             for side, module_side in (("attn", "self_attention_res"), ("mlp", "mlp_res")):
                 for kind in ("scale", "bias"):
                     value = getattr(layer, f"{module_side}_{kind}")
+                    if value.is_meta:  # a layer another pipeline rank holds (k3core.pipeline)
+                        continue
                     self.put(TraceNames.residual(i, side, kind), value, ("hidden",))
 
 

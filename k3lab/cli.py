@@ -3,6 +3,7 @@
 k3lab app [RUN ...]        open the Streamlit app (default: the shipped sample checkpoints)   k3lab/app.py
 k3lab train ...            train a config (see k3lab train --help)                            k3lab/train.py
 k3lab report RUN [RUN2]    headless HTML report with every figure and its data                k3lab/report.py
+k3lab trace RUN --out DIR  trace a checkpoint into a folder the app opens without weights   k3lab/trace.py
 k3lab inspect RUN          config, parameter counts, layer map, headline numbers              k3lab/inspect.py
 k3lab weights PATH --out DIR   weight-only diagnostics of a checkpoint of any size            k3lab/weights.py
 k3lab generate RUN         sample text from a checkpoint                                      k3lab/generate.py
@@ -24,6 +25,7 @@ COMMANDS = {
     "app": "open the Streamlit app",
     "train": "train a K3 config (byte-level, Shakespeare by default)",
     "report": "write a headless HTML report for one or two runs",
+    "trace": "trace a checkpoint on texts into a trace folder (one process, or under torchrun)",
     "inspect": "print config, parameter counts, layer map and headline numbers",
     "weights": "weight-only diagnostics (decay, depth, routing) of a checkpoint of any size",
     "generate": "generate text from a checkpoint",

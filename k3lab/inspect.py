@@ -1,6 +1,10 @@
 """``k3lab inspect RUN``: a terminal summary of a checkpoint (or a preset name), from headers alone.
 
     k3lab inspect RUN [--text FILE | --sample NAME] [--max-tokens N] [--json]
+    k3lab inspect RUN --plan --gpu-memory 141GB [--ranks N] [--dtype bfloat16]
+
+``--plan``: the GPUs a resident pipeline-parallel run needs (``k3core.rank_plan``: contiguous layer ranges, the
+embedding on the first rank, the output mix, norm and LM head on the last), from the headers alone.
 
 The numbers come from ``analysis.checkpoint_summary`` (headers only; a 5 TB checkpoint answers in seconds) and,
 with ``--text`` / ``--sample``, from a quick trace through ``analysis.runs.load_run`` (headline numbers).
@@ -107,7 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens for the quick trace")
     add_device_options(p, when="with --text/--sample: ")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    plan = p.add_argument_group("multi-GPU plan (pipeline parallel, `k3lab trace` under torchrun)")
+    plan.add_argument(
+        "--plan", action="store_true", help="how many GPUs a resident run needs and which layers each rank holds"
+    )
+    plan.add_argument("--gpu-memory", default="141GB", metavar="SIZE", help="memory of one GPU (default 141GB, H200)")
+    plan.add_argument(
+        "--reserve",
+        default="10%",
+        metavar="SIZE",
+        help="kept free on each GPU for activations, the CUDA context and buffers (default 10%% of --gpu-memory)",
+    )
+    plan.add_argument("--ranks", type=int, default=None, help="split over exactly this many ranks instead")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="for the node count and torchrun line (default 8)")
     args = p.parse_args(argv)
+    if args.plan:
+        return print_plan(args)
 
     from pathlib import Path
 
@@ -165,4 +184,67 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(payload, indent=1, default=str))
     else:
         print(format_report(cfg, breakdown, training, headline, source, checkpoint))
+    return 0
+
+
+def usable_bytes(gpu_memory: str, reserve: str) -> int:
+    """One GPU's bytes minus the reserve ("10%" of it, or a size). Raises ValueError."""
+    from k3core.rank_plan import parse_size
+
+    total = parse_size(gpu_memory)
+    held = total * float(reserve[:-1]) / 100 if reserve.strip().endswith("%") else parse_size(reserve)
+    if held >= total:
+        raise ValueError(f"--reserve {reserve} leaves nothing of --gpu-memory {gpu_memory}")
+    return int(total - held)
+
+
+def format_plan(plan, source: str, dtype: str, gpus_per_node: int) -> str:
+    n = len(plan.ranks)
+    nodes = -(-n // gpus_per_node)
+    head = f"== {source}: a resident run in {dtype} needs {n} GPU(s)"
+    if plan.capacity is not None:
+        head += f" of {format_bytes(plan.capacity)} usable each"
+    lines = [head + f" ({format_bytes(plan.total_bytes)} of weights), {nodes} node(s) of {gpus_per_node}", ""]
+    lines.append(f"  {'rank':>4}  {'node':>4}  {'layers':>9}  {'memory':>10}  holds")
+    for row, share in zip(plan.as_rows(), plan.ranks):
+        lines.append(
+            f"  {row['rank']:>4}  {share.rank // gpus_per_node:>4}  {row['layers']:>9}  "
+            f"{format_bytes(row['bytes']):>10}  {row['holds']}"
+        )
+    per_node = min(n, gpus_per_node)
+    lines += [
+        "",
+        f"  torchrun --nnodes {nodes} --nproc-per-node {per_node} -m k3lab trace RUN --text FILE --out DIR "
+        f"--device cuda --dtype {dtype}",
+        "  (weights only; activations, the decode state and buffers come out of --reserve)",
+    ]
+    return "\n".join(lines)
+
+
+def print_plan(args) -> int:
+    """``k3lab inspect RUN --plan``: the rank plan of a resident run (k3core.rank_plan), headers only."""
+    from analysis.runs import DTYPES
+    from k3core.checkpoint import CheckpointError
+    from k3core.rank_plan import plan_for, sizes_of
+
+    dtype = args.dtype or "bfloat16"
+    try:
+        sizes, layers = sizes_of(args.run, DTYPES[dtype])
+        capacity = None if args.ranks else usable_bytes(args.gpu_memory, args.reserve)
+        plan = plan_for(sizes, layers, capacity=capacity, world_size=args.ranks)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"k3lab inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload = {
+            "source": args.run,
+            "dtype": dtype,
+            "capacity_bytes": plan.capacity,
+            "total_bytes": plan.total_bytes,
+            "gpus": len(plan.ranks),
+            "ranks": plan.as_rows(),
+        }
+        print(json.dumps(payload, indent=1))
+    else:
+        print(format_plan(plan, args.run, dtype, args.gpus_per_node))
     return 0

@@ -119,6 +119,8 @@ def test_open_by_path_inside_the_roots_only(env, runs, tmp_path):
     plan = at.dataframe[0].value
     assert list(plan["device"])[0] == "cpu" and list(plan["memory"])[0] == "826.5 KiB"
     assert list(plan["decoder layers"])[0] == "0-3"
+    ranks = at.dataframe[1].value  # the multi-GPU plan: 826 KiB fits one GPU, all layers on rank 0
+    assert list(ranks["layers"]) == ["0-3"] and "embedding" in list(ranks["holds"])[0]
     at.button(key="k3lab_open_add").click().run()
     assert at.session_state["k3lab_run"] == "nano-other"
     [entry] = RunsLibrary(env).entries()

@@ -149,7 +149,10 @@ def build_cache_vs_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
 
 def _importance(ctx: AnalysisContext) -> pd.DataFrame:
     if ctx.model is None or ctx.input_ids is None:
-        raise NotApplicable("importance needs the model and the token batch (ctx.model, ctx.input_ids)")
+        raise NotApplicable(
+            "needs the checkpoint: importance reruns the model on the tokens (ctx.model, ctx.input_ids), and this "
+            "run has no model loaded (a trace folder opened without its checkpoint)"
+        )
     # once per (model, tokens): the ablations do not depend on the view options (seq_len)
     return ctx.once("sublayer_importance", lambda: sublayer_importance(ctx.model, ctx.input_ids))
 

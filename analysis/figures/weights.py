@@ -50,7 +50,10 @@ def weights_of(ctx: AnalysisContext) -> wt.WeightSummary:
         return summary
     model = getattr(ctx, "model", None)
     if model is None:
-        raise NotApplicable("no weights: this context has neither a weight summary nor a model")
+        raise NotApplicable(
+            "needs the checkpoint: this run has neither its weights nor a weight summary (a trace folder opened "
+            "without its checkpoint)"
+        )
     summary = _FROM_MODEL.get(model)
     if summary is None:
         try:

@@ -36,6 +36,12 @@ loaded = page.load_or_stop(inputs)
 page.show_input_notes(loaded)
 page.run_line(loaded)
 model, run, config = loaded.model, loaded.run, loaded.run.config
+if model is None:  # a trace folder (analysis.runs.load_trace_folder): nothing to rerun
+    st.info(
+        f"**{loaded.ref.label}** is a trace folder without its weights: experiments rerun the model, so this page "
+        "needs the checkpoint."
+    )
+    st.stop()
 ids = loaded.ctx.input_ids[:1]
 T = int(ids.shape[1])
 label = ex.token_labeler(run)

@@ -20,7 +20,7 @@ page.page_header(
     "reads and extends the decode cache: KDA layers keep a fixed-size state, MLA layers one latent per token.",
 )
 
-loaded_run = page.run_or_stop(inputs)
+loaded_run = page.run_or_stop(inputs, needs_weights=True)
 model = loaded_run.model
 tok = loaded_run.tokenizer
 if tok is None:

@@ -24,7 +24,9 @@ page.page_header(
 )
 
 loaded_run = page.run_or_stop(inputs)  # loaded once: the layer map and the headline numbers use it too
-model, cfg = loaded_run.model, loaded_run.config
+# a trace folder has no model: its config's shapes give the parameter counts (meta device)
+model = loaded_run.model if loaded_run.model is not None else caching.shape_model(loaded_run)
+cfg = loaded_run.config
 
 st.subheader(f"{run.label}")
 st.caption(f"config name {md_escape(cfg.name)} · {run.origin}")  # names only: no server folders

@@ -6,12 +6,14 @@ from __future__ import annotations
 import streamlit as st
 
 from analysis.format import format_bytes
+from analysis.runs import DTYPES
 from app import caching, error_text, library_home, memory_fit, page, run_list
 from app.errors import USER_ERRORS, describe, log, md_escape, plain
 from app.inputs import current_inputs
 from app.library import LibraryError
 from app.roots import PathRefused, confine_folder
 from app.run_folders import describe_folder, human_count, summary_text
+from k3core import rank_plan
 
 page.page_header(
     "Runs library",
@@ -28,7 +30,7 @@ inputs = current_inputs()
 device = inputs.device if inputs else "cpu"
 dtype = inputs.dtype if inputs else "float32"
 SOURCE_NAMES = {"upload": "uploaded", "path": "folder on the server", "preset": "random-init preset"}
-UPLOAD_TYPES = ["json", "safetensors", "md", "bin", "pt", "model", "zip"]
+UPLOAD_TYPES = ["json", "safetensors", "md", "bin", "pt", "model", "zip", "npz"]  # npz: trace folders
 VALIDATE_LOAD_BYTES = 2 * 1024**3  # uploads up to this size are loaded once to check every tensor
 
 try:
@@ -60,6 +62,66 @@ if ss.get("k3lab_library_ok"):
     st.success(ss.pop("k3lab_library_ok"))
 
 tab_upload, tab_path, tab_preset = st.tabs(["Upload", "Open a folder on the server", "Fresh random model"])
+
+
+def _show_plan(folder, info) -> None:
+    """A checkpoint folder's size, parameters and where its weights would go (from headers and config)."""
+    plan = memory_fit.placement_plan(folder, device, dtype)
+    free = memory_fit.available_memory(device)
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Size on disk", format_bytes(info.size_bytes))
+    c2.metric("Parameters", human_count(info.num_parameters))
+    c3.metric(f"Memory in {dtype}", format_bytes(plan.total_bytes))
+    c4.metric(f"Free on {device}", format_bytes(free) if free is not None else "unknown")
+    st.caption(
+        f"{md_escape(summary_text(info.summary))}; stored as "
+        + ", ".join(f"{md_escape(k)} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
+        + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
+        + "; in memory: "
+        + ", ".join(
+            f"{d} {format_bytes(memory_fit.placement_plan(folder, device, d).total_bytes)}"
+            for d in ("float32", "bfloat16")
+        )
+    )
+    auto = memory_fit.placement_plan(folder, "auto", dtype)
+    rows = []
+    for name, p in ((f"on {device}", plan), ("spread (GPUs, then CPU, then disk)", auto)):
+        for dev, nbytes in p.bytes_by_device.items():
+            dev_free = memory_fit.available_memory(dev) if dev != "disk" else None
+            rows.append(
+                {
+                    "placement": name,
+                    "device": dev,
+                    "memory": format_bytes(nbytes),
+                    "free now": format_bytes(dev_free) if dev_free is not None else "",
+                    "decoder layers": _span(p.layers_by_device.get(dev, [])),
+                }
+            )
+    st.dataframe(rows, hide_index=True)
+    ref = run_list.RunRef(folder.name, str(folder), "path")
+    problem = memory_fit.fit_problem(ref, device, dtype)
+    if problem:
+        st.warning(problem)
+    else:
+        st.success(f"Fits: {format_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
+    _show_rank_plan(info)
+
+
+def _show_rank_plan(info) -> None:
+    """Over several GPUs (pipeline parallel, ``k3lab inspect --plan``): how many, and which layers each holds."""
+    gpu_gb = st.number_input("GPU memory (GB) for a multi-GPU plan", 1.0, 100000.0, 141.0, key="k3lab_open_gpu_gb")
+    try:
+        sizes = rank_plan.tensor_sizes(info.files, DTYPES[dtype])
+        ranks = rank_plan.plan_for(sizes, info.files.config.num_hidden_layers, capacity=int(gpu_gb * 1e9 * 0.9))
+    except ValueError as exc:
+        st.caption(md_escape(exc))
+        return
+    st.caption(
+        f"Resident over GPUs of {gpu_gb:g} GB (10% kept free) in {dtype}: {len(ranks.ranks)} GPU(s), one process "
+        "each under torchrun (`k3lab inspect RUN --plan`)."
+    )
+    st.dataframe([r | {"bytes": format_bytes(r["bytes"])} for r in ranks.as_rows()], hide_index=True)
+
 
 # ----------------------------------------------------------------------------------------- upload
 with tab_upload:
@@ -117,44 +179,10 @@ with tab_path:
         except LibraryError as exc:
             st.error(plain(exc))
         else:
-            plan = memory_fit.placement_plan(folder, device, dtype)
-            free = memory_fit.available_memory(device)
-            c1, c2, c3, c4 = st.columns(4)
-            c1.metric("Size on disk", format_bytes(info.size_bytes))
-            c2.metric("Parameters", human_count(info.num_parameters))
-            c3.metric(f"Memory in {dtype}", format_bytes(plan.total_bytes))
-            c4.metric(f"Free on {device}", format_bytes(free) if free is not None else "unknown")
-            st.caption(
-                f"{md_escape(summary_text(info.summary))}; stored as "
-                + ", ".join(f"{md_escape(k)} {format_bytes(v)}" for k, v in sorted(info.dtypes.items()))
-                + (f"; {len(info.skipped)} tensors outside the text model are skipped" if info.skipped else "")
-                + "; in memory: "
-                + ", ".join(
-                    f"{d} {format_bytes(memory_fit.placement_plan(folder, device, d).total_bytes)}"
-                    for d in ("float32", "bfloat16")
-                )
-            )
-            auto = memory_fit.placement_plan(folder, "auto", dtype)
-            rows = []
-            for name, p in ((f"on {device}", plan), ("spread (GPUs, then CPU, then disk)", auto)):
-                for dev, nbytes in p.bytes_by_device.items():
-                    dev_free = memory_fit.available_memory(dev) if dev != "disk" else None
-                    rows.append(
-                        {
-                            "placement": name,
-                            "device": dev,
-                            "memory": format_bytes(nbytes),
-                            "free now": format_bytes(dev_free) if dev_free is not None else "",
-                            "decoder layers": _span(p.layers_by_device.get(dev, [])),
-                        }
-                    )
-            st.dataframe(rows, hide_index=True)
-            ref = run_list.RunRef(folder.name, str(folder), "path")
-            problem = memory_fit.fit_problem(ref, device, dtype)
-            if problem:
-                st.warning(problem)
+            if info.files is None:  # a trace folder: no weights, nothing to place
+                st.caption(f"A trace folder: {md_escape(summary_text(info.summary))}; {format_bytes(info.size_bytes)}.")
             else:
-                st.success(f"Fits: {format_bytes(plan.total_bytes)} of weights on {device} in {dtype}.")
+                _show_plan(folder, info)
             path_name = st.text_input("Name", value=folder.name, key="k3lab_open_name")
             if st.button("Add to the runs library", key="k3lab_open_add", type="primary"):
                 try:

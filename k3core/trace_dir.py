@@ -1,0 +1,173 @@
+"""Trace folders: the traces of a run plus its run card, the files that travel to a laptop without the weights.
+
+Layout of a trace folder DIR (``k3lab trace RUN --text FILE --out DIR``, one process or under torchrun)::
+
+    run_card.json      what was run, on what, where and how (format CARD_FORMAT, below)
+    config.json        the model's config (K3Config's own JSON), so tools that list checkpoints list it too
+    trace-0.npz ...    one k3core.trace.Trace per text (``Trace.save``; no pickles)
+    tokenizer files    copied from the checkpoint when it had them (readable token strings without it)
+    metrics.json       the checkpoint's training history and README.md its model card, when it had them
+
+The run card holds: ``config`` (K3Config.to_dict), ``texts`` (per text: its trace file, name, token ids, their
+readable strings, loss, the trace file's SHA-256), ``tokenizer`` (its description, or None), ``edits`` (None
+when the model was run as it is), and ``made`` (host, device, dtype, world size, k3lab version, source
+fingerprint of the code, the checkpoint's fingerprint and folder name, UTC time, command line).
+
+A folder is written whole or not at all: everything goes into a staging folder beside DIR, which is renamed to
+DIR as the last step (a rename within one filesystem is atomic), so a reader, or a crash, never sees half a
+trace folder. DIR must not exist, or be an empty folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .files import fsync_dir, parse_json, read_bytes_limited
+from .trace import Trace, TraceError
+
+CARD_NAME = "run_card.json"
+CARD_FORMAT = "k3lab-trace-dir/1"
+TRACE_PATTERN = "trace-{}.npz"
+MAX_CARD_BYTES = 64 * 1024**2
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tiktoken.model",
+    "tokenizer.model",
+    "metrics.json",
+    "README.md",
+)
+_CHUNK = 1 << 20
+
+
+def is_trace_dir(path: str | Path) -> bool:
+    """A folder with a run card (``read_trace_dir`` checks the rest)."""
+    path = Path(path)
+    return path.is_dir() and (path / CARD_NAME).is_file()
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _staging_dir(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
+    return staging
+
+
+def check_out_dir(out: str | Path) -> Path:
+    """``out`` as a Path, or ValueError when it holds something (a trace folder is never written over)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: already exists and is not an empty folder; choose a new --out")
+    return out
+
+
+def write_trace_dir(
+    out: str | Path,
+    traces: list[Trace],
+    card: dict[str, Any],
+    config_json: str,
+    copy_from: str | Path | None = None,
+) -> Path:
+    """Write a trace folder atomically (see the module docstring) and return its path.
+
+    ``card`` is the run card without the trace files' names and digests (they are filled in per text: ``card
+    ["texts"][i]`` describes ``traces[i]``); ``config_json`` is config.json's text; ``copy_from`` is the
+    checkpoint folder whose tokenizer files and metrics.json are copied. Raises ValueError when ``out`` holds
+    something, OSError when it cannot be written; on any error nothing is left at ``out``."""
+    out = check_out_dir(out)
+    texts = card.get("texts") or []
+    if len(texts) != len(traces) or not traces:
+        raise ValueError(f"the run card describes {len(texts)} text(s) but {len(traces)} trace(s) were given")
+    staging = _staging_dir(out)
+    try:
+        card = {**card, "format": CARD_FORMAT, "texts": [dict(t) for t in texts]}
+        for i, (trace, text) in enumerate(zip(traces, card["texts"])):
+            name = TRACE_PATTERN.format(i)
+            trace.save(staging / name)
+            text["file"] = name
+            text["sha256"] = file_sha256(staging / name)
+        (staging / "config.json").write_text(config_json, encoding="utf-8")
+        if copy_from is not None:
+            for name in COPIED_FILES:
+                if (Path(copy_from) / name).is_file():
+                    shutil.copyfile(Path(copy_from) / name, staging / name)
+        (staging / CARD_NAME).write_text(json.dumps(card, indent=1, default=str), encoding="utf-8")
+        if out.exists():
+            out.rmdir()  # an empty folder the user made: replaced by the complete one
+        os.rename(staging, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+@dataclass
+class TraceDir:
+    """A trace folder read back: its run card and where its traces are (loaded on demand with ``trace``)."""
+
+    path: Path
+    card: dict[str, Any]
+
+    @property
+    def texts(self) -> list[dict[str, Any]]:
+        return self.card["texts"]
+
+    def trace(self, index: int = 0, verify: bool = True) -> Trace:
+        """The trace of text ``index``; ``verify`` checks its SHA-256 against the card. Raises TraceError."""
+        if not 0 <= index < len(self.texts):
+            raise TraceError(f"{self.path.name}: no text {index} (the folder has {len(self.texts)})")
+        entry = self.texts[index]
+        file = self.path / str(entry.get("file", ""))
+        if Path(str(entry.get("file", ""))).name != entry.get("file") or not file.is_file():
+            raise TraceError(f"{self.path.name}: the trace file of text {index} ({entry.get('file')!r}) is missing")
+        if verify and entry.get("sha256") and file_sha256(file) != entry["sha256"]:
+            raise TraceError(f"{self.path.name}: {file.name} does not match its run card (changed or truncated)")
+        return Trace.load(file)
+
+
+def read_trace_dir(path: str | Path) -> TraceDir:
+    """The run card of a trace folder, checked (format, texts with their files). Raises TraceError."""
+    path = Path(path)
+    card_file = path / CARD_NAME
+    if not card_file.is_file():
+        raise TraceError(f"{path.name}: not a trace folder (no {CARD_NAME})")
+    try:
+        card = parse_json(read_bytes_limited(card_file, MAX_CARD_BYTES), CARD_NAME, error=TraceError)
+    except OSError as exc:
+        raise TraceError(f"{path.name}: cannot read {CARD_NAME} ({exc})") from exc
+    if not isinstance(card, dict) or card.get("format") != CARD_FORMAT:
+        found = card.get("format") if isinstance(card, dict) else type(card).__name__
+        raise TraceError(f"{path.name}: {CARD_NAME} is not a k3lab run card (format {found!r}, want {CARD_FORMAT})")
+    texts = card.get("texts")
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, dict) for t in texts):
+        raise TraceError(f"{path.name}: {CARD_NAME} lists no traced texts")
+    if not isinstance(card.get("config"), dict):
+        raise TraceError(f"{path.name}: {CARD_NAME} has no config")
+    return TraceDir(path=path, card=card)
+
+
+def trace_dir_fingerprint(path: str | Path) -> str:
+    """SHA-256 of the run card (which holds every trace file's digest): one key per trace folder's content."""
+    return hashlib.sha256(Path(path, CARD_NAME).read_bytes()).hexdigest()
+
+
+def token_rows(traces: Iterable[Trace]) -> list[list[int]]:
+    """The first sequence's token ids of each trace, as lists."""
+    return [[int(t) for t in trace["tokens"][0]] for trace in traces]
