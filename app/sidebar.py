@@ -91,7 +91,7 @@ def sidebar() -> Inputs:
         try:
             max_memory = inp.check_max_memory(max_memory)
         except InputError as exc:
-            st.error(str(exc))
+            st.error(md_escape(exc))
             max_memory = ""
         ss.setdefault("k3lab_seq_len", inp.SEQ_LEN_DEFAULT)
         ss.setdefault("k3lab_record_attn", True)

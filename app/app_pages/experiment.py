@@ -22,6 +22,7 @@ from analysis.figures.experiment import (
 from analysis.token_detail import token_detail
 from app import caching, links, page
 from app import experiment as ex
+from app.errors import plain
 from app.links import EDITS
 from k3core.interventions import EditError, compile_edits, edit_from_dict, intervene
 
@@ -115,7 +116,7 @@ def _build_edit() -> None:
             edit = edit_from_dict(data)
             compile_edits(config, [edit])
         except EditError as exc:
-            st.error(f"This edit cannot be applied: {exc}")
+            st.error(f"This edit cannot be applied: {plain(exc)}")
             return
         edits.append(edit.to_dict())
         st.rerun()
@@ -149,7 +150,7 @@ def _experiment() -> None:
                     exp = effects.run_experiment(model, ids.to(next(model.parameters()).device), parsed)
             except (EditError, ValueError, RuntimeError) as exc:
                 status.update(label="The experiment failed", state="error")
-                st.error(f"The experiment could not run: {exc}")
+                st.error(f"The experiment could not run: {plain(exc)}")
                 return
             bar.progress(1.0, text="done")
             status.update(label=f"Experiment done in {time.perf_counter() - start:.1f} s", state="complete")
@@ -221,7 +222,7 @@ def _patching() -> None:
                     progress=progress,
                 )
         except patching.PatchingError as exc:
-            st.error(str(exc))
+            st.error(plain(exc))
             return
         ex.remember(results, key, (df, metric))
     if key in results:
@@ -249,7 +250,7 @@ def _attribution() -> None:
                 tok = attribution.token_attribution(model, x, y, method, int(baseline), run.tokenizer)
                 lay = attribution.layer_attribution(model, x, y) if layers else None
             except attribution.AttributionError as exc:
-                st.error(str(exc))
+                st.error(plain(exc))
                 return
         ex.remember(results, key, (tok, lay))
     if key in results:
