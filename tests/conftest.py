@@ -70,6 +70,15 @@ def nano() -> K3ForCausalLM:
     return nano_model()
 
 
+@pytest.fixture(scope="session")
+def sparse_k3(tmp_path_factory):
+    """The sparse Kimi K3 replica of tests/test_weights.build_sparse_k3 (BF16, every tensor declared), built once
+    for the session: test_weights and test_rank_plan only read it."""
+    from .test_weights import build_sparse_k3
+
+    return build_sparse_k3(tmp_path_factory.mktemp("sparse-k3"))
+
+
 @pytest.fixture
 def tokens() -> torch.Tensor:
     """[2, 7] random byte ids."""
