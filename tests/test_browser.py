@@ -25,8 +25,6 @@ from benchmarks.bench_app import (
     CHROMIUM,
     EXCEPTION,
     RENDER_TIMEOUT_MS,
-    REPO,
-    app_server,
     open_page,
     settle,
     show_the_rest,
@@ -45,11 +43,9 @@ ERROR = '[data-testid="stAlertContentError"]'
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("browser")
-    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(root / "k3lab-home")}
-    with app_server(REPO, root, env) as (url, log):
-        yield url, log
+def server(sample_app):
+    """The session's app on the shipped samples (tests/conftest.py): this module's tests run first on it."""
+    return sample_app
 
 
 @pytest.fixture(scope="module")

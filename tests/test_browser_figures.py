@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,8 +28,6 @@ from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
     RENDER_TIMEOUT_MS,
-    REPO,
-    app_server,
     settle,
     show_the_rest,
 )
@@ -183,15 +182,14 @@ def _shot(page, folder: str | None, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
+def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, sample_app):
     from app.links import SECTIONS
 
     assert set(COMPARE_SECTIONS) == set(SECTIONS)
     shots = os.environ.get("K3LAB_FIGURE_SHOTS")
-    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
     bad: dict[str, list[str]] = {}
     outside: list[str] = []
-    with app_server(REPO, tmp_path, env) as (url, _log):
+    with nullcontext(sample_app) as (url, _log):  # the session's app on the samples (tests/conftest.py)
         host = urlparse(url).netloc
 
         def visit(path: str, name: str) -> None:
