@@ -25,9 +25,6 @@ SHARED_GROUPS = {
     "test_rank_plan": "k3-replicas",
     "test_k3_published": "k3-replicas",
     "test_k3_stream": "k3-replicas",
-    "test_browser": "sample-app",  # the session's sample_app server
-    "test_browser_experiment": "sample-app",
-    "test_browser_figures": "sample-app",
 }
 
 
@@ -111,19 +108,6 @@ def _seed():
 @pytest.fixture
 def nano() -> K3ForCausalLM:
     return nano_model()
-
-
-@pytest.fixture(scope="session")
-def sample_app(tmp_path_factory):
-    """The app on the shipped samples, started as `k3lab app` starts it (benchmarks.bench_app.app_server: a free port,
-    a fresh home, waited on through its health URL): one server for the session's browser tests that only read from
-    it (test_browser, test_browser_experiment, test_browser_figures); yields (base url, log path)."""
-    from benchmarks.bench_app import REPO, app_server
-
-    root = tmp_path_factory.mktemp("sample-app")
-    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(root / "k3lab-home")}
-    with app_server(REPO, root, env) as (url, log):
-        yield url, log
 
 
 @pytest.fixture(scope="session")

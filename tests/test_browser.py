@@ -25,6 +25,8 @@ from benchmarks.bench_app import (
     CHROMIUM,
     EXCEPTION,
     RENDER_TIMEOUT_MS,
+    REPO,
+    app_server,
     open_page,
     settle,
     show_the_rest,
@@ -43,9 +45,11 @@ ERROR = '[data-testid="stAlertContentError"]'
 
 
 @pytest.fixture(scope="module")
-def server(sample_app):
-    """The session's app on the shipped samples (tests/conftest.py): this module's tests run first on it."""
-    return sample_app
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("browser")
+    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(root / "k3lab-home")}
+    with app_server(REPO, root, env) as (url, log):
+        yield url, log
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ TABLES_JS = """() => Array.from(document.querySelectorAll('[data-testid="stTable
 })"""
 
 
-server, browser = test_browser.server, test_browser.browser  # the same fixtures: the session's app, Chromium
+server, browser = test_browser.server, test_browser.browser  # the same fixtures: a fresh server, Chromium
 
 
 @pytest.fixture(scope="module")

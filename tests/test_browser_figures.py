@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -28,6 +27,8 @@ from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
     RENDER_TIMEOUT_MS,
+    REPO,
+    app_server,
     settle,
     show_the_rest,
 )
@@ -182,14 +183,15 @@ def _shot(page, folder: str | None, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, sample_app):
+def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
     from app.links import SECTIONS
 
     assert set(COMPARE_SECTIONS) == set(SECTIONS)
     shots = os.environ.get("K3LAB_FIGURE_SHOTS")
+    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
     bad: dict[str, list[str]] = {}
     outside: list[str] = []
-    with nullcontext(sample_app) as (url, _log):  # the session's app on the samples (tests/conftest.py)
+    with app_server(REPO, tmp_path, env) as (url, _log):
         host = urlparse(url).netloc
 
         def visit(path: str, name: str) -> None:
