@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import plotly.graph_objects as go
 
 from analysis.context import AnalysisContext
+
+if TYPE_CHECKING:  # analysis.picks imports this module (NotApplicable)
+    from analysis.picks import Picks
 
 
 class NotApplicable(Exception):
@@ -55,3 +59,7 @@ class View:
     # Drawn from the checkpoint's weights alone (``ctx.weights``, or a loaded model's parameters), so it needs
     # no trace: the Weights page and ``k3lab weights`` draw every such view, whatever its section.
     from_weights: bool = False
+    # Per layer / per head: the axes the view can focus on and their valid choices for a context
+    # (``analysis.picks``); the build reads the pick from ``ctx.options["layer"]`` / ``ctx.options["head"]``
+    # and shows everything, as without picks, when none is given.
+    picks: Picks | None = None
