@@ -121,8 +121,9 @@ def test_moe_and_attnres_layer_picks(ctx):
     fig, table = _build("attnres_depth_weights", ctx, layer=layer)
     mine = [s for s in sites if s.split(".")[0] == str(layer)]
     assert sorted(table["site"].unique()) == sorted(mine)
-    for row, site in enumerate(fig.data[0].y):
-        p = np.asarray(ctx.trace[names.attnres(mine[row])], dtype=np.float64)
+    for row, site in enumerate(mine):
+        assert fig.data[0].y[row] == f"L{site.replace('.', ' ')}"
+        p = np.asarray(ctx.trace[names.attnres(site)], dtype=np.float64)
         n = p.shape[-1]
         np.testing.assert_allclose(np.asarray(fig.data[0].z)[row][:n], p.reshape(-1, n).mean(0), rtol=1e-9)
 
