@@ -1,0 +1,113 @@
+"""Layer and head pickers in the app (app.picks) with AppTest on real k3-nano checkpoints: a link's pick reopens the
+view on that layer and head, a changed pick goes into the link, bad picks warn and the page keeps running, and
+Compare draws one pick for both runs."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+
+from app.links import picks_from_param, picks_param
+from k3core.presets import from_preset
+
+from . import test_app
+from .test_app import _app, _errors, _page
+
+app_env, runs = test_app.app_env, test_app.runs  # the fixtures: runs given by folder, a fresh runs library
+
+CONFIG = from_preset("k3-nano")
+MLA = CONFIG.layer_types().index("MLA")
+KDA = CONFIG.layer_types().index("KDA")
+HEAD = CONFIG.num_attention_heads - 1
+VIEW = "degradation_entropy_position"
+
+
+def _values(v) -> np.ndarray:
+    """A chart's numbers: a list, or plotly's typed array ({"dtype", "bdata"}) of the screen copy."""
+    if isinstance(v, dict):
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]).astype(float)
+    return np.asarray(v, dtype=float)
+
+
+def _figures(at) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def _figure_titled(at, words: str) -> dict:
+    found = [f for f in _figures(at) if words in f["layout"]["title"]["text"]]
+    assert len(found) == 1, [f["layout"]["title"]["text"] for f in _figures(at)]
+    return found[0]
+
+
+def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs):
+    app_env(runs["good"])
+    at = _app()
+    at.query_params.update({"pick": f"{VIEW}:L{MLA}H{HEAD}"})
+    at.run()
+    _page(at, "degradation")
+    assert not at.exception and _errors(at) == []
+    assert at.selectbox(key=f"k3lab_pick_{VIEW}_layer").value == MLA
+    assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
+    fig = _figure_titled(at, "entropy by query position")
+    assert [t["name"] for t in fig["data"]] == [f"MLA layer {MLA} head {HEAD}"]
+    assert at.query_params["pick"] == f"{VIEW}:L{MLA}H{HEAD}"
+    # the other MLA views are drawn for every head (the pick is the view's own)
+    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value is None
+
+    # a pick made in the page goes into the link; "all" takes it out
+    at.selectbox(key=f"k3lab_pick_{VIEW}_head").set_value(None).run()
+    assert not at.exception and _errors(at) == []
+    assert at.query_params["pick"] == f"{VIEW}:L{MLA}"
+    at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value(MLA).run()
+    assert at.query_params["pick"] == f"{VIEW}:L{MLA},degradation_sink:L{MLA}"
+    sink = _figure_titled(at, "Attention sink")
+    assert sink["data"][0]["x"] == [f"L{MLA} H{h}" for h in range(CONFIG.num_attention_heads)]
+    at.selectbox(key=f"k3lab_pick_{VIEW}_layer").set_value(None).run()
+    at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value(None).run()
+    assert "pick" not in at.query_params
+
+
+def test_bad_picks_in_a_link_warn_and_the_page_keeps_running(app_env, runs):
+    app_env(runs["good"])
+    at = _app()
+    bad = f"degradation_sink:L{KDA},{VIEW}:H99,nosuch_view:L1,degradation_sink_profile:Lx,moe_coactivation:H1"
+    at.query_params.update({"pick": bad})
+    at.run()
+    notes = " ".join(w.value for w in at.warning).replace("\\", "")  # the link's notes, on the page it opened
+    assert "'nosuch_view:L1'" in notes and "'Lx' is not a pick" in notes
+    assert "moe_coactivation names head" in notes
+    _page(at, "degradation")
+    assert not at.exception and _errors(at) == []
+    warnings = " ".join(w.value for w in at.warning).replace("\\", "")
+    assert f"layer {KDA} is not one of this run's MLA layers: {MLA}" in warnings
+    assert "head 99 is not one of this run's MLA heads" in warnings
+    # every view still drawn, on all layers and heads
+    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value is None
+    assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value is None
+    assert len(_figure_titled(at, "entropy by query position")["data"]) == 1  # one MLA layer, mean over heads
+
+
+def test_compare_draws_one_pick_for_both_runs(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"b": "nano-b", "mode": "runs", "section": "degradation", "pick": f"{VIEW}:L{MLA}H{HEAD}"})
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
+    fig = _figure_titled(at, "Entropy by query position: nano-a vs nano-b")
+    assert [t["name"] for t in fig["data"]] == [f"MLA layer {MLA} head {HEAD}"] * 2
+    assert any("One pick for both runs." in c.value for c in at.caption)
+    # each half is that run's own head: the two runs' weights differ, so their curves do
+    a, b = (_values(t["y"]) for t in fig["data"])
+    assert a.shape == b.shape and not np.allclose(a, b)
+
+
+def test_link_pick_values_round_trip():
+    picks = {VIEW: {"layer": 3, "head": 1}, "moe_coactivation": {"layer": 2}}
+    value = picks_param(picks)
+    assert value == f"{VIEW}:L3H1,moe_coactivation:L2"  # views in key order: one link per state
+    assert picks_from_param(value) == (picks, [])
+    assert picks_param({}) is None
