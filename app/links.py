@@ -48,6 +48,8 @@ EDITS = "k3lab_edits"  # session key: the experiment's edits, as a list of edit 
 SLUG_OF_MODE = {v: k for k, v in MODES.items()}
 PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section", "edits", "pick")
 PICKS = "k3lab_picks"  # session key: {view key: {"layer": 3, "head": 1}} (app.picks)
+TOKEN_MLA, TOKEN_KDA = "token_mla", "token_kda"  # the Experiment page's per-token pickers (not views)
+PAGE_PICKERS = {TOKEN_MLA: ("layer", "head"), TOKEN_KDA: ("layer", "head")}
 APPLIED = "k3lab_link_applied"
 NOTES = "k3lab_link_notes"
 
@@ -143,12 +145,12 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
 
 def picks_from_param(value: str) -> tuple[dict[str, dict[str, int]], list[str]]:
     """``"kda_state_norm:L3H1,moe_coactivation:L5"`` -> {view key: {"layer": 3, "head": 1}, ...}, and notes for
-    the entries that are not a known view's pick (an axis the view has no picker for, or not L<n>H<n>). Whether
-    the run has that layer or head is checked where the view is drawn (``app.picks.picker``)."""
+    the entries that are not a known view's (or ``PAGE_PICKERS``') pick: an axis it has no picker for, or not
+    L<n>H<n>. Whether the run has that layer or head is checked where it is drawn (``app.picks.picker``)."""
     from analysis import picks as pk
     from analysis.views import all_views
 
-    axes = {v.key: v.picks.axes for v in all_views() if v.picks is not None}
+    axes = {v.key: v.picks.axes for v in all_views() if v.picks is not None} | PAGE_PICKERS
     out: dict[str, dict[str, int]] = {}
     notes: list[str] = []
     for entry in (e.strip() for e in value.split(",")):

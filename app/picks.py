@@ -45,6 +45,11 @@ def _set(key: str, axis: str, value: int | None) -> None:
         store.pop(key, None)
 
 
+def _keep(key: str, axis: str, value: int | None, default: int | None) -> None:
+    """Keep a pick in the session (and so in the link) unless it is the picker's default."""
+    _set(key, axis, None if value == default else value)
+
+
 def view_choices(view: View, ctx: AnalysisContext) -> pk.PickChoices | None:
     """The view's pick choices for a context; None when the view has no picks or nothing to show there."""
     if view.picks is None:
@@ -94,9 +99,9 @@ def picker(
             options,
             format_func=lambda v, a=axis: choices.label(a, v),
             key=widget,
-            on_change=lambda w=widget, a=axis: _set(key, a, st.session_state.get(w)),
+            on_change=lambda w=widget, a=axis, first=options[0]: _keep(key, a, st.session_state.get(w), first),
         )
-        _set(key, axis, value)
+        _keep(key, axis, value, options[0])
         if value is not None:
             pick[axis] = int(value)
     links.write_picks()
@@ -130,3 +135,15 @@ def only_in(pick: dict[str, int], each: list[pk.PickChoices | None], labels: lis
         if lacks:
             missing.append(f"{label} has no {' / '.join(lacks)}")
     return "; ".join(missing)
+
+
+def table_pick(key: str, title: str, table, mechanism: str, allow_all: bool = True):
+    """Pickers for a tidy table with ``layer`` / ``head`` columns (e.g. the Experiment page's per-token tables):
+    (the table's rows for the pick, the choices, the pick)."""
+    choices = pk.PickChoices(
+        mechanism,
+        tuple(sorted(int(v) for v in table["layer"].unique())),
+        tuple(sorted(int(v) for v in table["head"].unique())) if "head" in table else (),
+    )
+    pick = picker(key, title, choices, (pk.LAYER, pk.HEAD), allow_all=allow_all)
+    return pk.filter_picked(table, pick.get(pk.LAYER), pick.get(pk.HEAD)), choices, pick

@@ -111,3 +111,35 @@ def test_link_pick_values_round_trip():
     assert value == f"{VIEW}:L3H1,moe_coactivation:L2"  # views in key order: one link per state
     assert picks_from_param(value) == (picks, [])
     assert picks_param({}) is None
+
+
+def test_experiment_token_pickers_show_that_layer_and_head_from_the_trace(app_env, runs):
+    """The Token section's KDA and MLA tables use the same pickers: a link's pick reopens the KDA gates of that
+    layer and head, equal to the trace's values at the token."""
+    from analysis.runs import sample_input
+    from k3core.model import K3ForCausalLM
+    from k3core.trace import names, record
+
+    from .test_app_experiment import _table
+
+    app_env(runs["good"])
+    at = _app(24)
+    at.query_params.update({"pick": f"token_kda:L{KDA + 1}H1"})
+    at.run()
+    _page(at, "experiment")
+    at.radio(key="k3lab_exp_section").set_value("Token").run()
+    at.selectbox(key="k3lab_tok_pos").set_value(6).run()
+    assert not at.exception and _errors(at) == []
+    assert at.selectbox(key="k3lab_pick_token_kda_layer").value == KDA + 1
+    assert at.selectbox(key="k3lab_pick_token_mla_layer").value == MLA  # no "all": one layer's attention row
+    assert at.selectbox(key="k3lab_pick_token_mla_layer").options == [f"MLA layer {MLA}"]
+    model = K3ForCausalLM.from_pretrained(runs["good"]).eval()
+    ids = sample_input("shakespeare", model.config, 24).input_ids
+    with record(model, what="kda") as trace:
+        model(ids)
+    gates = _table(at, "beta")
+    assert list(zip(gates["layer"], gates["head"])) == [(KDA + 1, 1)]
+    assert gates.beta.iloc[0] == np.float32(trace[names.kda_beta(KDA + 1)][0, 6, 1])
+    at.selectbox(key="k3lab_pick_token_kda_head").set_value(None).run()
+    assert list(_table(at, "beta")["head"]) == list(range(CONFIG.kda_num_heads))
+    assert at.query_params["pick"] == f"token_kda:L{KDA + 1}"
