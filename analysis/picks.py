@@ -13,58 +13,21 @@ Link and file-name forms: ``"L3H1"`` (layer 3, head 1), ``"L3"``, ``"H1"`` (``pi
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from analysis.context import AnalysisContext
-from analysis.view import NotApplicable
+from analysis.view import AXES, HEAD, LAYER, NotApplicable, PickChoices, Picks  # noqa: F401 - Picks for the figures
 from k3core.trace import names
 
-LAYER, HEAD = "layer", "head"
-AXES = (LAYER, HEAD)
 _PICK_RE = re.compile(r"^(?:L(\d+))?(?:H(\d+))?$", re.IGNORECASE)
 
 
 class PickError(NotApplicable):
     """A layer or head this run (or this view) does not have; the message lists the valid ones."""
-
-
-@dataclass(frozen=True)
-class PickChoices:
-    """The valid picks of one view for one context: ``mechanism`` names the layers ("KDA", "MLA", "MoE",
-    "AttnRes"), ``layers`` are this run's layers with it (0-based decoder layers), ``heads`` its head indices
-    (empty: the view has no head axis)."""
-
-    mechanism: str
-    layers: tuple[int, ...]
-    heads: tuple[int, ...] = ()
-
-    def values(self, axis: str) -> tuple[int, ...]:
-        return self.layers if axis == LAYER else self.heads
-
-    def label(self, axis: str, value: int | None) -> str:
-        """What a picker shows for a value: "MLA layer 3", "head 1"; None: "all MLA layers", "all heads"."""
-        if axis == LAYER:
-            return f"all {self.mechanism} layers" if value is None else f"{self.mechanism} layer {value}"
-        return "all heads" if value is None else f"head {value}"
-
-
-@dataclass(frozen=True)
-class Picks:
-    """What a view declares: the axes it can focus on (``("layer",)`` or ``("layer", "head")``) and
-    ``choices(ctx)`` (raises NotApplicable when the view has nothing to show for the context)."""
-
-    axes: tuple[str, ...]
-    choices: Callable[[AnalysisContext], PickChoices]
-
-    def __post_init__(self) -> None:
-        unknown = [a for a in self.axes if a not in AXES]
-        if unknown or not self.axes:
-            raise ValueError(f"pick axes must be among {AXES}, got {self.axes}")
 
 
 # ----------------------------------------------------------------------------- choices per mechanism

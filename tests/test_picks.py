@@ -192,3 +192,23 @@ def test_pick_text_round_trips():
     for bad in ("", "L", "3", "L3X", "H-1", "layer3"):
         with pytest.raises(ValueError, match="is not a pick"):
             pk.parse_pick(bad)
+
+
+def test_compare_a_pick_only_one_run_has_says_so_in_the_other_half(ctx):
+    """Run B has its MLA layer elsewhere: the pick of A's MLA layer draws A's half and B's half names B's layers."""
+    from app.picks import merged, only_in
+
+    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16, full_attn_layers=[2])).eval()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    other = trace_run(run_from_model(model), ids, what="all", label="other")
+    layer = pk.mla_choices(ctx).layers[0]
+    assert pk.mla_choices(other).layers == (1,) != (layer,)
+    view = VIEWS["degradation_sink"]
+    fig, table = side_by_side(view, ctx.with_options(layer=layer), other.with_options(layer=layer))
+    assert set(table["run"]) == {"nano"} and set(table["layer"]) == {layer}
+    notes = " ".join(a.text for a in fig.layout.annotations)
+    assert f"layer {layer} is not one of this run's MLA layers: 1" in notes.replace("<br>", " ")
+    each = [pk.mla_choices(ctx), pk.mla_choices(other)]
+    assert merged(each).layers == (1, layer)
+    assert only_in({"layer": layer}, each, ["nano", "other"]) == f"other has no layer {layer}"
+    assert only_in({"layer": layer, "head": 0}, each, ["nano", "other"]) == f"other has no layer {layer}"
