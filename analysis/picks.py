@@ -145,3 +145,20 @@ def parse_pick(text: str) -> dict[str, int]:
 def pick_of(options: dict[str, Any], axes: Iterable[str] = AXES) -> dict[str, Any]:
     """The pick entries (``layer`` / ``head``, not None) of a view-options dict, for the given axes."""
     return {a: options[a] for a in axes if options.get(a) is not None}
+
+
+def focus_title(view: Any, *contexts: AnalysisContext) -> str:
+    """ ", MLA layer 3, head 1" for a view drawn from contexts that carry a pick (the first context whose run has
+    the view's choices names the mechanism); "" when the view has no picker or nothing is picked."""
+    if view.picks is None:
+        return ""
+    pick = pick_of(contexts[0].options, view.picks.axes)
+    if not pick:
+        return ""
+    for ctx in contexts:
+        try:
+            choices = view.picks.choices(ctx)
+        except NotApplicable:
+            continue
+        return pick_title(choices, pick.get(LAYER), pick.get(HEAD))
+    return pick_title(PickChoices("", ()), pick.get(LAYER), pick.get(HEAD))

@@ -63,7 +63,11 @@ class PickChoices:
     def label(self, axis: str, value: int | None) -> str:
         """What a picker shows for a value: "MLA layer 3", "head 1"; None: "all MLA layers", "all heads"."""
         if axis == LAYER:
-            return f"all {self.mechanism} layers" if value is None else f"{self.mechanism} layer {value}"
+            return (
+                f"all {self.mechanism} layers".replace("  ", " ")
+                if value is None
+                else f"{self.mechanism} layer {value}".strip()
+            )
         return "all heads" if value is None else f"head {value}"
 
 

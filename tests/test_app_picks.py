@@ -97,7 +97,7 @@ def test_compare_draws_one_pick_for_both_runs(app_env, runs):
     _page(at, "compare")
     assert not at.exception and _errors(at) == []
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
-    fig = _figure_titled(at, "Entropy by query position: nano-a vs nano-b")
+    fig = _figure_titled(at, f"Entropy by query position, MLA layer {MLA}, head {HEAD}: nano-a vs nano-b")
     assert [t["name"] for t in fig["data"]] == [f"MLA layer {MLA} head {HEAD}"] * 2
     assert any("One pick for both runs." in c.value for c in at.caption)
     # each half is that run's own head: the two runs' weights differ, so their curves do

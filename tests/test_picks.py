@@ -183,6 +183,7 @@ def test_compare_uses_one_pick_for_both_runs(ctx):
         expected = at.causal_normalised_entropy(c.trace[names.mla_attn(layer)]).mean(0)[head, 1:]
         np.testing.assert_allclose(rows["entropy_norm"], expected, rtol=1e-6)
     assert len(fig.data) == 2
+    assert fig.layout.title.text.startswith(f"Entropy by query position, MLA layer {layer}, head {head}: nano vs other")
 
 
 def test_pick_text_round_trips():
