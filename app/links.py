@@ -48,8 +48,8 @@ EDITS = "k3lab_edits"  # session key: the experiment's edits, as a list of edit 
 SLUG_OF_MODE = {v: k for k, v in MODES.items()}
 PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section", "edits", "pick")
 PICKS = "k3lab_picks"  # session key: {view key: {"layer": 3, "head": 1}} (app.picks)
-TOKEN_MLA, TOKEN_KDA = "token_mla", "token_kda"  # the Experiment page's per-token pickers (not views)
-PAGE_PICKERS = {TOKEN_MLA: ("layer", "head"), TOKEN_KDA: ("layer", "head")}
+TOKEN_MLA, TOKEN_KDA, TOKEN_MOE = "token_mla", "token_kda", "token_moe"  # the Experiment page's per-token pickers
+PAGE_PICKERS = {TOKEN_MLA: ("layer", "head"), TOKEN_KDA: ("layer", "head"), TOKEN_MOE: ("layer",)}
 APPLIED = "k3lab_link_applied"
 NOTES = "k3lab_link_notes"
 

@@ -143,3 +143,12 @@ def test_experiment_token_pickers_show_that_layer_and_head_from_the_trace(app_en
     at.selectbox(key="k3lab_pick_token_kda_head").set_value(None).run()
     assert list(_table(at, "beta")["head"]) == list(range(CONFIG.kda_num_heads))
     assert at.query_params["pick"] == f"token_kda:L{KDA + 1}"
+    moe = [i for i in range(CONFIG.num_hidden_layers) if CONFIG.is_moe_layer(i)]
+    assert sorted(set(_table(at, "expert")["layer"])) == moe  # all MoE layers until one is picked
+    at.selectbox(key="k3lab_pick_token_moe_layer").set_value(moe[-1]).run()
+    assert not at.exception and _errors(at) == []
+    experts = _table(at, "expert")
+    with record(model, what="moe") as routed:
+        model(ids)
+    assert list(experts["layer"]) == [moe[-1]] * CONFIG.num_experts_per_token
+    assert list(experts["expert"]) == routed[names.moe_experts(moe[-1])][0, 6].tolist()

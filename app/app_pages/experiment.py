@@ -310,8 +310,12 @@ def _token() -> None:
     c1, c2 = st.columns(2)
     c1.markdown("Top-5 predictions")
     c1.table(detail.top_k.set_index("rank"))
-    c2.markdown("Experts per MoE layer (by weight rank)")
-    c2.table(detail.experts.set_index(["layer", "rank"]))
+    with c2:
+        st.markdown("Experts per MoE layer (by weight rank)")
+        experts = detail.experts
+        if len(experts):
+            experts, _, _ = picks.table_pick(links.TOKEN_MOE, "Experts", experts, "MoE")
+        st.table(experts.set_index(["layer", "rank"]))
     if len(detail.depth):
         st.markdown("AttnRes depth weights")
         st.dataframe(detail.depth.pivot(index="site", columns="source", values="weight"), key="k3lab_tok_depth")
