@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 
+from app import cards
 from app.links import picks_from_param, picks_param
 from k3core.presets import from_preset
 
@@ -41,8 +42,16 @@ def _figure_titled(at, words: str) -> dict:
     return found[0]
 
 
-def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs):
+def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypatch):
     app_env(runs["good"])
+    stems = {}
+    card = cards.figure_card
+
+    def spy(fig, df, key, stem, description=""):  # the real card, its export file stem noted
+        stems[key] = stem
+        return card(fig, df, key=key, stem=stem, description=description)
+
+    monkeypatch.setattr(cards, "figure_card", spy)
     at = _app()
     at.query_params.update({"pick": f"{VIEW}:L{MLA}H{HEAD}"})
     at.run()
@@ -53,6 +62,8 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs):
     fig = _figure_titled(at, "entropy by query position")
     assert [t["name"] for t in fig["data"]] == [f"MLA layer {MLA} head {HEAD}"]
     assert at.query_params["pick"] == f"{VIEW}:L{MLA}H{HEAD}"
+    assert stems[VIEW] == f"nano-a_{VIEW}_L{MLA}H{HEAD}"  # exports carry the pick
+    assert stems["degradation_sink"] == "nano-a_degradation_sink"
     # the other MLA views are drawn for every head (the pick is the view's own)
     assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value is None
 
