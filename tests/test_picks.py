@@ -20,15 +20,12 @@ from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 from k3core.trace import names
 
+from . import test_figures_degradation
+
 VIEWS = {v.key: v for v in all_views()}
 
 
-@pytest.fixture(scope="module")
-def ctx() -> AnalysisContext:
-    torch.manual_seed(0)
-    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
-    return trace_run(run_from_model(model), ids, what="all", label="nano")
+ctx = test_figures_degradation.nano_ctx  # the fixture: a real k3-nano trace with everything recorded
 
 
 def _build(key: str, ctx: AnalysisContext, **pick):
