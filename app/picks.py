@@ -22,6 +22,8 @@ from app.caching import Loaded
 from app.errors import md_escape
 from app.links import PICKS
 
+ALL = "all"  # the pickers' "every layer / head" choice (no pick)
+
 
 def _store() -> dict[str, dict[str, int]]:
     return st.session_state.setdefault(PICKS, {})
@@ -45,9 +47,10 @@ def _set(key: str, axis: str, value: int | None) -> None:
         store.pop(key, None)
 
 
-def _keep(key: str, axis: str, value: int | None, default: int | None) -> None:
-    """Keep a pick in the session (and so in the link) unless it is the picker's default."""
-    _set(key, axis, None if value == default else value)
+def _keep(key: str, axis: str, value: int | str, default: int | str) -> None:
+    """Keep a pick in the session (and so in the link) unless it is the picker's default ("all", or the first
+    choice of a picker without "all")."""
+    _set(key, axis, None if value == default or value == ALL else value)
 
 
 def view_choices(view: View, ctx: AnalysisContext) -> pk.PickChoices | None:
@@ -89,20 +92,21 @@ def picker(
     cols = st.columns(3)  # narrow boxes, whatever the number of axes
     pick: dict[str, int] = {}
     for col, axis in zip(cols, axes):
-        options = ([None] if allow_all else []) + list(choices.values(axis))
+        # "all" is a string: a selectbox shows the value None as an empty box ("Choose an option")
+        options = ([ALL] if allow_all else []) + list(choices.values(axis))
         widget = f"k3lab_pick_{key}_{axis}"
         if st.session_state.get(widget, "unset") not in options:  # first draw, or a value this run lacks
-            default = kept.get(axis, None if allow_all else options[0])
+            default = kept.get(axis, options[0])
             st.session_state[widget] = default if default in options else options[0]
         value = col.selectbox(
             f"{choices.mechanism} layer" if axis == pk.LAYER else "Head",
             options,
-            format_func=lambda v, a=axis: choices.label(a, v),
+            format_func=lambda v, a=axis: choices.label(a, None if v == ALL else v),
             key=widget,
             on_change=lambda w=widget, a=axis, first=options[0]: _keep(key, a, st.session_state.get(w), first),
         )
         _keep(key, axis, value, options[0])
-        if value is not None:
+        if value != ALL:
             pick[axis] = int(value)
     links.write_picks()
     return pick

@@ -65,18 +65,19 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
     assert stems[VIEW] == f"nano-a_{VIEW}_L{MLA}H{HEAD}"  # exports carry the pick
     assert stems["degradation_sink"] == "nano-a_degradation_sink"
     # the other MLA views are drawn for every head (the pick is the view's own)
-    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value is None
+    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value == "all"
+    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").options == ["all MLA layers", f"MLA layer {MLA}"]
 
     # a pick made in the page goes into the link; "all" takes it out
-    at.selectbox(key=f"k3lab_pick_{VIEW}_head").set_value(None).run()
+    at.selectbox(key=f"k3lab_pick_{VIEW}_head").set_value("all").run()
     assert not at.exception and _errors(at) == []
     assert at.query_params["pick"] == f"{VIEW}:L{MLA}"
     at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value(MLA).run()
     assert at.query_params["pick"] == f"{VIEW}:L{MLA},degradation_sink:L{MLA}"
     sink = _figure_titled(at, "Attention sink")
     assert sink["data"][0]["x"] == [f"L{MLA} H{h}" for h in range(CONFIG.num_attention_heads)]
-    at.selectbox(key=f"k3lab_pick_{VIEW}_layer").set_value(None).run()
-    at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value(None).run()
+    at.selectbox(key=f"k3lab_pick_{VIEW}_layer").set_value("all").run()
+    at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value("all").run()
     assert "pick" not in at.query_params
 
 
@@ -95,8 +96,8 @@ def test_bad_picks_in_a_link_warn_and_the_page_keeps_running(app_env, runs):
     assert f"layer {KDA} is not one of this run's MLA layers: {MLA}" in warnings
     assert "head 99 is not one of this run's MLA heads" in warnings
     # every view still drawn, on all layers and heads
-    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value is None
-    assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value is None
+    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value == "all"
+    assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == "all"
     assert len(_figure_titled(at, "entropy by query position")["data"]) == 1  # one MLA layer, mean over heads
 
 
@@ -151,7 +152,7 @@ def test_experiment_token_pickers_show_that_layer_and_head_from_the_trace(app_en
     gates = _table(at, "beta")
     assert list(zip(gates["layer"], gates["head"])) == [(KDA + 1, 1)]
     assert gates.beta.iloc[0] == np.float32(trace[names.kda_beta(KDA + 1)][0, 6, 1])
-    at.selectbox(key="k3lab_pick_token_kda_head").set_value(None).run()
+    at.selectbox(key="k3lab_pick_token_kda_head").set_value("all").run()
     assert list(_table(at, "beta")["head"]) == list(range(CONFIG.kda_num_heads))
     assert at.query_params["pick"] == f"token_kda:L{KDA + 1}"
     moe = [i for i in range(CONFIG.num_hidden_layers) if CONFIG.is_moe_layer(i)]
