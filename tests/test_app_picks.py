@@ -76,6 +76,10 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
     assert at.query_params["pick"] == f"{VIEW}:L{MLA},degradation_sink:L{MLA}"
     sink = _figure_titled(at, "Attention sink")
     assert sink["data"][0]["x"] == [f"L{MLA} H{h}" for h in range(CONFIG.num_attention_heads)]
+    _page(at, "attnres")  # kept for the session: a visit elsewhere and back shows the same picks
+    _page(at, "degradation")
+    assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value == MLA
+    assert at.selectbox(key=f"k3lab_pick_{VIEW}_layer").value == MLA
     at.selectbox(key=f"k3lab_pick_{VIEW}_layer").set_value("all").run()
     at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value("all").run()
     assert "pick" not in at.query_params
