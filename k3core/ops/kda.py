@@ -531,15 +531,16 @@ def kda_chunk_end_states(
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, list[int]]:
     """The state S at every chunk end, [B, N, HV, K, V] fp32, and the token position of each (one
-    batched :func:`kda_chunk` call).
+    batched :func:`kda_chunk` call): an independent reference for the states ``kda_chunk`` passes to its
+    ``chunk_state_hook`` (tests/test_kda_chunk_state.py).
 
     Within a chunk the state map is affine: S_end = A_n S_start + B_n (A_n: K x K). Running every chunk
     independently (chunks as batch) with values [v | 0] and initial state [0 | I] gives [B_n | A_n] as
     the final state, since value columns evolve independently. Then S_n = A_n S_{n-1} + B_n is one small
     matmul per chunk. (Zero padding of the last chunk, k = beta = g = 0, is the identity.)
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     C = chunk_size
     N = -(-T // C)
     pad = N * C - T
@@ -548,9 +549,9 @@ def kda_chunk_end_states(
         x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad))
         return x.reshape(B * N, C, *x.shape[2:])
 
-    v_aug = torch.cat([v.float(), v.new_zeros(B, T, H, K, dtype=torch.float32)], dim=-1)
-    eye = torch.eye(K, device=q.device).expand(B * N, H, K, K)
-    start = torch.cat([eye.new_zeros(B * N, H, K, V), eye], dim=-1)
+    v_aug = torch.cat([v.float(), v.new_zeros(B, T, HV, K, dtype=torch.float32)], dim=-1)
+    eye = torch.eye(K, device=q.device).expand(B * N, HV, K, K)
+    start = torch.cat([eye.new_zeros(B * N, HV, K, V), eye], dim=-1)
     _, end = kda_chunk(
         as_chunks(q),
         as_chunks(k),
@@ -561,9 +562,9 @@ def kda_chunk_end_states(
         output_final_state=True,
         chunk_size=C,
     )
-    end = end.float().view(B, N, H, K, V + K)
+    end = end.float().view(B, N, HV, K, V + K)
     inject, trans = end[..., :V], end[..., V:]
-    state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    state = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     states = []
     for n in range(N):
         state = torch.matmul(trans[:, n], state) + inject[:, n]
