@@ -297,8 +297,8 @@ class KDAEdit(_Edit):
     of ``tokens``: alpha := 0 there), "gate_off" (output gate := 1), "reset_chunk_state" (the state at the
     end of each chunk of ``chunks`` := 0: the next chunk starts with an empty memory) and
     "scale_chunk_state" (that state *= value), both on the ``kda.chunk_state`` hook point (chunk n ends
-    after token min((n + 1) C, T) of the forward, C = kda_chunk_size). ``layer`` None: every KDA layer;
-    ``heads`` None: every head."""
+    after token min((n + 1) C, T) of the forward, C = kda_chunk_size; a decoding step with a cache is
+    chunk 0 of its own forward). ``layer`` None: every KDA layer; ``heads`` None: every head."""
 
     kind: ClassVar[str] = "kda"
     OPS: ClassVar[tuple[str, ...]] = (

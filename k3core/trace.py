@@ -27,7 +27,8 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
     kda.i.g                  [batch, token, head, channel]      log decay (alpha = exp(g))
     kda.i.beta               [batch, token, head]
     kda.i.gate               [batch, token, head]               output-gate mean over channels
-    kda.i.state_norm         [batch, step, head]                Frobenius norm of S at chunk ends
+    kda.i.state_norm         [batch, step, head]                Frobenius norm of S at chunk ends (the forward's
+                                                                own states: hook point kda.chunk_state)
     kda.i.state_steps        [step]                             token position of each state_norm step
     kda.i.final_state        [batch, head, key, value]
     mla.i.attn               [batch, head, query, key]          only with "attn_probs"
