@@ -185,7 +185,8 @@ class ValueEdit(_Edit):
         for name in self.names(config):
             axes = POINT_AXES[HookNames.point_of(name)]
             picks: dict[str, Any] = {}
-            token_axis = "token" if "token" in axes else "key" if "key" in axes else None
+            # MLA k and v have a key (token) axis; a KDA state's "key" axis is channels, not tokens
+            token_axis = "token" if "token" in axes else "key" if ".mla." in name and "key" in axes else None
             for what, axis_options in (
                 ("tokens", (token_axis,)),
                 ("heads", ("head",)),

@@ -13,7 +13,15 @@ import torch
 
 from k3core.cache import K3Cache
 from k3core.hooks import HookNames, hooks
-from k3core.interventions import EditError, KDAEdit, edits_from_json, edits_to_json, intervene, parse_edit
+from k3core.interventions import (
+    EditError,
+    KDAEdit,
+    ValueEdit,
+    edits_from_json,
+    edits_to_json,
+    intervene,
+    parse_edit,
+)
 from k3core.model import K3ForCausalLM
 from k3core.ops import kda as kda_ops
 from k3core.ops.kda import kda_chunk, kda_chunk_end_states, kda_recurrent
@@ -191,8 +199,17 @@ def test_reset_chunk_state_on_a_head_equals_an_independent_computation():
     torch.testing.assert_close(got["o"].double(), torch.cat([o_head, o_tail], 1), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert not torch.equal(edited, model(ids).logits)
-        with intervene(model, [KDAEdit("scale_chunk_state", layer=2, chunks=[0, 1], value=1.0)]):
-            assert torch.equal(model(ids).logits, model(ids).logits)
+        plain = model(ids).logits
+        for identity in (
+            KDAEdit("scale_chunk_state", layer=2, chunks=[0, 1], value=1.0),
+            ValueEdit("kda.chunk_state", "scale", 1.0, heads=[1]),
+        ):
+            with intervene(model, [identity]):
+                assert torch.equal(model(ids).logits, plain), identity
+        with intervene(model, [ValueEdit("kda.chunk_state", "zero", layers=[2])]):
+            assert not torch.equal(model(ids).logits, plain)
+    with pytest.raises(EditError, match="tokens cannot be picked"):
+        ValueEdit("kda.chunk_state", "zero", tokens=(0, 4)).hooks(model.config)
 
 
 def test_chunk_edits_name_what_exists_and_round_trip():
