@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 
 from analysis.context import AnalysisContext
 from analysis.difference import LEARNED_UNITS, difference_figure, difference_table, readable, reduce_keys
+from analysis.picks import focus_title
 from analysis.side_by_side import combine_side_by_side, placeholder_figure
 from analysis.view import NotApplicable, View
 
@@ -73,7 +74,8 @@ def side_by_side(
     if all(isinstance(r, NotApplicable) for r in built):
         raise NotApplicable(f"not applicable to either run ({built[0]})")
     figs = [placeholder_figure(str(r)) if isinstance(r, NotApplicable) else r[0] for r in built]
-    fig = combine_side_by_side(figs[0], figs[1], a.label, b.label, title=f"{view.title}: {a.label} vs {b.label}")
+    title = f"{view.title}{focus_title(view, a, b)}: {a.label} vs {b.label}"
+    fig = combine_side_by_side(figs[0], figs[1], a.label, b.label, title=title)
     tables = [r[1].assign(run=ctx.label) for r, ctx in zip(built, (a, b)) if not isinstance(r, NotApplicable)]
     table = pd.concat(tables, ignore_index=True)
     first = next(r[1] for r in built if not isinstance(r, NotApplicable))
@@ -133,5 +135,6 @@ def difference_view(
     what = ", ".join(readable(v) for v in values)
     averaged = f" (mean over {', '.join(readable(k) + 's' for k in reduce)})" if reduce else ""
     x = spec.x if spec.x in keys else None
-    fig = difference_figure(diff, f"{view.title}: {what}{averaged}, {a.label} - {b.label}", x=x)
+    focus = focus_title(view, a, b)
+    fig = difference_figure(diff, f"{view.title}{focus}: {what}{averaged}, {a.label} - {b.label}", x=x)
     return fig, diff

@@ -10,6 +10,10 @@ run. It writes into ``out``:
   for two runs ``<view>__side.*`` (side by side, shared axes) and ``<view>__diff.*`` (A - B);
 - ``headline.json``: the headline numbers of each run (and the delta A - B for two runs).
 
+``picks`` ({"layer": 3, "head": 1}, ``k3lab report --layer/--head``) focuses every view that has a layer/head
+picker (``View.picks``) on that layer / head; their files are named ``<view>_L3H1.*``; a view whose run lacks
+that layer or head is listed as not applicable with the valid ones. Without picks nothing changes.
+
 Bad input (unreadable checkpoint, missing text file, unknown sample, runs that cannot read the same text)
 raises ``k3core.checkpoint.CheckpointError``, ``ValueError`` or ``OSError`` before anything is written.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from analysis import picks as pk
 from analysis import runs as runs_mod
 from analysis.compare import build_both, difference_view, distinct_labels, has_difference, side_by_side
 from analysis.context import AnalysisContext
@@ -49,14 +54,35 @@ def select_views(views: list[View], wanted: str | None = None, skip_model_views:
     return views
 
 
-def build_single(views: list[View], ctx: AnalysisContext, progress: Any) -> list[Entry]:
+def focused(view: View, ctx: AnalysisContext, picks: dict[str, int] | None) -> tuple[AnalysisContext, str]:
+    """The context a view is drawn from under ``picks`` (only the axes the view picks) and its key's suffix
+    ("_L3H1"; "" and ``ctx`` itself when the view has no picker or nothing is picked)."""
+    pick = pk.pick_of(picks or {}, view.picks.axes) if view.picks is not None else {}
+    if not pick:
+        return ctx, ""
+    return ctx.with_options(**pick), "_" + pk.pick_text(pick.get(pk.LAYER), pick.get(pk.HEAD))
 
+
+def check_picks(views: list[View], picks: dict[str, int] | None) -> None:
+    """ValueError when a layer/head is picked but no selected view has a picker for it (it would do nothing)."""
+    for axis in pk.pick_of(picks or {}):
+        if not any(v.picks is not None and axis in v.picks.axes for v in views):
+            having = sorted(v.key for v in all_views() if v.picks is not None and axis in v.picks.axes)
+            raise ValueError(f"--{axis}: none of the selected views has a {axis} picker; views that do: {having}")
+        if picks[axis] < 0:
+            raise ValueError(f"--{axis} must be 0 or more, got {picks[axis]}")
+
+
+def build_single(
+    views: list[View], ctx: AnalysisContext, progress: Any, picks: dict[str, int] | None = None
+) -> list[Entry]:
     entries = []
     for view in views:
-        entry = Entry(view.key, view.title, view.section, view.description)
+        vctx, tag = focused(view, ctx, picks)
+        entry = Entry(view.key + tag, view.title, view.section, view.description)
         t0 = time.perf_counter()
         try:
-            entry.figure, entry.table = view.build(ctx)
+            entry.figure, entry.table = view.build(vctx)
         except NotApplicable as exc:
             entry.note = str(exc) or "not applicable"
         except Exception as exc:  # noqa: BLE001 - one broken view must not lose the whole report
@@ -67,15 +93,20 @@ def build_single(views: list[View], ctx: AnalysisContext, progress: Any) -> list
     return entries
 
 
-def build_comparison(views: list[View], a: AnalysisContext, b: AnalysisContext, progress: Any) -> list[Entry]:
+def build_comparison(
+    views: list[View], a: AnalysisContext, b: AnalysisContext, progress: Any, picks: dict[str, int] | None = None
+) -> list[Entry]:
     """Per view, as the view declares (``View.compare``): side by side on shared axes (history views: one
-    figure with run B overlaid) and, for views with a declared difference, A - B."""
+    figure with run B overlaid) and, for views with a declared difference, A - B. One pick for both runs."""
     from analysis.view import NotApplicable
 
     entries = []
+    base_a, base_b = a, b
     for view in views:
         t0 = time.perf_counter()
-        key = view.key if view.compare.overlay else f"{view.key}__side"  # overlaid: one figure, not two halves
+        (a, tag), (b, _) = focused(view, base_a, picks), focused(view, base_b, picks)
+        name = view.key + tag
+        key = name if view.compare.overlay else f"{name}__side"  # overlaid: one figure, not two halves
         side = Entry(key, view.title, view.section, view.description)
         built = None
         try:
@@ -88,7 +119,7 @@ def build_comparison(views: list[View], a: AnalysisContext, b: AnalysisContext, 
         entries.append(side)
         if side.figure is not None and has_difference(view):
             diff = Entry(
-                f"{view.key}__diff",
+                f"{name}__diff",
                 f"{view.title}: difference A - B",
                 view.section,
                 f"A - B of {', '.join(view.compare.difference)} on a diverging scale centred at 0.",
@@ -191,6 +222,7 @@ def write_report(
     skip_model_views: bool = False,
     save_trace: bool = False,
     progress: Any = None,
+    picks: dict[str, int] | None = None,
 ) -> ReportResult:
     """Load one run (or two to compare) through ``analysis.runs.load_run``, trace them on one input
     (``report_input``), build every selected view and write the report folder ``out`` (see the module docstring).
@@ -207,6 +239,7 @@ def write_report(
     timings: dict[str, float] = {}
     out = Path(out)
     selected = select_views(all_views(), views, skip_model_views)
+    check_picks(selected, picks)
     runs = []
     for path in paths:
         runs.append(runs_mod.load_run(path, device=device, dtype=dtype, max_memory=max_memory))
@@ -223,9 +256,9 @@ def write_report(
 
     t0 = time.perf_counter()
     if len(contexts) == 2:
-        entries = build_comparison(selected, contexts[0], contexts[1], progress)
+        entries = build_comparison(selected, contexts[0], contexts[1], progress, picks)
     else:
-        entries = build_single(selected, contexts[0], progress)
+        entries = build_single(selected, contexts[0], progress, picks)
     headlines = [headline_numbers(c) for c in contexts]
     progress.update(1)
     timings["views"] = time.perf_counter() - t0

@@ -43,6 +43,48 @@ class Comparison:
     no_difference: str = "a difference A - B of this view has no meaning"
 
 
+LAYER, HEAD = "layer", "head"  # the axes a view can be picked on (``View.picks``; ``analysis.picks``)
+AXES = (LAYER, HEAD)
+
+
+@dataclass(frozen=True)
+class PickChoices:
+    """The valid picks of one view for one context: ``mechanism`` names the layers ("KDA", "MLA", "MoE",
+    "AttnRes"), ``layers`` are this run's layers with it (0-based decoder layers), ``heads`` its head indices
+    (empty: the view has no head axis)."""
+
+    mechanism: str
+    layers: tuple[int, ...]
+    heads: tuple[int, ...] = ()
+
+    def values(self, axis: str) -> tuple[int, ...]:
+        return self.layers if axis == LAYER else self.heads
+
+    def label(self, axis: str, value: int | None) -> str:
+        """What a picker shows for a value: "MLA layer 3", "head 1"; None: "all MLA layers", "all heads"."""
+        if axis == LAYER:
+            return (
+                f"all {self.mechanism} layers".replace("  ", " ")
+                if value is None
+                else f"{self.mechanism} layer {value}".strip()
+            )
+        return "all heads" if value is None else f"head {value}"
+
+
+@dataclass(frozen=True)
+class Picks:
+    """What a view declares: the axes it can focus on (``("layer",)`` or ``("layer", "head")``) and
+    ``choices(ctx)`` (raises NotApplicable when the view has nothing to show for the context)."""
+
+    axes: tuple[str, ...]
+    choices: Callable[[AnalysisContext], PickChoices]
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.axes if a not in AXES]
+        if unknown or not self.axes:
+            raise ValueError(f"pick axes must be among {AXES}, got {self.axes}")
+
+
 @dataclass(frozen=True)
 class View:
     key: str  # stable id, used in file names: "moe_load_heatmap"
@@ -55,3 +97,7 @@ class View:
     # Drawn from the checkpoint's weights alone (``ctx.weights``, or a loaded model's parameters), so it needs
     # no trace: the Weights page and ``k3lab weights`` draw every such view, whatever its section.
     from_weights: bool = False
+    # Per layer / per head: the axes the view can focus on and their valid choices for a context
+    # (``analysis.picks`` has the choices per mechanism and the checks); the build reads the pick from
+    # ``ctx.options["layer"]`` / ``ctx.options["head"]`` and shows everything, as without picks, when none is given.
+    picks: Picks | None = None

@@ -21,10 +21,12 @@ import streamlit as st
 from analysis.export import export_figure, static_export_available
 from analysis.format import format_number
 from analysis.headline import HEADLINE_LABELS, headline_help, headline_table
+from analysis.picks import pick_text
 from analysis.style import screen_figure
 from analysis.view import NotApplicable, View
-from app import caching
+from app import caching, picks
 from app.caching import Loaded
+from app.errors import md_escape
 from app.inputs import InputError
 from k3core.checkpoint import CheckpointError
 
@@ -167,7 +169,10 @@ def figure_card(fig, df, key: str, stem: str, description: str = "") -> None:
 
 
 def render_view(view: View, loaded: Loaded) -> bool:
-    """Draw one View; NotApplicable becomes an info line, a failure an error line. True when drawn."""
+    """Draw one View (with its layer/head pickers, ``app.picks``, when it declares them); NotApplicable becomes
+    an info line, a failure an error line. True when drawn."""
+    pick, _ = picks.view_pick(view, loaded)
+    loaded = picks.focused(loaded, pick)
     try:
         fig, df = caching.build_view(view, loaded)
     except NotApplicable as exc:
@@ -180,8 +185,15 @@ def render_view(view: View, loaded: Loaded) -> bool:
         log.exception("view %s failed", view.key)
         st.error(f"**{view.title}** could not be drawn: {type(exc).__name__}: {exc}")
         return False
-    figure_card(fig, df, key=view.key, stem=f"{slug(loaded.ctx.label)}_{view.key}", description=view.description)
+    stem = f"{slug(loaded.ctx.label)}_{view.key}{_pick_suffix(pick)}"
+    figure_card(fig, df, key=view.key, stem=stem, description=view.description)
     return True
+
+
+def _pick_suffix(pick: dict[str, int]) -> str:
+    """ "_L3H1" for an export's file name (analysis.picks.pick_text), "" without a pick."""
+    text = pick_text(pick.get("layer"), pick.get("head"))
+    return f"_{text}" if text else ""
 
 
 # ----------------------------------------------------------------------------------------- headline numbers
@@ -229,8 +241,16 @@ def headline_delta(a: Loaded, b: Loaded) -> None:
 
 # ----------------------------------------------------------------------------------------- comparison
 def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
-    """One view for A and B: side by side (shared axes) and, where the tables align, the difference A - B."""
-    stem = f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_{view.key}"
+    """One view for A and B: side by side (shared axes) and, where the tables align, the difference A - B. A view
+    with layer/head pickers gets one pick for both runs; a run without the picked layer/head says so in its half."""
+    pick, each = picks.view_pick(view, a, b)
+    if pick:
+        missing = picks.only_in(pick, each, [a.ctx.label, b.ctx.label])
+        st.caption(
+            "One pick for both runs." + (f" {md_escape(missing)}: its half says so." if missing else ""),
+        )
+        a, b = picks.focused(a, pick), picks.focused(b, pick)
+    stem = f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_{view.key}{_pick_suffix(pick)}"
     try:
         fig, df = caching.compare_view("side", view, a, b)
     except NotApplicable as exc:

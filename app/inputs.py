@@ -145,13 +145,13 @@ def dtype_choices(device: str) -> list[str]:
 
 def check_max_memory(text: str) -> str:
     """A memory budget as typed ("" = none, "8GB", "6GiB", "512MB"); InputError when it cannot be read."""
-    from k3core.expert_store import parse_bytes
+    from k3core.units import parse_bytes
 
     text = (text or "").strip()
     if not text:
         return ""
     try:
-        parse_bytes(text)
+        parse_bytes(text, what="the memory budget")
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     return text

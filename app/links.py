@@ -10,6 +10,7 @@ query parameters, written on every run and read on a session's first run:
     b        compare: run B label                text_b   compare: text B (as ``text``)
     section  compare: density | attnres | moe | degradation | weights
     edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interventions)
+    pick     layer / head picks of per-layer views: ``VIEW:L3H1,VIEW2:L5`` (analysis.picks; app.picks)
 
 An unknown value gets a warning that names it, and the default is used instead. Pasted and uploaded
 texts are not put in links (they can be large and private): such a link opens with the text source
@@ -45,7 +46,10 @@ TWO_RUNS, TWO_TEXTS, EDITED = "Two runs, same text", "One run, two texts", "Base
 MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS, "edited": EDITED}
 EDITS = "k3lab_edits"  # session key: the experiment's edits, as a list of edit dicts
 SLUG_OF_MODE = {v: k for k, v in MODES.items()}
-PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section", "edits")
+PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section", "edits", "pick")
+PICKS = "k3lab_picks"  # session key: {view key: {"layer": 3, "head": 1}} (app.picks)
+TOKEN_MLA, TOKEN_KDA, TOKEN_MOE = "token_mla", "token_kda", "token_moe"  # the Experiment page's per-token pickers
+PAGE_PICKERS = {TOKEN_MLA: ("layer", "head"), TOKEN_KDA: ("layer", "head"), TOKEN_MOE: ("layer",)}
 APPLIED = "k3lab_link_applied"
 NOTES = "k3lab_link_notes"
 
@@ -126,12 +130,58 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
             out["k3lab_exp_autorun"] = True  # a link to an experiment shows its result
         except EditError as exc:
             notes.append(f"The link's edits could not be read ({exc}); the experiment starts with none.")
+    if "pick" in params:
+        picks, pick_notes = picks_from_param(params["pick"])
+        notes.extend(pick_notes)
+        if picks:
+            out[PICKS] = picks
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
         notes.append(
             f"The link's parameter(s) {', '.join(_shown(u) for u in unknown[:8])} are not known here and were ignored."
         )
     return out, notes
+
+
+def picks_from_param(value: str) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """``"kda_state_norm:L3H1,moe_coactivation:L5"`` -> {view key: {"layer": 3, "head": 1}, ...}, and notes for
+    the entries that are not a known view's (or ``PAGE_PICKERS``') pick: an axis it has no picker for, or not
+    L<n>H<n>. Whether the run has that layer or head is checked where it is drawn (``app.picks.picker``)."""
+    from analysis import picks as pk
+    from analysis.views import all_views
+
+    axes = {v.key: v.picks.axes for v in all_views() if v.picks is not None} | PAGE_PICKERS
+    out: dict[str, dict[str, int]] = {}
+    notes: list[str] = []
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        view, _, text = entry.partition(":")
+        if view not in axes:
+            notes.append(
+                f"The link's pick {_shown(entry)} names no view with a layer/head picker; known: {sorted(axes)[:8]}."
+            )
+            continue
+        try:
+            pick = pk.parse_pick(text)
+        except ValueError as exc:
+            notes.append(f"The link's pick for {view} is not used: {exc}.")
+            continue
+        extra = sorted(set(pick) - set(axes[view]))
+        if extra:
+            notes.append(f"The link's pick for {view} names {', '.join(extra)}, which that view has no picker for.")
+        pick = {a: v for a, v in pick.items() if a in axes[view]}
+        if pick:
+            out[view] = pick
+    return out, notes
+
+
+def picks_param(picks: dict[str, dict[str, int]]) -> str | None:
+    """The ``pick`` query value of the session's picks (views in key order), or None without any."""
+    from analysis import picks as pk
+
+    parts = [f"{view}:{pk.pick_text(p.get('layer'), p.get('head'))}" for view, p in sorted(picks.items()) if p]
+    return ",".join(parts) or None
 
 
 def apply_once(run_labels: Sequence[str]) -> None:
@@ -181,8 +231,21 @@ def params_of(inputs: inp.Inputs) -> dict[str, str]:
 def write(inputs: inp.Inputs) -> None:
     """Replace the address bar's query parameters with the sidebar's choices."""
     params = params_of(inputs)
+    pick = picks_param(st.session_state.get(PICKS) or {})
+    if pick:
+        params["pick"] = pick
     if dict(st.query_params.to_dict()) != params:
         st.query_params.from_dict(params)
+
+
+def write_picks() -> None:
+    """Bring the address bar's ``pick`` up to date with the session's picks (after a picker was drawn)."""
+    value = picks_param(st.session_state.get(PICKS) or {})
+    current = st.query_params.to_dict().get("pick")
+    if value is None and current is not None:
+        del st.query_params["pick"]
+    elif value is not None and current != value:
+        st.query_params["pick"] = value
 
 
 def write_compare(mode: str, run_b: str | None, text_b: str | None, section: str) -> None:

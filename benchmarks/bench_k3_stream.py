@@ -219,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                        f"({result['read_over_floor']:.3f} x the floor)"),
         ("experts", f"{result['distinct_experts']} distinct, {result['expert_misses']} misses, "
                     f"{result['expert_hits']} hits, {result['expert_reads']} reads"),
-        ("peak RSS", f"{result['peak_rss'] / 2**30:.2f} GiB"),
+        ("peak RSS", f"{result['peak_rss'] / gb:.2f} GB ({result['peak_rss'] / 2**30:.2f} GiB) = "
+                     f"{result['peak_rss'] / result['budget']:.3f} x the budget: "
+                     + ("within it" if result["peak_rss"] <= result["budget"] else "OVER it")),
         ("reads", f"{result['read_seconds']:.1f} s inside preadv"
                   + (" (holes skipped)" if result["skip_holes"] else " (page cache: the replica's holes)")),
     ]  # fmt: skip

@@ -172,19 +172,6 @@ def plan_for(
     return ranks_needed(per_layer, first, last, capacity)
 
 
-def parse_size(text: str) -> int:
-    """'141GB' -> 141e9, '80GiB' -> 80 * 2**30, '512MiB', '1.5TB'; a bare number is GiB. Raises ValueError."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*", text, flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (write e.g. 141GB, 80GiB, 512MiB)")
-    value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
-    if unit == "B":
-        return int(value)
-    power = "KMGT".index(unit[0]) + 1
-    base = 1024 if "I" in unit else 1000
-    return int(value * base**power)
-
-
 def sizes_of(source: str, dtype: torch.dtype) -> tuple[dict[str, int], int]:
     """({name: resident bytes}, decoder layers) of a checkpoint folder (headers only) or a preset name (shapes)."""
     from pathlib import Path

@@ -36,6 +36,7 @@ from .expert_store import (
     budget_for,
     decode_entry,
     read_entries,
+    return_freed_memory,
 )
 
 EXPERT_RE = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
@@ -399,6 +400,7 @@ def load_streamed(
     check_headers(files, published_tensors(model))
     device = torch.device(device)
     plan = plan or plan_streaming(files, model, device, budget_for(max_memory, device), dense)
+    return_freed_memory()
     reader = FileReader(skip_holes=skip_holes)
     filler = Filler(model, files, reader, device)
     streamed: dict[str, list[str]] = {}

@@ -189,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def usable_bytes(gpu_memory: str, reserve: str) -> int:
     """One GPU's bytes minus the reserve ("10%" of it, or a size). Raises ValueError."""
-    from k3core.rank_plan import parse_size
+    from k3core.units import parse_bytes
 
-    total = parse_size(gpu_memory)
-    held = total * float(reserve[:-1]) / 100 if reserve.strip().endswith("%") else parse_size(reserve)
+    total = parse_bytes(gpu_memory, bare=2**30, what="--gpu-memory")  # a bare number is GiB here
+    percent = reserve.strip().endswith("%")
+    held = (
+        total * float(reserve.strip()[:-1]) / 100 if percent else parse_bytes(reserve, 2**30, "--reserve", zero_ok=True)
+    )
     if held >= total:
         raise ValueError(f"--reserve {reserve} leaves nothing of --gpu-memory {gpu_memory}")
     return int(total - held)

@@ -1,8 +1,10 @@
-"""``k3lab report RUN [RUN2] [--text FILE | --sample NAME] --out DIR``: the headless report of one run, or a
-comparison of two (``analysis.report.write_report`` does the work; this module parses, shows progress, prints).
+"""``k3lab report RUN [RUN2] [--text FILE | --sample NAME] [--layer N] [--head H] --out DIR``: the headless report
+of one run, or a comparison of two (``analysis.report.write_report`` does the work; this module parses, shows
+progress, prints). ``--layer`` / ``--head`` focus the views that have a layer/head picker in the app.
 
 Exit codes: 0 success, 1 the report was written but some view failed unexpectedly, 2 bad input
-(unreadable checkpoint, missing text file, unknown sample, runs that cannot read the same text).
+(unreadable checkpoint, missing text file, unknown sample, runs that cannot read the same text, a --layer/--head
+that no selected view can focus on).
 """
 
 from __future__ import annotations
@@ -48,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip views that rerun the model (importance by ablation / gradients: the slow ones)",
     )
+    p.add_argument(
+        "--layer",
+        type=int,
+        metavar="N",
+        help="focus the per-layer views (KDA, MLA, MoE, AttnRes ones with a layer picker in the app) on decoder "
+        "layer N (0-based); views whose run has no such layer are listed as not applicable (default: all layers)",
+    )
+    p.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        help="focus the per-head views (KDA and MLA) on head H (0-based; default: all heads)",
+    )
     p.add_argument("--save-trace", action="store_true", help="also write each run's trace (.npz)")
     return p
 
@@ -84,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_model_views=args.skip_model_views,
             save_trace=args.save_trace,
             progress=progress,
+            picks={k: v for k, v in (("layer", args.layer), ("head", args.head)) if v is not None},
         )
     except (CheckpointError, ValueError, OSError) as exc:
         progress.close()

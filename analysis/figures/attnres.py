@@ -8,6 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis import attnres as ar
+from analysis import picks as pk
 from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.view import Comparison, NotApplicable, View
@@ -24,14 +25,24 @@ def _require_attnres(ctx: AnalysisContext) -> None:
         raise NotApplicable(f"no AttnRes depth weights: {why} (residual={mode!r})")
 
 
+def attnres_choices(ctx: AnalysisContext) -> pk.PickChoices:
+    """Decoder layers with AttnRes sites in the trace (the output mix is not a layer)."""
+    _require_attnres(ctx)
+    layers = sorted({int(site.split(".")[0]) for site in ar.sites(ctx.trace) if site != "output"})
+    return pk.PickChoices("AttnRes", tuple(layers))
+
+
 def _site_label(site: str) -> str:
     return "output mix" if site == "output" else f"L{site.replace('.', ' ')}"
 
 
 def build_depth_weights(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Sites x sources heatmap of the depth-softmax weights, mean over tokens."""
-    _require_attnres(ctx)
+    choices = attnres_choices(ctx)
+    layer, _ = pk.picked(ctx, choices, (pk.LAYER,))
     table = ar.depth_weights(ctx.trace)
+    if layer is not None:  # the picked layer's sites (its output-mix row is not a layer's)
+        table = pk.filter_picked(table[table["side"] != "output"], layer, None)
     mat, site_names, labels = ar.weight_matrix(table)
     names = {(r.site, r.source): r.source_name for r in table.itertuples()}
     hover = [
@@ -55,7 +66,7 @@ def build_depth_weights(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     fig.update_yaxes(autorange="reversed")
     apply_style(
         fig,
-        f"AttnRes depth weights per site (mean over tokens) — {ctx.label}",
+        f"AttnRes depth weights per site{pk.pick_title(choices, layer, None)} (mean over tokens) — {ctx.label}",
         "source (0 = embedding; last = running partial sum)",
         "site (layer, side)",
         height=max(320, 90 + 22 * len(site_names)),
@@ -145,6 +156,7 @@ VIEWS: list[View] = [
         build_depth_weights,
         description="Sites x sources map of the depth-softmax weights, averaged over tokens.",
         compare=Comparison(difference=("weight",), keys=("site", "source"), x="source"),
+        picks=pk.Picks((pk.LAYER,), attnres_choices),
     ),
     View(
         "attnres_site_stats",

@@ -11,6 +11,7 @@ from plotly.subplots import make_subplots
 from analysis import attention as at
 from analysis import hidden_states as hs
 from analysis import kda_memory as km
+from analysis import picks as pk
 from analysis.context import AnalysisContext
 from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.trace_errors import MissingTraceData
@@ -66,34 +67,58 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
     return fig, df
 
 
+def _mla_pick(ctx: AnalysisContext) -> tuple[pk.PickChoices, int | None, int | None]:
+    """The MLA choices of the run and the picked (layer, head); NotApplicable without MLA attention."""
+    try:
+        choices = pk.mla_choices(ctx)
+    except NotApplicable:
+        _guard(at.attention_entropy_table, ctx)  # raises the specific reason (not recorded, no MLA layer, ...)
+        raise
+    return (choices, *pk.picked(ctx, choices))
+
+
 def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """Normalised entropy per query position: one line per MLA layer (mean over heads); with a layer or head
+    picked, one line per picked (layer, head)."""
     df = _guard(at.entropy_by_position_table, ctx)
-    mean = df.groupby(["layer", "query"], as_index=False)["entropy_norm"].mean()
+    choices, layer, head = _mla_pick(ctx)
+    df = pk.filter_picked(df, layer, head)
+    focused = layer is not None or head is not None
+    if focused:
+        lines = df.assign(name=[f"MLA layer {r.layer} head {r.head}" for r in df.itertuples()])
+        what = pk.pick_title(choices, layer, head).lstrip(", ")
+    else:
+        lines = df.groupby(["layer", "query"], as_index=False)["entropy_norm"].mean()
+        lines["name"] = [f"MLA layer {v}" for v in lines["layer"]]
+        what = "mean over heads"
     fig = go.Figure()
-    for n, (layer, part) in enumerate(mean.groupby("layer")):
+    for n, (name, part) in enumerate(lines.groupby("name", sort=False)):
         fig.add_trace(
             go.Scatter(
                 x=part["query"],
                 y=part["entropy_norm"],
                 mode="lines",
-                name=f"MLA layer {layer}",
+                name=name,
                 line={"color": RUN_COLORS[n % len(RUN_COLORS)]},
                 text=ctx.position_labels(part["query"]),
-                hovertemplate=f"MLA layer {layer}, query %{{text}}<br>H / log(i+1) = %{{y:.3f}}<extra></extra>",
+                hovertemplate=f"{name}, query %{{text}}<br>H / log(i+1) = %{{y:.3f}}<extra></extra>",
             )
         )
     apply_style(
         fig,
-        f"MLA attention entropy by query position (mean over heads) — {ctx.label}",
+        f"MLA attention entropy by query position ({what}) — {ctx.label}",
         "query position (token)",
         "normalised entropy H / log(i+1)",
     )
-    fig.update_xaxes(**ctx.token_axis(mean["query"]))
+    fig.update_xaxes(**ctx.token_axis(lines["query"]))
     return fig, df
 
 
 def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = _guard(at.attention_sink_table, ctx)
+    choices, layer, head = _mla_pick(ctx)
+    df = pk.filter_picked(df, layer, head)
+    focus = pk.pick_title(choices, layer, head)
     rate = at.sink_rate(df["first_token_mass"].to_numpy())
     labels = [f"L{r.layer} H{r.head}" for r in df.itertuples()]
     fig = go.Figure(
@@ -116,10 +141,10 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     top = max(float(df["first_token_mass"].max()), at.SINK_THRESHOLD)
     fig.update_yaxes(range=[0, min(1.0, top * 1.15)])
     T = at.attention_tokens(ctx.trace)
-    title = f"Attention sink: first-token mass per MLA head (sink rate {rate:.0%}) — {ctx.label}"
+    title = f"Attention sink: first-token mass per MLA head{focus} (sink rate {rate:.0%}) — {ctx.label}"
     if T < at.MIN_SINK_TOKENS:
         # Query 0 sees only key 0, so s_0 >= 1/T: with T <= 3 every head is a 'sink' whatever the model does.
-        title = f"Attention sink: first-token mass per MLA head — {ctx.label}"
+        title = f"Attention sink: first-token mass per MLA head{focus} — {ctx.label}"
         fig.add_annotation(
             text=f"only {T} tokens: the first token takes a large share of attention by construction, so the sink "
             f"rate ({rate:.0%}) means little below {at.MIN_SINK_TOKENS} tokens",
@@ -141,6 +166,9 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = _guard(at.attention_received_table, ctx)
+    choices, layer, head = _mla_pick(ctx)
+    df = pk.filter_picked(df, layer, head)
+    focus = pk.pick_title(choices, layer, head)
     df = df.assign(row=[f"L{r.layer} H{r.head}" for r in df.itertuples()])
     table = df.pivot(index="row", columns="key", values="received")
     table = table.loc[list(dict.fromkeys(df["row"]))]
@@ -162,7 +190,7 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     shown = f"first {table.shape[1]} of {total} keys" if total > table.shape[1] else f"all {total} keys"
     apply_style(
         fig,
-        f"Attention received per key position ({shown}; mean over the queries that see it) — {ctx.label}",
+        f"Attention received per key position{focus} ({shown}; mean over the queries that see it) — {ctx.label}",
         "key position (token)",
         "MLA layer / head",
         height=max(280, 80 + 28 * len(table)),
@@ -326,6 +354,7 @@ VIEWS: list[View] = [
         build_entropy_by_position,
         description="Normalised entropy of each query row, mean over heads.",
         compare=Comparison(difference=("entropy_norm",), keys=("layer", "head", "query"), reduce=("head",), x="query"),
+        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
     ),
     View(
         "degradation_sink",
@@ -334,6 +363,7 @@ VIEWS: list[View] = [
         build_sink_mass,
         description="First-token sink mass per head and the sink rate (share above 0.3; Gu et al. 2024).",
         compare=Comparison(difference=("first_token_mass",), keys=("layer", "head"), x="head"),
+        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
     ),
     View(
         "degradation_sink_profile",
@@ -342,6 +372,7 @@ VIEWS: list[View] = [
         build_sink_profile,
         description="Mean attention each key position receives from the queries that can see it.",
         compare=Comparison(difference=("received",), keys=("layer", "head", "key"), x="key"),
+        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
     ),
     View(
         "degradation_mla_gate",

@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 
 from analysis import allocation as al
 from analysis import kda_memory as km
+from analysis import picks as pk
 from analysis.context import AnalysisContext
 from analysis.format import format_bytes, format_tokens
 from analysis.importance import sublayer_importance
@@ -258,8 +259,10 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     half-life ln 2 / (-mean_t g) (``analysis.kda_memory.half_life``), and the share of decays near the lower
     bound (g < 0.9 lb)."""
     _require_kda(ctx)
-    chan = km.kda_channel_decay(ctx.trace)
-    stats = km.kda_decay_stats(ctx.trace)
+    choices = pk.kda_choices(ctx)
+    layer, head = pk.picked(ctx, choices)
+    chan = pk.filter_picked(km.kda_channel_decay(ctx.trace), layer, head)
+    stats = pk.filter_picked(km.kda_decay_stats(ctx.trace), layer, head)
     per_head = len(stats) <= MAX_HEAD_BOXES
     keys = ["layer", "head"] if per_head else ["layer"]
     if not per_head:
@@ -311,7 +314,8 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
         fig.update_yaxes(title_text="share near bound", range=[0, 1], row=2, col=1)
     fig.update_xaxes(title_text=f"KDA {what}", row=2 if lower_bound else 1, col=1)
-    apply_style(fig, f"KDA decay: half-life ln 2/(-g) per {what} — {ctx.label}", height=560)
+    focus = pk.pick_title(choices, layer, head)
+    apply_style(fig, f"KDA decay: half-life ln 2/(-g) per {what}{focus} — {ctx.label}", height=560)
     return fig, table
 
 
@@ -319,10 +323,13 @@ def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per KDA layer/head (pooled per layer when there are many heads): the write strength beta over
     tokens (box: min, p10, median, p90, max)."""
     _require_kda(ctx)
-    table = km.kda_beta_stats(ctx.trace)
+    choices = pk.kda_choices(ctx)
+    layer, head = pk.picked(ctx, choices)
+    table = pk.filter_picked(km.kda_beta_stats(ctx.trace), layer, head)
     per_head = len(table) <= MAX_HEAD_BOXES
-    if not per_head:
-        table = km.kda_beta_stats(ctx.trace, by="layer")
+    if not per_head and head is None:
+        table = pk.filter_picked(km.kda_beta_stats(ctx.trace, by="layer"), layer, None)
+    per_head = "head" in table
     heads = table["head"] if per_head else [None] * len(table)
     x = [_group_label(layer, head) for layer, head in zip(table["layer"], heads)]
     hover = [f"{label}<br>mean β {r.mean:.3f} (std {r.std:.3f})" for label, r in zip(x, table.itertuples())]
@@ -337,7 +344,8 @@ def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         hover,
     )
     fig.update_yaxes(range=[0, 1])
-    apply_style(fig, f"KDA write strength β per {what} — {ctx.label}", f"KDA {what}", "β (0..1)")
+    focus = pk.pick_title(choices, layer, head)
+    apply_style(fig, f"KDA write strength β per {what}{focus} — {ctx.label}", f"KDA {what}", "β (0..1)")
     return fig, table
 
 
@@ -348,6 +356,9 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     table = km.kda_state_norms(ctx.trace)
     if table.empty:
         raise NotApplicable("trace has no kda.*.state_norm arrays")
+    choices = pk.kda_state_choices(ctx)
+    picked_layer, picked_head = pk.picked(ctx, choices)
+    table = pk.filter_picked(table, picked_layer, picked_head)
     fig = go.Figure()
     layers = sorted(table["layer"].unique())
     per_head = len(table.drop_duplicates(["layer", "head"])) <= MAX_HEAD_LINES
@@ -385,9 +396,10 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                 )
             )
     what = "per layer/head" if per_head else "per layer (mean over heads)"
+    focus = pk.pick_title(choices, picked_layer, picked_head)
     apply_style(
         fig,
-        f"KDA state norm over time, {what} — {ctx.label}",
+        f"KDA state norm over time, {what}{focus} — {ctx.label}",
         "token position (end of chunk)",
         "state Frobenius norm ‖S‖_F",
     )
@@ -431,6 +443,7 @@ VIEWS: list[View] = [
         description="Memory half-life ln 2/(-g) in tokens over key channels per KDA head; share of decays near "
         "the lower bound.",
         compare=Comparison(difference=("g_mean", "frac_near_lb"), keys=("layer", "head")),
+        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_choices),
     ),
     View(
         "kda_beta",
@@ -439,6 +452,7 @@ VIEWS: list[View] = [
         build_kda_beta,
         description="Distribution of the delta-rule write strength β per KDA head.",
         compare=Comparison(difference=("mean",), keys=("layer", "head")),
+        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_choices),
     ),
     View(
         "kda_state_norm",
@@ -447,5 +461,6 @@ VIEWS: list[View] = [
         build_kda_state_norm,
         description="Frobenius norm of each KDA head's state at chunk ends.",
         compare=Comparison(difference=("state_norm",), keys=("layer", "head", "token"), reduce=("head",), x="token"),
+        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_state_choices),
     ),
 ]

@@ -2,7 +2,8 @@
 next-token reuse, latent PCA and router bias.
 
 Per-layer figures (co-activation, latent PCA) show one MoE layer at a time with a layer dropdown;
-``ctx.options["layer"]`` picks a single layer (default: all, up to a size budget).
+``ctx.options["layer"]`` picks a single layer (default: all, up to a size budget). The load heatmap and the
+weight by rank also focus on a picked layer (``analysis.picks``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from analysis import moe as mo
+from analysis import picks as pk
 from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.view import Comparison, NotApplicable, View
@@ -46,10 +48,8 @@ def _layers_with(ctx: AnalysisContext, array: Callable[[int], str], hint: str = 
 
 
 def _pick_layers(ctx: AnalysisContext, layers: list[int], cost_per_layer: int, budget: int) -> list[int]:
-    if "layer" in ctx.options and ctx.options["layer"] is not None:
-        layer = int(ctx.options["layer"])
-        if layer not in layers:
-            raise NotApplicable(f"layer {layer} has no MoE data; MoE layers: {layers}")
+    layer, _ = pk.picked(ctx, pk.PickChoices("MoE", tuple(layers)), (pk.LAYER,))
+    if layer is not None:
         return [layer]
     n = max(1, budget // max(cost_per_layer, 1))
     if n >= len(layers):
@@ -89,7 +89,9 @@ def _layer_dropdown(fig: go.Figure, layers: list[int], traces_per_layer: list[in
 def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Layers x experts heatmap of each expert's share of its layer's assignments (whole batch)."""
     _require_moe(ctx)
-    table = mo.expert_load(ctx.trace)
+    choices = pk.moe_choices(ctx)
+    layer, _ = pk.picked(ctx, choices, (pk.LAYER,))
+    table = pk.filter_picked(mo.expert_load(ctx.trace), layer, None)
     share = table.pivot(index="layer", columns="expert", values="share").sort_index()
     count = table.pivot(index="layer", columns="expert", values="count").sort_index()
     E = share.shape[1]
@@ -108,7 +110,7 @@ def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     fig.update_yaxes(autorange="reversed")
     apply_style(
         fig,
-        f"Expert load per layer (uniform = {1 / E:.2%}) — {ctx.label}",
+        f"Expert load per layer{pk.pick_title(choices, layer, None)} (uniform = {1 / E:.2%}) — {ctx.label}",
         "expert",
         "MoE layer",
         height=max(300, 90 + 24 * len(share)),
@@ -159,6 +161,9 @@ def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     table = mo.weight_by_rank(ctx.trace)
     if table.empty:
         raise NotApplicable("trace has no moe.*.weights arrays")
+    choices = pk.PickChoices("MoE", tuple(sorted(int(v) for v in table["layer"].unique())))
+    picked_layer, _ = pk.picked(ctx, choices, (pk.LAYER,))
+    table = pk.filter_picked(table, picked_layer, None)
     fig = go.Figure()
     layers = sorted(table["layer"].unique())
     for li, layer in enumerate(layers):
@@ -177,7 +182,7 @@ def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     fig.update_xaxes(dtick=1)
     apply_style(
         fig,
-        f"Routing weight by rank — {ctx.label}",
+        f"Routing weight by rank{pk.pick_title(choices, picked_layer, None)} — {ctx.label}",
         "rank of chosen expert (1 = largest weight)",
         "mean routing weight",
     )
@@ -350,6 +355,7 @@ VIEWS: list[View] = [
         build_load_heatmap,
         description="Share of each layer's assignments per expert, layers x experts.",
         compare=Comparison(difference=("share",), keys=("layer", "expert"), x="expert", same_weights=True),
+        picks=pk.Picks((pk.LAYER,), pk.moe_choices),
     ),
     View(
         "moe_imbalance",
@@ -366,6 +372,7 @@ VIEWS: list[View] = [
         build_weight_by_rank,
         description="Mean routing weight of the 1st..k-th chosen expert.",
         compare=Comparison(difference=("mean_weight",), keys=("layer", "rank"), x="rank"),
+        picks=pk.Picks((pk.LAYER,), pk.moe_choices),
     ),
     View(
         "moe_coactivation",
@@ -376,6 +383,7 @@ VIEWS: list[View] = [
         compare=Comparison(
             difference=("rate",), keys=("layer", "expert_i", "expert_j"), x="expert_j", same_weights=True
         ),
+        picks=pk.Picks((pk.LAYER,), pk.moe_choices),
     ),
     View(
         "moe_reuse",
@@ -392,5 +400,6 @@ VIEWS: list[View] = [
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
         compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
+        picks=pk.Picks((pk.LAYER,), pk.moe_latent_choices),
     ),
 ]

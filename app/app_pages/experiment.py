@@ -20,7 +20,7 @@ from analysis.figures.experiment import (
     patching_figure,
 )
 from analysis.token_detail import token_detail
-from app import caching, links, page
+from app import caching, links, page, picks
 from app import experiment as ex
 from app.errors import plain
 from app.links import EDITS
@@ -310,22 +310,28 @@ def _token() -> None:
     c1, c2 = st.columns(2)
     c1.markdown("Top-5 predictions")
     c1.table(detail.top_k.set_index("rank"))
-    c2.markdown("Experts per MoE layer (by weight rank)")
-    c2.table(detail.experts.set_index(["layer", "rank"]))
+    with c2:
+        st.markdown("Experts per MoE layer (by weight rank)")
+        experts = detail.experts
+        if len(experts):
+            experts, _, _ = picks.table_pick(links.TOKEN_MOE, "Experts", experts, "MoE")
+        st.table(experts.set_index(["layer", "rank"]))
     if len(detail.depth):
         st.markdown("AttnRes depth weights")
         st.dataframe(detail.depth.pivot(index="site", columns="source", values="weight"), key="k3lab_tok_depth")
     if len(detail.mla):
-        c = st.columns(2)
-        layer = c[0].selectbox("MLA layer", sorted(detail.mla["layer"].unique()), key="k3lab_tok_mla_layer")
-        head = c[1].selectbox("Head", sorted(detail.mla["head"].unique()), key="k3lab_tok_mla_head")
-        rows = detail.mla[(detail.mla["layer"] == layer) & (detail.mla["head"] == head)]
+        st.markdown(f"MLA attention from token {s['position']} as the query")
+        rows, choices, pick = picks.table_pick(links.TOKEN_MLA, "MLA attention", detail.mla, "MLA", allow_all=False)
+        st.caption(
+            f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}: keys 0..{s['position']}"
+        )
         st.bar_chart(pd.DataFrame({"attention": rows.prob.to_numpy()}, index=[f"{k}" for k in rows.key]))
     elif trace.layer_indices("mla"):
         st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
     if len(detail.kda):
         st.markdown("KDA gates (beta, output gate mean, mean log decay g) per layer and head")
-        st.dataframe(detail.kda, hide_index=True, key="k3lab_tok_kda")
+        rows, _, _ = picks.table_pick(links.TOKEN_KDA, "KDA gates", detail.kda, "KDA")
+        st.dataframe(rows, hide_index=True, key="k3lab_tok_kda")
 
 
 # A radio, not st.tabs: only the chosen section runs, and the choice survives reruns (kept in the session).
