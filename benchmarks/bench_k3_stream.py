@@ -60,11 +60,18 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
     from k3core.trace import TraceNames, record
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
+    peaks: dict[int, int] = {}  # VmHWM before each decoder layer: where the peak was reached
+
+    def progress(info: dict) -> None:
+        peaks[info["layer"]] = peak_rss()
+
     t0 = time.perf_counter()
     model = load_streamed(
-        folder, K3ForCausalLM, dtype=getattr(torch, dtype), max_memory={"cpu": budget}, skip_holes=skip_holes
-    )
+        folder, K3ForCausalLM, dtype=getattr(torch, dtype), max_memory={"cpu": budget}, skip_holes=skip_holes,
+        progress=progress,
+    )  # fmt: skip
     load_s = time.perf_counter() - t0
+    loaded_peak = peak_rss()
     session = model.streaming
     plan = session.plan
     ids = torch.tensor([TOKENS[:tokens]])
@@ -108,6 +115,8 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
         "expert_misses": stats["expert_misses"],
         "expert_reads": stats["expert_reads"],
         "peak_rss": peak_rss(),
+        "peak_rss_loaded": loaded_peak,
+        "peak_rss_by_layer": peaks,
         "logits_finite": bool(torch.isfinite(logits).all()),
         "trace_arrays": len(trace.names()),
         "planned_prompt_bytes": plan.prompt_bytes(tokens),
@@ -208,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     gb = 1e9
+    by_layer = {int(k): v for k, v in result["peak_rss_by_layer"].items()}  # JSON keys are strings
     print(f"Kimi K3 replica: {result['layers']} layers, {result['params'] / 1e12:.2f}T params, "
           f"{result['declared_bytes'] / 1e12:.2f} TB declared; budget {result['budget'] / gb:.1f} GB, "
           f"{result['dtype']}")  # fmt: skip
@@ -222,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         ("peak RSS", f"{result['peak_rss'] / gb:.2f} GB ({result['peak_rss'] / 2**30:.2f} GiB) = "
                      f"{result['peak_rss'] / result['budget']:.3f} x the budget: "
                      + ("within it" if result["peak_rss"] <= result["budget"] else "OVER it")),
+        ("peak RSS by depth", f"loaded {result['peak_rss_loaded'] / gb:.2f} GB; before layer "
+                              + ", ".join(f"{i}: {v / gb:.2f}" for i, v in sorted(by_layer.items()) if i % 15 == 0)
+                              + f"; end {result['peak_rss'] / gb:.2f} GB"),
         ("reads", f"{result['read_seconds']:.1f} s inside preadv"
                   + (" (holes skipped)" if result["skip_holes"] else " (page cache: the replica's holes)")),
     ]  # fmt: skip

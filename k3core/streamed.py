@@ -38,6 +38,7 @@ from .expert_store import (
     read_entries,
     return_freed_memory,
 )
+from .layers.kda import KimiDeltaAttention
 
 EXPERT_RE = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _LAYER_MODULE_RE = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp|block_sparse_moe))\.")
@@ -72,7 +73,7 @@ class StreamPlan:
     streamed_bytes: int  # dense parts read per forward when streamed (compute; 0 when resident)
     stored_dense_stream_bytes: int  # the same, as stored (bytes read per forward)
     largest_module: tuple[str, int]  # the biggest module streamed at once (compute)
-    working_bytes: int  # one module + LM head chunk + read window + one decoded expert + margin
+    working_bytes: int  # one module + LM head chunk + read window + one decoded expert + trace + margin
     expert_cache_bytes: int
     expert_stored_bytes: int  # one expert as stored
     expert_compute_bytes: int  # one expert decoded
@@ -83,6 +84,7 @@ class StreamPlan:
     read_speed: float  # bytes/s measured on the files when planned
     stored_by_format: dict[str, int] = field(default_factory=dict)
     parameters: int = 0
+    trace_bytes: int = 0  # the part of working_bytes kept for a trace of one sequence (KDA states)
 
     @property
     def cache_experts(self) -> int:
@@ -111,7 +113,8 @@ class StreamPlan:
                 f"stays:   {_gb(self.resident_bytes)} ({stays})",
                 f"streams: {streams}; largest module {self.largest_module[0]} {_gb(self.largest_module[1])}",
                 f"expert cache {_gb(self.expert_cache_bytes)} ({self.cache_experts} experts of "
-                f"{self.expert_stored_bytes / 1e6:.1f} MB stored), working set {_gb(self.working_bytes)}",
+                f"{self.expert_stored_bytes / 1e6:.1f} MB stored), working set {_gb(self.working_bytes)} "
+                f"(a trace's KDA states {_gb(self.trace_bytes)} of it)",
                 f"a {tokens}-token prompt reads up to {_gb(self.prompt_bytes(tokens))}: about "
                 f"{self.expected_seconds(tokens):.0f} s at {self.read_speed / 1e9:.2f} GB/s (measured on these files "
                 f"now: page cache or disk, whichever serves them)",
@@ -178,13 +181,16 @@ def plan_streaming(
         stacked = model.model.layers[moe[0]].block_sparse_moe.experts
         expert_compute = sum(getattr(stacked, w)[0].numel() * getattr(stacked, w).element_size() for w in WEIGHTS)
     experts_working = expert_compute + READ_WINDOW * expert_stored
+    # A trace of one sequence keeps each KDA layer's final state, fp32, whatever the length (Kimi K3: 69 x 6.3 MB);
+    # its other arrays are per token and small beside the margin for short prompts.
+    trace = sum(4 * m.num_heads * m.head_dim**2 for m in model.modules() if isinstance(m, KimiDeltaAttention))
     lm = modules.get(LM_HEAD, 0) or modules.get(EMBED, 0)
     lm_chunk = min(LM_HEAD_CHUNK_BYTES, lm)
     layer_modules = {k: v for k, v in modules.items() if k not in (EMBED, LM_HEAD)}
     largest = max(layer_modules.items(), key=lambda kv: kv[1], default=("(none)", 0))
     dense_all = sum(modules.values())
-    need_resident = small + dense_all + experts_working + MARGIN_BYTES
-    need_stream = small + largest[1] + largest_tensor + lm_chunk + experts_working + MARGIN_BYTES
+    need_resident = small + dense_all + experts_working + trace + MARGIN_BYTES
+    need_stream = small + largest[1] + largest_tensor + lm_chunk + experts_working + trace + MARGIN_BYTES
     resident = dense == "resident" or (
         dense == "auto" and need_resident + expert_stored * (cfg.num_experts_per_token or 0) <= budget
     )
@@ -196,7 +202,7 @@ def plan_streaming(
             f"tensors {_gb(small)}, largest module {largest[0]} {_gb(largest[1])} + its largest tensor as stored "
             f"{_gb(largest_tensor)}, LM head chunk {_gb(lm_chunk)}, one expert decoded "
             f"{_gb(expert_compute)} + {READ_WINDOW} read ahead {_gb(READ_WINDOW * expert_stored)}, "
-            f"margin {_gb(MARGIN_BYTES)})"
+            f"a trace's KDA states {_gb(trace)}, margin {_gb(MARGIN_BYTES)})"
         )
     embed_info = files.tensors.get(EMBED + ".weight")
     embed_row = embed_info.nbytes // embed_info.shape[0] if embed_info is not None else 0
@@ -221,6 +227,7 @@ def plan_streaming(
         read_speed=read_speed or measure_read_speed(files),
         stored_by_format=files.bytes_by_format(),
         parameters=files.num_parameters,
+        trace_bytes=trace,
     )
 
 
