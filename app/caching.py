@@ -3,6 +3,7 @@
     checkpoint folder --folder_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
     (fingerprint, device, dtype) --analysis.runs.load_run--> Run          st.cache_resource
     (text choice, vocab) --analysis.runs.sample_input/text_input--> Input   st.cache_resource
+    (trace folder, text index) --analysis.runs.recorded_input--> Input     st.cache_resource
     (run, tokens, trace items) --analysis.runs.trace_run--> AnalysisContext  st.cache_resource
     (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
 
@@ -230,15 +231,51 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     return replace(sample, source=source, total=max(total, n), total_exact=exact)
 
 
+@st.cache_resource(show_spinner=False, max_entries=64)
+def _recorded_tokens(fingerprint: str, index: int, _run: Run) -> Input:
+    try:
+        return runs.recorded_input(_run, index)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+
+
 def make_tokens(choice: TextChoice, run: Run) -> Input:
-    """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
-    if run.recorded is not None:  # a trace folder: the text it recorded, whatever the sidebar says
-        return runs.recorded_input(run)
+    """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached.
+
+    A trace folder reads its recorded text ``choice.recorded`` (0 when the choice is not one of its texts: it has
+    no model to read another); one Input per (folder, text), so its trace is read once (``_cached_trace``)."""
+    if run.recorded is not None:
+        return _recorded_tokens(run.fingerprint, choice.recorded or 0, run)
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
 
 
 # ----------------------------------------------------------------------------------------- traces
+@st.cache_data(show_spinner=False, max_entries=64)
+def _recorded_entries(fingerprint: str, path: str) -> list[tuple[str, str, str | None]]:
+    from k3core.trace import TraceError
+    from k3core.trace_dir import read_trace_dir
+
+    try:
+        texts = read_trace_dir(path).texts
+    except TraceError as exc:
+        raise CheckpointError(str(exc)) from exc
+    entries = []
+    for i, entry in enumerate(texts):
+        text = entry.get("text") if isinstance(entry.get("text"), str) else None
+        entries.append((runs.recorded_text_label(entry, i), str(entry.get("name") or f"text {i}"), text))
+    return entries
+
+
+def recorded_texts(ref: RunRef | None) -> list[tuple[str, str, str | None]] | None:
+    """Per recorded text of a trace folder: (picker label, name, text as traced or None), or None when ``ref``
+    is a checkpoint. The label is ``analysis.runs.recorded_text_label`` (index, name, tokens, first words); all three
+    are raw file-controlled text: escape them for Markdown. Read once per run card; raises CheckpointError."""
+    if ref is None or not is_trace_dir(ref.path):
+        return None
+    return _recorded_entries(run_fingerprint(ref.path), str(ref.path))
+
+
 def trace_items(record_attn: bool) -> tuple[str, ...]:
     """What the recorder captures: everything, attention matrices only when asked."""
     return tuple(sorted(WHAT_ALL if record_attn else WHAT_DEFAULT))
@@ -257,6 +294,7 @@ def _cached_trace(
     _run: Run,
     _tokens: Input,
     edits: str = "",
+    recorded: int | None = None,
 ) -> AnalysisContext:
     from k3core.interventions import edits_from_json
 
@@ -339,7 +377,8 @@ def trace(
             compile_edits(run.config, edits_from_json(edits))
         except EditError as exc:
             raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
-    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits)
+    recorded = tokens.extra.get("recorded_index")  # a trace folder's text: one cache entry per text
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits, recorded)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -355,6 +394,7 @@ def trace(
         options_key(options),
         metrics_digest(run.metrics),
         edits,
+        recorded,
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
 
