@@ -41,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a headless HTML report (every figure, "
         "its data, headline numbers) for one run, or a comparison of two runs.",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="checkpoint folder(s): one run, or two to compare")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="checkpoint or trace folder(s) (`k3lab trace`): one run, or two to compare",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to run the model on")
     src.add_argument(
