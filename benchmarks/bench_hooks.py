@@ -5,6 +5,8 @@ Rows (best of N, interleaved round-robin in one process):
 - empty hook context: a forward inside ``hooks()`` (a context with no hook) vs a plain forward;
 - one reader: a context with a reader on ``logits`` only, so every other point pays its lookup (the cost of
   the hook points themselves) vs a plain forward;
+- chunk-state readers: a reader on every KDA layer's ``kda.chunk_state`` (the state at each chunk end, handed
+  out by the forward's own state loop) vs a plain forward;
 - record(model) now vs record(model) of the reference commit (default ``main``): the reference's
   ``k3core`` is extracted with ``git archive`` into a temporary folder and imported under another package
   name, so both versions run in this process on identical weights (the reference model is built from the
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from k3core.hooks import hooks
+from k3core.hooks import hook_points, hooks
 from k3core.model import K3ForCausalLM
 from k3core.trace import record
 
@@ -66,11 +68,17 @@ def time_hooks(preset: str = "k3-mini", T: int = 512, repeat: int = 9, ref: str 
         with torch.inference_mode(), hooks(read={"logits": lambda value, name, info: None}):
             model(ids)
 
+    chunk_points = [n for n in hook_points(model.config) if n.endswith("kda.chunk_state")]
+
+    def chunk_states():
+        with torch.inference_mode(), hooks(read=dict.fromkeys(chunk_points, lambda value, name, info: None)):
+            model(ids)
+
     def recorded():
         with torch.inference_mode(), record(model):
             model(ids)
 
-    fns = {"plain": plain, "empty": empty, "one_hook": one_hook, "recorded": recorded}
+    fns = {"plain": plain, "empty": empty, "one_hook": one_hook, "chunk_states": chunk_states, "recorded": recorded}
     reference = reference_k3core(ref)
     note = ""
     if isinstance(reference, str):
@@ -109,6 +117,8 @@ def run(quick: bool = False) -> list[Row]:
 
     rows = [row("hooks: empty context", "empty", "forward in hooks()", "plain", "plain forward")]
     rows.append(row("hooks: one reader", "one_hook", "forward, a reader on logits", "plain", "plain forward"))
+    rows.append(row("hooks: chunk-state readers", "chunk_states", "forward, readers on kda.chunk_state", "plain",
+                    "plain forward"))  # fmt: skip
     if "ref_recorded" in t:
         rows.append(row("hooks: record() vs main", "recorded", "record(model) now", "ref_recorded",
                         "record(model) at main", t["note"]))  # fmt: skip

@@ -9,7 +9,8 @@ passes ``HookContext.point(name, value, **info)``: the write hooks of that name 
 they were added, each returning a replacement (or None to keep the value), then the read hooks see the
 final value. ``info`` carries what a hook needs beyond the tensor (AttnRes source names, a KDA initial
 state). A few points are offered only when a hook asks for them, because producing them costs work the
-plain forward does not do (``ON_REQUEST``: the KDA final state, the MLA key mask, the depth stream).
+plain forward does not do (``ON_REQUEST``: the KDA final state and chunk-end states, the MLA key mask,
+the depth stream).
 
 The context lives in a ``contextvars`` variable, so each thread (each app session) hooks its own
 forwards. Contexts nest: an inner one holds the outer one's hooks plus its own. ``k3core.trace.record``
@@ -32,6 +33,14 @@ lists a model's points with their axes):
     blocks.i.kda.o                  [batch, token, head, channel]     delta-rule output, before the gated norm
     blocks.i.kda.gate               [batch, token, head, channel]     sigmoid output gate
     blocks.i.kda.state              [batch, head, key, value]         final recurrent state (on request)
+    blocks.i.kda.chunk_state        [batch, head, key, value]         state at each chunk end (on request; once
+                                                                      per chunk, from the forward's own state
+                                                                      loop; info: chunk, chunks, token = the
+                                                                      end position in this call, length,
+                                                                      start (cached tokens before), axes;
+                                                                      a write is the state the next chunk
+                                                                      starts from; forces the torch KDA path;
+                                                                      a decoding step is one 1-token chunk)
     blocks.i.mla.q                  [batch, head, query, channel]     query (nope + rope parts)
     blocks.i.mla.k|v                [batch, head, key, channel]
     blocks.i.mla.key_mask           [query, key]                      bool, True = visible (on request)
@@ -92,12 +101,12 @@ class HookNames:
     TOKEN_NLL_POINT = "token_nll"
     OUTPUT_SITE = "output"
 
-    KDA_POINTS = ("q", "k", "v", "g", "beta", "o", "gate", "state")
+    KDA_POINTS = ("q", "k", "v", "g", "beta", "o", "gate", "chunk_state", "state")
     MLA_POINTS = ("q", "k", "v", "key_mask", "o", "gate")
     MOE_POINTS = ("scores", "selection_bias", "selection", "experts", "weights", "latent", "routed_out", "shared_out")
     LAYER_POINTS = ("stream", "resid_in", "mixer_in", "mixer_out", "ffn_in", "ffn_out")
     #: produced only when a hook asks for them (they cost work the plain forward does not do)
-    ON_REQUEST = ("stream", "kda.state", "mla.key_mask", "final_stream")
+    ON_REQUEST = ("stream", "kda.chunk_state", "kda.state", "mla.key_mask", "final_stream")
 
     @staticmethod
     def block(i: int, point: str) -> str:
@@ -156,6 +165,7 @@ POINT_AXES: dict[str, tuple[str, ...]] = {
     "kda.o": _BTHC,
     "kda.gate": _BTHC,
     "kda.state": ("batch", "head", "key", "value"),
+    "kda.chunk_state": ("batch", "head", "key", "value"),
     "mla.q": ("batch", "head", "token", "channel"),
     "mla.k": ("batch", "head", "key", "channel"),
     "mla.v": ("batch", "head", "key", "channel"),

@@ -14,7 +14,8 @@ Every edit is a dataclass (``to_dict`` / ``edit_from_dict``, JSON through ``edit
 - ``AttnResEdit``: a site's depth weights uniform, one-hot on a source, or sources masked and the rest
   renormalised (sources by index or by name: "embedding", "block 1", "L0.attn", ...).
 - ``KDAEdit``: pin or scale the decay g, scale beta, reset the state before a position (alpha := 0
-  there), output gate off (gate := 1).
+  there), output gate off (gate := 1), zero or scale the state carried out of chosen chunks (the
+  ``kda.chunk_state`` hook point: "reset the memory at chunk n").
 - ``MoEEdit``: ban experts (never selected), force experts (always selected), uniform routing (the
   chosen experts get equal weights, routed_scaling_factor / k each), selection bias off, shared
   experts off.
@@ -184,7 +185,8 @@ class ValueEdit(_Edit):
         for name in self.names(config):
             axes = POINT_AXES[HookNames.point_of(name)]
             picks: dict[str, Any] = {}
-            token_axis = "token" if "token" in axes else "key" if "key" in axes else None
+            # MLA k and v have a key (token) axis; a KDA state's "key" axis is channels, not tokens
+            token_axis = "token" if "token" in axes else "key" if ".mla." in name and "key" in axes else None
             for what, axis_options in (
                 ("tokens", (token_axis,)),
                 ("heads", ("head",)),
@@ -291,22 +293,29 @@ class AttnResEdit(_Edit):
 
 @dataclass
 class KDAEdit(_Edit):
-    """A KDA layer's gates: ``op`` "pin_g" (g := value), "scale_g" (g *= value: forget faster for
-    value > 1), "scale_beta" (beta *= value), "reset_state" (the state is forgotten before each token of
-    ``tokens``: alpha := 0 there), "gate_off" (output gate := 1). ``layer`` None: every KDA layer."""
+    """A KDA layer's gates and state: ``op`` "pin_g" (g := value), "scale_g" (g *= value: forget faster
+    for value > 1), "scale_beta" (beta *= value), "reset_state" (the state is forgotten before each token
+    of ``tokens``: alpha := 0 there), "gate_off" (output gate := 1), "reset_chunk_state" (the state at the
+    end of each chunk of ``chunks`` := 0: the next chunk starts with an empty memory) and
+    "scale_chunk_state" (that state *= value), both on the ``kda.chunk_state`` hook point (chunk n ends
+    after token min((n + 1) C, T) of the forward, C = kda_chunk_size; a decoding step with a cache is
+    chunk 0 of its own forward). ``layer`` None: every KDA layer; ``heads`` None: every head."""
 
     kind: ClassVar[str] = "kda"
-    OPS: ClassVar[tuple[str, ...]] = ("pin_g", "scale_g", "scale_beta", "reset_state", "gate_off")
+    OPS: ClassVar[tuple[str, ...]] = (
+        "pin_g", "scale_g", "scale_beta", "reset_state", "gate_off", "reset_chunk_state", "scale_chunk_state"
+    )  # fmt: skip
     op: str = "gate_off"
     layer: int | None = None
     value: float | None = None
     tokens: Range = None
     heads: list[int] | None = None
+    chunks: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.op not in self.OPS:
             raise EditError(f"KDA edit op must be one of {self.OPS}, got {self.op!r}")
-        if self.op in ("pin_g", "scale_g", "scale_beta") and self.value is None:
+        if self.op in ("pin_g", "scale_g", "scale_beta", "scale_chunk_state") and self.value is None:
             raise EditError(f"KDA {self.op} needs a value")
         if self.op == "pin_g" and self.value > 0:
             raise EditError(f"the log decay g must be <= 0, got {self.value}")
@@ -314,8 +323,23 @@ class KDAEdit(_Edit):
         if self.op == "reset_state" and self.tokens is None:
             raise EditError("KDA reset_state needs the position(s) (tokens) before which the state is forgotten")
         self.heads = _ints(self.heads, "heads")
+        self.chunks = _ints(self.chunks, "chunks")
+        on_chunks = self.op in ("reset_chunk_state", "scale_chunk_state")
+        if on_chunks and not self.chunks:
+            raise EditError(f"KDA {self.op} needs chunks (indices 0, 1, ... of the chunks whose end state it edits)")
+        if on_chunks and min(self.chunks) < 0:
+            raise EditError(f"KDA chunks are numbered from 0, got {self.chunks}")
+        if on_chunks and self.tokens is not None:
+            raise EditError(f"KDA {self.op} picks chunks, not tokens")
+        if not on_chunks and self.chunks is not None:
+            raise EditError(f"KDA {self.op} takes no chunks (only reset_chunk_state and scale_chunk_state do)")
 
     def hooks(self, config: Any) -> list[tuple[str, Callable]]:
+        if self.heads and max(self.heads) >= config.kda_num_heads:
+            raise EditError(f"KDA heads are 0..{config.kda_num_heads - 1}, got {self.heads}")
+        if self.chunks is not None:
+            layers = _check_layer(config, self.layer, "kda.chunk_state", "KDA")
+            return [(HookNames.block(i, "kda.chunk_state"), self._chunk_state_hook) for i in layers]
         point, op, value = {
             "pin_g": ("kda.g", "replace", self.value),
             "scale_g": ("kda.g", "scale", self.value),
@@ -324,9 +348,21 @@ class KDAEdit(_Edit):
             "gate_off": ("kda.gate", "replace", 1.0),
         }[self.op]
         layers = _check_layer(config, self.layer, point, "KDA")
-        if self.heads and max(self.heads) >= config.kda_num_heads:
-            raise EditError(f"KDA heads are 0..{config.kda_num_heads - 1}, got {self.heads}")
         return ValueEdit(point, op, value, layers=layers, tokens=self.tokens, heads=self.heads).hooks(config)
+
+    def _chunk_state_hook(self, state: torch.Tensor, name: str, info: dict) -> torch.Tensor | None:
+        if info["chunk"] == 0:  # every forward passes chunk 0 first: check the indices against this one
+            missing = [c for c in self.chunks if c >= info["chunks"]]
+            if missing:
+                ends = [min((n + 1) * info["chunk_size"], info["length"]) for n in range(info["chunks"])]
+                shown = ", ".join(f"{n} (ends at token {e})" for n, e in list(enumerate(ends))[:16])
+                more = f", ... {len(ends) - 16} more" if len(ends) > 16 else ""
+                raise EditError(f"{name}: no chunk {missing} in this forward; chunks: {shown}{more}")
+        if info["chunk"] not in self.chunks:
+            return None
+        new = torch.zeros_like(state) if self.op == "reset_chunk_state" else state * self.value
+        mask = _mask_along(state, POINT_AXES["kda.chunk_state"], {"head": self.heads} if self.heads else {})
+        return new if mask is None else torch.where(mask, new, state)
 
 
 @dataclass
@@ -465,7 +501,7 @@ def _short_value(text: str) -> Any:
     return text
 
 
-_LIST_FIELDS = ("layers", "heads", "channels", "experts", "sources")
+_LIST_FIELDS = ("layers", "heads", "channels", "experts", "sources", "chunks")
 
 
 def parse_edit(text: str) -> Edit:

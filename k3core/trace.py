@@ -15,7 +15,9 @@ is recorded is bounded: the first ``max_batch`` sequences and the first ``max_to
 each (a contiguous prefix, so that causal and next-token statistics stay meaningful); MLA attention
 probabilities only when asked and only up to ``max_attn_len`` positions (computed here from the
 layer's q and k; the model's attention path is the same with or without recording). Whole-batch aggregates (MoE
-load counts) use every token.
+load counts) use every token. KDA state norms are read from the forward's own chunk-end states (hook
+point ``kda.chunk_state``), so a recorded forward runs KDA on the torch chunked path even on CUDA (fla's
+Triton kernel cannot hand its states out).
 
 Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``;
 build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``names.kda_g(0)``):
@@ -27,7 +29,8 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
     kda.i.g                  [batch, token, head, channel]      log decay (alpha = exp(g))
     kda.i.beta               [batch, token, head]
     kda.i.gate               [batch, token, head]               output-gate mean over channels
-    kda.i.state_norm         [batch, step, head]                Frobenius norm of S at chunk ends
+    kda.i.state_norm         [batch, step, head]                Frobenius norm of S at chunk ends (the forward's
+                                                                own states: hook point kda.chunk_state)
     kda.i.state_steps        [step]                             token position of each state_norm step
     kda.i.final_state        [batch, head, key, value]
     mla.i.attn               [batch, head, query, key]          only with "attn_probs"
@@ -60,7 +63,7 @@ import numpy as np
 import torch
 
 from .hooks import HookNames, active, hooks
-from .ops.kda import kda_chunk_end_states
+from .ops.kda import kda_recurrent
 
 WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
 WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
@@ -337,7 +340,7 @@ class Recorder:
             if config.is_mla_layer(i):
                 self._mla_hooks(table, i, config)
             elif "kda" in self.what:
-                self._kda_hooks(table, i)
+                self._kda_hooks(table, i, config)
             if config.is_moe_layer(i) and "moe" in self.what:
                 self._moe_hooks(table, i, config)
         if "attnres" in self.what and config.residual in ("block_attnres", "full_attnres"):
@@ -352,39 +355,66 @@ class Recorder:
 
         return hook
 
-    def _kda_hooks(self, table: dict[str, Any], i: int) -> None:
+    def _kda_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames
-        for part in ("q", "k", "v"):
-            table[N.block(i, f"kda.{part}")] = self._hold(f"{i}.{part}")
+        # A recorded prefix ending inside a chunk: that chunk's first recorded tokens, to step the state
+        # from the chunk start to the prefix end (fewer than a chunk of tokens, only then).
+        hold = {p: self._hold_partial_chunk(i, p, config.kda_chunk_size) for p in ("q", "k", "v", "g", "beta")}
+        table.update({N.block(i, f"kda.{p}"): hold[p] for p in ("q", "k", "v")})
+        table[N.block(i, "kda.g")] = [
+            lambda v, n, info: self.put_tokens(N.kda_g(i), v, ("batch", "token", "head", "channel")),
+            hold["g"],
+        ]
+        table[N.block(i, "kda.beta")] = [
+            lambda v, n, info: self.put_tokens(N.kda_beta(i), v, ("batch", "token", "head")),
+            hold["beta"],
+        ]
+        table[N.block(i, "kda.gate")] = lambda v, n, info: self.put_tokens(
+            N.kda_gate(i), v.float().mean(-1), ("batch", "token", "head")
+        )
+        table[N.block(i, "kda.chunk_state")] = lambda v, n, info: self._kda_chunk_state(i, v, info)
+        table[N.block(i, "kda.state")] = lambda v, n, info: self._kda_state(i, v, info)
 
-        def g(value, name, info):
-            self._held[f"{i}.g"] = value
-            self.put_tokens(N.kda_g(i), value, ("batch", "token", "head", "channel"))
+    def _partial_chunk(self, T: int, chunk_size: int) -> tuple[int, int] | None:
+        """[chunk start, prefix end) when the recorded prefix of T tokens ends inside a chunk, else None."""
+        end = min(T, self.max_tokens)
+        start = end - end % chunk_size
+        return (start, end) if end < T and start < end else None
 
-        def beta(value, name, info):
-            self._held[f"{i}.beta"] = value
-            self.put_tokens(N.kda_beta(i), value, ("batch", "token", "head"))
+    def _hold_partial_chunk(self, i: int, part: str, chunk_size: int) -> Any:
+        def hook(value: torch.Tensor, name: str, info: dict) -> None:
+            span = self._partial_chunk(value.shape[1], chunk_size)
+            if span is not None:
+                self._held[f"{i}.{part}"] = value[: self.max_batch, span[0] : span[1]]
 
-        def gate(value, name, info):
-            self.put_tokens(N.kda_gate(i), value.float().mean(-1), ("batch", "token", "head"))
+        return hook
 
-        table[N.block(i, "kda.g")] = g
-        table[N.block(i, "kda.beta")] = beta
-        table[N.block(i, "kda.gate")] = gate
-        table[N.block(i, "kda.state")] = lambda value, name, info: self._kda_state(i, value, info)
+    @torch.no_grad()
+    def _kda_chunk_state(self, i: int, state: torch.Tensor, info: dict) -> None:
+        """The norm of S at a chunk end inside the recorded prefix (the forward's own state loop)."""
+        token = info["token"]
+        if token <= self.max_tokens:
+            self._held.setdefault(f"{i}.norms", []).append(state[: self.max_batch].float().flatten(-2).norm(dim=-1))
+            self._held.setdefault(f"{i}.steps", []).append(token)
+            self._held[f"{i}.last"] = state[: self.max_batch]
 
     @torch.no_grad()
     def _kda_state(self, i: int, final_state: torch.Tensor, info: dict) -> None:
         N = TraceNames
         self.put(N.kda_final_state(i), final_state[: self.max_batch], ("batch", "head", "key", "value"))
-        qs, ks, vs, gs, bs = (self.clip(self._held.pop(f"{i}.{p}")) for p in ("q", "k", "v", "g", "beta"))
-        if qs.shape[1] == 0:
-            return
-        initial = info.get("initial")
-        init = None if initial is None else initial[: self.max_batch]
-        states, steps = kda_chunk_end_states(qs, ks, vs, gs, bs, init, info["chunk_size"])
-        self.put(N.kda_state_norm(i), states.flatten(-2).norm(dim=-1), ("batch", "step", "head"))
-        self.put(N.kda_state_steps(i), torch.tensor(steps), ("step",))
+        norms, steps = self._held.pop(f"{i}.norms", []), self._held.pop(f"{i}.steps", [])
+        last = self._held.pop(f"{i}.last", None)
+        partial = [self._held.pop(f"{i}.{p}", None) for p in ("q", "k", "v", "g", "beta")]
+        if partial[0] is not None:  # the prefix ends inside a chunk: step on from the last chunk end
+            q, k, v, g, beta = partial
+            start = last if steps else info.get("initial")
+            start = None if start is None else start[: self.max_batch]
+            _, state = kda_recurrent(q, k, v, g, beta, initial_state=start, output_final_state=True)
+            norms.append(state.float().flatten(-2).norm(dim=-1))
+            steps.append(steps[-1] + q.shape[1] if steps else q.shape[1])
+        if steps:
+            self.put(N.kda_state_norm(i), torch.stack(norms, 1), ("batch", "step", "head"))
+            self.put(N.kda_state_steps(i), torch.tensor(steps), ("step",))
 
     def _mla_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames

@@ -120,7 +120,7 @@ def test_suite_cli_runs_one_suite(capsys):
 
 
 def test_trace_state_norms_match_a_recurrent_reference():
-    """kda.i.state_norm (from affine chunk maps) equals ||S|| at chunk ends of the token-by-token recurrence."""
+    """kda.i.state_norm (the forward's chunk-end states) equals ||S|| at chunk ends of the token-by-token recurrence."""
     cfg = from_preset("k3-nano", kda_chunk_size=8)
     torch.manual_seed(0)
     model = K3ForCausalLM.from_config(cfg).eval()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
-from ..hooks import HookNames, active
+from ..hooks import HookContext, HookNames, active, point_axes
 from ..ops.kda import kda_chunk, kda_recurrent
 from ..ops.kda_gate import kda_decay_gate
 from .norm import RMSNorm
@@ -142,10 +142,16 @@ class KimiDeltaAttention(nn.Module):
             q, k, v = hooks.point(name("q"), q), hooks.point(name("k"), k), hooks.point(name("v"), v)
             g, beta = hooks.point(name("g"), g), hooks.point(name("beta"), beta)
         want_state = hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.state"))
+        decoding = T == 1 and cache is not None
+        on_chunk = None
+        if hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.chunk_state")):
+            on_chunk = self._chunk_state_point(hooks, T, decoding, cache.seen_tokens if cache is not None else 0)
 
         initial = cache.recurrent_state if cache is not None else None
-        if T == 1 and cache is not None:
+        if decoding:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True)
+            if on_chunk is not None:  # a decoding step is one chunk of one token
+                state = on_chunk(0, 1, state)
         else:
             o, state = kda_chunk(
                 q,
@@ -156,6 +162,7 @@ class KimiDeltaAttention(nn.Module):
                 initial_state=initial,
                 output_final_state=cache is not None or want_state,
                 chunk_size=self.config.kda_chunk_size,
+                chunk_state_hook=on_chunk,
             )
         if want_state:
             state = hooks.point(name("state"), state, initial=initial, chunk_size=self.config.kda_chunk_size)
@@ -171,3 +178,19 @@ class KimiDeltaAttention(nn.Module):
         if hooks is not None:
             gate = hooks.point(name("gate"), gate)
         return self.o_proj((o * gate).reshape(B, T, H * d))
+
+    def _chunk_state_point(self, hooks: HookContext, T: int, decoding: bool, start: int):
+        """The ``kda.chunk_state`` point as a ``kda_chunk`` state hook: info gives the chunk index, the
+        number of chunks, the token the state follows (``token``: tokens [0, token) of this call's
+        ``length`` are in it; ``start`` tokens came before the call, from the cache) and the axes."""
+        name = HookNames.block(self.layer_idx, "kda.chunk_state")
+        size = 1 if decoding else self.config.kda_chunk_size
+        chunks = -(-T // size)
+
+        def on_chunk(n: int, token: int, state: torch.Tensor) -> torch.Tensor:
+            return hooks.point(
+                name, state, chunk=n, chunks=chunks, token=token, length=T, start=start, chunk_size=size,
+                axes=point_axes(name),
+            )  # fmt: skip
+
+        return on_chunk

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -341,8 +342,8 @@ def _to_chunks(x: torch.Tensor, dt: torch.dtype, C: int) -> torch.Tensor:
     return out
 
 
-def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
-    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math)."""
+def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, chunk_state_hook=None):
+    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math and ``chunk_state_hook``)."""
     B, T, H, K, HV, V = _check_shapes(q, k, v, g, beta, initial_state)
     C = chunk_size
     if C < 1 or C & (C - 1):
@@ -369,6 +370,7 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     # group's temporaries stay cache-sized (about _GROUP_ELEMENTS floats per [group, C, K] tensor):
     # per-chunk work batched over the group, then the state loop, then the group's outputs.
     group = max(1, _GROUP_ELEMENTS // (BH * C * max(K, V)))
+    real_chunks = math.ceil(T / C)  # chunks holding at least one real token (N is 1 even when T == 0)
     outs = []
     for n0 in range(0, N, group):
         n1 = min(N, n0 + group)
@@ -393,6 +395,10 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
             inter.append(WQS[:, C:])
             deltas.append(delta)
             state = torch.baddbmm(state * gamma_end[i], k_dec[i].transpose(-1, -2), delta)
+            if chunk_state_hook is not None and n0 + i < real_chunks:
+                # The next chunk's W S, (Gamma Q) S and update all start from what the hook returns,
+                # so a replaced state is honoured by the rest of this group and every later one.
+                state = _hooked_state(chunk_state_hook, n0 + i, min((n0 + i + 1) * C, T), state, (B, HV, K, V))
         D = torch.stack(deltas).view(-1, C, V)
 
         # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
@@ -403,6 +409,17 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     o = o.to(v.dtype).contiguous()
     final = state.view(B, HV, K, V) if output_final_state else None
     return o, final
+
+
+def _hooked_state(hook, n: int, end: int, state: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``hook(n, end, state)`` on the [B, HV, K, V] view of a [B*HV, K, V] state; its result (None keeps
+    the state) goes back in the state's layout and dtype."""
+    new = hook(n, end, state.view(shape))
+    if new is None:
+        return state
+    if tuple(new.shape) != shape:
+        raise ValueError(f"chunk_state_hook must return a state of shape {shape}, got {tuple(new.shape)}")
+    return new.to(state.dtype).reshape(state.shape)
 
 
 @functools.lru_cache(maxsize=1)
@@ -426,6 +443,7 @@ def kda_chunk(
     output_final_state: bool = False,
     chunk_size: int = 32,
     backend: str = "auto",
+    chunk_state_hook: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA: same inputs, outputs and math as :func:`kda_recurrent`, but parallel in time.
 
@@ -462,6 +480,13 @@ def kda_chunk(
             measured about 10% faster than 64 on a 2-core CPU (benchmarks/bench_kda.py).
         backend: "auto" (fla's Triton ``chunk_kda`` for non-fp64 CUDA tensors when it imports,
             else torch), "torch" (always the pure-PyTorch path) or "fla" (require fla).
+        chunk_state_hook: ``hook(n, end, state)`` called in the state loop at the end of each chunk
+            n = 0 .. ceil(T / C) - 1 with ``state`` = S after tokens [0, end), end = min((n + 1) C, T),
+            [B, HV, K, V] in the compute dtype. It may return a replacement (same shape; None keeps
+            S): chunk n + 1 then starts from it, so every later output and the final state follow
+            the replaced state, while the outputs of tokens < end are unchanged (they read the state
+            entering their own chunk). Forces the torch backend (the Triton kernel cannot call back;
+            ``backend="fla"`` with a hook is an error). No hook: the loop is unchanged.
 
     Returns:
         ``(o, final_state)`` as :func:`kda_recurrent`.
@@ -473,12 +498,14 @@ def kda_chunk(
         scale = K**-0.5
     use_fla = False
     if backend == "fla":
+        if chunk_state_hook is not None:
+            raise ValueError("chunk_state_hook needs backend 'torch' or 'auto': fla's Triton kernel cannot call back")
         if _fla_chunk_kda() is None:
             raise RuntimeError("backend='fla' requested but fla.ops.kda.chunk_kda could not be imported")
         use_fla = True
     elif backend == "auto":
         # fp64 stays on the torch path (reference precision; the Triton kernels target 16/32-bit)
-        use_fla = q.is_cuda and v.dtype != torch.float64 and _fla_chunk_kda() is not None
+        use_fla = q.is_cuda and v.dtype != torch.float64 and chunk_state_hook is None and _fla_chunk_kda() is not None
     if use_fla:
         return _fla_chunk_kda()(
             q,
@@ -491,7 +518,7 @@ def kda_chunk(
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=False,
         )
-    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, chunk_state_hook)
 
 
 def kda_chunk_end_states(
@@ -504,15 +531,16 @@ def kda_chunk_end_states(
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, list[int]]:
     """The state S at every chunk end, [B, N, HV, K, V] fp32, and the token position of each (one
-    batched :func:`kda_chunk` call).
+    batched :func:`kda_chunk` call): an independent reference for the states ``kda_chunk`` passes to its
+    ``chunk_state_hook`` (tests/test_kda_chunk_state.py).
 
     Within a chunk the state map is affine: S_end = A_n S_start + B_n (A_n: K x K). Running every chunk
     independently (chunks as batch) with values [v | 0] and initial state [0 | I] gives [B_n | A_n] as
     the final state, since value columns evolve independently. Then S_n = A_n S_{n-1} + B_n is one small
     matmul per chunk. (Zero padding of the last chunk, k = beta = g = 0, is the identity.)
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     C = chunk_size
     N = -(-T // C)
     pad = N * C - T
@@ -521,9 +549,9 @@ def kda_chunk_end_states(
         x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad))
         return x.reshape(B * N, C, *x.shape[2:])
 
-    v_aug = torch.cat([v.float(), v.new_zeros(B, T, H, K, dtype=torch.float32)], dim=-1)
-    eye = torch.eye(K, device=q.device).expand(B * N, H, K, K)
-    start = torch.cat([eye.new_zeros(B * N, H, K, V), eye], dim=-1)
+    v_aug = torch.cat([v.float(), v.new_zeros(B, T, HV, K, dtype=torch.float32)], dim=-1)
+    eye = torch.eye(K, device=q.device).expand(B * N, HV, K, K)
+    start = torch.cat([eye.new_zeros(B * N, HV, K, V), eye], dim=-1)
     _, end = kda_chunk(
         as_chunks(q),
         as_chunks(k),
@@ -534,9 +562,9 @@ def kda_chunk_end_states(
         output_final_state=True,
         chunk_size=C,
     )
-    end = end.float().view(B, N, H, K, V + K)
+    end = end.float().view(B, N, HV, K, V + K)
     inject, trans = end[..., :V], end[..., V:]
-    state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    state = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     states = []
     for n in range(N):
         state = torch.matmul(trans[:, n], state) + inject[:, n]
