@@ -312,7 +312,7 @@ def recorded_input(run: Run, index: int = 0) -> Input:
         ids,
         text=entry.get("text"),
         description=description,
-        source=f"recorded text {index}: {name}",
+        source=f"recorded: {name} (text {index})",
         extra={"recorded_index": index},
     )
 

@@ -150,8 +150,13 @@ def app_with(traced, monkeypatch, tmp_path):
     return make
 
 
+def _plain(text: str) -> str:
+    """Text as shown: the app escapes file-controlled text for Markdown; drop the escapes."""
+    return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", text)
+
+
 def _errors(at: AppTest) -> list[str]:
-    return [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", e.value) for e in at.error]
+    return [_plain(e.value) for e in at.error]
 
 
 def _page(at: AppTest, name: str) -> AppTest:
@@ -210,7 +215,7 @@ def test_a_bad_text_index_in_a_link_warns_and_shows_text_0(app_with, traced, bad
     at.run()
     assert not at.exception and _errors(at) == []
     assert at.selectbox(key="k3lab_text_index").value == 0
-    assert warned in [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", w.value) for w in at.warning]
+    assert warned in [_plain(w.value) for w in at.warning]
     assert _shown_loss(at) == pytest.approx(traced["folder"].texts[0]["loss"], abs=1e-3)  # the page keeps running
 
 
@@ -220,9 +225,12 @@ def test_compare_text_0_with_text_1_of_one_trace_folder(app_with, traced, direct
     _page(at, "compare")
     assert not at.exception and _errors(at) == []
     assert at.selectbox(key="k3lab_cmp_text_index").value == 1  # B defaults to the other text
-    caption = next(c.value for c in at.caption if "**A**" in c.value)
+    caption = next(_plain(c.value) for c in at.caption if "**A**" in c.value)
     n0, n1 = (len(t) for t in traced["tokens"])
-    assert f"{n0:,} tokens of recorded text 0" in caption and f"{n1:,} tokens of recorded text 1" in caption
+    assert (
+        f"{n0:,} tokens of recorded: text0.txt (text 0)" in caption
+        and f"{n1:,} tokens of recorded: text1.txt (text 1)" in caption
+    )
     assert at.query_params["text_index_b"] == "1"
     assert _shows(at, direct[0][1]) and _shows(at, direct[1][1])  # side by side: each half its own text's trace
     # a link reopens the comparison of text 1 with text 0
@@ -230,9 +238,12 @@ def test_compare_text_0_with_text_1_of_one_trace_folder(app_with, traced, direct
     again.run()
     _page(again, "compare")
     assert not again.exception and _errors(again) == []
-    caption = next(c.value for c in again.caption if "**A**" in c.value)
-    shown_a, shown_b = caption.split("·")
-    assert f"{n1:,} tokens of recorded text 1" in shown_a and f"{n0:,} tokens of recorded text 0" in shown_b
+    caption = next(_plain(c.value) for c in again.caption if "**A**" in c.value)
+    shown_a, shown_b = caption.split(" · ")
+    assert (
+        f"{n1:,} tokens of recorded: text1.txt (text 1)" in shown_a
+        and f"{n0:,} tokens of recorded: text0.txt (text 0)" in shown_b
+    )
 
 
 def test_a_checkpoint_reads_a_recorded_text_as_pasted_text():
