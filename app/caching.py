@@ -252,7 +252,7 @@ def make_tokens(choice: TextChoice, run: Run) -> Input:
 
 # ----------------------------------------------------------------------------------------- traces
 @st.cache_data(show_spinner=False, max_entries=64)
-def _recorded_entries(fingerprint: str, path: str) -> list[tuple[str, str, str | None]]:
+def _recorded_entries(fingerprint: str, path: str) -> list[tuple[str, str, str | None, int]]:
     from k3core.trace import TraceError
     from k3core.trace_dir import read_trace_dir
 
@@ -263,14 +263,15 @@ def _recorded_entries(fingerprint: str, path: str) -> list[tuple[str, str, str |
     entries = []
     for i, entry in enumerate(texts):
         text = entry.get("text") if isinstance(entry.get("text"), str) else None
-        entries.append((runs.recorded_text_label(entry, i), str(entry.get("name") or f"text {i}"), text))
+        tokens = entry.get("tokens") if isinstance(entry.get("tokens"), list) else []
+        entries.append((runs.recorded_text_label(entry, i), str(entry.get("name") or f"text {i}"), text, len(tokens)))
     return entries
 
 
-def recorded_texts(ref: RunRef | None) -> list[tuple[str, str, str | None]] | None:
-    """Per recorded text of a trace folder: (picker label, name, text as traced or None), or None when ``ref``
-    is a checkpoint. The label is ``analysis.runs.recorded_text_label`` (index, name, tokens, first words); all three
-    are raw file-controlled text: escape them for Markdown. Read once per run card; raises CheckpointError."""
+def recorded_texts(ref: RunRef | None) -> list[tuple[str, str, str | None, int]] | None:
+    """Per recorded text of a trace folder: (picker label, name, text as traced or None, tokens), or None when ``ref``
+    is a checkpoint. The label is ``analysis.runs.recorded_text_label`` (index, name, tokens, first words); label, name
+    and text are raw file-controlled text: escape them for Markdown. Read once per run card; raises CheckpointError."""
     if ref is None or not is_trace_dir(ref.path):
         return None
     return _recorded_entries(run_fingerprint(ref.path), str(ref.path))

@@ -233,15 +233,16 @@ def show_notes(page: str) -> None:
 
 
 def params_of(inputs: inp.Inputs) -> dict[str, str]:
-    """The query parameters of the sidebar's choices (defaults left out, except run, text and tokens)."""
+    """The query parameters of the sidebar's choices (defaults left out, except run, text and tokens; a trace
+    folder's recorded text: text_index instead of text and tokens)."""
     params: dict[str, str] = {}
     if inputs.run is not None:
         params["run"] = inputs.run.label
-    if inputs.text.source == inp.TEXT_RECORDED:
+    if inputs.text.source == inp.TEXT_RECORDED:  # a trace folder's text: its tokens are the recorded ones
         params["text_index"] = str(inputs.text.recorded)
     else:
         params["text"] = SLUG_OF_TEXT.get(inputs.text.source, "shakespeare")
-    params["tokens"] = str(inputs.text.max_tokens)
+        params["tokens"] = str(inputs.text.max_tokens)
     if inputs.seq_len != inp.SEQ_LEN_DEFAULT:
         params["seq"] = str(inputs.seq_len)
     if inputs.device != "cpu":

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import streamlit as st
@@ -147,8 +146,7 @@ def text_choice(
     except CheckpointError:
         recorded = None  # an unreadable run card: the page that loads the run says why
     if recorded is not None:
-        choice = recorded_choice(prefix, ref, recorded, label, default_index)
-        return replace(choice, max_tokens=max_tokens or _max_tokens(prefix)), None
+        return recorded_choice(prefix, ref, recorded, label, default_index), None
     st.session_state.setdefault(f"{prefix}_text_source", default)
     source = st.selectbox(
         label,
@@ -203,7 +201,7 @@ def _max_tokens(prefix: str) -> int:
 
 
 def recorded_choice(
-    prefix: str, ref: RunRef, recorded: list[tuple[str, str, str | None]], label: str, default_index: int = 0
+    prefix: str, ref: RunRef, recorded: list[tuple[str, str, str | None, int]], label: str, default_index: int = 0
 ) -> TextChoice:
     """A picker of a trace folder's recorded texts (index, name, tokens, first words), kept in
     ``st.session_state[prefix + "_text_index"]`` (the link's ``text_index``, ``app.links``). A number the folder has
@@ -238,8 +236,9 @@ def recorded_choice(
         "A trace folder has no model, so it cannot read a new text: it shows the texts it recorded. To run another "
         "text, open the checkpoint it was traced from."
     )
-    _, name, text = recorded[index]
-    return TextChoice(source=inp.TEXT_RECORDED, text=text, name=name, recorded=index)
+    _, name, text, count = recorded[index]
+    # max tokens: the recorded count, so a checkpoint compared with the folder reads the text as it was traced
+    return TextChoice(inp.TEXT_RECORDED, min(max(count, 2), inp.MAX_TOKENS_CAP), text=text, name=name, recorded=index)
 
 
 def run_by_label(inputs: Inputs, label: str) -> RunRef | None:

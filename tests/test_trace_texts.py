@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -301,3 +302,21 @@ def test_report_text_index_of_a_checkpoint_exits_2(tmp_path, capsys):
     assert k3lab(["report", str(SAMPLE), "--text-index", "0", "--out", str(out), "--quiet"]) == 2
     assert "is not one (no run_card.json)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_compare_a_trace_folder_with_its_checkpoint_reads_the_same_recorded_text(app_with, traced, direct, monkeypatch):
+    """Two runs: the folder's text 1 (A) and the checkpoint it was traced from (B) read the same tokens, so B's
+    forward gives A's recorded numbers."""
+    from app import run_list
+
+    monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join([str(traced["out"]), str(SAMPLE)]))
+    at = app_with({"mode": "runs", "b": "k3-full", "section": "attnres", "text_index": "1"})
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    caption = next(_plain(c.value) for c in at.caption if "**A**" in c.value)
+    n1 = len(traced["tokens"][1])
+    assert f"{n1:,} tokens of recorded: text1.txt (text 1)" in caption and f"**B** = k3-full: {n1:,} tokens" in caption
+    want = direct[1][1]["mean"].to_numpy(dtype=float)
+    halves = [y for y in _chart_ys(at) if y.shape == want.shape and np.allclose(y, want, rtol=5e-4, atol=0)]
+    assert len(halves) >= 2  # the recorded half and the checkpoint's own forward on the same text
