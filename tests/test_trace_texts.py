@@ -320,3 +320,27 @@ def test_compare_a_trace_folder_with_its_checkpoint_reads_the_same_recorded_text
     want = direct[1][1]["mean"].to_numpy(dtype=float)
     halves = [y for y in _chart_ys(at) if y.shape == want.shape and np.allclose(y, want, rtol=5e-4, atol=0)]
     assert len(halves) >= 2  # the recorded half and the checkpoint's own forward on the same text
+
+
+def test_names_from_the_run_card_are_shown_as_text(app_with, traced, tmp_path, monkeypatch):
+    """A run card's text names are file-controlled: plain text in the picker (selectbox options are not Markdown),
+    escaped wherever the page renders Markdown (no link, no emphasis)."""
+    from app import run_list
+    from app.errors import md_escape
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(traced["out"], hostile)
+    card = json.loads((hostile / "run_card.json").read_text())
+    name = "**bold** [link](http://example.com)\nline"
+    card["texts"][1]["name"] = name
+    (hostile / "run_card.json").write_text(json.dumps(card))
+    monkeypatch.setenv(run_list.RUNS_ENV, str(hostile))
+    at = app_with({"mode": "texts", "section": "attnres"})
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert (
+        at.selectbox(key="k3lab_cmp_text_index").options[1].startswith("1 · **bold** [link](http://example.com) line")
+    )
+    caption = next(c.value for c in at.caption if "**A**" in c.value)
+    assert md_escape(f"recorded: {name} (text 1)") in caption and "](http" not in caption
