@@ -27,6 +27,8 @@ OP_LABELS = {
     "scale_beta": "scale beta",
     "reset_state": "reset the state before a position",
     "gate_off": "output gate off",
+    "reset_chunk_state": "reset the state at chunk ends",
+    "scale_chunk_state": "scale the state at chunk ends",
     "mask_keys": "mask a key range",
     "zero": "zero",
     "scale": "scale",
@@ -34,6 +36,14 @@ OP_LABELS = {
     "replace": "replace",
 }
 RESULTS = "k3lab_exp_results"
+
+
+def chunk_labels(tokens: int, chunk_size: int) -> dict[int, str]:
+    """KDA chunks of a forward over ``tokens`` tokens: {n: "chunk n (ends after token e)"}, e = min((n + 1) C, T)
+    (the ``kda.chunk_state`` point's numbering)."""
+    return {
+        n: f"chunk {n} (ends after token {min((n + 1) * chunk_size, tokens)})" for n in range(-(-tokens // chunk_size))
+    }
 
 
 def layers_with(config: Any, point: str) -> list[int]:

@@ -16,8 +16,9 @@ each (a contiguous prefix, so that causal and next-token statistics stay meaning
 probabilities only when asked and only up to ``max_attn_len`` positions (computed here from the
 layer's q and k; the model's attention path is the same with or without recording). Whole-batch aggregates (MoE
 load counts) use every token. KDA state norms are read from the forward's own chunk-end states (hook
-point ``kda.chunk_state``), so a recorded forward runs KDA on the torch chunked path even on CUDA (fla's
-Triton kernel cannot hand its states out).
+point ``kda.chunk_state``, read only): on the torch path from its state loop, on CUDA with fla's Triton
+kernel (which cannot hand its states out) from ``kda_chunk_end_states`` after it, so recording keeps the fast
+kernel.
 
 Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``;
 build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``names.kda_g(0)``):

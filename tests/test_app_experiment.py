@@ -111,3 +111,37 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     for layer in (1, 2, 3):
         assert list(experts[experts.layer == layer].expert) == trace[f"moe.{layer}.experts"][0, 6].tolist()
     assert list(_table(at, "prob").token_id) == logits[0, 6].topk(5).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def nano_chunked(tmp_path_factory):
+    """k3-nano with KDA chunks of 8 tokens, so a 24-token text has three chunks (ends 8, 16, 24)."""
+    from dataclasses import replace
+
+    from k3core.model import K3ForCausalLM
+    from k3core.presets import from_preset
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("runs") / "nano-chunked"
+    K3ForCausalLM.from_config(replace(from_preset("k3-nano"), kda_chunk_size=8)).save_pretrained(path)
+    return path
+
+
+def test_a_chunk_state_reset_from_the_menus_changes_only_the_tokens_after_the_chunk(app_env, nano_chunked):
+    at = _ready(app_env, nano_chunked)
+    at.selectbox(key="k3lab_exp_kind").set_value("kda").run()
+    layer = at.selectbox(key="k3lab_exp_layer_kda").options[0]
+    at.selectbox(key="k3lab_exp_op_kda").set_value("reset_chunk_state")
+    chunks = at.multiselect(key="k3lab_exp_chunks")
+    assert chunks.options == [f"chunk {n} (ends after token {8 * (n + 1)})" for n in range(3)]
+    chunks.set_value([0])
+    at.button(key="FormSubmitter:k3lab_exp_form_kda-Add edit").click().run()
+    assert not at.exception and _errors(at) == []
+    [edit] = at.session_state[links.EDITS]
+    assert edit["op"] == "reset_chunk_state" and edit["chunks"] == [0] and edit["layer"] == int(layer)
+    at.button(key="k3lab_exp_run").click().run()
+    assert not at.exception and _errors(at) == []
+    table = _table(at, "loss_change").sort_values("position")
+    before, after = table[table.position < 8], table[table.position >= 8]
+    assert len(before) == 8 and before.loss_change.abs().max() < 1e-6  # those tokens read the state before it
+    assert after.loss_change.abs().max() > 1e-4

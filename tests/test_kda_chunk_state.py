@@ -258,3 +258,37 @@ def test_recorded_state_norms_equal_the_batched_recomputation_on_the_samples(sam
             assert trace[names.kda_state_steps(i)].tolist() == steps
             assert trace.axes[names.kda_state_norm(i)] == ("batch", "step", "head")
             np.testing.assert_allclose(trace[names.kda_state_norm(i)], norms.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_read_only_hook_keeps_the_fla_kernel_and_reads_the_same_states(monkeypatch):
+    """Where fla's Triton kernel runs (CUDA), a read-only hook (record()) does not force the torch path: the
+    states come from kda_chunk_end_states after the kernel. fla is stood in for by the torch path here (no
+    GPU in CI), counted, with fla's signature."""
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        calls.append(1)
+        return kda_ops._kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, C)
+
+    monkeypatch.setattr(kda_ops, "_fla_chunk_kda", lambda: fake_fla)
+    q, k, v, g, beta = _inputs(torch.float64)
+    initial = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    looped, read = [], []
+    o_torch, _ = kda_chunk(
+        q, k, v, g, beta, initial_state=initial, chunk_size=C, backend="torch",
+        chunk_state_hook=lambda n, end, s: looped.append((n, end, s.clone())),
+    )  # fmt: skip
+    o_fla, _ = kda_chunk(
+        q, k, v, g, beta, initial_state=initial, chunk_size=C, backend="fla",
+        chunk_state_hook=lambda n, end, s: read.append((n, end, s.clone())), chunk_state_read_only=True,
+    )  # fmt: skip
+    assert calls == [1]
+    assert torch.equal(o_fla, o_torch)
+    assert [(n, end) for n, end, _ in read] == [(n, end) for n, end, _ in looped]
+    for (_, _, a), (_, _, b) in zip(read, looped):  # kda_chunk_end_states computes in fp32
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="read-only chunk_state_hook returned a replacement"):
+        kda_chunk(q, k, v, g, beta, chunk_size=C, backend="fla", chunk_state_read_only=True,
+                  chunk_state_hook=lambda n, end, s: torch.zeros_like(s))  # fmt: skip
+    with pytest.raises(ValueError, match="fla's Triton kernel cannot call back"):
+        kda_chunk(q, k, v, g, beta, chunk_size=C, backend="fla", chunk_state_hook=lambda n, end, s: None)

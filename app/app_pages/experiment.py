@@ -24,7 +24,7 @@ from app import caching, links, page, picks
 from app import experiment as ex
 from app.errors import plain
 from app.links import EDITS
-from k3core.interventions import EditError, compile_edits, edit_from_dict, intervene
+from k3core.interventions import EditError, KDAEdit, compile_edits, edit_from_dict, intervene
 
 inputs = page.inputs_or_stop()
 page.page_header(
@@ -91,7 +91,7 @@ def _build_edit() -> None:
                 layer = cols[0].selectbox("Layer", layers, key=f"k3lab_exp_layer_{kind}")
                 ops = {
                     "moe": ("ban", "force", "uniform", "bias_off", "shared_off"),
-                    "kda": ("pin_g", "scale_g", "scale_beta", "reset_state", "gate_off"),
+                    "kda": KDAEdit.OPS,
                     "mla": ("mask_keys",),
                 }[kind]
                 op = cols[1].selectbox("Operation", ops, format_func=ex.OP_LABELS.get, key=f"k3lab_exp_op_{kind}")
@@ -102,10 +102,17 @@ def _build_edit() -> None:
                 elif kind == "kda":
                     value = cols[2].number_input("Value (g <= 0, or a factor)", value=0.0, key="k3lab_exp_kvalue")
                     where = st.number_input("Position (reset_state)", 0, T - 1, min(1, T - 1), key="k3lab_exp_pos")
-                    if op in ("pin_g", "scale_g", "scale_beta"):
+                    chunk_names = ex.chunk_labels(T, config.kda_chunk_size)
+                    chunks = st.multiselect(
+                        "Chunks (the chunk-state operations)", list(chunk_names), format_func=chunk_names.get,
+                        key="k3lab_exp_chunks",
+                    )  # fmt: skip
+                    if op in ("pin_g", "scale_g", "scale_beta", "scale_chunk_state"):
                         data["value"] = value
                     if op == "reset_state":
                         data["tokens"] = [int(where), int(where) + 1]
+                    if op in ("reset_chunk_state", "scale_chunk_state"):
+                        data["chunks"] = chunks
                 else:
                     start = cols[2].number_input("First key masked", 0, T - 1, 0, key="k3lab_exp_k0")
                     stop = st.number_input("Keys masked up to (excluded)", 1, T, 1, key="k3lab_exp_k1")

@@ -163,6 +163,7 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=cache is not None or want_state,
                 chunk_size=self.config.kda_chunk_size,
                 chunk_state_hook=on_chunk,
+                chunk_state_read_only=on_chunk is not None and not hooks.writes(name("chunk_state")),
             )
         if want_state:
             state = hooks.point(name("state"), state, initial=initial, chunk_size=self.config.kda_chunk_size)

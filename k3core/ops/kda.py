@@ -444,6 +444,7 @@ def kda_chunk(
     chunk_size: int = 32,
     backend: str = "auto",
     chunk_state_hook: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
+    chunk_state_read_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA: same inputs, outputs and math as :func:`kda_recurrent`, but parallel in time.
 
@@ -486,7 +487,11 @@ def kda_chunk(
             S): chunk n + 1 then starts from it, so every later output and the final state follow
             the replaced state, while the outputs of tokens < end are unchanged (they read the state
             entering their own chunk). Forces the torch backend (the Triton kernel cannot call back;
-            ``backend="fla"`` with a hook is an error). No hook: the loop is unchanged.
+            ``backend="fla"`` with a hook is an error), unless ``chunk_state_read_only``. No hook: the
+            loop is unchanged.
+        chunk_state_read_only: the hook only reads (it returns None or the state it was given). Then
+            fla's kernel still runs where it would, and the states come from
+            :func:`kda_chunk_end_states` (fp32) after it, so recording on a GPU keeps the fast path.
 
     Returns:
         ``(o, final_state)`` as :func:`kda_recurrent`.
@@ -497,16 +502,25 @@ def kda_chunk(
     if scale is None:
         scale = K**-0.5
     use_fla = False
+    reads_after = chunk_state_hook is not None and chunk_state_read_only  # on the fla path: states afterwards
     if backend == "fla":
-        if chunk_state_hook is not None:
+        if chunk_state_hook is not None and not reads_after:
             raise ValueError("chunk_state_hook needs backend 'torch' or 'auto': fla's Triton kernel cannot call back")
         if _fla_chunk_kda() is None:
             raise RuntimeError("backend='fla' requested but fla.ops.kda.chunk_kda could not be imported")
         use_fla = True
     elif backend == "auto":
         # fp64 stays on the torch path (reference precision; the Triton kernels target 16/32-bit)
-        use_fla = q.is_cuda and v.dtype != torch.float64 and chunk_state_hook is None and _fla_chunk_kda() is not None
+        free = chunk_state_hook is None or reads_after
+        use_fla = q.is_cuda and v.dtype != torch.float64 and free and _fla_chunk_kda() is not None
     if use_fla:
+        if reads_after:
+            states, ends = kda_chunk_end_states(q, k, v, g, beta, initial_state, chunk_size)
+            for n, end in enumerate(ends):
+                state = states[:, n]
+                returned = chunk_state_hook(n, end, state)
+                if returned is not None and returned is not state:
+                    raise ValueError("a read-only chunk_state_hook returned a replacement state")
         return _fla_chunk_kda()(
             q,
             k,
