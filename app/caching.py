@@ -41,6 +41,7 @@ from analysis.weights import WeightSummary, read_weight_summary
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
+    TEXT_RECORDED,
     InputError,
     TextChoice,
     check_device,
@@ -239,13 +240,31 @@ def _recorded_tokens(fingerprint: str, index: int, _run: Run) -> Input:
         raise InputError(str(exc)) from exc
 
 
+def _recorded_index(choice: TextChoice, run: Run) -> int:
+    """The number of ``run``'s recorded text that ``choice`` names: its own number, or, for a text picked in another
+    trace folder (Compare, two runs), the number of the text equal to it here. InputError when there is none."""
+    if choice.source != TEXT_RECORDED:
+        return 0  # a trace folder reads only what it recorded: its first text for any other choice
+    texts = run.recorded.texts
+    index = choice.recorded or 0
+    if 0 <= index < len(texts) and texts[index].get("text") == choice.text:
+        return index
+    same = [i for i, entry in enumerate(texts) if entry.get("text") == choice.text]
+    if not same:
+        raise InputError(
+            f"{run.label} is a trace folder and recorded no text equal to {choice.short}: it shows only the "
+            f"{len(texts)} text(s) it recorded"
+        )
+    return same[0]
+
+
 def make_tokens(choice: TextChoice, run: Run) -> Input:
     """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached.
 
-    A trace folder reads its recorded text ``choice.recorded`` (0 when the choice is not one of its texts: it has
-    no model to read another); one Input per (folder, text), so its trace is read once (``_cached_trace``)."""
+    A trace folder reads its recorded text ``choice`` names (``_recorded_index``; text 0 for a choice that is no
+    recorded text: it has no model to read another); one Input per (folder, text), so its trace is read once."""
     if run.recorded is not None:
-        return _recorded_tokens(run.fingerprint, choice.recorded or 0, run)
+        return _recorded_tokens(run.fingerprint, _recorded_index(choice, run), run)
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
 

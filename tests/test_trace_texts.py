@@ -43,11 +43,12 @@ def traced(tmp_path_factory) -> dict:
     run = runs_mod.load_run(ckpt)
     inputs = read_inputs(run, files, None, MAX_TOKENS)
     out = write_run_traces(run, inputs, root / "trace")
+    write_run_traces(run, inputs[::-1], root / "reversed")  # the same two texts, in the other order
     shutil.rmtree(ckpt)
     folder = TraceDir(out, json.loads((out / "run_card.json").read_text()))
     tokens = [folder.texts[i]["tokens"] for i in range(2)]
     assert tokens[0] != tokens[1]
-    return {"out": out, "folder": folder, "tokens": tokens, "root": root}
+    return {"out": out, "folder": folder, "tokens": tokens, "root": root, "reversed": root / "reversed"}
 
 
 VIEW = "attnres_hidden_rms"  # per depth, the hidden state's RMS over the text's tokens: differs between texts
@@ -344,3 +345,20 @@ def test_names_from_the_run_card_are_shown_as_text(app_with, traced, tmp_path, m
     )
     caption = next(c.value for c in at.caption if "**A**" in c.value)
     assert md_escape(f"recorded: {name} (text 1)") in caption and "](http" not in caption
+
+
+def test_compare_two_trace_folders_matches_the_text_not_its_number(app_with, traced, direct, monkeypatch):
+    """A = text 1 of one folder; B, a folder that traced the same texts in the other order, shows its own text 0
+    (the same text), not its text 1."""
+    from app import run_list
+
+    monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join([str(traced["out"]), str(traced["reversed"])]))
+    at = app_with({"mode": "runs", "b": "reversed", "section": "attnres", "text_index": "1"})
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    caption = next(_plain(c.value) for c in at.caption if "**A**" in c.value)
+    assert "recorded: text1.txt (text 1)" in caption and "**B** = reversed" in caption
+    assert "recorded: text1.txt (text 0)" in caption
+    want = direct[1][1]["mean"].to_numpy(dtype=float)
+    assert len([y for y in _chart_ys(at) if y.shape == want.shape and np.allclose(y, want, rtol=5e-4, atol=0)]) >= 2
