@@ -362,3 +362,28 @@ def test_compare_two_trace_folders_matches_the_text_not_its_number(app_with, tra
     assert "recorded: text1.txt (text 0)" in caption
     want = direct[1][1]["mean"].to_numpy(dtype=float)
     assert len([y for y in _chart_ys(at) if y.shape == want.shape and np.allclose(y, want, rtol=5e-4, atol=0)]) >= 2
+
+
+def test_download_all_reports_the_picked_recorded_text(traced):
+    """The app's "Download all" zip of a trace folder is the report of the text picked in the sidebar."""
+    import io
+    import zipfile
+
+    from app.download_all import report_zip
+    from app.run_list import RunRef
+
+    ref = RunRef("trace", str(traced["out"]), "preloaded")
+    choice = TextChoice(TEXT_RECORDED, len(traced["tokens"][1]), text=TEXTS[1], name="text1.txt", recorded=1)
+    with zipfile.ZipFile(io.BytesIO(report_zip([ref], choice, static=False, skip_model_views=True))) as zf:
+        headline = json.loads(zf.read("report/headline.json"))
+    assert headline["input"]["text_index"] == 1 and headline["input"]["tokens"] == len(traced["tokens"][1])
+
+
+def test_the_bad_index_warning_stays_until_a_text_is_picked(app_with):
+    at = app_with({"text_index": "7"})
+    at.run()
+    at.run()  # any rerun (another widget, a page): the warning is still there
+    assert any("There is no text 7" in w.value for w in at.warning)
+    at.selectbox(key="k3lab_text_index").set_value(1).run()
+    assert not at.exception and not [w.value for w in at.warning if "There is no text" in w.value]
+    assert at.query_params["text_index"] == "1"
