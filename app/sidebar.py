@@ -18,6 +18,7 @@ from app.errors import md_escape
 from app.inputs import InputError, Inputs, TextChoice
 from app.run_list import RunRef
 from k3core.checkpoint import CheckpointError
+from k3core.trace_dir import is_trace_dir
 
 ORIGIN_TAGS = {
     "preloaded": "",
@@ -141,8 +142,8 @@ def text_choice(
 
     When ``ref`` is a trace folder, its recorded texts instead (``recorded_choice``): it has no model to read another.
     """
-    try:
-        recorded = caching.recorded_texts(ref)
+    try:  # a checkpoint never enters the cache layer for this
+        recorded = caching.recorded_texts(ref) if ref is not None and is_trace_dir(ref.path) else None
     except CheckpointError:
         recorded = None  # an unreadable run card: the page that loads the run says why
     if recorded is not None:
