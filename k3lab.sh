@@ -52,7 +52,10 @@ case "${1:-app}" in
     if ! "$VENV/bin/python" -m pip show -q fla-core >/dev/null 2>&1; then
       pip_install --no-deps fla-core || echo "k3lab: fla-core not installed; the fla cross-check will skip"
     fi
-    exec "$VENV/bin/python" -m pytest -q "$@"
+    # Two pytest-xdist workers (the machine's 2 cores; K3LAB_TEST_WORKERS changes it), each test module on one of them
+    # as a whole (tests/conftest.py: module fixtures built once, shared replicas kept together, long modules first).
+    # `./k3lab.sh test -n0 ...` runs plain pytest.
+    exec "$VENV/bin/python" -m pytest -q -n "${K3LAB_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   *)
     exec "$VENV/bin/k3lab" "$@"

@@ -16,6 +16,46 @@ from k3core.trace import Trace, record
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.
 torch.set_num_threads(int(os.environ.get("K3LAB_TEST_THREADS", "1")))
 
+# `./k3lab.sh test` runs the suite on two pytest-xdist workers with --dist loadfile: each test module goes to one
+# worker as a whole, so its module-scoped fixtures (app servers, checkpoints, replicas) are built once. The modules
+# below count as one file: they share the session's sparse_k3 replica (built once), and the multi-GB replica runs
+# never run side by side. (xdist's own --dist loadgroup marks do not group under pytest 9.2: pytest-xdist#1386.)
+SHARED_GROUPS = {
+    "test_weights": "k3-replicas",
+    "test_rank_plan": "k3-replicas",
+    "test_k3_published": "k3-replicas",
+    "test_k3_stream": "k3-replicas",
+}
+
+
+def test_group(nodeid: str) -> str:
+    """The unit of work a test goes out in under --dist loadfile: its file, or its SHARED_GROUPS group."""
+    file = nodeid.split("::", 1)[0]
+    return SHARED_GROUPS.get(file.rsplit("/", 1)[-1].removesuffix(".py"), file)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order below, not "most tests first"
+    return GroupedFiles(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker, the groups holding slow or browser tests first (stable order otherwise): the controller
+    hands groups out in collection order, and a long group started last would leave one worker running alone."""
+    if not hasattr(config, "workerinput"):
+        return
+    long = {test_group(i.nodeid) for i in items if i.get_closest_marker("slow") or i.get_closest_marker("browser")}
+    items.sort(key=lambda i: test_group(i.nodeid) not in long)
+
 
 def nano_config(**overrides) -> K3Config:
     """The k3-nano preset (every mechanism on) with a small KDA chunk so that short inputs stay cheap."""
@@ -68,6 +108,15 @@ def _seed():
 @pytest.fixture
 def nano() -> K3ForCausalLM:
     return nano_model()
+
+
+@pytest.fixture(scope="session")
+def sparse_k3(tmp_path_factory):
+    """The sparse Kimi K3 replica of tests/test_weights.build_sparse_k3 (BF16, every tensor declared), built once
+    for the session: test_weights and test_rank_plan only read it."""
+    from .test_weights import build_sparse_k3
+
+    return build_sparse_k3(tmp_path_factory.mktemp("sparse-k3"))
 
 
 @pytest.fixture

@@ -11,9 +11,11 @@ compute what k3lab must report without k3lab's own decoder.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +89,20 @@ def _bytes(value: np.ndarray, dtype: str) -> bytes:
 SIZES = {"F32": 4, "BF16": 2, "U8": 1}
 
 
+@contextmanager
+def no_gc():
+    """Python's cyclic collector paused while a replica's headers are built: a full-depth K3 header is ~10^6 small
+    dicts and lists, none in a cycle, and the collector rescanning them as they pile up made writing the replica
+    2-3x slower (measured). Reference counting still frees everything; the collector resumes at the end."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @dataclass
 class Replica:
     folder: Path
@@ -135,6 +151,7 @@ def stored_entries(shapes: dict[str, tuple]) -> list[tuple[str, str, tuple]]:
     return entries
 
 
+@no_gc()
 def write_replica(
     folder: Path,
     config_json: dict,

@@ -86,6 +86,12 @@ def open_library_page(page, url: str) -> None:
     settle(page)
 
 
+# A file's chip on the upload form, its upload finished (Streamlit shows a spinner icon in the chip until then)
+UPLOADED_JS = """name => Array.from(document.querySelectorAll('[data-testid="stFileChip"]')).some(
+  chip => (chip.getAttribute('aria-label') || '').startsWith(name + ', ')
+    && !chip.querySelector('[data-testid="stFileChipIconSpinner"]'))"""
+
+
 def _wait_text(page, text: str) -> None:
     page.wait_for_function("t => document.body.innerText.includes(t)", arg=text, timeout=RENDER_TIMEOUT_MS)
 
@@ -146,6 +152,9 @@ def test_upload_survives_reload_and_restart(tmp_path):
             open_library_page(page, url)
             page.locator(DROPZONE).set_input_files([str(big / "config.json"), str(big / "model.safetensors")])
             _wait_text(page, "Up to 1 MB per file")
+            # config.json uploaded before the click: a click before its chip exists submits no files at all (seen
+            # on a loaded machine: no message about the limit, a 180 s timeout)
+            page.wait_for_function(UPLOADED_JS, arg="config.json", timeout=RENDER_TIMEOUT_MS)
             page.get_by_role("button", name="Add run").click()
             _wait_text(page, "over the upload limit (1 MB per file)")
             assert "no weights among the files (config.json)" in page.locator("body").inner_text()

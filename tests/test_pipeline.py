@@ -35,6 +35,7 @@ KIMI_MXFP4 = "kimi-linear-5-mxfp4"
 # routed experts; without them it is dense, and every other case still runs.
 QUANTISED = all(importlib.util.find_spec(m) is not None for m in ("k3core.quantized", "compressed_tensors"))
 KIMI = KIMI_MXFP4 if QUANTISED else "kimi-linear-5"
+pytestmark = pytest.mark.slow  # torchrun launches 2-3 processes per test
 GRACE = 10  # seconds for torchrun to notice the exits and stop the hung rank, on a loaded 2-core machine
 
 

@@ -14,7 +14,6 @@ import torch
 from k3core.model import K3ForCausalLM
 from k3core.rank_plan import layer_bytes, plan_for, ranks_needed, sizes_of, split_layers
 from k3lab.cli import main as k3lab
-from tests.test_weights import sparse_k3  # noqa: F401 - the module-scoped fixture
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_checkpoints" / "k3-full"
 
@@ -85,7 +84,7 @@ def test_inspect_plan_json(capsys):
 
 
 @pytest.mark.slow
-def test_plan_of_the_sparse_kimi_k3_replica_from_headers(sparse_k3):  # noqa: F811
+def test_plan_of_the_sparse_kimi_k3_replica_from_headers(sparse_k3):
     sizes, layers = sizes_of(str(sparse_k3.folder), torch.bfloat16)
     with torch.device("meta"):
         meta = K3ForCausalLM(sparse_k3.cfg)

@@ -28,6 +28,7 @@ from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 
 from .conftest import kimi_k3_hf_dict
+from .k3_replica import no_gc
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = sorted(p for p in (ROOT / "sample_checkpoints").iterdir() if (p / "config.json").is_file())
@@ -354,12 +355,12 @@ class SparseK3:
     kda: list[int]
 
 
-@pytest.fixture(scope="module")
-def sparse_k3(tmp_path_factory) -> SparseK3:
+@no_gc()
+def build_sparse_k3(tmp_path: Path) -> SparseK3:
     """A checkpoint shaped exactly like the published Kimi K3 text model (every tensor of its 2.78T
     parameters declared, ~5 GB shards, language_model. prefix, vision tensors, HF config.json), with the
-    small tensors planted and everything else left as file holes."""
-    tmp_path = tmp_path_factory.mktemp("sparse-k3")
+    small tensors planted and everything else left as file holes. The ``sparse_k3`` fixture (tests/conftest.py)
+    builds it once per session."""
     usage = os.statvfs(tmp_path)
     assert usage.f_bavail * usage.f_frsize > 2 * 1024**3, "needs about 200 MB of real disk (plus headroom)"
     cfg = from_preset("kimi-k3")
