@@ -177,14 +177,21 @@ class ReportResult:
 
 
 def report_input(
-    runs: list[runs_mod.Run], text_file: str | Path | None, sample: str | None, max_tokens: int
+    runs: list[runs_mod.Run],
+    text_file: str | Path | None,
+    sample: str | None,
+    max_tokens: int,
+    text_index: int | None = None,
 ) -> runs_mod.Input:
     """The one input every run reads: ``text_file`` (UTF-8) or the built-in ``sample`` (default Shakespeare),
-    read with the first run's tokenizer (a trace folder's first recorded text when neither is given). Raises
-    ValueError when the runs cannot read the same token ids."""
+    read with the first run's tokenizer; for a trace folder, its recorded text ``text_index`` (default 0) when
+    neither is given. Raises ValueError when the runs cannot read the same token ids, or for a text index the
+    first run (a trace folder) has no text for."""
     cfg = runs[0].config
-    if runs[0].recorded is not None and not text_file and not sample:
-        chosen = runs_mod.recorded_input(runs[0])  # a trace folder: the text it recorded
+    if text_index is not None and (text_file or sample):
+        raise ValueError("give a text index (a trace folder's recorded text), or a text file or sample: not both")
+    if text_index is not None or (runs[0].recorded is not None and not text_file and not sample):
+        chosen = runs_mod.recorded_input(runs[0], text_index or 0)  # a trace folder: a text it recorded
     elif text_file:
         text_path = Path(text_file)
         if not text_path.is_file():
@@ -223,12 +230,14 @@ def write_report(
     save_trace: bool = False,
     progress: Any = None,
     picks: dict[str, int] | None = None,
+    text_index: int | None = None,
 ) -> ReportResult:
     """Load one run (or two to compare) through ``analysis.runs.load_run``, trace them on one input
     (``report_input``), build every selected view and write the report folder ``out`` (see the module docstring).
 
-    ``views`` is a comma-separated list of view keys or sections (None: all); ``progress`` has ``update(n)``
-    (a tqdm bar; None: silent) and gets ``2 * len(paths) + len(views) + 3`` steps. Raises CheckpointError,
+    ``text_index``: the first run is a trace folder and the report is of its recorded text of that number
+    (``report_input``). ``views`` is a comma-separated list of view keys or sections (None: all); ``progress`` has
+    ``update(n)`` (a tqdm bar; None: silent) and gets ``2 * len(paths) + len(views) + 3`` steps. Raises CheckpointError,
     ValueError or OSError for bad input, before anything is written."""
     if not 1 <= len(paths) <= 2:
         raise ValueError("give one run, or two runs to compare")
@@ -246,7 +255,7 @@ def write_report(
         progress.update(1)
     timings["load"] = time.perf_counter() - t_start
     labels = _labels(runs)
-    chosen = report_input(runs, text_file, sample, max_tokens)
+    chosen = report_input(runs, text_file, sample, max_tokens, text_index)
     t0 = time.perf_counter()
     contexts = []
     for run, label in zip(runs, labels):
@@ -281,7 +290,12 @@ def write_report(
 
     headline_json = {
         "runs": headlines,
-        "input": {"name": chosen.name, "description": chosen.description, "tokens": int(chosen.input_ids.shape[1])},
+        "input": {
+            "name": chosen.name,
+            "description": chosen.description,
+            "tokens": int(chosen.input_ids.shape[1]),
+            "text_index": chosen.extra.get("recorded_index"),
+        },
         "checkpoints": [
             {"label": lab, "path": str(r.path), "fingerprint": r.fingerprint, "device": r.device, "dtype": r.dtype}
             for r, lab in zip(runs, labels)

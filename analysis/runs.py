@@ -250,34 +250,92 @@ TRACE_ONLY_NOTE = (
 )
 
 
-def recorded_input(run: Run, index: int = 0) -> Input:
-    """Text ``index`` of a trace folder's run (``load_trace_folder``) as an Input, as it was traced."""
+def recorded_count(run: Run) -> int:
+    """How many texts a trace folder's run recorded (0 for a checkpoint)."""
+    return 0 if run.recorded is None else len(run.recorded.texts)
+
+
+def check_text_index(run: Run, index: int) -> int:
+    """``index`` when the trace folder's run recorded a text of that number; ValueError naming how many it has."""
     if run.recorded is None:
-        raise ValueError(f"{run.label}: not a trace folder")
-    texts = run.recorded.texts
-    if not 0 <= index < len(texts):
-        raise ValueError(f"{run.label}: no text {index} (the trace folder has {len(texts)})")
-    entry = texts[index]
+        raise ValueError(
+            f"{run.label} is a checkpoint, not a trace folder: a text index picks one of a trace folder's recorded "
+            "texts; give the checkpoint a text or a sample instead"
+        )
+    count = recorded_count(run)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        names = ", ".join(recorded_text_label(e, i) for i, e in enumerate(run.recorded.texts[:8]))
+        more = f", and {count - 8} more" if count > 8 else ""
+        raise ValueError(
+            f"{run.label}: no text {index!r}; the trace folder recorded {count} text(s), numbered 0..{count - 1}: "
+            f"{names}{more}"
+        )
+    return index
+
+
+def first_words(text: str, max_words: int = 8, max_chars: int = 48) -> str:
+    """The first ``max_words`` words of ``text`` on one line (whitespace collapsed), at most ``max_chars``
+    characters, with "..." when cut."""
+    words = text.split()
+    head = " ".join(words[:max_words])
+    if len(head) > max_chars:
+        head = head[:max_chars].rstrip()
+    return head + ("..." if head != " ".join(words) else "")
+
+
+def recorded_text_label(entry: dict[str, Any], index: int) -> str:
+    """A trace folder's text as a picker names it: "1 · b.txt · 24 tokens · To be, or not to be..." (its index,
+    name, token count and first words: the recorded text, else its readable token strings). Raw file-controlled
+    text: escape it where it is shown as Markdown."""
+    tokens = entry.get("tokens") if isinstance(entry.get("tokens"), list) else []
+    text = entry.get("text")
+    if not isinstance(text, str) or not text.strip():
+        strings = entry.get("token_strings")
+        text = "".join(str(s) for s in strings) if isinstance(strings, list) else ""
+    name = " ".join(str(entry.get("name") or f"text {index}").split())
+    parts = [str(index), name if len(name) <= 40 else name[:40] + "...", f"{len(tokens):,} tokens"]
+    if text.strip():
+        parts.append(first_words(text))
+    return " · ".join(parts)
+
+
+def recorded_input(run: Run, index: int = 0) -> Input:
+    """Text ``index`` of a trace folder's run (``load_trace_folder``) as an Input, as it was traced
+    (``extra["recorded_index"]`` says which, so ``trace_run`` reads that text's trace file and no other).
+    Raises ValueError for an index the folder has no text for (the message says how many it has)."""
+    entry = run.recorded.texts[check_text_index(run, index)]
     ids = torch.tensor([[int(t) for t in entry.get("tokens", [])]], dtype=torch.long)
     name = str(entry.get("name") or f"text {index}")
     description = str(entry.get("description") or f"{name}: {ids.shape[1]} tokens (recorded)")
-    return Input(name, ids, text=entry.get("text"), description=description, source=f"recorded: {name}")
-
-
-def _recorded_context(run: Run, input_ids: torch.Tensor, label: str | None, options: dict | None) -> AnalysisContext:
-    """The stored trace of a trace folder whose tokens are ``input_ids``; ValueError when it holds none."""
-    wanted = [int(t) for t in input_ids[0]]
-    for index, entry in enumerate(run.recorded.texts):
-        if [int(t) for t in entry.get("tokens", [])] == wanted:
-            try:
-                trace = run.recorded.trace(index)
-            except TraceError as exc:
-                raise CheckpointError(str(exc)) from exc
-            return _context(run, trace, input_ids, label, options)
-    raise ValueError(
-        f"{run.label} is a trace folder of {len(run.recorded.texts)} recorded text(s); running the model on another "
-        "text needs the checkpoint"
+    return Input(
+        name,
+        ids,
+        text=entry.get("text"),
+        description=description,
+        source=f"recorded: {name} (text {index})",
+        extra={"recorded_index": index},
     )
+
+
+def _recorded_context(
+    run: Run, input_ids: torch.Tensor, label: str | None, options: dict | None, index: int | None = None
+) -> AnalysisContext:
+    """The stored trace of text ``index`` of a trace folder (None: the text whose tokens are ``input_ids``);
+    ValueError when it holds none."""
+    wanted = [int(t) for t in input_ids[0]]
+    texts = run.recorded.texts
+    if index is None or not 0 <= index < len(texts) or [int(t) for t in texts[index].get("tokens", [])] != wanted:
+        index = next((i for i, e in enumerate(texts) if [int(t) for t in e.get("tokens", [])] == wanted), None)
+    if index is None:
+        raise ValueError(
+            f"{run.label} is a trace folder of {len(texts)} recorded text(s); running the model on another "
+            "text needs the checkpoint"
+        )
+    try:
+        trace = run.recorded.trace(index)
+    except TraceError as exc:
+        raise CheckpointError(str(exc)) from exc
+    return _context(run, trace, input_ids, label, options)
 
 
 def run_tokenizer(path: str | Path, vocab_size: int) -> tuple[Tokenizer | None, str | None]:
@@ -432,8 +490,9 @@ def trace_run(
     """
     from k3core.trace import record
 
-    sample_name = None
+    sample_name = recorded_index = None
     if isinstance(input_ids, Input):
+        recorded_index = input_ids.extra.get("recorded_index")
         targets = input_ids.targets if targets is None else targets
         sample_name = input_ids.name
         input_ids = input_ids.input_ids
@@ -444,7 +503,7 @@ def trace_run(
             raise ValueError(
                 f"{run.label} is a trace folder: an edited forward reruns the model and needs the checkpoint"
             )
-        return _recorded_context(run, input_ids, label, options)
+        return _recorded_context(run, input_ids, label, options, recorded_index)
     model = run.model
     device = next(model.parameters()).device
     ids = input_ids.to(device)

@@ -3,6 +3,7 @@
     checkpoint folder --folder_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
     (fingerprint, device, dtype) --analysis.runs.load_run--> Run          st.cache_resource
     (text choice, vocab) --analysis.runs.sample_input/text_input--> Input   st.cache_resource
+    (trace folder, text index) --analysis.runs.recorded_input--> Input     st.cache_resource
     (run, tokens, trace items) --analysis.runs.trace_run--> AnalysisContext  st.cache_resource
     (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
 
@@ -40,6 +41,7 @@ from analysis.weights import WeightSummary, read_weight_summary
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
+    TEXT_RECORDED,
     InputError,
     TextChoice,
     check_device,
@@ -230,15 +232,70 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     return replace(sample, source=source, total=max(total, n), total_exact=exact)
 
 
+@st.cache_resource(show_spinner=False, max_entries=64)
+def _recorded_tokens(fingerprint: str, index: int, _run: Run) -> Input:
+    try:
+        return runs.recorded_input(_run, index)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+
+
+def _recorded_index(choice: TextChoice, run: Run) -> int:
+    """The number of ``run``'s recorded text that ``choice`` names: its own number, or, for a text picked in another
+    trace folder (Compare, two runs), the number of the text equal to it here. InputError when there is none."""
+    if choice.source != TEXT_RECORDED:
+        return 0  # a trace folder reads only what it recorded: its first text for any other choice
+    texts = run.recorded.texts
+    index = choice.recorded or 0
+    if 0 <= index < len(texts) and texts[index].get("text") == choice.text:
+        return index
+    same = [i for i, entry in enumerate(texts) if entry.get("text") == choice.text]
+    if not same:
+        raise InputError(
+            f"{run.label} is a trace folder and recorded no text equal to {choice.short}: it shows only the "
+            f"{len(texts)} text(s) it recorded"
+        )
+    return same[0]
+
+
 def make_tokens(choice: TextChoice, run: Run) -> Input:
-    """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached."""
-    if run.recorded is not None:  # a trace folder: the text it recorded, whatever the sidebar says
-        return runs.recorded_input(run)
+    """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached.
+
+    A trace folder reads its recorded text ``choice`` names (``_recorded_index``; text 0 for a choice that is no
+    recorded text: it has no model to read another); one Input per (folder, text), so its trace is read once."""
+    if run.recorded is not None:
+        return _recorded_tokens(run.fingerprint, _recorded_index(choice, run), run)
     check_text(choice)
     return _cached_tokens(choice.key(), run.fingerprint, choice, run)
 
 
 # ----------------------------------------------------------------------------------------- traces
+@st.cache_data(show_spinner=False, max_entries=64)
+def _recorded_entries(fingerprint: str, path: str) -> list[tuple[str, str, str | None, int]]:
+    from k3core.trace import TraceError
+    from k3core.trace_dir import read_trace_dir
+
+    try:
+        texts = read_trace_dir(path).texts
+    except TraceError as exc:
+        raise CheckpointError(str(exc)) from exc
+    entries = []
+    for i, entry in enumerate(texts):
+        text = entry.get("text") if isinstance(entry.get("text"), str) else None
+        tokens = entry.get("tokens") if isinstance(entry.get("tokens"), list) else []
+        entries.append((runs.recorded_text_label(entry, i), str(entry.get("name") or f"text {i}"), text, len(tokens)))
+    return entries
+
+
+def recorded_texts(ref: RunRef | None) -> list[tuple[str, str, str | None, int]] | None:
+    """Per recorded text of a trace folder: (picker label, name, text as traced or None, tokens), or None when ``ref``
+    is a checkpoint. The label is ``analysis.runs.recorded_text_label`` (index, name, tokens, first words); label, name
+    and text are raw file-controlled text: escape them for Markdown. Read once per run card; raises CheckpointError."""
+    if ref is None or not is_trace_dir(ref.path):
+        return None
+    return _recorded_entries(run_fingerprint(ref.path), str(ref.path))
+
+
 def trace_items(record_attn: bool) -> tuple[str, ...]:
     """What the recorder captures: everything, attention matrices only when asked."""
     return tuple(sorted(WHAT_ALL if record_attn else WHAT_DEFAULT))
@@ -257,6 +314,7 @@ def _cached_trace(
     _run: Run,
     _tokens: Input,
     edits: str = "",
+    recorded: int | None = None,
 ) -> AnalysisContext:
     from k3core.interventions import edits_from_json
 
@@ -339,7 +397,8 @@ def trace(
             compile_edits(run.config, edits_from_json(edits))
         except EditError as exc:
             raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
-    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits)
+    recorded = tokens.extra.get("recorded_index")  # a trace folder's text: one cache entry per text
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits, recorded)
     label = label or ref.label
     ctx = base.with_options(label=label, **options)
     notes = []
@@ -355,6 +414,7 @@ def trace(
         options_key(options),
         metrics_digest(run.metrics),
         edits,
+        recorded,
     )
     return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
 

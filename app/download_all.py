@@ -48,8 +48,9 @@ def report_zip(refs: list[RunRef], choice: TextChoice, static: bool = True, skip
     """``k3lab report`` of one run (or two, compared) on this text, zipped. Raises InputError when it cannot run."""
     with tempfile.TemporaryDirectory(prefix="k3lab-report-") as tmp:
         out = Path(tmp) / "report"
-        # a trace folder reports on the text it recorded (it has no model to read another)
-        options = {"max_tokens": choice.max_tokens} if is_trace_dir(refs[0].path) else report_options(choice, out)
+        # a trace folder reports on the recorded text picked in the sidebar (it has no model to read another)
+        recorded = {"max_tokens": choice.max_tokens, "text_index": choice.recorded or 0}
+        options = recorded if is_trace_dir(refs[0].path) else report_options(choice, out)
         try:
             write_report([r.path for r in refs], out, static=static, skip_model_views=skip_model_views, **options)
         except (CheckpointError, ValueError, OSError) as exc:

@@ -33,6 +33,7 @@ TEXT_REPEAT = "Repeated passage (copy task)"
 TEXT_PASTE = "Paste text"
 TEXT_UPLOAD = "Upload a .txt file"
 TEXT_SOURCES = (TEXT_SHAKESPEARE, TEXT_MQAR, TEXT_REPEAT, TEXT_PASTE, TEXT_UPLOAD)
+TEXT_RECORDED = "Recorded text (trace folder)"  # not offered: a trace folder's own picker (app.sidebar.text_choice)
 SAMPLE_OF_SOURCE = {TEXT_SHAKESPEARE: "shakespeare", TEXT_MQAR: "mqar", TEXT_REPEAT: "repeat"}
 SHORT_SOURCE = {
     TEXT_SHAKESPEARE: "Shakespeare",
@@ -53,19 +54,22 @@ class TextChoice:
     """What the user picked to read in the sidebar: a built-in sample, or their own text (pasted or uploaded).
     ``app.caching.make_tokens`` turns it into the run's ``analysis.runs.Input``."""
 
-    source: str  # one of TEXT_SOURCES
+    source: str  # one of TEXT_SOURCES, or TEXT_RECORDED
     max_tokens: int = MAX_TOKENS_DEFAULT
-    text: str | None = None  # pasted / uploaded text
-    name: str = ""  # uploaded file name
+    text: str | None = None  # pasted / uploaded text (recorded: the text as traced, for a checkpoint to read)
+    name: str = ""  # uploaded file name (recorded: the traced text's name)
+    recorded: int | None = None  # TEXT_RECORDED: the number of the trace folder's text
 
     def key(self) -> tuple:
-        """What changes the tokens: source, max tokens and a digest of the text."""
+        """What changes the tokens: source, max tokens, a digest of the text and the recorded text's number."""
         digest = hashlib.sha256(self.text.encode("utf-8", "surrogatepass")).hexdigest() if self.text else ""
-        return (self.source, int(self.max_tokens), digest)
+        return (self.source, int(self.max_tokens), digest, self.recorded)
 
     @property
     def short(self) -> str:
-        """A short name: 'Shakespeare', 'MQAR', 'notes.txt', 'pasted text'."""
+        """A short name: 'Shakespeare', 'MQAR', 'notes.txt', 'pasted text', 'text 1 (b.txt)'."""
+        if self.source == TEXT_RECORDED:
+            return f"text {self.recorded}" + (f" ({self.name})" if self.name else "")
         if self.source == TEXT_UPLOAD and self.name:
             return self.name
         return SHORT_SOURCE.get(self.source, self.source)
@@ -121,7 +125,12 @@ def check_text(choice: TextChoice) -> None:
             f"The text is empty ({where}): paste or upload some text, or pick a built-in sample "
             f"(Shakespeare, MQAR) in the sidebar."
         )
-    if choice.source not in TEXT_SOURCES:
+    if choice.source == TEXT_RECORDED and not (choice.text or "").strip():
+        raise InputError(
+            f"recorded text {choice.recorded} of the trace folder has no readable text (a synthetic sample's ids): "
+            "a checkpoint cannot read it; pick a text for it in the sidebar"
+        )
+    if choice.source not in (*TEXT_SOURCES, TEXT_RECORDED):
         raise InputError(f"unknown text source {choice.source!r}; choose one of {TEXT_SOURCES}")
 
 

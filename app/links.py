@@ -11,6 +11,8 @@ query parameters, written on every run and read on a session's first run:
     section  compare: density | attnres | moe | degradation | weights
     edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interventions)
     pick     layer / head picks of per-layer views: ``VIEW:L3H1,VIEW2:L5`` (analysis.picks; app.picks)
+    text_index    a trace folder's recorded text (0, 1, ...; instead of ``text``)
+    text_index_b  compare, one trace folder on two texts: text B's number
 
 An unknown value gets a warning that names it, and the default is used instead. Pasted and uploaded
 texts are not put in links (they can be large and private): such a link opens with the text source
@@ -46,7 +48,24 @@ TWO_RUNS, TWO_TEXTS, EDITED = "Two runs, same text", "One run, two texts", "Base
 MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS, "edited": EDITED}
 EDITS = "k3lab_edits"  # session key: the experiment's edits, as a list of edit dicts
 SLUG_OF_MODE = {v: k for k, v in MODES.items()}
-PARAMS = ("run", "text", "tokens", "seq", "device", "dtype", "attn", "mode", "b", "text_b", "section", "edits", "pick")
+PARAMS = (
+    "run",
+    "text",
+    "tokens",
+    "seq",
+    "device",
+    "dtype",
+    "attn",
+    "mode",
+    "b",
+    "text_b",
+    "section",
+    "edits",
+    "pick",
+    "text_index",
+    "text_index_b",
+)
+MAX_TEXT_INDEX = 1_000_000  # a link's text number; whether the trace folder has it is checked by app.sidebar
 PICKS = "k3lab_picks"  # session key: {view key: {"layer": 3, "head": 1}} (app.picks)
 TOKEN_MLA, TOKEN_KDA, TOKEN_MOE = "token_mla", "token_kda", "token_moe"  # the Experiment page's per-token pickers
 PAGE_PICKERS = {TOKEN_MLA: ("layer", "head"), TOKEN_KDA: ("layer", "head"), TOKEN_MOE: ("layer",)}
@@ -120,6 +139,9 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
         put("k3lab_cmp_run_b", _choice("b", params["b"], list(run_labels), notes))
     if "text_b" in params:
         put("k3lab_cmp_text_source", _choice("text_b", params["text_b"], TEXT_SLUGS, notes))
+    for param, key in (("text_index", "k3lab_text_index"), ("text_index_b", "k3lab_cmp_text_index")):
+        if param in params:
+            put(key, _int(param, params[param], 0, MAX_TEXT_INDEX, notes))
     if "section" in params:
         put("k3lab_cmp_section", _choice("section", params["section"], list(SECTIONS), notes))
     if "edits" in params:
@@ -211,12 +233,16 @@ def show_notes(page: str) -> None:
 
 
 def params_of(inputs: inp.Inputs) -> dict[str, str]:
-    """The query parameters of the sidebar's choices (defaults left out, except run, text and tokens)."""
+    """The query parameters of the sidebar's choices (defaults left out, except run, text and tokens; a trace
+    folder's recorded text: text_index instead of text and tokens)."""
     params: dict[str, str] = {}
     if inputs.run is not None:
         params["run"] = inputs.run.label
-    params["text"] = SLUG_OF_TEXT.get(inputs.text.source, "shakespeare")
-    params["tokens"] = str(inputs.text.max_tokens)
+    if inputs.text.source == inp.TEXT_RECORDED:  # a trace folder's text: its tokens are the recorded ones
+        params["text_index"] = str(inputs.text.recorded)
+    else:
+        params["text"] = SLUG_OF_TEXT.get(inputs.text.source, "shakespeare")
+        params["tokens"] = str(inputs.text.max_tokens)
     if inputs.seq_len != inp.SEQ_LEN_DEFAULT:
         params["seq"] = str(inputs.seq_len)
     if inputs.device != "cpu":
@@ -248,12 +274,16 @@ def write_picks() -> None:
         st.query_params["pick"] = value
 
 
-def write_compare(mode: str, run_b: str | None, text_b: str | None, section: str) -> None:
-    """Add the Compare page's choices to the address bar."""
+def write_compare(
+    mode: str, run_b: str | None, text_b: str | None, section: str, text_index_b: int | None = None
+) -> None:
+    """Add the Compare page's choices to the address bar (``text_index_b``: text B is a trace folder's text)."""
     extra = {"mode": SLUG_OF_MODE.get(mode, "runs"), "section": section}
     if run_b is not None:
         extra["b"] = run_b
-    if text_b is not None:
+    if text_index_b is not None:
+        extra["text_index_b"] = str(text_index_b)
+    elif text_b is not None:
         extra["text_b"] = SLUG_OF_TEXT.get(text_b, "mqar")
     current = st.query_params.to_dict()
     if any(current.get(k) != v for k, v in extra.items()):

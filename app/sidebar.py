@@ -12,11 +12,13 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.format import format_tokens
+from app import caching, links, run_list
 from app import inputs as inp
-from app import links, run_list
 from app.errors import md_escape
 from app.inputs import InputError, Inputs, TextChoice
 from app.run_list import RunRef
+from k3core.checkpoint import CheckpointError
+from k3core.trace_dir import is_trace_dir
 
 ORIGIN_TAGS = {
     "preloaded": "",
@@ -72,7 +74,7 @@ def sidebar() -> Inputs:
         if ss.get("k3lab_run_gone"):
             st.info(ss.pop("k3lab_run_gone"))
 
-        choice, text_error = text_choice("k3lab")
+        choice, text_error = text_choice("k3lab", ref=run)
         st.divider()
         c1, c2 = st.columns(2)
         device = c1.selectbox("Device", inp.device_choices(), key="k3lab_device")
@@ -129,9 +131,23 @@ def sidebar() -> Inputs:
 
 
 def text_choice(
-    prefix: str, max_tokens: int | None = None, default: str = inp.TEXT_SHAKESPEARE, label: str = "Text"
+    prefix: str,
+    max_tokens: int | None = None,
+    default: str = inp.TEXT_SHAKESPEARE,
+    label: str = "Text",
+    ref: RunRef | None = None,
+    default_index: int = 0,
 ) -> tuple[TextChoice, str | None]:
-    """Text source picker (+ text box / file uploader, + max tokens unless given). Returns (choice, error)."""
+    """Text source picker (+ text box / file uploader, + max tokens unless given). Returns (choice, error).
+
+    When ``ref`` is a trace folder, its recorded texts instead (``recorded_choice``): it has no model to read another.
+    """
+    try:  # a checkpoint never enters the cache layer for this
+        recorded = caching.recorded_texts(ref) if ref is not None and is_trace_dir(ref.path) else None
+    except CheckpointError:
+        recorded = None  # an unreadable run card: the page that loads the run says why
+    if recorded is not None:
+        return recorded_choice(prefix, ref, recorded, label, default_index), None
     st.session_state.setdefault(f"{prefix}_text_source", default)
     source = st.selectbox(
         label,
@@ -140,16 +156,7 @@ def text_choice(
         help="What the model reads. The Shakespeare passage is from a play held out of training; "
         "MQAR is a synthetic associative-recall sequence (loss on the answers only).",
     )
-    if max_tokens is None:
-        st.session_state.setdefault(f"{prefix}_max_tokens", inp.MAX_TOKENS_DEFAULT)
-        max_tokens = st.number_input(
-            "Max tokens",
-            min_value=2,
-            max_value=inp.MAX_TOKENS_CAP,
-            step=128,
-            key=f"{prefix}_max_tokens",
-            help=f"Longer texts are cut to their first N tokens (bytes); at most {inp.MAX_TOKENS_CAP:,}.",
-        )
+    max_tokens = max_tokens or _max_tokens(prefix)
     text, name, error = None, "", None
     if source == inp.TEXT_PASTE:
         text = st.text_area(
@@ -176,6 +183,63 @@ def text_choice(
         else:
             st.caption(f"{size:,} bytes of text.")
     return choice, error
+
+
+def _max_tokens(prefix: str) -> int:
+    """The max-tokens input (texts are cut to their first N tokens)."""
+    st.session_state.setdefault(f"{prefix}_max_tokens", inp.MAX_TOKENS_DEFAULT)
+    return int(
+        st.number_input(
+            "Max tokens",
+            min_value=2,
+            max_value=inp.MAX_TOKENS_CAP,
+            step=128,
+            key=f"{prefix}_max_tokens",
+            help=f"Longer texts are cut to their first N tokens (bytes); at most {inp.MAX_TOKENS_CAP:,}. A trace "
+            "folder's recorded texts are shown as traced.",
+        )
+    )
+
+
+def recorded_choice(
+    prefix: str, ref: RunRef, recorded: list[tuple[str, str, str | None, int]], label: str, default_index: int = 0
+) -> TextChoice:
+    """A picker of a trace folder's recorded texts (index, name, tokens, first words), kept in
+    ``st.session_state[prefix + "_text_index"]`` (the link's ``text_index``, ``app.links``). A number the folder has
+    no text for (a link's, or one kept from another run) falls back to ``default_index`` with a warning that stays
+    until a text is picked."""
+    ss = st.session_state
+    key, note_key = f"{prefix}_text_index", f"{prefix}_text_index_note"
+    count = len(recorded)
+    fallback = default_index if 0 <= default_index < count else 0
+    wanted = ss.get(key, fallback)
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted < count:
+        ss[note_key] = (
+            ref.label,
+            f"There is no text {wanted!r} in the trace folder {ref.label}: it recorded {count} text(s), numbered "
+            f"0..{count - 1}. Showing text {fallback}.",
+        )
+        wanted = fallback
+    ss[key] = wanted
+    index = st.selectbox(
+        label,
+        list(range(count)),
+        key=key,
+        format_func=lambda i: recorded[i][0],
+        on_change=lambda: ss.pop(note_key, None),
+        help="A trace folder holds the traces of the texts it was made with (`k3lab trace --text A --text B ...`): "
+        "pick one. Each label is its number, name, token count and first words.",
+    )
+    note = ss.get(note_key)
+    if note is not None and note[0] == ref.label:
+        st.warning(md_escape(note[1]), icon=":material/link_off:")
+    st.caption(
+        "A trace folder has no model, so it cannot read a new text: it shows the texts it recorded. To run another "
+        "text, open the checkpoint it was traced from."
+    )
+    _, name, text, count = recorded[index]
+    # max tokens: the recorded count, so a checkpoint compared with the folder reads the text as it was traced
+    return TextChoice(inp.TEXT_RECORDED, min(max(count, 2), inp.MAX_TOKENS_CAP), text=text, name=name, recorded=index)
 
 
 def run_by_label(inputs: Inputs, label: str) -> RunRef | None:

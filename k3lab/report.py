@@ -1,18 +1,36 @@
-"""``k3lab report RUN [RUN2] [--text FILE | --sample NAME] [--layer N] [--head H] --out DIR``: the headless report
-of one run, or a comparison of two (``analysis.report.write_report`` does the work; this module parses, shows
-progress, prints). ``--layer`` / ``--head`` focus the views that have a layer/head picker in the app.
+"""``k3lab report RUN [RUN2] [--text FILE | --sample NAME | --text-index N|all] [--layer N] [--head H] --out DIR``:
+the headless report of one run, or a comparison of two (``analysis.report.write_report`` does the work; this module
+parses, shows progress, prints). ``--layer`` / ``--head`` focus the views that have a layer/head picker in the app.
+``--text-index`` picks a trace folder's recorded text (default its text 0); ``all`` writes one report per text,
+in ``DIR/text-0``, ``DIR/text-1``, ...
 
 Exit codes: 0 success, 1 the report was written but some view failed unexpectedly, 2 bad input
 (unreadable checkpoint, missing text file, unknown sample, runs that cannot read the same text, a --layer/--head
-that no selected view can focus on).
+that no selected view can focus on, a --text-index the trace folder has no text for).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from k3lab.options import add_device_options, add_output_options
+
+ALL_TEXTS = "all"
+
+
+def text_index_arg(value: str) -> int | str:
+    """``--text-index``: a whole number 0 or more, or "all"."""
+    if value.strip().lower() == ALL_TEXTS:
+        return ALL_TEXTS
+    try:
+        index = int(value)
+    except ValueError:
+        index = -1
+    if index < 0:
+        raise argparse.ArgumentTypeError(f"expected a text number (0, 1, ...) or 'all', got {value!r}")
+    return index
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a headless HTML report (every figure, "
         "its data, headline numbers) for one run, or a comparison of two runs.",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="checkpoint folder(s): one run, or two to compare")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="checkpoint or trace folder(s) (`k3lab trace`): one run, or two to compare",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to run the model on")
     src.add_argument(
@@ -31,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         choices=SAMPLES,
         help=f"built-in input: {', '.join(SAMPLES)} (default: held-out Shakespeare)",
+    )
+    src.add_argument(
+        "--text-index",
+        type=text_index_arg,
+        metavar="N|all",
+        help="when RUN is a trace folder (`k3lab trace --text A --text B ...`): report its recorded text N "
+        "(0-based, in the order traced; default 0), or 'all': one report per text, in OUT/text-0, OUT/text-1, ...",
     )
     add_output_options(p)
     add_device_options(p)
@@ -76,6 +106,43 @@ def main(argv: list[str] | None = None) -> int:
         print("k3lab report: --max-tokens must be at least 2", file=sys.stderr)
         return 2
 
+    from k3core.checkpoint import CheckpointError
+
+    try:
+        indices = _text_indices(args)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"k3lab report: {exc}", file=sys.stderr)
+        return 2
+    codes = []
+    for index in indices:
+        out = args.out if args.text_index != ALL_TEXTS else Path(args.out) / f"text-{index}"
+        codes.append(_report(args, out, index))
+        if codes[-1] == 2:
+            break
+    return max(codes)
+
+
+def _text_indices(args: argparse.Namespace) -> list[int | None]:
+    """The recorded texts to report: [None] without --text-index, [N], or every text of the trace folder for
+    'all'. Raises ValueError (checked before any model is loaded) when RUN is no trace folder or has no text N."""
+    from analysis.runs import check_text_index, load_trace_folder
+    from k3core.trace_dir import is_trace_dir
+
+    if args.text_index is None:
+        return [None]
+    if not is_trace_dir(args.runs[0]):
+        raise ValueError(
+            f"--text-index picks a recorded text of a trace folder, and {args.runs[0]} is not one (no run_card.json); "
+            "give a checkpoint --text FILE or --sample NAME instead"
+        )
+    run = load_trace_folder(args.runs[0])
+    if args.text_index == ALL_TEXTS:
+        return list(range(len(run.recorded.texts)))
+    return [check_text_index(run, args.text_index)]
+
+
+def _report(args: argparse.Namespace, out: str | Path, text_index: int | None) -> int:
+    """One report (``write_report``) into ``out``, with a progress bar and a summary; its exit code."""
     from tqdm import tqdm
 
     from analysis.report import select_views, write_report
@@ -87,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = write_report(
             args.runs,
-            args.out,
+            out,
             text_file=args.text,
             sample=args.sample,
             max_tokens=args.max_tokens,
@@ -100,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             save_trace=args.save_trace,
             progress=progress,
             picks={k: v for k, v in (("layer", args.layer), ("head", args.head)) if v is not None},
+            text_index=text_index,
         )
     except (CheckpointError, ValueError, OSError) as exc:
         progress.close()
@@ -107,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     progress.close()
     timings = result.timings
+    of_text = "" if text_index is None else f" of recorded text {text_index}"
     print(
-        f"k3lab report: wrote {result.out / 'report.html'} ({len(result.shown)} figures, {len(result.skipped)} not "
-        f"applicable, {len(result.failed)} failed) in {timings['total']:.1f} s"
+        f"k3lab report: wrote {result.out / 'report.html'}{of_text} ({len(result.shown)} figures, "
+        f"{len(result.skipped)} not applicable, {len(result.failed)} failed) in {timings['total']:.1f} s"
     )
     slow = sorted(result.entries, key=lambda e: -e.seconds)[:3]
     print(

@@ -10,6 +10,7 @@ import streamlit as st
 from analysis.compare import distinct_labels
 from analysis.views import section_views
 from app import cards, links, page
+from app.errors import md_escape
 from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
 from app.sidebar import text_choice
@@ -46,16 +47,23 @@ elif mode == EDITED:
     links.write_edits(edits)
 else:
     c1, c2 = st.columns(2)
-    c1.text_input("Text A (sidebar)", value=inputs.text.source, disabled=True, key="k3lab_cmp_text_a")
+    recorded_a = inputs.text.recorded  # a trace folder: A and B are two of its recorded texts
+    shown_a = inputs.text.source if recorded_a is None else inputs.text.short
+    c1.text_input("Text A (sidebar)", value=shown_a, disabled=True, key="k3lab_cmp_text_a")
     with c2:
         default_b = TEXT_MQAR if inputs.text.source != TEXT_MQAR else TEXT_SHAKESPEARE
         choice_b, error_b = text_choice(
-            "k3lab_cmp", max_tokens=inputs.text.max_tokens, default=default_b, label="Text B"
+            "k3lab_cmp",
+            max_tokens=inputs.text.max_tokens,
+            default=default_b,
+            label="Text B",
+            ref=run_a,
+            default_index=1 if recorded_a == 0 else 0,
         )
     source_b = choice_b.source
 
 section = st.radio("Views", list(SECTIONS), format_func=SECTIONS.get, horizontal=True, key="k3lab_cmp_section")
-links.write_compare(mode, label_b, source_b, section)
+links.write_compare(mode, label_b, source_b, section, choice_b.recorded if mode == TWO_TEXTS else None)
 
 if mode == TWO_RUNS:
     a = page.load_or_stop(inputs, label=run_a.label)
@@ -68,9 +76,9 @@ else:
     a = page.load_or_stop(inputs, label=label_a)
     b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b, run=a.run)
 
-st.caption(
-    f"**A** = {a.ctx.label}: {a.tokens.n:,} tokens of {a.tokens.source} · "
-    f"**B** = {b.ctx.label}: {b.tokens.n:,} tokens of {b.tokens.source}"
+st.caption(  # labels and sources name files and texts: shown as text, never as Markdown
+    f"**A** = {md_escape(a.ctx.label)}: {a.tokens.n:,} tokens of {md_escape(a.tokens.source)} · "
+    f"**B** = {md_escape(b.ctx.label)}: {b.tokens.n:,} tokens of {md_escape(b.tokens.source)}"
 )
 
 st.markdown("#### Headline numbers")
