@@ -131,13 +131,24 @@ def _size(fig: go.Figure) -> tuple[int, int]:
 def write_static_batch(
     jobs: Sequence[tuple[go.Figure, Path]], scale: float = DEFAULT_SCALE, browser_path: str | None = None
 ) -> dict[Path, Path | str]:
-    """Render every (figure, path) in one kaleido browser session; the format comes from the suffix.
+    """Render every (figure, path) in one kaleido browser session; the format comes from the suffix. Images
+    that failed get one more session of their own: a browser that starts slowly on a loaded machine can run
+    kaleido's script before it loaded ("ReferenceError: kaleido_scopes is not defined", seen in CI).
 
     Returns {path: path} for written files and {path: error message} for failures. Raises
     ExportUnavailable when no browser or kaleido is available."""
     if not jobs:
         return {}
     browser_path = browser_path or require_static_export()
+    out = _kaleido_session(jobs, scale, browser_path)
+    failed = [(fig, path) for fig, path in jobs if not isinstance(out[Path(path)], Path)]
+    if failed:
+        out.update(_kaleido_session(failed, scale, browser_path))
+    return out
+
+
+def _kaleido_session(jobs: Sequence[tuple[go.Figure, Path]], scale: float, browser_path: str) -> dict[Path, Path | str]:
+    """One kaleido browser session over ``jobs``: {path: path} written, {path: error message} not."""
     import kaleido
 
     items = []

@@ -133,8 +133,13 @@ def test_a_picked_token_shows_its_experts_and_top_k_as_the_trace_has_them(server
         page.get_by_text("Token", exact=True).first.click()  # the section radio
         page.get_by_role("combobox", name="Token", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
         settle(page)
-        _pick(page, "Token", f"{position}: {_label(run, int(ids[0, position]))}")
-        page.get_by_text(re.compile(rf"^Token {position}: ")).first.wait_for(timeout=RENDER_TIMEOUT_MS)
+        shown = page.get_by_text(re.compile(rf"^Token {position}: ")).first
+        for _attempt in range(3):  # a pick made while a rerun redraws the select box is lost: pick again
+            _pick(page, "Token", f"{position}: {_label(run, int(ids[0, position]))}")
+            settle(page)
+            if shown.count():
+                break
+        shown.wait_for(timeout=RENDER_TIMEOUT_MS)
         settle(page)
         _no_errors(page, log)
         top, experts = page.evaluate(TABLES_JS)[:2]
