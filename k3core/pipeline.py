@@ -24,7 +24,6 @@ import re
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -51,7 +50,6 @@ from .rank_plan import RankPlan, model_sizes, plan_for
 from .streaming import published_tensors, stream_weights
 from .trace import Trace, TraceNames, record
 
-FAULT_ENV = "K3LAB_PIPELINE_FAULT"  # "RANK:LAYER:die|hang": for the fault tests, a rank dies or hangs there
 _ACTIVITY = {"now": "starting"}  # what this rank is doing, for the message when the launcher stops it
 
 
@@ -253,22 +251,6 @@ def recv_stream(config: K3Config, stage: Stage, text: int, device: torch.device)
 
 
 # --------------------------------------------------------------------------------------------- the forward
-def _fault(stage: Stage, layer: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return
-    rank, at, kind = spec.split(":")
-    if int(rank) == stage.rank and int(at) == layer:
-        print(
-            f"k3lab trace: rank {stage.rank}: injected fault ({kind}) at layer {layer} at t={time.time():.3f}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if kind == "die":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(10**6)
-
-
 @torch.no_grad()
 def run_stage(
     model: K3ForCausalLM, stage: Stage, texts: list[torch.Tensor], what: str | tuple = "all", max_attn_len: int = 1024
@@ -290,7 +272,6 @@ def run_stage(
                 stream = recv_stream(model.config, stage, m, device)
             for i in range(stage.start, stage.stop):
                 _doing(f"running layer {i} on text {m}")
-                _fault(stage, i)
                 stream = model.model.layers[i](stream, None)
             if stage.last:
                 _doing(f"running the output mix, norm and LM head on text {m}")

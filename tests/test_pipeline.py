@@ -73,10 +73,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: float = LAUNCH_TIMEOUT):
-    """``torchrun --standalone --nproc-per-node N -m k3lab trace ...`` on gloo; (completed process, seconds)."""
+def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: float = LAUNCH_TIMEOUT, fault: str = ""):
+    """``torchrun --standalone --nproc-per-node N -m k3lab trace ...`` on gloo; (completed process, seconds).
+    ``fault`` "RANK:LAYER:die|hang" runs it through tests/pipeline_fault.py instead."""
+    entry = ["tests.pipeline_fault", fault] if fault else ["k3lab", "trace"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "k3lab", "trace", *args]  # fmt: skip
+           "-m", *entry, *args]  # fmt: skip
     full_env = {**os.environ, "K3LAB_BACKEND": "gloo", "PYTHONPATH": str(REPO), **(env or {})}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -153,7 +155,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_with_its_name(checkpoints, t
         "--timeout",
         str(timeout),
     ]
-    proc, seconds = torchrun(3, args, env={"K3LAB_PIPELINE_FAULT": f"1:1:{kind}"})
+    proc, seconds = torchrun(3, args, fault=f"1:1:{kind}")
     ended = time.time()
     text = proc.stderr + proc.stdout
     assert proc.returncode != 0
