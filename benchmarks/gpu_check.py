@@ -41,7 +41,8 @@ from k3core.cache import K3Cache  # noqa: E402
 from k3core.config import K3Config  # noqa: E402
 from k3core.layers.moe import grouped_mm_available  # noqa: E402
 from k3core.model import K3ForCausalLM  # noqa: E402
-from k3core.ops.kda import _fla_chunk_kda, kda_chunk, kda_recurrent  # noqa: E402
+from k3core.ops.kda import kda_chunk, kda_recurrent  # noqa: E402
+from k3core.ops.kda_chunked import _fla_chunk_kda  # noqa: E402
 from k3core.presets import from_preset  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -20,6 +20,9 @@ point ``kda.chunk_state``, read only): on the torch path from its state loop, on
 kernel (which cannot hand its states out) from ``kda_chunk_end_states`` after it, so recording keeps the fast
 kernel.
 
+This module is the recorder. The ``Trace`` data type, its file format and ``TraceNames`` live in
+``k3core.trace_data`` and are re-exported here (``from k3core.trace import Trace, TraceNames, names``).
+
 Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``;
 build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``names.kda_g(0)``):
 
@@ -52,19 +55,15 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
 from __future__ import annotations
 
 import contextlib
-import json
-import zipfile
-import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .hooks import HookNames, active, hooks
+from .hooks import active, hooks
 from .ops.kda import kda_recurrent
+from .trace_data import Trace, TraceError, TraceNames, names  # noqa: F401  (TraceError, names: re-exported)
 
 WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
 WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
@@ -76,194 +75,6 @@ def current() -> Recorder | None:
     """The recorder active in this thread/context, or None (the common, free case)."""
     ctx = active()
     return None if ctx is None else ctx.owners.get(_RECORDER)
-
-
-class TraceNames(HookNames):
-    """Every trace array name, built in one place (``i`` is a 0-based layer index); the hook point
-    names of ``k3core.hooks.HookNames`` are part of it (``names.block(3, "kda.g")``).
-
-    AttnRes sites are ``"{i}.attn"``, ``"{i}.mlp"`` (decoder layer ``i``) and ``"output"`` (the final
-    mix); build them with ``attnres_site``. Use as ``from k3core.trace import names``.
-    """
-
-    TOKENS = "tokens"
-    TOKEN_NLL = "token_nll"
-    HIDDEN = "hidden"
-    HIDDEN_RMS = "hidden_rms"
-    KDA_PREFIX = "kda."
-    MLA_PREFIX = "mla."
-    MOE_PREFIX = "moe."
-    ATTNRES_PREFIX = "attnres."
-    RESIDUAL_PREFIX = "residual."
-    QUERY_NORM_SUFFIX = "_query_norm"
-    OUTPUT_SITE = "output"
-    ATTNRES_OUTPUT = "attnres.output"
-    ATTNRES_OUTPUT_QUERY_NORM = "attnres.output_query_norm"
-    #: ``trace.meta`` key: {site: [source name per position of the site's source axis]}
-    ATTNRES_SOURCES_META = "attnres_sources"
-
-    @staticmethod
-    def kda_g(i: int) -> str:
-        return f"kda.{i}.g"
-
-    @staticmethod
-    def kda_beta(i: int) -> str:
-        return f"kda.{i}.beta"
-
-    @staticmethod
-    def kda_gate(i: int) -> str:
-        return f"kda.{i}.gate"
-
-    @staticmethod
-    def kda_state_norm(i: int) -> str:
-        return f"kda.{i}.state_norm"
-
-    @staticmethod
-    def kda_state_steps(i: int) -> str:
-        return f"kda.{i}.state_steps"
-
-    @staticmethod
-    def kda_final_state(i: int) -> str:
-        return f"kda.{i}.final_state"
-
-    @staticmethod
-    def mla_attn(i: int) -> str:
-        return f"mla.{i}.attn"
-
-    @staticmethod
-    def mla_gate(i: int) -> str:
-        return f"mla.{i}.gate"
-
-    @staticmethod
-    def attnres(site: str) -> str:
-        """Depth weights [batch, token, source] at a site ("0.attn", "0.mlp", ..., "output")."""
-        return f"attnres.{site}"
-
-    @staticmethod
-    def attnres_query_norm(site: str) -> str:
-        return f"attnres.{site}_query_norm"
-
-    @staticmethod
-    def attnres_site_of(name: str) -> str | None:
-        """The site of a depth-weight array name ("attnres.3.mlp" -> "3.mlp"); None for other names
-        (query norms included)."""
-        if not name.startswith("attnres.") or name.endswith("_query_norm"):
-            return None
-        return name[len("attnres.") :]
-
-    @staticmethod
-    def residual(i: int, side: str, kind: str) -> str:
-        """Scale/bias residual parameter of layer ``i``: side "attn"|"mlp", kind "scale"|"bias"."""
-        if side not in ("attn", "mlp") or kind not in ("scale", "bias"):
-            raise ValueError(f"residual side/kind must be attn|mlp and scale|bias, got {side!r}, {kind!r}")
-        return f"residual.{i}.{side}_{kind}"
-
-    @staticmethod
-    def moe_scores(i: int) -> str:
-        return f"moe.{i}.scores"
-
-    @staticmethod
-    def moe_experts(i: int) -> str:
-        return f"moe.{i}.experts"
-
-    @staticmethod
-    def moe_weights(i: int) -> str:
-        return f"moe.{i}.weights"
-
-    @staticmethod
-    def moe_latent(i: int) -> str:
-        return f"moe.{i}.latent"
-
-    @staticmethod
-    def moe_load(i: int) -> str:
-        return f"moe.{i}.load"
-
-    @staticmethod
-    def moe_bias(i: int) -> str:
-        return f"moe.{i}.bias"
-
-
-names = TraceNames
-
-
-class TraceError(ValueError):
-    """A trace file is missing, corrupt or not a k3lab trace."""
-
-
-@dataclass
-class Trace:
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    axes: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.arrays[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.arrays
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.arrays.get(name, default)
-
-    def names(self, prefix: str = "") -> list[str]:
-        return sorted(n for n in self.arrays if n.startswith(prefix))
-
-    def layer_indices(self, kind: str) -> list[int]:
-        """Layers with data of a kind ("kda", "mla", "moe", "attnres"), in depth order."""
-        found = set()
-        for name in self.arrays:
-            parts = name.split(".")
-            if parts[0] == kind and len(parts) > 2 and parts[1].isdigit():
-                found.add(int(parts[1]))
-        return sorted(found)
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return self.meta.get("config", {})
-
-    def add(self, name: str, value: np.ndarray | torch.Tensor, axes: Iterable[str]) -> None:
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu")
-            if value.is_floating_point():
-                value = value.float()
-            value = value.numpy()
-        value = np.asarray(value)
-        axes = tuple(axes)
-        if value.ndim != len(axes):
-            raise ValueError(f"{name}: array has {value.ndim} dims but axes {axes}")
-        self.arrays[name] = value
-        self.axes[name] = axes
-
-    def save(self, path: str | Path) -> Path:
-        """One .npz file; the header (meta + axes) is JSON inside it. No pickles."""
-        path = Path(path)
-        header = json.dumps(
-            {"format": "k3lab-trace/1", "meta": self.meta, "axes": {k: list(v) for k, v in self.axes.items()}}
-        )
-        payload = {f"a/{k}": v for k, v in self.arrays.items()}
-        payload["__header__"] = np.frombuffer(header.encode(), dtype=np.uint8)
-        with open(path, "wb") as fh:
-            np.savez_compressed(fh, **payload)
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> Trace:
-        path = Path(path)
-        if not path.is_file():
-            raise TraceError(f"{path}: no such trace file")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                header = json.loads(bytes(data["__header__"]).decode())
-                arrays = {k[2:]: data[k] for k in data.files if k.startswith("a/")}
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-            raise TraceError(f"{path}: not a readable k3lab trace ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(header, dict) or header.get("format") != "k3lab-trace/1":
-            fmt = header.get("format") if isinstance(header, dict) else None
-            raise TraceError(f"{path}: unknown trace format {fmt!r}")
-        axes, meta = header.get("axes"), header.get("meta")
-        if not isinstance(axes, dict) or not isinstance(meta, dict) or set(axes) != set(arrays):
-            raise TraceError(f"{path}: corrupt trace header (axes do not match the stored arrays)")
-        return cls(arrays=arrays, axes={k: tuple(v) for k, v in axes.items()}, meta=meta)
 
 
 class Recorder:

@@ -23,7 +23,7 @@ from k3core.interventions import (
     parse_edit,
 )
 from k3core.model import K3ForCausalLM
-from k3core.ops import kda as kda_ops
+from k3core.ops import kda_chunked as kda_ops
 from k3core.ops.kda import kda_chunk, kda_chunk_end_states, kda_recurrent
 from k3core.trace import names, record
 

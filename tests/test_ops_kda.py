@@ -275,7 +275,7 @@ def test_chunk_argument_errors():
 
 def test_fla_backend_on_cpu():
     """Asking for fla explicitly on a machine without it must fail loudly, not fall back."""
-    from k3core.ops import kda as kda_module
+    from k3core.ops import kda_chunked as kda_module
 
     if kda_module._fla_chunk_kda() is not None:
         pytest.skip("fla's Triton chunk_kda imports here")
@@ -340,7 +340,7 @@ def test_chunk_autograd_after_inference_mode():
 @pytest.mark.parametrize("C", [1, 2, 8, 64])
 def test_dyadic_tiling_covers_lower_triangle_once(C):
     """Every entry of the C x C lower triangle is read from exactly one stored slot."""
-    from k3core.ops.kda import _dyadic_index
+    from k3core.ops.kda_chunked import _dyadic_index
 
     index = torch.tensor(_dyadic_index(C)).view(C, C)
     upper = torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1)
