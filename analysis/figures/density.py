@@ -315,7 +315,8 @@ def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         fig.update_yaxes(title_text="share near bound", range=[0, 1], row=2, col=1)
     fig.update_xaxes(title_text=f"KDA {what}", row=2 if lower_bound else 1, col=1)
     focus = pk.pick_title(choices, layer, head)
-    apply_style(fig, f"KDA decay: half-life ln 2/(-g) per {what}{focus} — {ctx.label}", height=560)
+    shown = focus or f" per {what}"  # a pick names what is shown
+    apply_style(fig, f"KDA decay: half-life ln 2/(-g){shown} — {ctx.label}", height=560)
     return fig, table
 
 
@@ -345,7 +346,7 @@ def build_kda_beta(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     )
     fig.update_yaxes(range=[0, 1])
     focus = pk.pick_title(choices, layer, head)
-    apply_style(fig, f"KDA write strength β per {what}{focus} — {ctx.label}", f"KDA {what}", "β (0..1)")
+    apply_style(fig, f"KDA write strength β{focus or f' per {what}'} — {ctx.label}", f"KDA {what}", "β (0..1)")
     return fig, table
 
 
@@ -399,7 +400,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     focus = pk.pick_title(choices, picked_layer, picked_head)
     apply_style(
         fig,
-        f"KDA state norm over time, {what}{focus} — {ctx.label}",
+        f"KDA state norm over time, {focus.removeprefix(', ') or what} — {ctx.label}",
         "token position (end of chunk)",
         "state Frobenius norm ‖S‖_F",
     )
