@@ -4,7 +4,7 @@
 Loading streams, so that it works for any size (see :func:`load_pretrained`):
 
 1. ``CheckpointFiles.open`` reads config.json, the shard index and every safetensors header
-   (k3core/checkpoint_files.py; name variants, skipped multimodal tensors, the keep-fp32 rule);
+   (k3core/checkpoint_files.py; name variants, skipped multimodal tensors, the keep-fp32 rule: checkpoint_names.py);
 2. the model is built on the meta device (shapes only, no storage), tensors named by the keep-fp32
    rule switched to fp32;
 3. every check that headers can answer runs before any data is read: quantised tensors, missing /
@@ -152,7 +152,7 @@ def load_config(path: str | Path) -> K3Config:
 
 
 def keep_fp32_parameters(model: nn.Module) -> list[str]:
-    """Switch the model's keep-fp32 tensors (``checkpoint_files.keep_fp32``) to fp32, in place; their names.
+    """Switch the model's keep-fp32 tensors (``checkpoint_names.keep_fp32``) to fp32, in place; their names.
 
     Meant for a model on the meta device, before storage is allocated (costs nothing there)."""
     names = []

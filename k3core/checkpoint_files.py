@@ -7,8 +7,8 @@ loader streams through it, the weight-only views read a few small tensors throug
 app's cache key comes from ``folder_fingerprint`` (headers, sizes, modification times) without hashing
 terabytes.
 
-Published checkpoints spell the same tensor in several ways; the variants are data, in the
-``NAME_TABLE`` below, and every reader in k3lab goes through ``canonical_name``:
+Published checkpoints spell the same tensor in several ways; the variants are data, in
+``k3core.checkpoint_names.NAME_TABLE``, and every reader in k3lab goes through ``canonical_name``:
 
 - the Kimi K3 repo is multimodal: the text model sits under ``language_model.``, beside
   ``vision_tower.*`` / ``mm_projector.*`` tensors that are not part of it (skipped and listed);
@@ -17,29 +17,83 @@ Published checkpoints spell the same tensor in several ways; the variants are da
 
 Pickle files (``pytorch_model.bin`` and friends) have no header; they are read whole, and only when
 ``torch.load(weights_only=True)`` accepts them (k3lab never unpickles arbitrary objects).
+
+This module is the folder and its table; the parts live beside it and are re-exported here:
+``k3core.safetensors_header`` (reading and checking a header, byte spans, sparse-file holes),
+``k3core.checkpoint_names`` (the name table, the keep-fp32 and parameter-count rules) and
+``k3core.pickle_weights`` (the safe pickle reader).
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import gc
 import hashlib
 import json
-import math
 import os
-import re
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from .checkpoint_names import (
+    KEEP_FP32_PATTERNS,
+    NAME_TABLE,
+    NOT_PARAMETER_PATTERNS,
+    PARAMETER_RULE,
+    canonical_name,
+    counts_as_parameter,
+    keep_fp32,
+)
 from .config import ConfigError, K3Config
 from .files import open_for_reading, parse_json, read_bytes_limited
 from .hf_config import config_from_hf, is_hf_config
+from .pickle_weights import check_pickle_zip, read_pickle_weights_only
+from .safetensors_header import (
+    DTYPE_BITS,
+    MAX_DIM,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    is_hole,
+    read_safetensors_header,
+    read_span,
+)
 from .tensor_info import DTYPES, CheckpointError, TensorInfo
+
+__all__ = [
+    "CONFIG_NAME",
+    "DTYPES",
+    "DTYPE_BITS",
+    "INDEX_NAME",
+    "KEEP_FP32_PATTERNS",
+    "MAX_CONFIG_BYTES",
+    "MAX_DIM",
+    "MAX_DIMS",
+    "MAX_HEADER_BYTES",
+    "MAX_INDEX_BYTES",
+    "NAME_TABLE",
+    "NOT_PARAMETER_PATTERNS",
+    "PARAMETER_RULE",
+    "PICKLE_NAMES",
+    "PICKLE_SUFFIXES",
+    "TOKENIZER_FILES",
+    "WEIGHTS_NAME",
+    "CheckpointError",
+    "CheckpointFiles",
+    "TensorInfo",
+    "canonical_name",
+    "check_pickle_zip",
+    "config_from_json",
+    "counts_as_parameter",
+    "folder_fingerprint",
+    "is_hole",
+    "keep_fp32",
+    "read_config",
+    "read_quantization_config",
+    "read_safetensors_header",
+    "read_span",
+    "weight_files",
+]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -47,179 +101,10 @@ INDEX_NAME = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin", "pytorch_model.pt")
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenizer.model")
-MAX_HEADER_BYTES = 100 * 1024**2  # safetensors' own limit: a header over 100 MB is corrupt or hostile
 MAX_CONFIG_BYTES = 16 * 1024**2  # config.json (Kimi K3's: 5 KB)
 MAX_INDEX_BYTES = 256 * 1024**2  # the shard index (one line per tensor name)
-MAX_DIMS = 8  # safetensors' own bounds on a tensor's shape: at most 8 dimensions, each below 2**63
-MAX_DIM = 2**63 - 1
-# Bits per element of every safetensors dtype: the header's byte range must be exactly shape x this.
-DTYPE_BITS: dict[str, int] = {
-    **{t: 8 for t in ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0")},
-    **{t: 16 for t in ("U16", "I16", "F16", "BF16")},
-    **{t: 32 for t in ("U32", "I32", "F32")},
-    **{t: 64 for t in ("U64", "I64", "F64")},
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-}
-
-
-# ---------------------------------------------------------------------------------- name table
-# Each rule is (kind, pattern, replacement) applied in order to a stored tensor name:
-#   strip: remove a prefix;  skip: the tensor is not part of the text model;  rename: regex substitution.
-NAME_TABLE: tuple[tuple[str, str, str], ...] = (
-    ("strip", "language_model.", ""),  # Kimi K3 repo: the text model of a multimodal checkpoint
-    ("skip", "vision_tower.", ""),
-    ("skip", "vision_model.", ""),
-    ("skip", "mm_projector.", ""),
-    ("skip", "multi_modal_projector.", ""),
-    ("skip", "audio_tower.", ""),
-    # transformers-saved Kimi Linear: the dense layer's MLP under block_sparse_moe (a routed layer's
-    # router is block_sparse_moe.gate.weight, never gate_proj, so this cannot catch an MoE tensor)
-    ("rename", r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate|up|down)_proj\.weight$", r"\1mlp.\2_proj.weight"),
-)
-
-# Tensors the published checkpoints store in fp32 and the reference computes in fp32: they stay fp32
-# whatever dtype the model is loaded in (rounding the router bias to bf16 changes which experts win).
-KEEP_FP32_PATTERNS: tuple[str, ...] = (
-    r"\.self_attn\.A_log$",
-    r"\.self_attn\.dt_bias$",
-    r"\.self_attn\.[qkv]_conv1d\.weight$",
-    r"\.self_attn\.o_norm\.weight$",
-    r"\.gate\.e_score_correction_bias$",
-)
-_KEEP_FP32 = re.compile("|".join(KEEP_FP32_PATTERNS))
-
-# The parameter-count rule, one for the model, the model card, the Weights page and ``inspect``: parameters are
-# the tensors training learns by gradient (``nn.Parameter``). The router selection bias is a buffer that load
-# balancing sets (it steers which experts are chosen, never their weights): stored in the checkpoint, not counted.
-NOT_PARAMETER_PATTERNS: tuple[str, ...] = (r"\.gate\.e_score_correction_bias$",)
-_NOT_PARAMETER = re.compile("|".join(NOT_PARAMETER_PATTERNS))
-PARAMETER_RULE = (
-    "Learned weights (nn.Parameter) of the text model, tied weights once; the router selection bias "
-    "(e_score_correction_bias, a load-balancing buffer) is stored but not counted."
-)
-
-
-def counts_as_parameter(name: str) -> bool:
-    """Whether a checkpoint tensor counts as parameters under ``PARAMETER_RULE`` (router selection bias: no)."""
-    return _NOT_PARAMETER.search(name) is None
-
 
 _TORCH_TO_ST = {v: k for k, v in DTYPES.items()}
-
-
-def canonical_name(raw: str) -> str | None:
-    """k3core's state-dict name for a stored tensor name, or None when it is not part of the text model."""
-    name = raw
-    for kind, pattern, replacement in NAME_TABLE:
-        if kind == "strip" and name.startswith(pattern):
-            name = name[len(pattern) :]
-        elif kind == "skip" and name.startswith(pattern):
-            return None
-        elif kind == "rename":
-            name = _compiled(pattern).sub(replacement, name)
-    return name
-
-
-@functools.cache
-def _compiled(pattern: str) -> re.Pattern:
-    return re.compile(pattern)
-
-
-def keep_fp32(name: str) -> bool:
-    """Whether the tensor ``name`` (canonical) is kept in fp32 whatever dtype the model is loaded in."""
-    return _KEEP_FP32.search(name) is not None
-
-
-# ---------------------------------------------------------------------------------- headers
-def read_safetensors_header(file: Path) -> tuple[dict, int]:
-    """The parsed JSON header of a safetensors file and the absolute offset where its data starts.
-
-    Checks that the header is an object of {dtype, shape, data_offsets} entries whose data fits in
-    the file; raises CheckpointError naming the file otherwise."""
-    with os.fdopen(open_for_reading(file), "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size < 8:
-            raise CheckpointError(f"{file.name}: not a safetensors file (only {size} bytes)")
-        head = fh.read(8)
-        n = int.from_bytes(head, "little")
-        if n <= 0 or n > size - 8 or n > MAX_HEADER_BYTES:
-            if head[:2] == b"PK" or head[:1] == b"\x80":
-                raise CheckpointError(
-                    f"{file.name}: this is a pickle/zip (torch.save) file, not safetensors; "
-                    f"k3lab never unpickles untrusted files"
-                )
-            raise CheckpointError(
-                f"{file.name}: not a safetensors file (header length {n} does not fit in {size} bytes)"
-            )
-        header_bytes = fh.read(n)
-    header = parse_json(header_bytes, f"{file.name}: corrupt safetensors header", CheckpointError, check_ints=False)
-    if not isinstance(header, dict):
-        raise CheckpointError(
-            f"{file.name}: corrupt safetensors header (a JSON {type(header).__name__}, "
-            f"expected an object of tensor entries)"
-        )
-    data_start = 8 + n
-    end = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        ok = (
-            isinstance(dtype, str)
-            and isinstance(shape, list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-            and isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        )
-        if not ok:
-            raise CheckpointError(
-                f"{file.name}: corrupt safetensors header: entry {key[:200]!r} is not "
-                f"{{dtype, shape, data_offsets}} ({str(entry)[:120]})"
-            )
-        _check_extent(file.name, key, dtype, shape, offsets)
-        end = max(end, offsets[1])
-    if data_start + end > size:
-        raise CheckpointError(
-            f"{file.name}: truncated: the header describes {data_start + end} bytes but the file has {size}"
-        )
-    return header, data_start
-
-
-def is_hole(fd: int, begin: int, end: int) -> bool:
-    """Whether bytes [begin, end) of an open file are a hole of a sparse file (they read as zeros): no data
-    starts before ``end`` (``SEEK_DATA``). False where the filesystem cannot tell."""
-    if end <= begin or not hasattr(os, "SEEK_DATA"):
-        return False
-    try:
-        return os.lseek(fd, begin, os.SEEK_DATA) >= end
-    except OSError as exc:
-        return exc.errno == errno.ENXIO  # no data at all after begin
-
-
-def read_span(file: Path, begin: int, end: int, what: str) -> torch.Tensor:
-    """Bytes [begin, end) of ``file`` as a uint8 tensor (one read; a hole of a sparse file is not read, it is
-    zeros); CheckpointError naming ``what`` if the file is shorter."""
-    with open(file, "rb", buffering=0) as fh:
-        if end <= file.stat().st_size and is_hole(fh.fileno(), begin, end):
-            return torch.zeros(end - begin, dtype=torch.uint8)
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        fh.seek(begin)
-        done = 0
-        while done < len(view):
-            n = fh.readinto(view[done:])
-            if not n:
-                raise CheckpointError(
-                    f"{file.name}: truncated while reading {what!r} (bytes {begin}-{end} of {file.stat().st_size})"
-                )
-            done += n
-    return buf
 
 
 def read_quantization_config(folder: Path) -> dict | None:
@@ -233,26 +118,6 @@ def read_quantization_config(folder: Path) -> dict | None:
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
     quant = data.get("quantization_config") or text.get("quantization_config")
     return quant if quant else None
-
-
-def _check_extent(where: str, key: str, dtype: str, shape: list[int], offsets: list[int]) -> None:
-    """The entry's shape is one safetensors allows (at most MAX_DIMS dimensions, each below 2**63) and its
-    bytes are exactly shape x dtype. Checked before anything multiplies shapes: a header of long shapes or
-    huge numbers would otherwise cost time quadratic in its size."""
-    name = repr(key[:200])
-    if dtype not in DTYPE_BITS:
-        raise CheckpointError(f"{where}: tensor {name} has an unknown dtype {dtype[:40]!r}")
-    if len(shape) > MAX_DIMS or any(d > MAX_DIM for d in shape):
-        raise CheckpointError(
-            f"{where}: corrupt safetensors header: tensor {name} has a shape of {len(shape)} dimension(s) out of "
-            f"range (at most {MAX_DIMS}, each below 2**63)"
-        )
-    nbytes, bits = offsets[1] - offsets[0], math.prod(shape) * DTYPE_BITS[dtype]
-    if bits != 8 * nbytes:
-        raise CheckpointError(
-            f"{where}: corrupt safetensors data: tensor {name} has {nbytes:,} bytes for shape {shape} of {dtype} "
-            f"({bits // 8 if bits % 8 == 0 else bits / 8:,} expected)"
-        )
 
 
 def config_from_json(data: Any) -> K3Config:
@@ -312,54 +177,6 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path.name}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
 
 
-def check_pickle_zip(file: Path, fh: BinaryIO) -> None:
-    """A torch.save zip (open as ``fh``) that torch.load can read without inflating anything: every entry stored
-    uncompressed and inside the file (a deflated entry could unpack to any size: a 200 KB file to a 200 MB
-    tensor). Leaves ``fh`` at its start."""
-    size = os.fstat(fh.fileno()).st_size
-    if not zipfile.is_zipfile(fh):
-        raise CheckpointError(
-            f"{file.name}: refusing to load this pickle file: not a torch.save zip archive (older pickle formats "
-            f"are not read); convert it to safetensors"
-        )
-    try:
-        with zipfile.ZipFile(fh) as archive:
-            infos = archive.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"{file.name}: damaged torch.save zip archive ({exc})") from exc
-    fh.seek(0)
-    total = 0
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
-            raise CheckpointError(
-                f"{file.name}: refusing to load this pickle file: the zip entry {info.filename[:120]!r} is "
-                f"compressed (torch.save never compresses, and a compressed entry can unpack to far more than the "
-                f"file holds); convert it to safetensors"
-            )
-        total += info.file_size
-    if total > size:
-        raise CheckpointError(f"{file.name}: its zip entries declare {total:,} bytes, more than the file's {size:,}")
-
-
-def _read_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        with os.fdopen(open_for_reading(file), "rb") as fh:
-            check_pickle_zip(file, fh)
-            obj = torch.load(fh, map_location="cpu", weights_only=True)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure means we refuse the file
-        raise CheckpointError(
-            f"{file.name}: refusing to load this pickle file: torch.load(weights_only=True) "
-            f"rejected it ({type(exc).__name__}); convert it to safetensors"
-        ) from exc
-    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise CheckpointError(f"{file.name}: the pickle file does not hold a plain dict of tensors")
-    return obj
-
-
 @dataclass
 class CheckpointFiles:
     """A checkpoint folder's table of tensors (canonical name -> TensorInfo), read from headers only."""
@@ -405,7 +222,7 @@ class CheckpointFiles:
         for file in files:
             if file.suffix in PICKLE_SUFFIXES:
                 entries = {}
-                for raw, tensor in _read_pickle_weights_only(file).items():
+                for raw, tensor in read_pickle_weights_only(file).items():
                     dtype = _TORCH_TO_ST.get(tensor.dtype, str(tensor.dtype))
                     entries[raw] = (dtype, tuple(tensor.shape), -1, -1)
                     pickled[raw] = tensor

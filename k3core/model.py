@@ -455,7 +455,7 @@ class K3ForCausalLM(nn.Module):
 
     def num_parameters(self, active: bool = False) -> int:
         """Total parameters, or parameters touched per token (routed experts counted k of E). Parameters are
-        ``nn.Parameter``s (k3core.checkpoint_files.PARAMETER_RULE): the router selection bias, a buffer, is not."""
+        ``nn.Parameter``s (k3core.checkpoint_names.PARAMETER_RULE): the router selection bias, a buffer, is not."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total
