@@ -2,7 +2,7 @@
 
     checkpoint folder --folder_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
     (fingerprint, device, dtype) --analysis.runs.load_run--> Run          st.cache_resource
-    (text choice, vocab) --analysis.runs.sample_input/text_input--> Input   st.cache_resource
+    (text choice, vocab) --analysis.texts.sample_input/text_input--> Input   st.cache_resource
     (trace folder, text index) --analysis.runs.recorded_input--> Input     st.cache_resource
     (run, tokens, trace items) --analysis.runs.trace_run--> AnalysisContext  st.cache_resource
     (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
@@ -259,7 +259,7 @@ def _recorded_index(choice: TextChoice, run: Run) -> int:
 
 
 def make_tokens(choice: TextChoice, run: Run) -> Input:
-    """Token ids for a text choice, read with the run's tokenizer (analysis.runs sample_input / text_input). Cached.
+    """Token ids for a text choice, read with the run's tokenizer (analysis.texts sample_input / text_input). Cached.
 
     A trace folder reads its recorded text ``choice`` names (``_recorded_index``; text 0 for a choice that is no
     recorded text: it has no model to read another); one Input per (folder, text), so its trace is read once."""

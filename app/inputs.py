@@ -26,7 +26,7 @@ MAX_ATTN_LEN = 1024  # MLA attention matrices are recorded for at most this many
 SEQ_LENS = tuple(1024 * 2**i for i in range(11))  # 1K .. 1M for the density cache view
 SEQ_LEN_DEFAULT = 131072
 
-# Built-in texts come from analysis.runs.sample_input, the same the report and `k3lab inspect` use.
+# Built-in texts come from analysis.texts.sample_input, the same the report and `k3lab inspect` use.
 TEXT_SHAKESPEARE = "Shakespeare (held-out play)"
 TEXT_MQAR = "MQAR sequence"
 TEXT_REPEAT = "Repeated passage (copy task)"
@@ -52,7 +52,7 @@ class InputError(ValueError):
 @dataclass(frozen=True)
 class TextChoice:
     """What the user picked to read in the sidebar: a built-in sample, or their own text (pasted or uploaded).
-    ``app.caching.make_tokens`` turns it into the run's ``analysis.runs.Input``."""
+    ``app.caching.make_tokens`` turns it into the run's ``analysis.texts.Input``."""
 
     source: str  # one of TEXT_SOURCES, or TEXT_RECORDED
     max_tokens: int = MAX_TOKENS_DEFAULT
