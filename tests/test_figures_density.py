@@ -106,3 +106,19 @@ def test_density_views_show_hand_computed_numbers():
     np.testing.assert_allclose(fig.data[1].y, [0.0, 0.0])  # log 0.5 > 0.9 x (-5): nowhere near the bound
     fig, _ = fd.build_kda_beta(ctx)
     np.testing.assert_allclose(fig.data[0].median, [0.25, 0.25])
+
+
+def test_state_norm_ticks_and_hovers_name_the_last_token_the_state_has_read(nano_run):
+    """A chunk end at x = 16 is the state after tokens 0..15: its tick and hover name token 15, not token 16."""
+    from k3core.tokenizer import ByteTokenizer
+
+    model, ids, trace = nano_run
+    if model.config.vocab_size != ByteTokenizer.vocab_size:
+        pytest.skip("needs a byte-level vocabulary to label tokens")
+    ctx = AnalysisContext(trace=trace, config=model.config, input_ids=ids, tokenizer=ByteTokenizer())
+    fig, table = {v.key: v for v in fd.VIEWS}["kda_state_norm"].build(ctx)
+    axis = fig.layout.xaxis
+    assert list(axis.tickvals) == sorted(set(table["token"]))
+    assert list(axis.ticktext) == ctx.position_labels([v - 1 for v in axis.tickvals])
+    line = fig.data[0]
+    assert list(line.text) == ctx.position_labels([x - 1 for x in line.x])

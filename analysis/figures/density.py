@@ -376,8 +376,8 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     name=f"L{layer}",
                     line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[(li // len(RUN_COLORS)) % 4]},
                     customdata=g[["min", "max"]].to_numpy(),
-                    text=ctx.position_labels(g["token"]),
-                    hovertemplate=f"layer {layer}, mean over heads<br>token %{{text}}<br>‖S‖_F = %{{y:.4g}} "
+                    text=ctx.position_labels(g["token"] - 1),  # the chunk's last token: S has read it
+                    hovertemplate=f"layer {layer}, mean over heads<br>after token %{{text}}<br>‖S‖_F = %{{y:.4g}} "
                     "(heads %{customdata[0]:.4g}..%{customdata[1]:.4g})<extra></extra>",
                 )
             )
@@ -392,8 +392,9 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                     legendgroup=f"L{layer}",
                     showlegend=bool(head == sub["head"].min()),
                     line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[int(head) % 4]},
-                    text=ctx.position_labels(g["token"]),
-                    hovertemplate=f"layer {layer}, head {head}<br>token %{{text}}<br>‖S‖_F = %{{y:.4g}}<extra></extra>",
+                    text=ctx.position_labels(g["token"] - 1),  # the chunk's last token: S has read it
+                    hovertemplate=f"layer {layer}, head {head}<br>after token %{{text}}<br>‖S‖_F = %{{y:.4g}}"
+                    "<extra></extra>",
                 )
             )
     what = "per layer/head" if per_head else "per layer (mean over heads)"
@@ -401,10 +402,14 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     apply_style(
         fig,
         f"KDA state norm over time, {focus.removeprefix(', ') or what} — {ctx.label}",
-        "token position (end of chunk)",
+        "tokens read (labelled with the chunk's last token)",
         "state Frobenius norm ‖S‖_F",
     )
-    fig.update_xaxes(**ctx.token_axis(table["token"]))
+    # x = tokens read at the chunk end (64: tokens 0..63), so a tick names token x - 1, the last one read
+    axis = ctx.token_axis(table["token"] - 1)
+    if axis:
+        axis["tickvals"] = [v + 1 for v in axis["tickvals"]]
+    fig.update_xaxes(**axis)
     if len(layers) > 4:  # many entries: legend as a column on the right
         fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table
