@@ -33,7 +33,7 @@ from typing import Any
 
 import streamlit as st
 
-from analysis import runs
+from analysis import runs, texts
 from analysis.context import AnalysisContext
 from analysis.runs import Input, Run
 from analysis.view import NotApplicable
@@ -210,10 +210,10 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     choice, config, tokenizer = _choice, _run.config, _run.tokenizer
     try:
         if choice.source in SAMPLE_OF_SOURCE:
-            sample = runs.sample_input(SAMPLE_OF_SOURCE[choice.source], config, choice.max_tokens, tokenizer)
+            sample = texts.sample_input(SAMPLE_OF_SOURCE[choice.source], config, choice.max_tokens, tokenizer)
         else:
             # Never encode more than needed: a token covers at most a few dozen characters.
-            sample = runs.text_input(
+            sample = texts.text_input(
                 choice.text[: 64 * choice.max_tokens],
                 config,
                 choice.max_tokens,
@@ -225,7 +225,7 @@ def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run)
     n = int(sample.input_ids.shape[1])
     total, exact = n, True
     if choice.text is not None:  # a long text is counted from its first megabyte, never tokenized whole
-        total, exact = runs.count_tokens(choice.text, runs.text_tokenizer(config, tokenizer))
+        total, exact = texts.count_tokens(choice.text, texts.text_tokenizer(config, tokenizer))
     source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
     if sample.description and choice.text is None:
         source = sample.description

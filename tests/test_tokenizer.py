@@ -442,8 +442,8 @@ def test_token_axes_show_the_run_tokens(tmp_path):
     fig, table = degradation.build_sink_profile(ctx)
     assert list(fig.data[0].customdata[0][:2]) == ["0:A", "1:N"]
     fig, _ = density.build_kda_state_norm(ctx)
-    tick = int(fig.layout.xaxis.tickvals[0])
-    assert fig.layout.xaxis.ticktext[0] == f"{tick}:{strings[tick]}"
+    tick = int(fig.layout.xaxis.tickvals[0])  # a chunk end after `tick` tokens: named by the last one read
+    assert fig.layout.xaxis.ticktext[0] == f"{tick - 1}:{strings[tick - 1]}"
     fig, table = moe.build_latent_pca(ctx)
     first = table[table["layer"] == table["layer"].iloc[0]]
     shown = [t for trace in fig.data if trace.visible is not False for t in trace.text]
