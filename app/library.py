@@ -60,7 +60,7 @@ from k3core.checkpoint_files import (
     WEIGHTS_NAME,
 )
 from k3core.files import atomic_write_text, parse_json, read_bytes_limited
-from k3core.trace_dir import CARD_NAME, is_trace_dir
+from k3core.trace_dir import CARD_NAME, TraceError, is_trace_dir, read_trace_dir
 
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
 SOURCES = ("upload", "path", "preset")
@@ -507,6 +507,10 @@ class RunsLibrary:
 
     def _check_weights_present(self, folder: Path, name: str) -> None:
         if is_trace_dir(folder):  # a trace folder: traces and a run card, no weights (k3core.trace_dir)
+            try:
+                read_trace_dir(folder).check_all()  # every trace read within the limits, checked against the card
+            except TraceError as exc:
+                raise LibraryError(f"{name}: {exc}") from exc
             return
         names = sorted(p.name for p in folder.iterdir())
         if CONFIG_NAME not in names:
