@@ -222,8 +222,10 @@ class Trace:
         if not isinstance(axes, dict) or not isinstance(meta, dict) or set(axes) != set(arrays):
             raise TraceError(f"{where}: corrupt trace header (axes do not match the stored arrays)")
         for name, names in axes.items():
-            if not isinstance(names, list) or len(names) != arrays[name].ndim or not all(
-                isinstance(a, str) for a in names
+            if (
+                not isinstance(names, list)
+                or len(names) != arrays[name].ndim
+                or not all(isinstance(a, str) for a in names)
             ):
                 raise TraceError(f"{where}: array {name[:80]!r}: its axes {str(names)[:80]} do not fit its shape")
         return cls(arrays=arrays, axes={k: tuple(v) for k, v in axes.items()}, meta=meta)

@@ -29,6 +29,7 @@ import numpy as np
 class TraceError(ValueError):
     """A trace file or trace folder is missing, corrupt, over a limit or not a k3lab trace."""
 
+
 MAX_TRACE_BYTES = 4 * 1024**3  # one trace file, inflated (README: "Limits")
 MAX_INFLATE_RATIO = 50  # inflated / stored bytes, for a file or a folder inflating past RATIO_FLOOR_BYTES
 RATIO_FLOOR_BYTES = 64 * 1024**2  # below this, any ratio (a small trace of zeros compresses well and costs nothing)
