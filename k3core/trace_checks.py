@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from .config import K3Config
+from .input_limits import MAX_TOKENS
 from .trace_data import Trace, TraceNames
 from .trace_npz import TraceError
 
-MAX_TEXT_TOKENS = 65_536  # one traced text (README: "Limits"; `k3lab trace --max-tokens` allows no more)
+MAX_TEXT_TOKENS = MAX_TOKENS  # one traced text (README: "Limits"; `k3lab trace --max-tokens` allows no more)
 MAX_CARD_TOKENS = 262_144  # all texts of one trace folder
 MAX_TEXTS = 1024
 MAX_TOKEN_STRING = 1024
