@@ -33,11 +33,12 @@ from typing import Any
 
 import streamlit as st
 
-from analysis import runs, texts
+from analysis import job_memory, runs, texts
 from analysis.context import AnalysisContext
 from analysis.runs import Input, Run
 from analysis.view import NotApplicable
 from analysis.weights import WeightSummary, read_weight_summary
+from app import job_budget
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
@@ -319,7 +320,13 @@ def _cached_trace(
     from k3core.interventions import edits_from_json
 
     start = time.perf_counter()
-    with model_use(_run.model) if _run.model is not None else contextlib.nullcontext():  # None: a trace folder
+    if _run.model is None:  # a trace folder: its trace is read, within the trace file limits (k3core.trace_npz)
+        job = contextlib.nullcontext()
+    else:
+        attention = MAX_ATTN_LEN if "attn_probs" in what else None
+        need = job_memory.trace_peak_bytes(_run.config, _tokens.n, attention)
+        job = job_budget.budget().admit(need, f"Recording the trace of {_tokens.n:,} tokens")
+    with job, model_use(_run.model) if _run.model is not None else contextlib.nullcontext():
         ctx = runs.trace_run(
             _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
         )
