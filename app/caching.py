@@ -302,7 +302,7 @@ def trace_items(record_attn: bool) -> tuple[str, ...]:
     return tuple(sorted(WHAT_ALL if record_attn else WHAT_DEFAULT))
 
 
-_TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forward
+_TRACED: dict[tuple, tuple[float, int]] = {}  # trace key -> (tokens per second of its forward, its tokens)
 
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
@@ -331,7 +331,8 @@ def _cached_trace(
             _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
         )
     if not edits:
-        _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        speed = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        _TRACED[(fingerprint, device, dtype, digest, what)] = (speed, _tokens.n)
     return ctx
 
 
@@ -340,10 +341,18 @@ def is_traced(key: tuple) -> bool:
     return key in _TRACED
 
 
-def tokens_per_second(fingerprint: str, device: str, dtype: str) -> float | None:
-    """The speed of this run's last recorded forward in this process, for cost estimates (None: never run)."""
+def forward_speed(fingerprint: str, device: str, dtype: str) -> tuple[float, int] | None:
+    """(tokens per second, tokens) of this run's last recorded forward in this process (None: never run)."""
     speeds = [v for k, v in _TRACED.items() if k[:3] == (fingerprint, device, dtype)]
     return speeds[-1] if speeds else None
+
+
+def forward_seconds_range(measured: tuple[float, int], tokens: int) -> tuple[float, float]:
+    """(low, high) seconds of a forward of ``tokens`` from one measured at (speed, n tokens): low scales the time
+    linearly in tokens, high quadratically past n (attention over the whole text), as a range, not one number."""
+    speed, n = measured
+    low = tokens / speed
+    return low, low * max(1.0, tokens / max(n, 1))
 
 
 @dataclass

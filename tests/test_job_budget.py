@@ -187,3 +187,11 @@ def test_a_trace_over_the_budget_is_a_message_on_the_page(server_env):
     assert not at.exception
     shown = [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]  # the page escapes Markdown
     assert any("1,000 tokens needs about" in e and "more than this server's budget for jobs" in e for e in shown), shown
+
+
+def test_a_cost_estimate_is_a_range_that_grows_past_the_measured_length():
+    from app.caching import forward_seconds_range
+
+    assert forward_seconds_range((1000.0, 2048), 1024) == (1.024, 1.024)  # inside the measured length: linear
+    low, high = forward_seconds_range((1000.0, 512), 8192)  # 16x the measured length: up to 16x the linear time
+    assert (low, high) == (8.192, 8.192 * 16)
