@@ -33,11 +33,12 @@ from typing import Any
 
 import streamlit as st
 
-from analysis import runs, texts
+from analysis import job_memory, runs, texts
 from analysis.context import AnalysisContext
 from analysis.runs import Input, Run
 from analysis.view import NotApplicable
 from analysis.weights import WeightSummary, read_weight_summary
+from app import job_budget
 from app.inputs import (
     MAX_ATTN_LEN,
     SAMPLE_OF_SOURCE,
@@ -301,7 +302,7 @@ def trace_items(record_attn: bool) -> tuple[str, ...]:
     return tuple(sorted(WHAT_ALL if record_attn else WHAT_DEFAULT))
 
 
-_TRACED: dict[tuple, float] = {}  # trace key -> tokens per second of its forward
+_TRACED: dict[tuple, tuple[float, int]] = {}  # trace key -> (tokens per second of its forward, its tokens)
 
 
 @st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
@@ -319,12 +320,19 @@ def _cached_trace(
     from k3core.interventions import edits_from_json
 
     start = time.perf_counter()
-    with model_use(_run.model) if _run.model is not None else contextlib.nullcontext():  # None: a trace folder
+    if _run.model is None:  # a trace folder: its trace is read, within the trace file limits (k3core.trace_npz)
+        job = contextlib.nullcontext()
+    else:
+        attention = MAX_ATTN_LEN if "attn_probs" in what else None
+        need = job_memory.trace_peak_bytes(_run.config, _tokens.n, attention)
+        job = job_budget.budget().admit(need, f"Recording the trace of {_tokens.n:,} tokens")
+    with job, model_use(_run.model) if _run.model is not None else contextlib.nullcontext():
         ctx = runs.trace_run(
             _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
         )
     if not edits:
-        _TRACED[(fingerprint, device, dtype, digest, what)] = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        speed = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        _TRACED[(fingerprint, device, dtype, digest, what)] = (speed, _tokens.n)
     return ctx
 
 
@@ -333,10 +341,18 @@ def is_traced(key: tuple) -> bool:
     return key in _TRACED
 
 
-def tokens_per_second(fingerprint: str, device: str, dtype: str) -> float | None:
-    """The speed of this run's last recorded forward in this process, for cost estimates (None: never run)."""
+def forward_speed(fingerprint: str, device: str, dtype: str) -> tuple[float, int] | None:
+    """(tokens per second, tokens) of this run's last recorded forward in this process (None: never run)."""
     speeds = [v for k, v in _TRACED.items() if k[:3] == (fingerprint, device, dtype)]
     return speeds[-1] if speeds else None
+
+
+def forward_seconds_range(measured: tuple[float, int], tokens: int) -> tuple[float, float]:
+    """(low, high) seconds of a forward of ``tokens`` from one measured at (speed, n tokens): low scales the time
+    linearly in tokens, high quadratically past n (attention over the whole text), as a range, not one number."""
+    speed, n = measured
+    low = tokens / speed
+    return low, low * max(1.0, tokens / max(n, 1))
 
 
 @dataclass

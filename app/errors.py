@@ -3,7 +3,7 @@ and text from users or files made safe for Markdown.
 
 Each layer of the stack has its own error type (k3core: ``CheckpointError``, ``ConfigError``,
 ``TokenizerError``, ``EditError``; analysis: ``PatchingError``, ``AttributionError``, ``TokenDetailError``;
-the app: ``LibraryError``, ``PathRefused``, ``ZipRefused``, ``InputError``). ``shown_errors``
+the app: ``LibraryError``, ``PathRefused``, ``ZipRefused``, ``InputError``, ``JobRefused``). ``shown_errors``
 turns any of them into an ``st.error`` with its message, and anything else into a short message naming the
 error's type (the traceback goes to the server log, never to the browser), so every page keeps serving.
 Messages never carry server folders (``plain`` keeps only a path's last component).
@@ -22,6 +22,7 @@ from analysis.attribution import AttributionError
 from analysis.patching import PatchingError
 from analysis.token_detail import TokenDetailError
 from app.inputs import InputError
+from app.job_budget import JobRefused
 from app.roots import PathRefused
 from app.run_folders import LibraryError
 from app.safe_zip import ZipRefused
@@ -33,6 +34,7 @@ from k3core.tokenizer import TokenizerError
 log = logging.getLogger("k3lab.app")
 
 USER_ERRORS = (
+    JobRefused,
     CheckpointError,
     ConfigError,
     TokenizerError,

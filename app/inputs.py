@@ -15,12 +15,17 @@ import streamlit as st
 import torch
 
 from analysis.runs import DTYPES
+from k3core import input_limits
 
 if TYPE_CHECKING:
     from app.run_list import RunRef
 
 MAX_TOKENS_DEFAULT = 512
 MAX_TOKENS_CAP = 8192  # hard upper bound of the max-tokens input (CPU-friendly)
+MAX_TEXT_CHARS = input_limits.MAX_TEXT_CHARS  # the Generate prompt (k3core.input_limits)
+# a pasted or uploaded sidebar text: only its first max-tokens tokens are read and its token count comes from its
+# first MB (analysis.texts.count_tokens), so it may be longer than a typed prompt, but not unbounded
+MAX_SIDEBAR_TEXT_CHARS = 64 * input_limits.MAX_TEXT_CHARS
 LONG_INPUT_TOKENS = 2048  # above this the page estimates the cost and asks before running the model
 MAX_ATTN_LEN = 1024  # MLA attention matrices are recorded for at most this many positions (quadratic)
 SEQ_LENS = tuple(1024 * 2**i for i in range(11))  # 1K .. 1M for the density cache view
@@ -124,6 +129,12 @@ def check_text(choice: TextChoice) -> None:
         raise InputError(
             f"The text is empty ({where}): paste or upload some text, or pick a built-in sample "
             f"(Shakespeare, MQAR) in the sidebar."
+        )
+    if choice.text is not None and len(choice.text) > MAX_SIDEBAR_TEXT_CHARS:
+        raise InputError(
+            f"The text is {len(choice.text):,} characters, over the limit of {MAX_SIDEBAR_TEXT_CHARS:,}: use a "
+            f"shorter text "
+            f"(only the first {choice.max_tokens:,} tokens are read)"
         )
     if choice.source == TEXT_RECORDED and not (choice.text or "").strip():
         raise InputError(

@@ -18,7 +18,7 @@ from analysis.importance import sublayer_importance
 from analysis.runs import Input, Run
 from analysis.view import View
 from analysis.views import all_views, section_views
-from app import caching, cards, error_text, memory_fit
+from app import caching, cards, error_text, job_budget, memory_fit
 from app.caching import Loaded
 from app.errors import USER_ERRORS, describe, md_escape, plain
 from app.inputs import (
@@ -157,12 +157,25 @@ def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, ch
     confirmed = st.session_state.setdefault("k3lab_confirmed", set())
     if key in confirmed or caching.is_traced(key):
         return
-    speed = caching.tokens_per_second(run.fingerprint, inputs.device, inputs.dtype)
-    estimate = f"about {tokens.n / speed:,.0f} s" if speed else "not measured yet for this run"
+    measured = caching.forward_speed(run.fingerprint, inputs.device, inputs.dtype)
+    if measured:
+        low, high = caching.forward_seconds_range(measured, tokens.n)
+        span = f"{low:,.0f} s" if high < 1.5 * low else f"{low:,.0f}-{high:,.0f} s"
+        estimate = f"about {span} on an idle server, measured on {measured[1]:,} tokens"
+    else:
+        estimate = "not measured yet for this run"
+    running = len(job_budget.budget().running)
+    if running:
+        estimate += f"; {running} other job(s) running now make it longer"
+    if tokens.n > choice.max_tokens:  # a recorded text of a trace folder: max tokens does not shorten it
+        reads = f"{tokens.n:,} recorded tokens (a trace folder's text; *Max tokens* does not shorten it)"
+        advice = "Pick another recorded text, or run it."
+    else:
+        reads = f"{tokens.n:,} tokens (max tokens is {choice.max_tokens:,}; at most {MAX_TOKENS_CAP:,})"
+        advice = "Lower *Max tokens* in the sidebar, or run it."
     st.warning(
-        f"**{ref.label}** will read {tokens.n:,} tokens (max tokens is {choice.max_tokens:,}; at most "
-        f"{MAX_TOKENS_CAP:,}). One forward pass with recording: {estimate}. The importance ablations take "
-        f"{2 * run.config.num_hidden_layers + 2} more. Lower *Max tokens* in the sidebar, or run it."
+        f"**{ref.label}** will read {reads}. One forward pass with recording: {estimate}. The importance "
+        f"ablations take {2 * run.config.num_hidden_layers + 2} more. {advice}"
     )
     if not st.button(f"Run on {tokens.n:,} tokens", key=f"k3lab_confirm_{hash(key)}", type="primary"):
         st.stop()

@@ -4,7 +4,9 @@
 - ``K3LAB_ROOTS`` (``--root DIR``, repeatable): folders that may be opened by path, besides the home;
   default: the folder the app was started in;
 - ``K3LAB_MAX_UPLOAD_MB`` (``--max-upload-mb N``): the per-file upload limit, default 4096 MB (``k3lab app``
-  passes the same number to Streamlit's ``server.maxUploadSize``).
+  passes the same number to Streamlit's ``server.maxUploadSize``);
+- ``K3LAB_JOB_MEMORY`` (``--job-memory SIZE``): the memory long jobs may use at once (``app.job_budget``),
+  default half of the machine's memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 HOME_ENV = "K3LAB_HOME"
 ROOTS_ENV = "K3LAB_ROOTS"
 MAX_UPLOAD_ENV = "K3LAB_MAX_UPLOAD_MB"
+JOB_MEMORY_ENV = "K3LAB_JOB_MEMORY"
+JOB_MEMORY_SHARE = 0.5  # of the machine's memory, when --job-memory is not given
 DEFAULT_MAX_UPLOAD_MB = 4096
 DEFAULT_HOST = "127.0.0.1"
 
@@ -51,3 +55,26 @@ def configured_roots(
         if root not in roots:
             roots.append(root)
     return roots
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def job_memory_bytes(env: Mapping[str, str] | None = None) -> int:
+    """The long jobs' memory budget: $K3LAB_JOB_MEMORY ("6GB", "512MiB") when readable, else JOB_MEMORY_SHARE of
+    the machine's memory (4 GiB where that is unknown)."""
+    from k3core.units import parse_bytes
+
+    env = os.environ if env is None else env
+    value = env.get(JOB_MEMORY_ENV, "").strip()
+    if value:
+        try:
+            return int(parse_bytes(value, what="the job memory"))
+        except ValueError:
+            pass
+    return int(machine_memory_bytes() * JOB_MEMORY_SHARE) or 4 * 1024**3

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import input_limits as limits
 from .hooks import POINT_AXES, HookNames, hook_points
 
 # A g far below the chunked kernel's floor: exp(g) is 0 in the recurrent path and ~1e-26 in the chunked one.
@@ -29,28 +30,36 @@ Range = tuple[int, int] | None  # [start, stop) positions; None: all
 
 
 def _range(value: Any, what: str) -> Range:
+    """[start, stop) positions from one position or a pair (``k3core.input_limits``: no negatives, bounded)."""
     if value is None:
         return None
-    if isinstance(value, int):
-        return (value, value + 1)
     try:
-        start, stop = (int(v) for v in value)
-    except (TypeError, ValueError):
-        raise EditError(f"{what} must be [start, stop) or one position, got {value!r}") from None
-    if start < 0 or stop <= start:
+        if isinstance(value, int) and not isinstance(value, bool):
+            start = limits.index(value, what)
+            return (start, start + 1)
+        try:
+            start, stop = value
+        except (TypeError, ValueError):
+            raise EditError(f"{what} must be [start, stop) or one position, got {value!r}") from None
+        start, stop = limits.index(start, f"{what} start"), limits.index(stop, f"{what} stop")
+    except limits.InputLimitError as exc:
+        raise EditError(str(exc)) from None
+    if stop <= start:
         raise EditError(f"{what} must be a non-empty range [start, stop) of positions >= 0, got {value!r}")
     return (start, stop)
 
 
 def _ints(value: Any, what: str) -> list[int] | None:
+    """A list of 0-based indices (``k3core.input_limits.indices``: negatives refused, never counted from the end)."""
     if value is None:
         return None
-    if isinstance(value, int):
-        return [value]
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise EditError(f"{what} must be a list of integers, got {value!r}")
     try:
-        return [int(v) for v in value]
-    except (TypeError, ValueError):
-        raise EditError(f"{what} must be a list of integers, got {value!r}") from None
+        return limits.indices(values, what)
+    except limits.InputLimitError as exc:
+        raise EditError(str(exc)) from None
 
 
 @dataclass
@@ -84,9 +93,14 @@ def _mask_along(value: torch.Tensor, axes: tuple[str, ...], picks: dict[str, Any
         size = value.shape[dim]
         sel = torch.zeros(size, dtype=torch.bool, device=value.device)
         if isinstance(pick, tuple):
+            if pick[0] >= size:
+                raise EditError(f"{axis} range {pick[0]}:{pick[1]} is out of range: {axis} 0..{size - 1} exist")
             sel[pick[0] : min(pick[1], size)] = True
         else:
-            sel[[p for p in pick if p < size]] = True
+            wrong = [p for p in pick if p >= size]
+            if wrong:
+                raise EditError(f"{axis} {wrong[:8]} out of range: this point has {size} ({axis} 0..{size - 1})")
+            sel[pick] = True
         shape = [1] * value.dim()
         shape[dim] = size
         sel = sel.view(shape)

@@ -97,7 +97,9 @@ def read_bytes_limited(path: str | Path, max_bytes: int) -> bytes:
         size = os.fstat(fh.fileno()).st_size
         if size > max_bytes:
             raise ValueError(f"{Path(path).name} is {size:,} bytes, over the limit of {max_bytes:,} for this file")
-        data = fh.read(max_bytes + 1)
+        data = fh.read(size + 1)  # the size it has, not the limit: no buffer of max_bytes for a small file
+        if len(data) > size:  # it grew, or its size is not known (st_size 0): read on, to the limit
+            data += fh.read(max_bytes + 1 - len(data))
     if len(data) > max_bytes:
         raise ValueError(f"{Path(path).name} is over the limit of {max_bytes:,} bytes for this file")
     return data

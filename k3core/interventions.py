@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from . import input_limits as limits
 from .edit_kinds import (
     EDIT_KINDS,
     RESET_G,
@@ -48,6 +49,7 @@ from .edit_kinds import (
     MoEEdit,
     ValueEdit,
 )
+from .files import parse_json
 from .hooks import hooks
 
 __all__ = [
@@ -83,6 +85,13 @@ def edit_from_dict(data: dict[str, Any]) -> Edit:
     if unknown:
         raise EditError(f"{kind} edit has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
     try:
+        if "value" in data:
+            data["value"] = limits.finite_values(data["value"], f"{kind} edit value")
+        if data.get("layer") is not None:
+            data["layer"] = limits.index(data["layer"], f"{kind} edit layer")
+    except limits.InputLimitError as exc:
+        raise EditError(str(exc)) from None
+    try:
         return cls(**data)
     except TypeError as exc:
         raise EditError(f"bad {kind} edit {data}: {exc}") from None
@@ -93,12 +102,18 @@ def edits_to_json(edits: Iterable[Edit]) -> str:
 
 
 def edits_from_json(text: str) -> list[Edit]:
-    """Edits from JSON: a list of edit objects (or one object)."""
+    """Edits from JSON: a list of edit objects (or one object), bounded (``k3core.input_limits``: length, nesting
+    depth, number of edits; NaN / Infinity and other non-JSON refused)."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EditError(f"edits are not valid JSON: {exc}") from None
-    return [edit_from_dict(d) for d in (data if isinstance(data, list) else [data])]
+        limits.text(text, "the edits", limits.MAX_EDIT_JSON_CHARS)
+        limits.json_depth(text, "the edits' JSON")
+    except limits.InputLimitError as exc:
+        raise EditError(str(exc)) from None
+    data = parse_json(text, "the edits", error=EditError)
+    edits = data if isinstance(data, list) else [data]
+    if len(edits) > limits.MAX_EDITS:
+        raise EditError(f"{len(edits):,} edits, over the limit of {limits.MAX_EDITS}")
+    return [edit_from_dict(d) for d in edits]
 
 
 def _short_value(text: str) -> Any:
@@ -123,7 +138,12 @@ def parse_edit(text: str) -> Edit:
     ``moe.ban layer=2 experts=1,5``, ``value.zero point=mixer_out layers=2``, ``attnres.uniform
     site=3.attn``, ``kda.pin_g layer=1 value=0 tokens=4:9``, ``mla.mask_keys layer=3 keys=0:1``
     (lists with commas, ranges start:stop; for attnres the OP is the mode)."""
-    text = text.strip()
+    try:
+        text = limits.text(text, "an edit", limits.MAX_EDIT_JSON_CHARS).strip()
+    except limits.InputLimitError as exc:
+        raise EditError(str(exc)) from None
+    if not text:
+        raise EditError("an empty edit: give KIND.OP key=value ... or a JSON object")
     if text.startswith("{"):
         return edits_from_json(text)[0]
     head, *pairs = text.split()

@@ -10,17 +10,20 @@ the recorder, which re-exports all of these (``from k3core.trace import Trace, n
 from __future__ import annotations
 
 import json
-import zipfile
-import zlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from .files import open_for_reading, parse_json
 from .hooks import HookNames
+from .trace_npz import NpzLimits, TraceError, read_npz
+
+MAX_HEADER_BYTES = 64 * 1024**2  # a trace's JSON header (meta + axes)
 
 
 class TraceNames(HookNames):
@@ -131,10 +134,6 @@ class TraceNames(HookNames):
 names = TraceNames
 
 
-class TraceError(ValueError):
-    """A trace file is missing, corrupt or not a k3lab trace."""
-
-
 @dataclass
 class Trace:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
@@ -192,20 +191,41 @@ class Trace:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> Trace:
-        path = Path(path)
-        if not path.is_file():
-            raise TraceError(f"{path}: no such trace file")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                header = json.loads(bytes(data["__header__"]).decode())
-                arrays = {k[2:]: data[k] for k in data.files if k.startswith("a/")}
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-            raise TraceError(f"{path}: not a readable k3lab trace ({type(exc).__name__}: {exc})") from exc
+    def load(cls, source: str | Path | BinaryIO, limits: NpzLimits | None = None, where: str | None = None) -> Trace:
+        """A trace from a path (opened through ``k3core.files.open_for_reading``: a server's descriptor checks apply)
+        or an open binary file, its arrays read within ``limits`` (``k3core.trace_npz``). Raises TraceError."""
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            try:
+                fd = open_for_reading(path)
+            except FileNotFoundError as exc:
+                raise TraceError(f"{path}: no such trace file") from exc
+            except OSError as exc:
+                raise TraceError(f"{path}: cannot open the trace file ({exc.strerror})") from exc
+            with os.fdopen(fd, "rb") as fh:
+                if not fh.seekable():
+                    raise TraceError(f"{path}: not a regular file")
+                return cls.load(fh, limits, where or str(path))
+        where = where or "trace"
+        stored = read_npz(source, where, limits)
+        header_bytes = stored.pop("__header__", None)
+        if header_bytes is None or header_bytes.dtype != np.uint8 or header_bytes.ndim != 1:
+            raise TraceError(f"{where}: not a k3lab trace (no header)")
+        if header_bytes.size > MAX_HEADER_BYTES:
+            raise TraceError(f"{where}: its header is {header_bytes.size:,} bytes, over {MAX_HEADER_BYTES:,}")
+        header = parse_json(header_bytes.tobytes(), f"{where}: header", error=TraceError)
         if not isinstance(header, dict) or header.get("format") != "k3lab-trace/1":
             fmt = header.get("format") if isinstance(header, dict) else None
-            raise TraceError(f"{path}: unknown trace format {fmt!r}")
+            raise TraceError(f"{where}: unknown trace format {fmt!r}")
+        arrays = {k[2:]: v for k, v in stored.items() if k.startswith("a/")}
         axes, meta = header.get("axes"), header.get("meta")
         if not isinstance(axes, dict) or not isinstance(meta, dict) or set(axes) != set(arrays):
-            raise TraceError(f"{path}: corrupt trace header (axes do not match the stored arrays)")
+            raise TraceError(f"{where}: corrupt trace header (axes do not match the stored arrays)")
+        for name, names in axes.items():
+            if (
+                not isinstance(names, list)
+                or len(names) != arrays[name].ndim
+                or not all(isinstance(a, str) for a in names)
+            ):
+                raise TraceError(f"{where}: array {name[:80]!r}: its axes {str(names)[:80]} do not fit its shape")
         return cls(arrays=arrays, axes={k: tuple(v) for k, v in axes.items()}, meta=meta)

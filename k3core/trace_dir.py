@@ -25,13 +25,17 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .files import fsync_dir, parse_json, read_bytes_limited
+from .config import K3Config
+from .files import fsync_dir, open_for_reading, parse_json, read_bytes_limited
 from .trace import Trace, TraceError
+from .trace_checks import check_card, check_trace
+from .trace_npz import NpzLimits, check_ratio, zip_totals
 
 CARD_NAME = "run_card.json"
 CARD_FORMAT = "k3lab-trace-dir/1"
@@ -55,11 +59,34 @@ def is_trace_dir(path: str | Path) -> bool:
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(_CHUNK):
-            h.update(block)
+        return _sha256(fh)
+
+
+def _sha256(fh) -> str:
+    """SHA-256 of an open file from its start; the file is left at its start again (read next from the same
+    descriptor: what was hashed is what is read)."""
+    h = hashlib.sha256()
+    fh.seek(0)
+    while block := fh.read(_CHUNK):
+        h.update(block)
+    fh.seek(0)
     return h.hexdigest()
+
+
+def _open_trace_file(folder: Path, name: str):
+    """A trace file of a folder as an open binary file, through the checked open every other file goes through
+    (``k3core.files.open_for_reading``: under a server no link out, a regular file of one link)."""
+    try:
+        fd = open_for_reading(folder / name)
+    except FileNotFoundError as exc:
+        raise TraceError(f"{folder.name}: the trace file {name!r} is missing") from exc
+    except OSError as exc:
+        raise TraceError(f"{folder.name}: cannot open {name} ({exc.strerror})") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TraceError(f"{folder.name}: {name} is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _staging_dir(out: Path) -> Path:
@@ -120,36 +147,57 @@ def write_trace_dir(
 
 @dataclass
 class TraceDir:
-    """A trace folder read back: its run card and where its traces are (loaded on demand with ``trace``)."""
+    """A trace folder read back: its run card (checked, ``k3core.trace_checks``), its config and where its traces
+    are (loaded on demand with ``trace``, each checked against the card)."""
 
     path: Path
     card: dict[str, Any]
+    config: K3Config | None = None
+    limits: NpzLimits = NpzLimits()
 
     @property
     def texts(self) -> list[dict[str, Any]]:
         return self.card["texts"]
 
     def trace(self, index: int = 0, verify: bool = True) -> Trace:
-        """The trace of text ``index``; ``verify`` checks its SHA-256 against the card. Raises TraceError."""
+        """The trace of text ``index``; ``verify`` checks its SHA-256 against the card (hashed and read from one
+        descriptor). Raises TraceError naming the file and what is wrong."""
         if not 0 <= index < len(self.texts):
             raise TraceError(f"{self.path.name}: no text {index} (the folder has {len(self.texts)})")
         entry = self.texts[index]
-        file = self.path / str(entry.get("file", ""))
-        if Path(str(entry.get("file", ""))).name != entry.get("file") or not file.is_file():
+        name = str(entry.get("file", ""))
+        if Path(name).name != name or not name:
             raise TraceError(f"{self.path.name}: the trace file of text {index} ({entry.get('file')!r}) is missing")
-        if verify and entry.get("sha256") and file_sha256(file) != entry["sha256"]:
-            raise TraceError(f"{self.path.name}: {file.name} does not match its run card (changed or truncated)")
-        return Trace.load(file)
+        where = f"{self.path.name}/{name}"
+        with _open_trace_file(self.path, name) as fh:
+            if verify and entry.get("sha256") and _sha256(fh) != entry["sha256"]:
+                raise TraceError(f"{where} does not match its run card (changed or truncated)")
+            trace = Trace.load(fh, self.limits, where)
+        if self.config is not None:
+            check_trace(trace, self.config, entry["tokens"], where)
+        return trace
+
+    def check_all(self) -> None:
+        """Read every trace (within the limits) and check it against the card: what an upload's check does."""
+        for i in range(len(self.texts)):
+            self.trace(i)
 
 
-def read_trace_dir(path: str | Path) -> TraceDir:
-    """The run card of a trace folder, checked (format, texts with their files). Raises TraceError."""
+def read_trace_dir(path: str | Path, limits: NpzLimits | None = None) -> TraceDir:
+    """The run card of a trace folder, checked (format, texts with their files and tokens, config; the traces'
+    sizes from their zip directories against the limits, one file and the whole folder). Raises TraceError."""
     path = Path(path)
+    limits = limits or NpzLimits()
     card_file = path / CARD_NAME
     if not card_file.is_file():
         raise TraceError(f"{path.name}: not a trace folder (no {CARD_NAME})")
     try:
-        card = parse_json(read_bytes_limited(card_file, MAX_CARD_BYTES), CARD_NAME, error=TraceError)
+        card = parse_json(  # integers are range-checked by check_card (a per-integer hook costs 3x the parse)
+            read_bytes_limited(card_file, MAX_CARD_BYTES),
+            f"{path.name}/{CARD_NAME}",
+            error=TraceError,
+            check_ints=False,
+        )
     except OSError as exc:
         raise TraceError(f"{path.name}: cannot read {CARD_NAME} ({exc})") from exc
     if not isinstance(card, dict) or card.get("format") != CARD_FORMAT:
@@ -160,12 +208,24 @@ def read_trace_dir(path: str | Path) -> TraceDir:
         raise TraceError(f"{path.name}: {CARD_NAME} lists no traced texts")
     if not isinstance(card.get("config"), dict):
         raise TraceError(f"{path.name}: {CARD_NAME} has no config")
-    return TraceDir(path=path, card=card)
+    config = check_card(card, f"{path.name}/{CARD_NAME}")
+    stored = inflated = 0
+    for name in dict.fromkeys(t["file"] for t in texts):
+        try:
+            with _open_trace_file(path, name) as fh:
+                file_stored, file_inflated = zip_totals(fh, f"{path.name}/{name}")
+        except TraceError:
+            continue  # unreadable or missing: said when its text is opened (the other texts stay usable)
+        check_ratio(file_stored, file_inflated, limits, f"{path.name}/{name}")
+        stored, inflated = stored + file_stored, inflated + file_inflated
+    folder_limits = NpzLimits(len(texts) * limits.max_bytes, limits.max_ratio, limits.ratio_floor)
+    check_ratio(stored, inflated, folder_limits, f"{path.name} (all trace files)")
+    return TraceDir(path=path, card=card, config=config, limits=limits)
 
 
 def trace_dir_fingerprint(path: str | Path) -> str:
     """SHA-256 of the run card (which holds every trace file's digest): one key per trace folder's content."""
-    return hashlib.sha256(Path(path, CARD_NAME).read_bytes()).hexdigest()
+    return hashlib.sha256(read_bytes_limited(Path(path, CARD_NAME), MAX_CARD_BYTES)).hexdigest()
 
 
 def token_rows(traces: Iterable[Trace]) -> list[list[int]]:

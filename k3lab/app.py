@@ -25,7 +25,7 @@ in) and the library home may be opened; symlinks are resolved before that check.
 
 def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The streamlit command line and environment for parsed ``k3lab app`` arguments."""
-    from app.settings import HOME_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, home_dir
+    from app.settings import HOME_ENV, JOB_MEMORY_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, home_dir
 
     env = dict(os.environ if environ is None else environ)
     if args.runs:
@@ -33,6 +33,8 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
     env[HOME_ENV] = str((Path(args.home).expanduser() if args.home else home_dir(env)).resolve())
     env[ROOTS_ENV] = os.pathsep.join(str(Path(r).expanduser().resolve()) for r in (args.root or [os.getcwd()]))
     env[MAX_UPLOAD_ENV] = str(args.max_upload_mb)
+    if getattr(args, "job_memory", None):
+        env[JOB_MEMORY_ENV] = str(args.job_memory)
     # app.serve = `streamlit run app/main.py` with the app's libraries imported before the server listens.
     cmd = [sys.executable, "-m", "app.serve",
            "--server.address", args.host,
@@ -45,6 +47,16 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
     if args.headless:
         cmd += ["--server.headless", "true"]
     return cmd, env
+
+
+def _job_memory(value: str) -> str:
+    from k3core.units import parse_bytes
+
+    try:
+        parse_bytes(value, what="--job-memory")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def app_parser() -> argparse.ArgumentParser:
@@ -76,6 +88,13 @@ def app_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"largest file the upload form accepts, in MB (default {DEFAULT_MAX_UPLOAD_MB}); bigger checkpoints "
         f"are opened by path",
+    )
+    parser.add_argument(
+        "--job-memory",
+        type=_job_memory,
+        metavar="SIZE",
+        help="memory the server's long jobs (trace, experiment, patching, attribution) may use at once, e.g. 6GB "
+        "(default: half of this machine's memory); a job that does not fit waits, one over it is refused",
     )
     parser.add_argument("--headless", action="store_true", help="do not try to open a browser")
     parser.add_argument(

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from k3lab.options import add_device_options
+from k3core import input_limits as limits
+from k3lab.options import add_device_options, arg_int, arg_position
 
 EXPERIMENT_HELP = """\
 Run a text through a checkpoint twice, as it is and with edits, and write what changed per token.
@@ -61,7 +62,12 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors [+ tokenizer files])")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens kept from each text (default 256)")
+    parser.add_argument(
+        "--max-tokens",
+        type=arg_int(2, limits.MAX_TOKENS),
+        default=256,
+        help=f"tokens kept from each text (default 256, at most {limits.MAX_TOKENS:,})",
+    )
     parser.add_argument("--no-static", action="store_true", help="skip PNG/SVG figures (no browser start)")
     add_device_options(parser)
 
@@ -85,7 +91,12 @@ def patch_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=("logit_diff", "span_loss"), default="logit_diff")
     p.add_argument("--correct", help="logit_diff: the correct token (text of one token, or #ID)")
     p.add_argument("--wrong", help="logit_diff: the wrong token (text of one token, or #ID)")
-    p.add_argument("--position", type=int, default=-1, help="logit_diff: position read (default -1, the last)")
+    p.add_argument(
+        "--position",
+        type=arg_position(),
+        default=-1,
+        help="logit_diff: position read, 0-based (default -1, the last; no other negative is accepted)",
+    )
     p.add_argument("--span", help="span_loss: START:STOP positions whose clean tokens are predicted")
     p.add_argument("--sites", default="resid,mixer_out,ffn_out,depth_weights", help="comma-separated sites")
     p.add_argument("--per-position", action="store_true", help="patch each position separately")
@@ -102,9 +113,24 @@ def attribute_parser() -> argparse.ArgumentParser:
         choices=("feature_ablation", "shapley", "integrated_gradients", "all"),
         help="attribution method (default feature_ablation)",
     )
-    p.add_argument("--baseline-token", type=int, default=0, help="token id replacing ablated inputs (default 0)")
-    p.add_argument("--steps", type=int, default=64, help="integrated gradients: integration steps (default 64)")
-    p.add_argument("--samples", type=int, default=8, help="shapley: permutations sampled (default 8)")
+    p.add_argument(
+        "--baseline-token",
+        type=arg_int(0, limits.MAX_INDEX),
+        default=0,
+        help="token id replacing ablated inputs (default 0)",
+    )
+    p.add_argument(
+        "--steps",
+        type=arg_int(1, limits.MAX_IG_STEPS),
+        default=64,
+        help=f"integrated gradients: integration steps (default 64, 1..{limits.MAX_IG_STEPS})",
+    )
+    p.add_argument(
+        "--samples",
+        type=arg_int(1, limits.MAX_SHAPLEY_SAMPLES),
+        default=8,
+        help=f"shapley: permutations sampled (default 8, 1..{limits.MAX_SHAPLEY_SAMPLES})",
+    )
     p.add_argument("--layers", action="store_true", help="also the layer attribution by kind")
     return p
 
@@ -140,11 +166,20 @@ def _write(out: Path, name: str, data: dict, figures: list, static: bool) -> lis
     return [f"{k}: {v}" for k, v in problems.items() if not k.endswith((".png", ".svg"))]
 
 
+def _text_arg(text: str | None, file: str | None, what: str) -> str:
+    """The text of --text, or of --text-file read within the limit (``k3core.input_limits``)."""
+    if text is not None:
+        return limits.text(text, what)
+    from k3core.files import read_bytes_limited
+
+    return limits.text(read_bytes_limited(file, limits.MAX_TEXT_BYTES).decode("utf-8", errors="replace"), file)
+
+
 def _one_token(text: str, run: Any) -> int:
     from analysis import runs as runs_mod
 
     if text.startswith("#") and text[1:].isdigit():
-        return int(text[1:])
+        return limits.bounded_int(text[1:], f"token {text}", 0, run.config.vocab_size - 1)
     ids = runs_mod.text_tokenizer(run.config, run.tokenizer).encode(text)
     if len(ids) != 1:
         raise ValueError(f"{text!r} is {len(ids)} tokens, not one (give #ID for a token id)")
@@ -163,7 +198,7 @@ def main(argv: list[str]) -> int:
         edits = [parse_edit(e) for e in args.edit]
         run = _load(args, "k3lab experiment")
         if args.text is not None or args.text_file:
-            text = args.text if args.text is not None else Path(args.text_file).read_text(errors="replace")
+            text = _text_arg(args.text, args.text_file, "--text")
             ids = runs_mod.text_input(text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
         else:
             sample = runs_mod.sample_input(args.sample or "shakespeare", run.config, args.max_tokens, run.tokenizer)
@@ -171,9 +206,11 @@ def main(argv: list[str]) -> int:
         from k3core.interventions import compile_edits
 
         compile_edits(run.config, edits)  # names checked before any forward
-        positions = [int(p) for p in args.positions.split(",") if p.strip()] or [ids.shape[1] - 2]
-        if any(not 0 <= p < ids.shape[1] for p in positions):
-            raise ValueError(f"--positions must lie in 0..{ids.shape[1] - 1}")
+        listed = [p for p in args.positions.split(",") if p.strip()]
+        if len(listed) > limits.MAX_POSITIONS:
+            raise ValueError(f"--positions lists {len(listed):,} positions, over the limit of {limits.MAX_POSITIONS}")
+        positions = [limits.position(int(p) if p.strip().lstrip("-").isdigit() else p, ids.shape[1], "--positions")
+                     for p in listed] or [ids.shape[1] - 2]  # fmt: skip
         exp = effects.run_experiment(run.model, ids, edits)
     except (EditError, CheckpointError, ValueError, OSError) as exc:
         print(f"k3lab experiment: {exc}", file=sys.stderr)
@@ -213,18 +250,19 @@ def patch_main(argv: list[str]) -> int:
 
     try:
         run = _load(args, "k3lab patch")
-        clean = runs_mod.text_input(args.clean, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
-        corrupted = runs_mod.text_input(args.corrupted, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
+        clean_text, corrupted_text = limits.text(args.clean, "--clean"), limits.text(args.corrupted, "--corrupted")
+        clean = runs_mod.text_input(clean_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
+        corrupted = runs_mod.text_input(corrupted_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
         if args.metric == "logit_diff":
             if not (args.correct and args.wrong):
                 raise ValueError("--metric logit_diff needs --correct and --wrong")
-            metric = patching.Metric(
-                "logit_diff", _one_token(args.correct, run), _one_token(args.wrong, run), args.position
-            )
+            position = limits.position(args.position, clean.shape[1], "--position")
+            metric = patching.Metric("logit_diff", _one_token(args.correct, run), _one_token(args.wrong, run), position)
         else:
             if not args.span or ":" not in args.span:
                 raise ValueError("--metric span_loss needs --span START:STOP")
-            start, stop = (int(v) for v in args.span.split(":"))
+            start, _, stop = args.span.partition(":")
+            start, stop = limits.span(start, stop, clean.shape[1], "--span")
             metric = patching.Metric("span_loss", start=start, stop=stop)
         sites = [s.strip() for s in args.sites.split(",") if s.strip()]
         bar = tqdm(total=0, desc="patching", file=sys.stderr, leave=False, mininterval=0.5)
@@ -264,8 +302,9 @@ def attribute_main(argv: list[str]) -> int:
     try:
         run = _load(args, "k3lab attribute")
         tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
-        x = torch.tensor(tok.encode(args.prompt)[: args.max_tokens])
-        y = torch.tensor(tok.encode(args.target)[: args.max_tokens])
+        limits.bounded_int(args.baseline_token, "--baseline-token", 0, run.config.vocab_size - 1)
+        x = torch.tensor(tok.encode(limits.text(args.prompt, "--prompt"))[: args.max_tokens])
+        y = torch.tensor(tok.encode(limits.text(args.target, "--target"))[: args.max_tokens])
         results = [
             attr.token_attribution(
                 run.model, x, y, m, args.baseline_token, tok, n_steps=args.steps, n_samples=args.samples

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3lab.options import add_device_options
+from k3core import input_limits as limits
+from k3lab.options import add_device_options, arg_int
 
 
 def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, max_memory: str | None = None) -> None:
@@ -40,14 +41,25 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors [+ tokenizer files])")
     parser.add_argument("--prompt", default="ROMEO:\n", help="prompt text (default: 'ROMEO:\\n')")
-    parser.add_argument("--tokens", type=int, default=200, help="new tokens to generate (default 200)")
+    parser.add_argument(
+        "--tokens",
+        type=arg_int(0, limits.MAX_TOKENS),
+        default=200,
+        help=f"new tokens to generate (default 200, at most {limits.MAX_TOKENS:,})",
+    )
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument(
+        "--top-k", type=arg_int(1, limits.MAX_INDEX), default=None, help="sample from the k most likely tokens"
+    )
+    parser.add_argument("--seed", type=arg_int(0, 2**63 - 1), default=0, help="sampling seed (default 0)")
     add_device_options(parser, offload_folder=True)
     args = parser.parse_args(argv)
-    if args.temperature < 0 or args.tokens < 0:
-        print("k3lab generate: --temperature and --tokens must be >= 0", file=sys.stderr)
+    try:
+        limits.text(args.prompt, "--prompt")
+        if limits.finite_number(args.temperature, "--temperature", 1e6) < 0:
+            raise limits.InputLimitError("--temperature must be >= 0 (0: greedy)")
+    except limits.InputLimitError as exc:
+        print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
 
     from analysis.runs import load_run, run_tokenizer

@@ -5,6 +5,7 @@ loads a model (generate, report, inspect) and --out / --no-static / --quiet of t
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -51,3 +52,26 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if needed)")
     parser.add_argument("--no-static", action="store_true", help="skip PNG/SVG export (no browser start; fastest)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def arg_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type=``: a whole number in [low, high] (``k3core.input_limits.bounded_int``); argparse prints
+    the message and exits with 2, no traceback."""
+    from k3core.input_limits import InputLimitError, bounded_int
+
+    def parse(value: str) -> int:
+        try:
+            return bounded_int(value, "value", low, high)
+        except InputLimitError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
+
+    parse.__name__ = f"whole number in {low}..{high}"
+    return parse
+
+
+def arg_position() -> Callable[[str], int]:
+    """An argparse ``type=`` for a token position: a whole number >= -1 (-1: the last token); the text's length
+    is checked once it is known (``k3core.input_limits.position``)."""
+    from k3core.input_limits import MAX_TOKENS
+
+    return arg_int(-1, MAX_TOKENS - 1)

@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-from k3lab.options import add_device_options
+from k3core import input_limits as limits
+from k3lab.options import add_device_options, arg_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="trace folder to write (must not exist, or be empty)")
     p.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"tokens per text (default {DEFAULT_MAX_TOKENS})"
+        "--max-tokens",
+        type=arg_int(2, limits.MAX_TOKENS),
+        default=DEFAULT_MAX_TOKENS,
+        help=f"tokens per text (default {DEFAULT_MAX_TOKENS}, at most {limits.MAX_TOKENS:,})",
     )
     add_device_options(p)
     p.add_argument(
@@ -66,9 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_tokens < 2:
-        print("k3lab trace: --max-tokens must be at least 2", file=sys.stderr)
-        return 2
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.pipeline:
         if args.edit:

@@ -158,11 +158,14 @@ def test_damaged_library_index_is_a_message_on_every_page(env, runs):
     at = _library_page()
     assert not at.exception and _errors(at) == []
     (env / "library.sqlite").write_bytes(b"not a database" * 64)
-    library_home._library.clear()
-    at.run()
+    at.run()  # damaged while the server runs
     assert not at.exception
-    assert any("library.sqlite" in e and "move it away" in e for e in _errors(at)), _errors(at)
+    assert any("library.sqlite" in e and "restart the app" in e and "no run is deleted" in e for e in _errors(at))
     assert not any(str(env) in e for e in _errors(at))
+    library_home._library.clear()  # the restart the message names: the index is moved aside and rebuilt
+    at.run()
+    assert not at.exception and _errors(at) == []
+    assert any("moved aside" in i.value for i in at.info)
     at.switch_page("app_pages/overview.py").run()  # the other pages still serve the preloaded runs
     assert not at.exception and _errors(at) == []
     assert [s.value for s in at.subheader][0] == "nano-good"
@@ -270,3 +273,27 @@ def test_a_long_pasted_text_is_counted_from_its_first_megabyte(env, runs):
     assert any("Reading the first 16 of about 2,850,000 tokens" in _shown(w.value) for w in at.warning), [
         w.value for w in at.warning
     ]
+
+
+def test_a_ten_megabyte_prompt_is_refused_and_not_written_back(env, runs):
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = 16
+    at.run()
+    at.switch_page("app_pages/generate.py").run()
+    at.text_area(key="k3lab_prompt").input("a" * 10_000_000)
+    start = time.perf_counter()
+    at.button[0].click().run()
+    seconds = time.perf_counter() - start
+    assert not at.exception
+    [error] = _errors(at)
+    assert "10,000,000 characters, over the limit of 1,000,000" in error
+    assert seconds < PAGE_S and not any(len(c.value) > 100_000 for c in at.code)  # nothing echoed into the page
+
+
+def test_a_link_with_edits_nested_fifty_thousand_deep_is_a_note(env, runs):
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = 16
+    at.query_params["edits"] = "[" * 50_000 + "]" * 50_000
+    at.run()
+    assert not at.exception and _errors(at) == []
+    assert any("nested more than 16 levels" in _shown(w.value) for w in at.warning)

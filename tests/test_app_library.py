@@ -87,7 +87,7 @@ def test_upload_persists_and_a_bad_one_leaves_nothing(env, runs):
     assert at.session_state["k3lab_run"] == "mine"  # selected in the sidebar
     assert any("Added **mine**" in s.value for s in at.success)
     [entry] = RunsLibrary(env).entries()
-    assert (entry.name, entry.source) == ("mine", "upload")
+    assert (entry.name, entry.source, entry.state) == ("mine", "upload", "ready")  # its check finished
 
     # A new session (a browser reload) and a new library object (a server restart) still list it.
     library_home._library.clear()
@@ -99,6 +99,23 @@ def test_upload_persists_and_a_bad_one_leaves_nothing(env, runs):
     again.selectbox(key="k3lab_run").select("mine").run()
     assert not again.exception and _errors(again) == []
     assert [s.value for s in again.subheader][0] == "mine"
+
+
+def test_a_damaged_index_shows_every_run_and_says_what_was_repaired(env, runs):
+    lib = RunsLibrary(env)
+    kept, _ = lib.add_files([(p.name, p.read_bytes()) for p in sorted(runs["other"].iterdir())], "kept")
+    halfway, _ = lib.add_files([(p.name, p.read_bytes()) for p in sorted(runs["other"].iterdir())], "halfway")
+    lib._set_state(halfway.id, "unchecked")  # as a kill -9 during its check leaves it
+    lib.db_path.write_bytes(b"\x00garbage, not sqlite" * 50)
+    library_home._library.clear()
+    at = _library_page()
+    assert not at.exception and _errors(at) == []
+    assert any("moved aside" in i.value and "no run was deleted" in i.value for i in at.info)
+    assert {e.name for e in library_home.library().entries()} == {"kept", "halfway"}
+    assert any("did not finish" in w.value for w in at.warning)
+    at.button(key=f"k3lab_lib_check_{halfway.id}").click().run()
+    assert not at.exception and _errors(at) == []
+    assert RunsLibrary(env).get(halfway.id).state == "ready" and (kept.path / "model.safetensors").is_file()
 
 
 def test_missing_weights_point_at_the_upload_limit(env, runs):

@@ -18,6 +18,7 @@ import torch
 
 from analysis.checkpoint_summary import config_summary
 from app.library import (
+    ENTRY_FILE,
     LibraryError,
     RunsLibrary,
     accepted_name,
@@ -69,7 +70,7 @@ def test_upload_is_stored_indexed_and_survives_a_restart(lib, ckpt):
     assert skipped == []
     assert (entry.name, entry.source, entry.available, entry.stored) == ("my-run", "upload", True, True)
     assert entry.path.parent == lib.home / "runs"
-    assert sorted(p.name for p in entry.path.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert sorted(p.name for p in entry.path.iterdir()) == sorted([ENTRY_FILE, *(p.name for p in folder.iterdir())])
     assert entry.size_bytes == sum(p.stat().st_size for p in folder.iterdir())
     assert entry.summary["parameters"] == _stored(model)
     assert entry.summary == {**config_summary(model.config), "parameters": _stored(model), "dtypes": ["F32"]}
@@ -82,7 +83,9 @@ def test_upload_is_stored_indexed_and_survives_a_restart(lib, ckpt):
     assert [(e.id, e.name, e.fingerprint) for e in again.entries()] == [(entry.id, "my-run", entry.fingerprint)]
     with sqlite3.connect(lib.home / "library.sqlite") as con:
         cols = [r[1] for r in con.execute("PRAGMA table_info(runs)")]
-    assert cols == ["id", "name", "source", "location", "fingerprint", "config_summary", "size_bytes", "added_at"]
+    assert cols == [
+        "id", "name", "source", "location", "fingerprint", "config_summary", "size_bytes", "added_at", "state"
+    ]  # fmt: skip
     loaded = K3ForCausalLM.from_pretrained(again.entries()[0].path)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
@@ -174,7 +177,7 @@ def test_folder_upload_names_keep_only_the_base_name(lib, ckpt):
     folder, _ = ckpt
     entry, _ = lib.add_files([(f"nano/{n}", d) for n, d in _files(folder)])
     assert entry.name == "nano"  # named after the uploaded folder
-    assert sorted(p.name for p in entry.path.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert sorted(p.name for p in entry.path.iterdir()) == sorted([ENTRY_FILE, *(p.name for p in folder.iterdir())])
     assert lib.add_files([(f"nano/{n}", d) for n, d in _files(folder)], "given")[0].name == "given"
     assert all(p.parent == entry.path for p in entry.path.rglob("*"))
 
@@ -252,15 +255,16 @@ def test_cleanup_removes_leftovers_of_dead_processes_only(tmp_path):
     (lib.tmp_dir / f"{dead.pid}-abc").mkdir()
     (lib.tmp_dir / f"{dead.pid}-abc" / "model.safetensors").write_bytes(b"half")
     (lib.tmp_dir / f"{os.getpid()}-live").mkdir()  # this process is adding a run right now
-    old_orphan = lib.runs_dir / "0123456789ab"
-    old_orphan.mkdir()
+    (lib.trash_dir / "0123456789ab-dead").mkdir()  # a delete that a crash interrupted
+    unknown = lib.runs_dir / "0123456789ab"  # a run folder no row or row file describes: kept, never deleted
+    unknown.mkdir()
+    (unknown / "notes.txt").write_text("mine")
     old = time.time() - 3600
-    os.utime(old_orphan, (old, old))
-    young_orphan = lib.runs_dir / "ba9876543210"
-    young_orphan.mkdir()
-    RunsLibrary(lib.home)  # opening the library cleans up
-    assert not (lib.tmp_dir / f"{dead.pid}-abc").exists() and not old_orphan.exists()
-    assert (lib.tmp_dir / f"{os.getpid()}-live").exists() and young_orphan.exists()
+    os.utime(unknown, (old, old))
+    again = RunsLibrary(lib.home)  # opening the library cleans up
+    assert not (lib.tmp_dir / f"{dead.pid}-abc").exists() and not (lib.trash_dir / "0123456789ab-dead").exists()
+    assert (lib.tmp_dir / f"{os.getpid()}-live").exists() and (unknown / "notes.txt").read_text() == "mine"
+    assert any("0123456789ab" in m and "kept" in m for m in again.recovered)
 
 
 def test_redact_names_runs_not_server_paths(lib, ckpt):

@@ -11,7 +11,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from analysis import attribution, effects, lens, patching
+from analysis import attribution, effects, job_memory, lens, patching
 from analysis.figures.experiment import (
     attribution_figure,
     layer_attribution_figure,
@@ -20,7 +20,7 @@ from analysis.figures.experiment import (
     patching_figure,
 )
 from analysis.token_detail import token_detail
-from app import caching, links, page, picks
+from app import caching, job_budget, links, page, picks
 from app import experiment as ex
 from app.errors import plain
 from app.links import EDITS
@@ -153,7 +153,11 @@ def _experiment() -> None:
             start = time.perf_counter()
             try:
                 parsed = [edit_from_dict(d) for d in edits]
-                with caching.model_use(model):
+                need = job_memory.experiment_peak_bytes(config, T)
+                with (
+                    job_budget.budget().admit(need, f"The experiment on {T:,} tokens", st.info),
+                    caching.model_use(model),
+                ):
                     exp = effects.run_experiment(model, ids.to(next(model.parameters()).device), parsed)
             except (EditError, ValueError, RuntimeError) as exc:
                 status.update(label="The experiment failed", state="error")
@@ -218,7 +222,8 @@ def _patching() -> None:
             bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
 
         try:
-            with caching.model_use(model):
+            need = job_memory.patching_peak_bytes(config, T, len(sites))
+            with job_budget.budget().admit(need, f"Patching over {T:,} tokens", st.info), caching.model_use(model):
                 df = patching.activation_patching(
                     model,
                     ids.to(next(model.parameters()).device),
@@ -228,7 +233,7 @@ def _patching() -> None:
                     per_position=per_position,
                     progress=progress,
                 )
-        except patching.PatchingError as exc:
+        except (patching.PatchingError, job_budget.JobRefused) as exc:
             st.error(plain(exc))
             return
         ex.remember(results, key, (df, metric))
@@ -252,13 +257,18 @@ def _attribution() -> None:
     key = ("attr", loaded.key, n, m, method, int(baseline), layers)
     if go and key not in results:
         x, y = ids[0, :n].cpu(), ids[0, n : n + m].cpu()
-        with st.spinner(f"{method} on {n} prompt and {m} target tokens..."), caching.model_use(model):
-            try:
+        need = job_memory.attribution_peak_bytes(config, n + m, method, layers=layers)
+        try:
+            with (
+                st.spinner(f"{method} on {n} prompt and {m} target tokens..."),
+                job_budget.budget().admit(need, f"Attribution ({method}) over {n + m:,} tokens", st.info),
+                caching.model_use(model),
+            ):
                 tok = attribution.token_attribution(model, x, y, method, int(baseline), run.tokenizer)
                 lay = attribution.layer_attribution(model, x, y) if layers else None
-            except attribution.AttributionError as exc:
-                st.error(plain(exc))
-                return
+        except (attribution.AttributionError, job_budget.JobRefused) as exc:
+            st.error(plain(exc))
+            return
         ex.remember(results, key, (tok, lay))
     if key in results:
         tok, lay = results[key]

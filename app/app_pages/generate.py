@@ -9,7 +9,7 @@ import torch
 
 from app import caching, page
 from app.errors import md_escape, plain
-from app.inputs import MAX_TOKENS_CAP
+from app.inputs import MAX_TEXT_CHARS, MAX_TOKENS_CAP
 from k3core.cache import K3Cache
 
 inputs = page.inputs_or_stop()
@@ -71,6 +71,9 @@ with st.form("k3lab_generate"):
 if go:
     if not prompt:
         st.error("The prompt is empty: type at least one character.")
+        st.stop()
+    if len(prompt) > MAX_TEXT_CHARS:  # refused, not tokenised nor written back into the page
+        st.error(f"The prompt is {len(prompt):,} characters, over the limit of {MAX_TEXT_CHARS:,}: shorten it.")
         st.stop()
     ids = tok.encode(prompt)[-MAX_TOKENS_CAP:]
     device = next(model.parameters()).device

@@ -123,6 +123,17 @@ def _show_rank_plan(info) -> None:
     st.dataframe([r | {"bytes": format_bytes(r["bytes"])} for r in ranks.as_rows()], hide_index=True)
 
 
+def _check_upload(entry, ref) -> None:
+    """Load an upload once (every tensor: NaN/Inf, shapes; a trace folder's traces are read by the loader) and
+    mark it checked; the library marks it unchecked if the server stops before this ends."""
+    if entry.size_bytes <= VALIDATE_LOAD_BYTES and not memory_fit.fit_problem(ref, device, dtype):
+        caching.load_run(ref, device, dtype)
+    lib.mark_checked(entry.id)
+
+
+for note in lib.recovered:
+    st.info(md_escape(note))
+
 # ----------------------------------------------------------------------------------------- upload
 with tab_upload:
     limit = library_home.upload_limit_mb()
@@ -143,10 +154,11 @@ with tab_upload:
     if add:
         entry = ref = None
         try:
-            entry, skipped = lib.add_files([(f.name, f) for f in files or []], name, mode == "A whole folder")
+            entry, skipped = lib.add_files(
+                [(f.name, f) for f in files or []], name, mode == "A whole folder", checking=True
+            )
             ref = run_list.ref_of(entry)
-            if entry.size_bytes <= VALIDATE_LOAD_BYTES and not memory_fit.fit_problem(ref, device, dtype):
-                caching.load_run(ref, device, dtype)  # reads every tensor: NaN/Inf, shapes
+            _check_upload(entry, ref)
         except Exception as exc:  # noqa: BLE001 - an upload that fails any check is not kept, whatever failed
             if entry is not None:
                 lib.delete(entry.id)
@@ -242,6 +254,18 @@ for entry in entries:
         )
         c1.caption(f"{md_escape(summary_text(entry.summary))} · fingerprint {md_escape(entry.fingerprint[:12])}")
         refused = library_home.path_refusal(entry) if entry.available else None
+        if entry.unchecked and entry.available:
+            c1.warning("The check of this upload did not finish (the server stopped during it).")
+            if c1.button("Check it now", key=f"k3lab_lib_check_{entry.id}"):
+                try:
+                    _check_upload(entry, run_list.ref_of(entry))
+                except Exception as exc:  # noqa: BLE001 - the run stays, marked unchecked, with the reason shown
+                    if not isinstance(exc, USER_ERRORS):
+                        log.exception("checking a run again failed")
+                    shown = plain(error_text.message(exc, run_list.ref_of(entry)))
+                    c1.error(f"This checkpoint cannot be used: {shown}")
+                else:
+                    st.rerun()
         if not entry.available:
             c1.warning("The files of this run are gone (a folder moved or a disk unmounted); delete the entry.")
         elif refused:
