@@ -42,32 +42,41 @@ def access_trace(experts: np.ndarray, num_experts: int) -> np.ndarray:
 
 def next_uses(trace: Sequence[int]) -> np.ndarray:
     """For each access ``t``, the index of the next access to the same key (``len(trace)`` when none)."""
-    n = len(trace)
-    out = np.full(n, n, dtype=np.int64)
+    keys = _as_list(trace)
+    n = len(keys)
+    out = [n] * n
     seen: dict[int, int] = {}
     for t in range(n - 1, -1, -1):
-        key = int(trace[t])
+        key = keys[t]
         out[t] = seen.get(key, n)
         seen[key] = t
-    return out
+    return np.asarray(out, dtype=np.int64)
 
 
-def _priorities(trace: Sequence[int], policy: str) -> list[tuple]:
-    """The priority each access gives its key (larger = keep), by policy; other keys keep theirs."""
+def _as_list(trace: Sequence[int]) -> list[int]:
+    return np.asarray(trace, dtype=np.int64).reshape(-1).tolist()
+
+
+def _priorities(trace: Sequence[int], policy: str) -> list[int]:
+    """The priority each access gives its key (larger = keep; other keys keep theirs), one integer per access:
+    LRU ``t``; LFU ``count * n + t`` (count first, then recency); Belady ``-(next_use * K + key)`` with K above
+    every key (the sooner next use first, then the smaller key)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    trace = _as_list(trace)
     n = len(trace)
     if policy == "lru":
-        return [(t,) for t in range(n)]
+        return list(range(n))
     if policy == "lfu":
         counts: dict[int, int] = {}
         out = []
         for t, key in enumerate(trace):
-            counts[int(key)] = counts.get(int(key), 0) + 1
-            out.append((counts[int(key)], t))
+            counts[key] = counts.get(key, 0) + 1
+            out.append(counts[key] * (n + 1) + t)
         return out
-    nxt = next_uses(trace)
-    return [(-int(nxt[t]), -int(trace[t])) for t in range(n)]
+    nxt = next_uses(trace).tolist()
+    span = max(trace) + 1 if n else 1
+    return [-(nxt[t] * span + trace[t]) for t in range(n)]
 
 
 def stack_distances(trace: Sequence[int], policy: str = "lru") -> np.ndarray:
@@ -77,16 +86,21 @@ def stack_distances(trace: Sequence[int], policy: str = "lru") -> np.ndarray:
     depths above the accessed key's old one (the whole stack on a first use), at each depth the lower-priority
     of the carried key and the key there is carried on, and the last one carried fills the hole."""
     prio = _priorities(trace, policy)
+    trace = _as_list(trace)
     stack: list[int] = []
-    current: dict[int, tuple] = {}  # key -> its priority now (every key ever used stays in the stack)
-    out = np.empty(len(trace), dtype=np.int64)
+    current: dict[int, int] = {}  # key -> its priority now (every key ever used stays in the stack)
+    out = [COLD] * len(trace)
     for t, key in enumerate(trace):
-        key = int(key)
         depth = stack.index(key) if key in current else COLD
         out[t] = depth
         end = depth if depth != COLD else len(stack)
         if depth == COLD:
             stack.append(key)
+        if policy == "lru":  # recency order: the carried key always wins, so this is move-to-front
+            del stack[end]
+            stack.insert(0, key)
+            current[key] = prio[t]
+            continue
         if end > 0:
             carried = stack[0]
             for i in range(1, end):
@@ -96,7 +110,7 @@ def stack_distances(trace: Sequence[int], policy: str = "lru") -> np.ndarray:
             stack[end] = carried
         stack[0] = key
         current[key] = prio[t]
-    return out
+    return np.asarray(out, dtype=np.int64)
 
 
 def hits_by_size(distances: np.ndarray, max_size: int) -> np.ndarray:
@@ -116,8 +130,9 @@ def simulate_cache(trace: Sequence[int], size: int, policy: str = "lru") -> int:
     if size < 0:
         raise ValueError(f"cache size must be >= 0, got {size}")
     prio = _priorities(trace, policy)
+    trace = _as_list(trace)
     cached: dict[int, tuple] = {}
-    current: dict[int, tuple] = {}
+    current: dict[int, int] = {}
     hits = 0
     for t, key in enumerate(trace):
         key = int(key)
