@@ -220,7 +220,9 @@ def expert_bytes_of(run: Any) -> list[int]:
         return [sum(files.tensors[EXPERT_NAME.format(layer=i, expert=0, w=w)].nbytes for w in WEIGHTS) for i in layers]
     except Exception:  # noqa: BLE001 - no files (an in-memory run) or a layout without per-expert names
         moes = run.model.moe_layers()
-        return [sum(getattr(m.experts, w)[0].numel() * getattr(m.experts, w).element_size() for w in WEIGHTS) for m in moes]
+        return [
+            sum(getattr(m.experts, w)[0].numel() * getattr(m.experts, w).element_size() for w in WEIGHTS) for m in moes
+        ]
 
 
 def make_layout(run: Any, seq_len: int) -> Layout:
@@ -456,7 +458,9 @@ class SurveyState:
             s[p + "cutoff_hist"] += grouped_histogram(cutoff_gaps(selection, scores, k), groups, E, EDGES["gap"])
         s[p + "saliency_sum"] += np.bincount(flat_e, weights=(weights * r["out_norm"]).reshape(-1), minlength=E)
         token_class = np.broadcast_to(classes[..., None], experts.shape).reshape(-1)
-        s[p + "class_counts"] += np.bincount(flat_e * len(TOKEN_CLASSES) + token_class, minlength=E * len(TOKEN_CLASSES)).reshape(E, -1)
+        s[p + "class_counts"] += np.bincount(
+            flat_e * len(TOKEN_CLASSES) + token_class, minlength=E * len(TOKEN_CLASSES)
+        ).reshape(E, -1)
         if L.count_tokens:
             tok = np.broadcast_to(inputs[..., None], experts.shape).reshape(-1)
             s[p + "token_counts"] += np.bincount(flat_e * L.vocab_size + tok, minlength=E * L.vocab_size).reshape(E, -1)
@@ -575,8 +579,11 @@ def survey_card(state: SurveyState, run_info: dict[str, Any], complete: bool) ->
         "run": run_info,
         "arrays": {
             **{name: [str(a.dtype), list(a.shape)] for name, a in state.sums.items()},
-            **{f"{name}.{part}": [str(getattr(t, part).dtype), list(getattr(t, part).shape)]
-               for name, t in state.tops.items() for part in ("score", "id", "payload")},
+            **{
+                f"{name}.{part}": [str(getattr(t, part).dtype), list(getattr(t, part).shape)]
+                for name, t in state.tops.items()
+                for part in ("score", "id", "payload")
+            },
         },
         "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -707,7 +714,12 @@ def run_survey(
     rank + world, ...`` and returns its own state without writing (``reduce_states`` and rank 0 write)."""
     layout = make_layout(run, plan.seq_len)
     out = Path(out)
-    run_info = {"path": str(run.path), "label": run.label, "fingerprint": run.fingerprint, "config": run.config.to_dict()}
+    run_info = {
+        "path": str(run.path),
+        "label": run.label,
+        "fingerprint": run.fingerprint,
+        "config": run.config.to_dict(),
+    }
     if world == 1 and is_survey_dir(out):
         previous = read_survey(out)
         if asdict(previous.plan) != asdict(plan):
@@ -772,8 +784,13 @@ def run_survey_distributed(run: Any, ids: np.ndarray, plan: SurveyPlan, out: str
     merged = SurveyState(state.layout, plan)
     for data in gathered:
         merged.merge(state_from_bytes(data, state.layout, plan))
-    run_info = {"path": str(run.path), "label": run.label, "fingerprint": run.fingerprint, "config": run.config.to_dict(),
-                "world_size": world}
+    run_info = {
+        "path": str(run.path),
+        "label": run.label,
+        "fingerprint": run.fingerprint,
+        "config": run.config.to_dict(),
+        "world_size": world,
+    }
     save_survey(out, merged, run_info, complete=len(merged.done) == plan.batches)
     return merged
 
@@ -799,4 +816,3 @@ def state_size_bytes(state: SurveyState) -> int:
     return sum(a.nbytes for a in state.sums.values()) + sum(
         t.score.nbytes + t.id.nbytes + t.payload.nbytes for t in state.tops.values()
     )
-
