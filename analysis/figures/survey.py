@@ -124,8 +124,9 @@ def cutoff_histograms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             part = table[table.layer == layer].groupby(["bin_low", "bin_high"], as_index=False)["count"].sum()
             part = part[np.isfinite(part.bin_low) & np.isfinite(part.bin_high)]
             share = part["count"] / max(part["count"].sum(), 1)
-            fig.add_trace(go.Scatter(x=(part.bin_low + part.bin_high) / 2, y=share, name=f"layer {layer}",
-                                     legendgroup=str(layer), showlegend=col == 1, line=dict(color=color)), 1, col)  # fmt: skip
+            trace = go.Scatter(x=(part.bin_low + part.bin_high) / 2, y=share, name=f"layer {layer}",
+                               legendgroup=str(layer), showlegend=col == 1, line=dict(color=color))  # fmt: skip
+            fig.add_trace(trace, 1, col)
     apply_style(fig, f"Routing margins over {_tokens_note(survey)}", "selection units", "share of tokens")
     out = pd.concat([gaps.assign(what="cutoff"), margins.assign(what="margin")], ignore_index=True)
     return fig, out
