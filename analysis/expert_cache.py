@@ -199,3 +199,39 @@ def hit_rate(hits: np.ndarray, accesses: int) -> np.ndarray:
     """hits / accesses (NaN with no access)."""
     hits = np.asarray(hits, dtype=np.float64)
     return hits / accesses if accesses else np.full(hits.shape, math.nan)
+
+
+def forward_access_trace(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """The expert reads of one batched forward of a streamed run (``k3core.expert_store``): layer by layer, each
+    layer's distinct chosen experts in ascending order (the sorted dispatch runs each active expert once).
+    ``experts`` [layer, ...token axes, rank] -> keys ``layer * E + expert``."""
+    experts = np.asarray(experts, dtype=np.int64)
+    return (
+        np.concatenate([layer * num_experts + np.unique(experts[layer]) for layer in range(experts.shape[0])])
+        if experts.shape[0]
+        else np.zeros(0, dtype=np.int64)
+    )
+
+
+class OnlineLRU:
+    """An LRU cache of ``size`` keys fed one access at a time across forwards (the streamed run's own cache policy,
+    simulated): ``access(key)`` returns whether it hit; ``hits`` and ``accesses`` count."""
+
+    def __init__(self, size: int, warm: Sequence[int] = ()) -> None:
+        """``warm``: keys already cached, least recently used first (a cache that has served before)."""
+        from collections import OrderedDict
+
+        self.size, self.hits, self.accesses = size, 0, 0
+        self._keys: OrderedDict[int, None] = OrderedDict((int(k), None) for k in list(warm)[-size:] if size > 0)
+
+    def access(self, key: int) -> bool:
+        self.accesses += 1
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            self.hits += 1
+            return True
+        if self.size > 0:
+            self._keys[key] = None
+            if len(self._keys) > self.size:
+                self._keys.popitem(last=False)
+        return False

@@ -38,7 +38,15 @@ import numpy as np
 import torch
 
 from analysis.aggregates import EMPTY_ID, TopK, grouped_histogram, uniform_hash
-from analysis.expert_cache import POLICIES, access_trace, cache_sizes, hits_by_size, stack_distances
+from analysis.expert_cache import (
+    POLICIES,
+    OnlineLRU,
+    access_trace,
+    cache_sizes,
+    forward_access_trace,
+    hits_by_size,
+    stack_distances,
+)
 from analysis.moe import coactivation
 from analysis.routing_stats import TOKEN_CLASSES, byte_classes, cutoff_gaps, selection_margin, string_class
 from k3core.files import atomic_write_bytes, parse_json, read_bytes_limited
@@ -547,6 +555,9 @@ def survey_batch(run: Any, inputs: np.ndarray, targets: np.ndarray, layout: Layo
 def _norm_reader(reads: dict, i: int, moe: Any) -> Callable:
     def read(z, name, info):
         r = reads[f"moe.{i}"]
+        if moe.experts.weight_source is not None:  # a streamed run: another expert pass would disturb its cache
+            r["out_norm"] = np.full(r["experts"].shape, np.nan)
+            return
         experts = torch.as_tensor(r["experts"], device=z.device).reshape(-1, r["experts"].shape[-1])
         flat = z.reshape(-1, z.shape[-1])
         norms = torch.zeros(experts.shape, dtype=torch.float64)
@@ -731,10 +742,16 @@ def run_survey(
         state = SurveyState(layout, plan)
     mine = [b for b in range(plan.batches) if b % world == rank]
     todo = [b for b in mine if b not in state.done]
+    streamed = StreamedCacheCheck.of(run, layout)
     since_save = 0
     for n, batch in enumerate(todo, 1):
         inputs, targets, _ = batch_ids(ids, plan, batch)
-        state.add_batch(batch, inputs, survey_batch(run, inputs, targets, layout))
+        before = streamed.observed() if streamed else 0
+        reads = survey_batch(run, inputs, targets, layout)
+        if streamed:
+            streamed.add(reads, streamed.observed() - before)
+            run_info["streamed"] = streamed.summary()
+        state.add_batch(batch, inputs, reads)
         since_save += 1
         done = len(mine) - len(todo) + n
         stop = progress is not None and progress(done, len(mine)) is False
@@ -746,6 +763,39 @@ def run_survey(
     if world == 1 and not todo:
         save_survey(out, state, run_info, complete=len(state.done) == plan.batches)
     return state
+
+
+class StreamedCacheCheck:
+    """A streamed run's expert cache (``k3core.expert_store``, LRU over stored bytes) beside its simulation: the
+    LRU of the same capacity in experts fed the forward's expert reads (``forward_access_trace``). Counted over
+    the batches run in this process (a continued survey counts from where it continued)."""
+
+    def __init__(self, store: Any, capacity: int, layout: Layout) -> None:
+        self.store, self.layout = store, layout
+        # the store's keys are (decoder layer, expert); the simulation's, MoE-layer ordinal * E + expert
+        warm = [layout.moe_layers.index(layer) * layout.num_experts + e for layer, e in store.cached_keys()]
+        self.sim = OnlineLRU(capacity, warm=warm)
+        self.observed_hits = 0
+
+    @classmethod
+    def of(cls, run: Any, layout: Layout) -> StreamedCacheCheck | None:
+        session = getattr(run.model, "streaming", None)
+        if session is None or not layout.moe_layers or len(set(layout.expert_bytes)) != 1:
+            return None
+        return cls(session.store, session.store.budget // layout.expert_bytes[0], layout)
+
+    def observed(self) -> int:
+        return int(self.store.stats.hits)
+
+    def add(self, reads: dict[str, Any], observed_hits: int) -> None:
+        experts = np.stack([reads[f"moe.{i}"]["experts"] for i in self.layout.moe_layers])
+        for key in forward_access_trace(experts, self.layout.num_experts).tolist():
+            self.sim.access(key)
+        self.observed_hits += observed_hits
+
+    def summary(self) -> dict[str, int]:
+        return {"capacity_experts": self.sim.size, "observed_hits": self.observed_hits,
+                "simulated_lru_hits": self.sim.hits, "accesses": self.sim.accesses}  # fmt: skip
 
 
 def state_bytes(state: SurveyState) -> bytes:

@@ -267,3 +267,16 @@ def test_hostile_survey_folders_are_refused(surveyed, tmp_path):
         sv.read_survey(bad)
     with pytest.raises(sv.SurveyError, match="not a survey folder"):
         sv.read_survey(tmp_path / "missing")
+
+
+def test_a_streamed_runs_observed_hits_equal_its_lru_simulation(corpus, tmp_path):
+    ids, _ = corpus
+    plan = sv.make_plan(ids[:49], "romeo", "x", 4, batch_size=1)  # 4 tokens a forward: 2..8 experts per layer
+    streamed = load_run(SAMPLE, max_memory="560MB")
+    store = streamed.model.streaming.store
+    store.budget = 40 * 30720  # 40 of the 56 experts: hits and misses both happen
+    sv.run_survey(streamed, ids, plan, tmp_path / "s")
+    check = sv.read_survey(tmp_path / "s").card["run"]["streamed"]
+    assert check["capacity_experts"] == 40 and check["accesses"] > 7 * 2 * plan.sequences
+    assert 0 < check["observed_hits"] == check["simulated_lru_hits"] < check["accesses"]
+    assert check["observed_hits"] <= store.stats.hits  # the store also served the layout's 2-token probe forward
