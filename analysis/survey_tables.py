@@ -15,10 +15,11 @@ import pandas as pd
 from analysis.aggregates import EMPTY_ID
 from analysis.expert_cache import POLICIES, hit_rate
 from analysis.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation, wilson_interval
+from analysis.survey import Survey
 from k3core.moe_balance import moe_load_stats
 
 
-def expert_table(survey) -> pd.DataFrame:
+def expert_table(survey: Survey) -> pd.DataFrame:
     """Per (layer, expert): tokens routed, load share with its 95% Wilson interval, gate mass, REAP saliency,
     specialisation (bits) and the token class with the highest lift."""
     s, L = survey.state.sums, survey.layout
@@ -51,14 +52,14 @@ def expert_table(survey) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def balance_table(survey) -> pd.DataFrame:
+def balance_table(survey: Survey) -> pd.DataFrame:
     """Per MoE layer: MaxVio and CV of the load over the corpus (``moe_load_stats``) and the tokens behind them."""
     s, L = survey.state.sums, survey.layout
     rows = [dict(layer=i, tokens=int(s["tokens"][0]), **moe_load_stats(s[f"moe.{i}.load"])) for i in L.moe_layers]
     return pd.DataFrame(rows, columns=["layer", "tokens", "max_vio", "cv"])
 
 
-def cache_table(survey) -> pd.DataFrame:
+def cache_table(survey: Survey) -> pd.DataFrame:
     """Hit rate by cache size and policy, per layer (``scope`` = the layer) and shared over the model
     (``scope`` = "model"); ``size_bytes`` at the checkpoint's storage format (a layer's expert bytes; for the
     model the mean over layers)."""
@@ -97,7 +98,7 @@ def cache_table(survey) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def context_text(survey, ids: np.ndarray, mark: int) -> tuple[str, str, str]:
+def context_text(survey: Survey, ids: np.ndarray, mark: int) -> tuple[str, str, str]:
     """(before, token, after) strings of a context window; the token is column ``mark``."""
     strings = survey.layout.token_strings
     show = (lambda t: strings[t]) if strings else (lambda t: f"<{t}>")
@@ -107,7 +108,7 @@ def context_text(survey, ids: np.ndarray, mark: int) -> tuple[str, str, str]:
     return before, show(live[mark]), after
 
 
-def atlas_table(survey, layer: int | None = None, expert: int | None = None) -> pd.DataFrame:
+def atlas_table(survey: Survey, layer: int | None = None, expert: int | None = None) -> pd.DataFrame:
     """The expert atlas's contexts: per (layer, expert) its top contexts by routing weight (``kind`` "top",
     ``value`` the weight) and its random reservoir (``kind`` "sample"), each as before / token / after text."""
     L, plan = survey.layout, survey.plan
@@ -142,7 +143,9 @@ def atlas_table(survey, layer: int | None = None, expert: int | None = None) -> 
     )
 
 
-def lift_table(survey, layer: int | None = None, expert: int | None = None, top_tokens: int = 10) -> pd.DataFrame:
+def lift_table(
+    survey: Survey, layer: int | None = None, expert: int | None = None, top_tokens: int = 10
+) -> pd.DataFrame:
     """Lift per token class (``kind`` "class") and, where token counts are kept, the tokens with the highest lift
     among those the expert saw at least 5 times (``kind`` "token"), with the counts behind each."""
     s, L = survey.state.sums, survey.layout
@@ -175,7 +178,7 @@ def lift_table(survey, layer: int | None = None, expert: int | None = None, top_
     return pd.DataFrame(rows, columns=["layer", "expert", "kind", "item", "lift", "count"])
 
 
-def histogram_table(survey, what: str) -> pd.DataFrame:
+def histogram_table(survey: Survey, what: str) -> pd.DataFrame:
     """A histogram statistic as rows (layer, group, bin_low, bin_high, count): ``what`` is one of "margin", "cutoff",
     "unchosen", "chosen" (MoE, group = expert), "kda_g", "beta" (KDA, group = head), "entropy", "sink" (MLA)."""
     s, L, edges = survey.state.sums, survey.layout, survey.card["edges"]
@@ -204,7 +207,7 @@ def histogram_table(survey, what: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["layer", "group", "bin_low", "bin_high", "count"])
 
 
-def head_table(survey) -> pd.DataFrame:
+def head_table(survey: Survey) -> pd.DataFrame:
     """Per head: KDA mean log decay and mean beta; MLA mean normalised entropy and sink mass (rows >= 1)."""
     s, L = survey.state.sums, survey.layout
     rows = []
@@ -250,7 +253,7 @@ def head_table(survey) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["layer", "kind", "head", "stat", "value"])
 
 
-def attnres_table(survey) -> pd.DataFrame:
+def attnres_table(survey: Survey) -> pd.DataFrame:
     """Per AttnRes site and depth source: mean weight and its spread (std over tokens)."""
     s, L = survey.state.sums, survey.layout
     rows = []
@@ -263,7 +266,7 @@ def attnres_table(survey) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["site", "source", "mean", "std", "tokens"])
 
 
-def position_table(survey) -> pd.DataFrame:
+def position_table(survey: Survey) -> pd.DataFrame:
     """Loss by position (mean over sequences) and, per MLA layer, the mean sink mass by query position."""
     s, L = survey.state.sums, survey.layout
     T = survey.plan.seq_len
@@ -288,7 +291,7 @@ TABLES = {
 }
 
 
-def export_tables(survey, out: str | Path) -> list[Path]:
+def export_tables(survey: Survey, out: str | Path) -> list[Path]:
     """Every table as CSV and JSON (records) into ``out``, plus every histogram; returns the files written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +310,7 @@ def export_tables(survey, out: str | Path) -> list[Path]:
     return written
 
 
-def summary_text(survey) -> str:
+def summary_text(survey: Survey) -> str:
     """A plain-text summary: the plan, balance per layer, the most specialised experts, cache hit rates."""
     plan, s = survey.plan, survey.state.sums
     lines = [

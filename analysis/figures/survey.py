@@ -8,6 +8,8 @@ expert, ``customdata`` = (layer, expert)) so that a plotly selection picks a cel
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -16,18 +18,19 @@ from plotly.subplots import make_subplots
 from analysis import survey_tables as st
 from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, apply_style
+from analysis.survey import Survey
 from analysis.view import NotApplicable, View
 
 POLICY_COLORS = {"lru": RUN_COLORS[0], "lfu": RUN_COLORS[1], "belady": RUN_COLORS[2]}
 
 
-def survey_context(survey, label: str | None = None, **options) -> AnalysisContext:
+def survey_context(survey: Survey, label: str | None = None, **options: Any) -> AnalysisContext:
     """An AnalysisContext that carries a survey (no trace, no model) for the survey views."""
     return AnalysisContext(trace=None, config=None, label=label or survey.card["run"].get("label", "survey"),
                            options={"survey": survey, **options})  # fmt: skip
 
 
-def _survey(ctx: AnalysisContext):
+def _survey(ctx: AnalysisContext) -> Survey:
     survey = ctx.options.get("survey")
     if survey is None:
         raise NotApplicable("no survey: run `k3lab survey RUN --sample NAME --out DIR` and open DIR")
@@ -36,7 +39,7 @@ def _survey(ctx: AnalysisContext):
     return survey
 
 
-def _tokens_note(survey) -> str:
+def _tokens_note(survey: Survey) -> str:
     return f"{int(survey.state.sums['tokens'][0]):,} tokens of {survey.plan.corpus}"
 
 
@@ -182,7 +185,7 @@ def loss_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     return fig, df
 
 
-def compare_surveys(a, b, label_a: str = "A", label_b: str = "B") -> tuple[go.Figure, pd.DataFrame]:
+def compare_surveys(a: Survey, b: Survey, label_a: str = "A", label_b: str = "B") -> tuple[go.Figure, pd.DataFrame]:
     """Two surveys side by side (two runs on one corpus, or one run on two corpora): MaxVio per layer and the
     shared cache's Belady and LRU hit rates by size."""
     rows = []
