@@ -48,6 +48,10 @@ def load_map(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     survey = _survey(ctx)
     df = st.expert_table(survey)
     chance = survey.layout.top_k / survey.layout.num_experts
+    ratio = (df.share / chance).to_numpy()
+    # a colour range symmetric about the fair share (1), with five labelled ticks whatever the spread
+    low = float(min(np.nanmin(ratio), 2 - np.nanmax(ratio), 0.9)) if len(ratio) else 0.5
+    ticks = np.round(np.linspace(low, 2 - low, 7)[1:-1], 2)  # inside the range: end ticks may go undrawn
     fig = go.Figure(
         go.Scatter(
             x=df.expert,
@@ -56,11 +60,12 @@ def load_map(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             marker=dict(
                 symbol="square",
                 size=22,
-                color=df.share / chance,
+                color=ratio,
                 colorscale="RdBu_r",
-                cmid=1.0,
-                colorbar=dict(title="load / fair", nticks=6),
-            ),  # fmt: skip
+                cmin=low,
+                cmax=2 - low,
+                colorbar=dict(title="load / fair", tickvals=ticks.tolist(), ticktext=[f"{t:g}" for t in ticks]),
+            ),
             customdata=np.stack([df.layer, df.expert, df.tokens, df.share_low, df.share_high, df.saliency], axis=1),
             hovertemplate="layer %{customdata[0]} expert %{customdata[1]}<br>%{customdata[2]:,} tokens, share "
             "%{customdata[3]:.3f}..%{customdata[4]:.3f} (95%)<br>REAP saliency %{customdata[5]:.3f}<extra></extra>",
