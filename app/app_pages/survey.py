@@ -9,9 +9,9 @@ import streamlit as st
 from analysis import survey as sv
 from analysis import survey_tables as tables
 from analysis.figures import survey as fs
+from analysis.style import screen_figure
 from analysis.texts import text_tokenizer
 from analysis.view import NotApplicable
-from analysis.style import screen_figure
 from app import page, survey_jobs
 from app.cards import PLOTLY_CONFIG
 
@@ -97,12 +97,24 @@ def _results(folder, job) -> None:
         st.info(str(exc))
         return
     picked = _chart(fig, "k3lab_survey_load", on_select="rerun", selection_mode="points")
-    points = (picked or {}).get("selection", {}).get("points", []) if isinstance(picked, dict) else []
     options = {}
+    try:
+        points = picked["selection"]["points"] if picked is not None else []
+    except (KeyError, TypeError):
+        points = []
     if points:
         data = points[0].get("customdata") or []
         if len(data) >= 2:
             options = {"layer": int(data[0]), "expert": int(data[1])}
+    if not options:  # no mark selected: the pickers (default: the most specialised expert)
+        best = tables.expert_table(survey).sort_values("specialisation_bits", ascending=False).iloc[0]
+        p1, p2, _ = st.columns([1, 1, 4])
+        layers = survey.layout.moe_layers
+        layer = p1.selectbox("Atlas card: MoE layer", layers, index=layers.index(int(best.layer)))
+        expert = p2.selectbox("expert", range(survey.layout.num_experts), index=int(best.expert))
+        options = {"layer": int(layer), "expert": int(expert)}
+    else:
+        st.caption(f"Atlas card of layer {options['layer']} expert {options['expert']} (selected on the load map).")
     card, card_table = fs.atlas_card(ctx.with_options(**options))
     _chart(card, "k3lab_survey_card")
     budget = None
@@ -133,7 +145,10 @@ def _results(folder, job) -> None:
 
 @st.fragment(run_every=2.0 if (job and job.running) else None)
 def _live() -> None:
-    _results(folder, survey_jobs.job_of(folder))
+    current = survey_jobs.job_of(folder)
+    if current is not None and current.finished and job is not None and job.running:
+        st.rerun(scope="app")  # the survey ended: draw the page once more without the 2 s refresh
+    _results(folder, current)
 
 
 _live()
