@@ -703,6 +703,24 @@ def _check_layout(layout: Layout, plan: SurveyPlan) -> None:
         raise ValueError("context width out of range")
     if len(layout.token_classes) != layout.vocab_size:
         raise ValueError("token classes do not cover the vocabulary")
+    if plan.batch_size < 1 or plan.sequences < 1:
+        raise ValueError("batch size or sequence count out of range")
+    if state_size_estimate(layout, plan) > MAX_STATE_BYTES:
+        raise ValueError(f"its state would take {state_size_estimate(layout, plan):,} bytes, out of range")
+
+
+def state_size_estimate(layout: Layout, plan: SurveyPlan) -> int:
+    """An upper bound of the bytes a survey state of this layout and plan holds (checked before allocating)."""
+    E, V = layout.num_experts, layout.vocab_size if layout.count_tokens else 0
+    bins = sum(len(v) + 1 for v in EDGES.values())
+    width = plan.context_before + 1 + plan.context_after
+    per_moe = E * E + E * (bins + E + 2 + 3 * len(layout.layer_sizes) + 16) + E * V
+    per_moe += E * (plan.top_contexts + plan.reservoir) * (width + 2)
+    heads = max(layout.kda_heads, layout.mla_heads)
+    per_mixer = heads * (bins + 2 * plan.seq_len)
+    total = len(layout.moe_layers) * per_moe + (len(layout.kda_layers) + len(layout.mla_layers)) * per_mixer
+    total += 3 * len(layout.model_sizes) + V + 4 * plan.seq_len + sum(layout.attnres_sites.values()) * 3
+    return 8 * total
 
 
 # ------------------------------------------------------------------------------------------------ the driver

@@ -254,6 +254,10 @@ def test_hostile_survey_folders_are_refused(surveyed, tmp_path):
     with pytest.raises(sv.SurveyError, match="do not match"):
         sv.read_survey(bad)
     card["arrays"]["tokens"] = ["int64", [1]]
+    card["layout"]["num_experts"] = 60_000  # within the count bound, but its state would be terabytes
+    (bad / sv.CARD_NAME).write_text(json.dumps(card))
+    with pytest.raises(sv.SurveyError, match="out of range"):
+        sv.read_survey(bad)
     card["layout"]["num_experts"] = 10**9
     (bad / sv.CARD_NAME).write_text(json.dumps(card))
     with pytest.raises(sv.SurveyError, match="out of range"):
