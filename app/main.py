@@ -63,6 +63,7 @@ PAGES = {
     ],
     "Tools": [
         _page("experiment", "Experiment", ":material/science:"),
+        _page("survey", "Survey", ":material/query_stats:"),
         _page("generate", "Generate", ":material/edit_note:"),
         _page("runs_library", "Runs library", ":material/folder_open:", url_path="upload"),
     ],

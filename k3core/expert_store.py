@@ -216,6 +216,10 @@ class ExpertStore:
     def cached_bytes(self) -> int:
         return self._cached_bytes
 
+    def cached_keys(self) -> list[tuple[int, int]]:
+        """The cached (layer, expert) keys, least recently used first."""
+        return list(self._cache)
+
     def request(self, layer: int, experts: list[int]) -> None:
         """The router of ``layer`` chose ``experts``: start reading those not cached (a few at a time)."""
         for e in experts:

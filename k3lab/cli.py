@@ -11,6 +11,7 @@ k3lab presets              list the named configurations and their sizes        
 k3lab experiment RUN --edit E --text T --out DIR   an edited forward beside the baseline          k3lab/experiment.py
 k3lab patch RUN --clean A --corrupted B --out DIR  activation patching                            k3lab/patch.py
 k3lab attribute RUN --prompt P --target Y --out DIR  Captum attribution per output x input token  k3lab/attribute.py
+k3lab survey RUN --sample NAME --out DIR   statistics over a corpus: expert atlas, expert cache   k3lab/survey.py
 
 Each command module has ``main(argv) -> exit code`` and imports its heavy libraries (torch) inside it, so
 ``k3lab --help`` stays instant.
@@ -33,6 +34,7 @@ COMMANDS = {
     "experiment": "run a text with edits (interventions) beside the baseline, per token",
     "patch": "activation patching between a clean and a corrupted text",
     "attribute": "attribution of a continuation to the prompt's tokens (Captum)",
+    "survey": "statistics over a corpus: MoE load, expert atlas, expert-cache hit rates (resumable, torchrun)",
 }
 
 

@@ -1,0 +1,62 @@
+"""The Survey page in Chromium: cost first, Start runs a survey of a sample whose results fill in (load map, atlas
+card, cache curves, ...), and the browser figure check finds nothing wrong with the page's charts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_app import CHART, CHROMIUM, EXCEPTION, REPO, app_server, settle
+
+pytestmark = pytest.mark.browser
+
+if not CHROMIUM.exists():
+    pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
+pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+
+SHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("browser-survey")
+    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(root / "k3lab-home")}
+    with app_server(REPO, root, env) as (url, log):
+        yield url, log
+
+
+def test_survey_page_runs_and_draws_its_results(server, tmp_path):
+    from benchmarks.figure_check import app_page_problems
+    from tests.test_browser_library import chromium
+
+    url, log = server
+    with chromium() as browser:
+        page = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+        page.goto(f"{url}/survey")
+        page.get_by_text("Cost:").wait_for(timeout=180_000)
+        settle(page)
+        tokens = page.get_by_label("Corpus tokens", exact=True)
+        tokens.fill("2000")
+        tokens.press("Enter")
+        page.get_by_text("2,048 tokens").or_(page.get_by_text("1,792 tokens")).first.wait_for(timeout=120_000)
+        settle(page)
+        page.get_by_role("button", name="Start", exact=True).first.click()
+        page.wait_for_selector(CHART, timeout=180_000)
+        page.get_by_text("Layer ").first.wait_for(timeout=180_000)
+        page.wait_for_function(
+            "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length >= 6",
+            timeout=180_000,
+        )
+        page.get_by_text("survey of k3-full on shakespeare: 1,792 of 1,792").wait_for(timeout=180_000)
+        page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000)
+        settle(page)
+        assert page.locator(EXCEPTION).count() == 0
+        problems = {k: v for k, v in app_page_problems(page).items() if v}
+        assert not problems, problems
+        titles = page.evaluate("() => Array.from(document.querySelectorAll('.gtitle')).map(e => e.textContent)")
+        assert any(t.startswith("Layer ") and "specialisation" in t for t in titles), titles  # the atlas card
+        assert any(t.startswith("Expert-cache hit rate") for t in titles), titles
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(tmp_path / "survey.png"), full_page=True)
+        page.screenshot(path=str(SHOTS / "survey.png"), full_page=True)
