@@ -124,3 +124,54 @@ def test_fused_cpu_kernel_runs_for_unequal_head_dims():
     names = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_attention_math" not in names
     assert any("flash_attention" in n for n in names), names
+
+
+def _mla_layer_outputs(model, ids, per_head_mask):
+    """The last MLA layer's output for a prefill, a cached two-step decode and a written key mask."""
+    from k3core.cache import K3Cache
+    from k3core.hooks import HookNames, hooks
+
+    layer = max(i for i in range(model.config.num_hidden_layers) if model.config.is_mla_layer(i))
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(tag):
+        return lambda v, name, info: seen.__setitem__(tag, v.clone())
+
+    name = HookNames.block(layer, "mixer_out")
+    with torch.no_grad():
+        with hooks(read={name: keep("prefill")}):
+            model(ids)
+        cache = K3Cache.for_config(model.config)
+        model.model(ids[:, :-3], cache=cache)
+        with hooks(read={name: keep("decode")}):
+            model.model(ids[:, -3:], cache=cache)  # three new tokens after nine cached ones
+
+        def hide(mask, name, info):
+            mask = mask.clone()
+            mask[..., 2:5] = False  # keys 2..4 hidden from every query; queries 2..4 then see keys 0..1 only
+            mask[..., 0, :] = False  # query 0 sees nothing
+            return mask.expand(model.config.num_attention_heads, *mask.shape).clone() if per_head_mask else mask
+
+        with hooks(read={name: keep("masked")}, write={HookNames.block(layer, "mla.key_mask"): hide}):
+            model(ids)
+    return seen
+
+
+@pytest.mark.parametrize("v_head_dim", [8, 24])  # nano: q/k head dim 16 + 8 = 24; v narrower, then equal
+@pytest.mark.parametrize("per_head_mask", [False, True])
+def test_mla_layer_equals_todays_path(monkeypatch, v_head_dim, per_head_mask):
+    """The model's MLA layer on the new op vs the same layer on today's path: prefill, cached decode, key mask."""
+    import k3core.layers.mla as mla
+
+    from .conftest import nano_model, random_ids
+
+    model = nano_model(v_head_dim=v_head_dim)
+    ids = random_ids(12, 2)
+    new = _mla_layer_outputs(model, ids, per_head_mask)
+    monkeypatch.setattr(mla, "attention", _todays_path)
+    old = _mla_layer_outputs(model, ids, per_head_mask)
+    assert new["decode"].shape[1] == 3
+    assert (new["masked"][:, 5:] - new["prefill"][:, 5:]).abs().max() > 1e-3  # the written mask took effect
+    torch.testing.assert_close(new["decode"], new["prefill"][:, -3:], rtol=0, atol=1e-5)  # cache = full forward
+    for tag in ("prefill", "decode", "masked"):
+        torch.testing.assert_close(new[tag], old[tag], rtol=0, atol=1e-6, msg=tag)
