@@ -1,8 +1,9 @@
 """The plain forward of the k3-full sample grows linearly in memory with T (MLA no longer builds [T, T] scores).
 
-Each length runs in a fresh subprocess on one thread; peak RSS growth is ru_maxrss after the forward minus
-ru_maxrss after a short warm-up forward. MALLOC_MMAP_THRESHOLD_ makes glibc map (and unmap) every large
-buffer, so the peak counts live tensors rather than what the heap happened to keep.
+Each length runs in a fresh subprocess on one thread; peak RSS growth is the peak RSS (VmHWM, reset through
+/proc/self/clear_refs after a short warm-up forward) minus the RSS at that point. MALLOC_MMAP_THRESHOLD_
+makes glibc map (and unmap) every large buffer, so the peak counts live tensors rather than what the heap
+happened to keep.
 """
 
 from __future__ import annotations
@@ -14,16 +15,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
-import resource, sys, torch
+import sys, torch
 from k3core.model import K3ForCausalLM
+
+def status_kb(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
 torch.set_num_threads(1)
 model = K3ForCausalLM.from_pretrained(sys.argv[1]).eval()
 ids = torch.randint(0, model.config.vocab_size, (1, int(sys.argv[2])), generator=torch.Generator().manual_seed(0))
 with torch.inference_mode():
     model(ids[:, :64])
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the peak (VmHWM) to the current RSS: loading's transient peak is not counted
+    base = status_kb("VmRSS")
     model(ids)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+print(status_kb("VmHWM") - base)
 """
 
 
