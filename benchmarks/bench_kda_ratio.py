@@ -64,6 +64,8 @@ def run(quick: bool = False) -> list[Row]:
                 "kda_recurrent",
                 "tok/s",
                 t["recurrent"] / t["chunk"],
+                target=">= 10" if T == 2048 else "",
+                ok=t["recurrent"] / t["chunk"] >= 10 if T == 2048 else None,
                 note=f"max rel err {err:.1e}",
             )
         )

@@ -3,6 +3,7 @@
     python -m benchmarks                  # everything (about 10-20 minutes on a busy 2-core CPU)
     python -m benchmarks --quick          # smaller sizes, a minute or two
     python -m benchmarks --only cache trace
+    python -m benchmarks --only long      # T = 1K..64K in subprocesses (--full: 128K); not in the default run
     python -m benchmarks --update-readme  # also write the table into benchmarks/README.md
 
 Every row compares a candidate with a reference measured in the same process, interleaved, best of
@@ -32,17 +33,21 @@ SUITES = {
     "hooks": "bench_hooks",
     "moe": "bench_moe",
     "decode": "bench_decode",
+    "train": "bench_train",
+    "long": "bench_long",
 }
+# Run only when asked for (--only long): tens of minutes, and up to 3 GiB per subprocess.
+ON_REQUEST = ("long",)
 README = Path(__file__).with_name("README.md")
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def run_suites(names: list[str], quick: bool, log=print) -> list[Row]:
+def run_suites(names: list[str], quick: bool, log=print, full: bool = False) -> list[Row]:
     rows: list[Row] = []
     for name in names:
         module = importlib.import_module(f".{SUITES[name]}", __package__)
         t0 = time.perf_counter()
-        rows += module.run(quick=quick)
+        rows += module.run(quick=quick, full=full) if name == "long" else module.run(quick=quick)
         log(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return rows
 
@@ -106,7 +111,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (a minute or two)")
-    ap.add_argument("--only", nargs="+", choices=sorted(SUITES), default=list(SUITES), help="run only these suites")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(SUITES),
+        default=[n for n in SUITES if n not in ON_REQUEST],
+        help="run only these suites (default: all but long)",
+    )
+    ap.add_argument("--full", action="store_true", help="long: add T = 128K")
     ap.add_argument(
         "--threads",
         type=int,
@@ -127,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     torch.set_num_threads(args.threads)
     use_clock(args.clock)
     print(header(argv, args.quick))
-    rows = run_suites(args.only, args.quick)
+    rows = run_suites(args.only, args.quick, full=args.full)
     print()
     print(table(rows))
     misses = [r for r in rows if r.ok is False]

@@ -47,3 +47,14 @@ def test_swiglu_and_gated_mlp():
         gate, up = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
         inner = situ(gate, up) if act == "situ" else F.silu(gate) * up
         torch.testing.assert_close(mlp(x), inner @ mlp.down_proj.weight.T, rtol=1e-5, atol=1e-6)
+
+
+def test_situ_without_autograd_equals_the_differentiable_form():
+    """The in-place (no-grad) path and the autograd path: same values to fp32 rounding, inputs untouched."""
+    g, u = torch.randn(4096) * 8, torch.randn(4096) * 60
+    g0, u0 = g.clone(), u.clone()
+    with torch.no_grad():
+        fast = situ(g, u)
+    assert torch.equal(g, g0) and torch.equal(u, u0)
+    slow = situ(g.clone().requires_grad_(), u.clone().requires_grad_())
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-6, atol=1e-6)

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
 from ..hooks import HookNames, active
+from ..ops.attention import attention
 from .norm import RMSNorm
 
 
@@ -90,14 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
             if hooks.writes(name("key_mask")):
                 causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
                 mask = hooks.point(name("key_mask"), causal)
-        if mask is not None:
-            attn_out = masked_attention(q, k, v, mask, self.scale)
-        elif past == 0:
-            attn_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            # Decoding: query t (absolute past + t) sees keys 0..past+t.
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            attn_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        attn_out = attention(q, k, v, self.scale, past=past, mask=mask)
         attn_out = attn_out.transpose(1, 2)  # [B, T, H, v]
         if hooks is not None:
             attn_out = hooks.point(name("o"), attn_out)
@@ -107,14 +100,3 @@ class MultiHeadLatentAttention(nn.Module):
                 gate = hooks.point(name("gate"), gate)
             attn_out = attn_out * gate
         return self.o_proj(attn_out.reshape(B, T, H * self.vdim))
-
-
-def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """softmax(q k^T * scale over the visible keys) v; mask [T, S] (or broadcastable), True = visible.
-    A query that sees no key at all gets a zero output (not NaN)."""
-    seen = mask.any(-1, keepdim=True)  # [..., T, 1]
-    safe = mask | ~seen  # rows without keys attend everywhere, then are zeroed
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=scale)
-    return out.masked_fill(~seen, 0.0) if not bool(seen.all()) else out
