@@ -36,8 +36,8 @@ from analysis.tidy import tidy
 
 Progress = Callable[[int, int], None] | None
 Stop = Callable[[], bool] | None
-DEFAULT_DISTANCES = (16, 64, 256, 1024)
-DEFAULT_LENGTHS = (256, 1024, 4096)
+DEFAULT_DISTANCES = (16, 64, 256)
+DEFAULT_LENGTHS = (128, 512, 2048)
 MAX_BATCH_TOKENS = 16384  # examples per forward: at most this many tokens in one batch
 
 

@@ -147,3 +147,17 @@ def test_compare_one_run_on_two_lengths_and_two_runs_on_one_text(ctx):
     b = lc.loss_by_position_table(other.trace).set_index("start")["loss"]
     for start in (0, 64):
         assert diff[diff["start"] == start]["loss_diff"].item() == pytest.approx(a[start] - b[start], abs=1e-12)
+
+
+def test_k3lab_long_writes_the_long_context_report(tmp_path, capsys):
+    from k3lab.cli import main
+
+    out = tmp_path / "long"
+    code = main(["long", "sample_checkpoints/k3-full", "--tokens", "160", "--distances", "16", "--lengths", "64",
+                 "--no-static", "--quiet", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "estimate for 160 tokens of k3-full" in err and "6 figures, 0 not applicable, 0 failed" in err
+    html = (out / "report.html").read_text(encoding="utf-8")
+    assert "Long context" in html and "Loss by position" in html and "Recall by distance" in html
+    assert main(["long", "sample_checkpoints/k3-full", "--tokens", "1", "--out", str(tmp_path / "x")]) == 2

@@ -51,13 +51,16 @@ def build_loss_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
         )
     )
     base = df.attrs["short_context_loss"]
-    if np.isfinite(base):
-        fig.add_hline(
-            y=base,
-            line_dash="dash",
-            line_color="#444",
-            annotation_text=f"short-context loss {base:.3f} (positions < {short})",
-            annotation_position="top right",
+    if np.isfinite(base) and len(df):  # a legend entry, not a note: a note on the line would sit over the data
+        fig.add_trace(
+            go.Scatter(
+                x=[float(df["position"].min()), float(df["position"].max())],
+                y=[base, base],
+                mode="lines",
+                name=f"short-context loss {base:.3f} (positions < {short})",
+                line={"dash": "dash", "color": "#444"},
+                hovertemplate=f"mean loss over positions < {short}: %{{y:.3f}}<extra></extra>",
+            )
         )
     n = int(df["stop"].max()) if len(df) else 0
     apply_style(
@@ -186,13 +189,15 @@ def _model(ctx: AnalysisContext):
     return ctx.model
 
 
-def recall_table(ctx: AnalysisContext) -> pd.DataFrame:
+def recall_table(ctx: AnalysisContext, progress: lr.Progress = None) -> pd.DataFrame:
     """The recall-by-distance table of this context's model, computed once (options: recall_distances,
-    recall_examples)."""
+    recall_examples); ``progress(done, total)`` while it runs."""
     model = _model(ctx)
     distances = tuple(ctx.options.get("recall_distances") or lr.DEFAULT_DISTANCES)
-    examples = int(ctx.options.get("recall_examples") or 32)
-    return ctx.once(("recall", distances, examples), lambda: lr.recall_by_distance(model, distances, examples))
+    examples = int(ctx.options.get("recall_examples") or 16)
+    return ctx.once(
+        ("recall", distances, examples), lambda: lr.recall_by_distance(model, distances, examples, progress=progress)
+    )
 
 
 def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
@@ -242,12 +247,12 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
     return fig, df
 
 
-def cost_table(ctx: AnalysisContext) -> pd.DataFrame:
+def cost_table(ctx: AnalysisContext, progress: lr.Progress = None) -> pd.DataFrame:
     """Seconds and peak memory per token against T for this context's model, computed once (option
-    cost_lengths)."""
+    cost_lengths); ``progress(done, total)`` while it runs."""
     model = _model(ctx)
     lengths = tuple(ctx.options.get("cost_lengths") or lr.DEFAULT_LENGTHS)
-    return ctx.once(("cost", lengths), lambda: lr.cost_by_length(model, lengths))
+    return ctx.once(("cost", lengths), lambda: lr.cost_by_length(model, lengths, progress=progress))
 
 
 def build_cost_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
