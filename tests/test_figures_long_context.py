@@ -155,7 +155,8 @@ def test_k3lab_long_writes_the_long_context_report(tmp_path, capsys):
     out = tmp_path / "long"
     code = main(["long", "sample_checkpoints/k3-full", "--tokens", "160", "--distances", "16", "--lengths", "64",
                  "--no-static", "--quiet", "--out", str(out)])  # fmt: skip
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err + said.out
     assert code == 0, err
     assert "estimate for 160 tokens of k3-full" in err and "6 figures, 0 not applicable, 0 failed" in err
     html = (out / "report.html").read_text(encoding="utf-8")
