@@ -162,3 +162,28 @@ def test_k3lab_long_writes_the_long_context_report(tmp_path, capsys):
     html = (out / "report.html").read_text(encoding="utf-8")
     assert "Long context" in html and "Loss by position" in html and "Recall by distance" in html
     assert main(["long", "sample_checkpoints/k3-full", "--tokens", "1", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_an_older_trace_without_the_whole_text_arrays_still_draws(whole, tmp_path):
+    """A trace saved before issue 24 (maps from position 0, no blocked statistics, no bins, no state rank) opens
+    and gives the same long-context and degradation numbers from its maps and whole arrays."""
+    from analysis import attention as at
+    from k3core.trace import Trace
+
+    old = Trace(meta={k: v for k, v in whole.trace.meta.items() if k != "coverage"})
+    for name, array in whole.trace.arrays.items():
+        new = name == "position_bins" or name.startswith("hidden_bins.") or name.split(".")[-1] in (
+            "entropy", "sink", "received", "state_rank", "g_bins")  # fmt: skip
+        if not new:
+            old.add(name, array, whole.trace.axes[name])
+    loaded = Trace.load(old.save(tmp_path / "old.trace.npz"))
+    assert "mla.3.entropy" not in loaded and "position_bins" not in loaded
+    for table in (lc.mla_by_position_table, lc.decay_horizon_table, lc.loss_by_position_table):
+        a, b = table(whole.trace), table(loaded)
+        np.testing.assert_allclose(a.select_dtypes("number"), b.select_dtypes("number"), rtol=1e-5, atol=1e-6)
+    assert lc.kda_state_by_position_table(loaded)["state_rank"].isna().all()
+    np.testing.assert_allclose(
+        at.attention_sink_table(loaded)["first_token_mass"],
+        at.attention_sink_table(whole.trace)["first_token_mass"],
+        rtol=1e-5,
+    )
