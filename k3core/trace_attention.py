@@ -10,9 +10,9 @@ layer's own attention (which may be a fused kernel that never forms probabilitie
     received_j    = sum_i p_ij                                              (column sum: attention key j receives)
 
 computed per (sequence, head) over blocks of ``block`` queries: one [block, keys] score slab (and its weights) at a
-time, so memory is O(block x T) while the work stays O(T^2) like the attention itself. A query window (``window=(start, stop)``)
-also returns that diagonal block of the probability map, ``p_ij`` for ``start <= i, j < stop`` (rows normalised
-over all visible keys, so they sum to 1 only when ``start == 0``).
+time, so memory is O(block x T) while the work stays O(T^2) like the attention itself. A query window
+(``window=(start, stop)``) also returns that diagonal block of the probability map, ``p_ij`` for
+``start <= i, j < stop`` (rows normalised over all visible keys, so they sum to 1 only when ``start == 0``).
 """
 
 from __future__ import annotations
