@@ -228,12 +228,15 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
         )
     )
     chance = float(df["chance"].iloc[0])
-    fig.add_hline(
-        y=chance,
-        line_dash="dash",
-        line_color="#444",
-        annotation_text=f"chance {chance:.3f}",
-        annotation_position="bottom right",
+    fig.add_trace(  # a legend entry, not a note: a note on the line sat over the data and the ticks
+        go.Scatter(
+            x=[float(df["distance"].min()), float(df["distance"].max())],
+            y=[chance, chance],
+            mode="lines",
+            name=f"chance {chance:.3f} (1 / values)",
+            line={"dash": "dash", "color": "#444"},
+            hoverinfo="skip",
+        )
     )
     n = int(df["examples"].iloc[0])
     apply_style(
