@@ -14,6 +14,11 @@ computed for each recorded sequence and averaged over the batch; layer indices a
   ``s_0`` is large by construction (with T = 2, s_0 >= 1/2): ``MIN_SINK_TOKENS`` says when it means
   something.
 - Gated MLA: the mean output gate per head.
+
+Traces recorded since issue 24 carry these per position for the whole text (``mla.i.entropy``, ``mla.i.sink``,
+``mla.i.received``: computed by the recorder from q and k in query blocks, ``k3core.trace_attention``); the full
+map ``mla.i.attn`` is then only a window. Older traces have only the map: the same statistics are computed from it
+(``attention_statistics``), so every table reads either.
 """
 
 from __future__ import annotations
@@ -79,32 +84,70 @@ def _mla_attn_names(trace: Trace) -> list[tuple[int, str]]:
     return [(i, names.mla_attn(i)) for i in trace.layer_indices("mla") if names.mla_attn(i) in trace]
 
 
+def statistic_layers(trace: Trace) -> list[int]:
+    """MLA layers with attention statistics: the blocked whole-text arrays, or (older traces) a map from 0."""
+    return [
+        i for i in trace.layer_indices("mla") if names.mla_stat(i, "entropy") in trace or names.mla_attn(i) in trace
+    ]
+
+
+def attention_statistics(trace: Trace, layer: int) -> dict[str, np.ndarray]:
+    """Per query and key of MLA layer ``layer``, each [batch, head, token] (float64):
+
+    ``entropy`` H_i (nats), ``sink`` A_i0, ``received`` sum_{i >= j} A_ij; from the recorder's blocked arrays,
+    or computed from the map ``mla.i.attn`` of an older trace (causal, starting at position 0).
+    """
+    if names.mla_stat(layer, "entropy") in trace:
+        return {kind: np.asarray(trace[names.mla_stat(layer, kind)], dtype=np.float64)
+                for kind in ("entropy", "sink", "received")}  # fmt: skip
+    attn = _check_attention(trace[names.mla_attn(layer)])
+    T = attn.shape[-1]
+    return {
+        "entropy": causal_row_entropy(attn),
+        "sink": attn[..., 0],
+        "received": np.where(np.tril(np.ones((T, T), dtype=bool)), attn, 0.0).sum(-2),
+    }
+
+
+def normalised_entropy(entropy: np.ndarray) -> np.ndarray:
+    """``H_i / log(i + 1)`` over the last axis (query position i from 0); position 0 (one key) is NaN."""
+    n_keys = np.arange(1, entropy.shape[-1] + 1, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.asarray(entropy, dtype=np.float64) / np.log(n_keys)
+    out[..., 0] = np.nan
+    return out
+
+
+def mean_received(received_sum: np.ndarray) -> np.ndarray:
+    """``s_j = sum_{i >= j} A_ij / (T - j)``: a key's summed attention over the T - j queries that see it."""
+    T = received_sum.shape[-1]
+    return np.asarray(received_sum, dtype=np.float64) / (T - np.arange(T, dtype=np.float64))
+
+
 def has_attention(trace: Trace) -> bool:
-    """Whether the trace holds MLA attention probabilities (recorded with what including "attn_probs")."""
-    return bool(_mla_attn_names(trace))
+    """Whether the trace holds MLA attention statistics (recorded with "mla", or older: "attn_probs")."""
+    return bool(statistic_layers(trace))
 
 
-def _require_attention(trace: Trace) -> list[tuple[int, str]]:
-    found = _mla_attn_names(trace)
+def _require_attention(trace: Trace) -> list[int]:
+    found = statistic_layers(trace)
     if not found:
         types = trace.meta.get("layer_types") or []
         if types and "MLA" not in types:
             why = "the model has no MLA layer"
-        elif "attn_probs" not in (trace.meta.get("what") or []):
-            why = (
-                "attention probabilities were not recorded: tick 'Record MLA attention probabilities' in the "
-                "sidebar (in Python: trace_run(..., what='all'))"
-            )
         else:
-            why = "the input is longer than the attention-recording limit (max_attn_len), so none were kept"
-        raise MissingTraceData(f"no MLA attention probabilities in this trace: {why}")
+            why = (
+                "attention statistics were not recorded: record with 'mla' (the default) or, for the maps, tick "
+                "'Record MLA attention probabilities' in the sidebar (in Python: trace_run(..., what='all'))"
+            )
+        raise MissingTraceData(f"no MLA attention statistics in this trace: {why}")
     return found
 
 
 def attention_tokens(trace: Trace) -> int:
-    """The number of key positions of the recorded attention (0 without attention)."""
-    found = _mla_attn_names(trace)
-    return int(np.asarray(trace[found[0][1]]).shape[-1]) if found else 0
+    """The number of key positions the attention statistics cover (0 without them)."""
+    found = statistic_layers(trace)
+    return int(attention_statistics(trace, found[0])["entropy"].shape[-1]) if found else 0
 
 
 def attention_entropy_table(trace: Trace) -> pd.DataFrame:
@@ -113,11 +156,10 @@ def attention_entropy_table(trace: Trace) -> pd.DataFrame:
     Columns: layer, head, entropy, entropy_norm, queries (rows averaged).
     """
     rows = []
-    for layer, name in _require_attention(trace):
-        attn = trace[name]  # [batch, head, query, key]
-        ent = causal_row_entropy(attn)[..., 1:]
-        norm = causal_normalised_entropy(attn)[..., 1:]
-        for h in range(attn.shape[1]):
+    for layer in _require_attention(trace):
+        full = attention_statistics(trace, layer)["entropy"]  # [batch, head, query]
+        ent, norm = full[..., 1:], normalised_entropy(full)[..., 1:]
+        for h in range(full.shape[1]):
             rows.append(
                 {
                     "layer": layer,
@@ -136,8 +178,8 @@ def entropy_by_position_table(trace: Trace) -> pd.DataFrame:
     Columns: layer, head, query, entropy_norm.
     """
     frames = []
-    for layer, name in _require_attention(trace):
-        norm = causal_normalised_entropy(trace[name]).mean(0)  # [head, query]
+    for layer in _require_attention(trace):
+        norm = normalised_entropy(attention_statistics(trace, layer)["entropy"]).mean(0)  # [head, query]
         H, T = norm.shape
         frames.append(
             pd.DataFrame(
@@ -158,8 +200,8 @@ def attention_sink_table(trace: Trace, threshold: float = SINK_THRESHOLD) -> pd.
     Columns: layer, head, first_token_mass, is_sink.
     """
     rows = []
-    for layer, name in _require_attention(trace):
-        received = attention_received(trace[name]).mean(0)  # [head, key]
+    for layer in _require_attention(trace):
+        received = mean_received(attention_statistics(trace, layer)["received"]).mean(0)  # [head, key]
         for h in range(received.shape[0]):
             mass = float(received[h, 0])
             rows.append({"layer": layer, "head": h, "first_token_mass": mass, "is_sink": mass > threshold})
@@ -172,8 +214,8 @@ def attention_received_table(trace: Trace, max_keys: int = 32) -> pd.DataFrame:
     Columns: layer, head, key, received; ``df.attrs["total_keys"]`` is the number of keys recorded.
     """
     frames = []
-    for layer, name in _require_attention(trace):
-        received = attention_received(trace[name]).mean(0)[:, :max_keys]  # [head, key]
+    for layer in _require_attention(trace):
+        received = mean_received(attention_statistics(trace, layer)["received"]).mean(0)[:, :max_keys]
         H, K = received.shape
         frames.append(
             pd.DataFrame(

@@ -14,6 +14,12 @@ exactly the layer's (scaled) outputs. Per-sequence metrics are averaged over the
   ``BI = 1 - cos`` (ShortGPT, Men et al. 2024), and linear CKA between them (Kornblith et al. 2019).
 - Massive activations (Sun et al. 2024): the largest ``|h|`` per depth, where they sit
   (token, channel), and the ratio ``max |h| / median |h|``.
+
+Over every position of a long text: the recorder keeps ``hidden`` for a window only, plus per position bin the
+moments ``n``, ``s = sum h``, ``G = sum h h^T``, ``U = sum h / ||h||`` and, between consecutive depths,
+``C = sum h_l h_(l+1)^T`` and ``sum cos`` (``hidden_bins.*``). Rank collapse, effective rank, token uniformity,
+cosine and CKA follow from them exactly (``*_from_moments``); the tables use them whenever the window is shorter
+than the text (massive activations stay on the window: a median is not a moment).
 """
 
 from __future__ import annotations
@@ -121,6 +127,97 @@ def max_median_ratio(x: np.ndarray) -> float:
     return float(a.max() / med) if med > 0 else float("inf")
 
 
+def rank_collapse_from_moments(n: float, s: np.ndarray, gram: np.ndarray) -> float:
+    """``r = sqrt(tr G - ||s||^2 / n) / sqrt(tr G)``: ``||X - 1 mu^T||_F^2 = tr G - n ||mu||^2`` with ``mu = s / n``."""
+    total = float(np.trace(gram))
+    if total <= 0:
+        return 0.0
+    return float(np.sqrt(max(total - float(s @ s) / n, 0.0) / total))
+
+
+def effective_rank_from_moments(n: float, s: np.ndarray, gram: np.ndarray) -> float:
+    """Centred effective rank from moments: the singular values of ``X - 1 mu^T`` are the square roots of the
+    eigenvalues of ``G - s s^T / n`` (clipped at 0), then ``exp(H(sigma / sum sigma))`` as ``effective_rank``."""
+    centred = gram - np.outer(s, s) / n
+    sigma = np.sqrt(np.clip(np.linalg.eigvalsh((centred + centred.T) / 2), 0.0, None))
+    total = sigma.sum()
+    if total <= _EPS * max(1.0, float(np.sqrt(abs(np.trace(gram))))):
+        return 0.0
+    p = sigma[sigma > 0] / total
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def token_uniformity_from_moments(n: float, unit_sum: np.ndarray) -> float:
+    """Mean pairwise cosine of distinct tokens, ``(||U||^2 - n) / (n (n - 1))`` with ``U = sum_t h_t / ||h_t||``
+    (the all-pairs sum of unit dot products minus the n diagonal ones); NaN for n < 2."""
+    if n < 2:
+        return float("nan")
+    return float((unit_sum @ unit_sum - n) / (n * (n - 1)))
+
+
+def linear_cka_from_moments(
+    n: float, s_x: np.ndarray, g_x: np.ndarray, s_y: np.ndarray, g_y: np.ndarray, cross: np.ndarray
+) -> float:
+    """``linear_cka`` from moments: centred ``X^T X = G_x - s_x s_x^T / n``, likewise Y, and centred
+    ``X^T Y = C - s_x s_y^T / n``; ``CKA = ||X^T Y||_F^2 / (||X^T X||_F ||Y^T Y||_F)``; NaN when constant."""
+    cxx, cyy = g_x - np.outer(s_x, s_x) / n, g_y - np.outer(s_y, s_y) / n
+    cxy = cross - np.outer(s_x, s_y) / n
+    den = np.linalg.norm(cxx) * np.linalg.norm(cyy)
+    if den <= _EPS:
+        return float("nan")
+    return float(np.linalg.norm(cxy) ** 2 / den)
+
+
+def _moments(trace: Trace) -> dict[str, np.ndarray] | None:
+    """The whole-text moments (``hidden_bins.*``) when the hidden window is shorter than the text, else None
+    (the whole text is in ``hidden``; older traces have no moments)."""
+    if names.hidden_bins("gram") not in trace or names.HIDDEN not in trace:
+        return None
+    count = np.asarray(trace[names.hidden_bins("count")], dtype=np.float64)
+    if trace[names.HIDDEN].shape[2] >= count.sum():
+        return None
+    kinds = ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum")
+    return {
+        k: np.asarray(trace[names.hidden_bins(k)], dtype=np.float64) for k in kinds if names.hidden_bins(k) in trace
+    }
+
+
+def hidden_covered_positions(trace: Trace) -> int:
+    """How many positions the hidden-state tables describe: the whole text with moments, else the window."""
+    m = _moments(trace)
+    return int(m["count"].sum()) if m is not None else int(_hidden(trace).shape[2])
+
+
+def _rank_row(n: float, s: np.ndarray, gram: np.ndarray, unit_sum: np.ndarray) -> dict[str, float]:
+    return {
+        "ratio": rank_collapse_from_moments(n, s, gram),
+        "effective_rank": effective_rank_from_moments(n, s, gram),
+        "token_cosine": token_uniformity_from_moments(n, unit_sum),
+    }
+
+
+def rank_collapse_by_position_table(trace: Trace) -> pd.DataFrame:
+    """Rank collapse per depth and position bin over the whole text (from ``hidden_bins.*``; mean over batch).
+
+    Columns: depth, depth_label, bin, start, stop (positions [start, stop)), ratio, effective_rank, token_cosine.
+    """
+    if names.hidden_bins("gram") not in trace:
+        raise MissingTraceData("no hidden-state moments in this trace (hidden_bins.*): record with 'hidden'")
+    kinds = ("count", "sum", "unit_sum", "gram")
+    m = {k: np.asarray(trace[names.hidden_bins(k)], dtype=np.float64) for k in kinds}
+    edges = np.asarray(trace[names.POSITION_BINS])
+    labels = depth_labels(m["sum"].shape[0])
+    rows = []
+    for d in range(m["sum"].shape[0]):
+        for b, n in enumerate(m["count"]):
+            per_seq = [_rank_row(n, m["sum"][d, q, b], m["gram"][d, q, b], m["unit_sum"][d, q, b])
+                       for q in range(m["sum"].shape[1])]  # fmt: skip
+            row = {k: float(np.mean([r[k] for r in per_seq])) for k in per_seq[0]}
+            rows.append({"depth": d, "depth_label": labels[d], "bin": b, "start": int(edges[b]),
+                         "stop": int(edges[b + 1]), **row})  # fmt: skip
+    return tidy(pd.DataFrame(rows), keys=["depth", "bin"], value="ratio")
+
+
 def _hidden(trace: Trace) -> np.ndarray:
     h = trace.get(names.HIDDEN)
     if h is None:
@@ -135,8 +232,19 @@ def depth_labels(n_depth: int) -> list[str]:
 
 def rank_collapse_table(trace: Trace) -> pd.DataFrame:
     """Per depth (state entering each layer, then final): rank-collapse ratio, effective rank (centred) and
-    token uniformity, each averaged over the batch. Columns: depth, depth_label, ratio, effective_rank,
-    token_cosine."""
+    token uniformity, each averaged over the batch, over every position (from the moments when the hidden window
+    is shorter than the text). Columns: depth, depth_label, ratio, effective_rank, token_cosine."""
+    m = _moments(trace)
+    if m is not None:
+        n, D = m["count"].sum(), m["sum"].shape[0]
+        labels = depth_labels(D)
+        rows = []
+        for d in range(D):
+            s_, g_, u_ = (m[k][d].sum(1) for k in ("sum", "gram", "unit_sum"))  # [batch, ...] over bins
+            per_seq = [_rank_row(n, s_[q], g_[q], u_[q]) for q in range(s_.shape[0])]
+            rows.append({"depth": d, "depth_label": labels[d],
+                         **{k: float(np.mean([r[k] for r in per_seq])) for k in per_seq[0]}})  # fmt: skip
+        return tidy(pd.DataFrame(rows), keys=["depth"], value="ratio")
     h = _hidden(trace)
     labels = depth_labels(h.shape[0])
     rows = []
@@ -157,10 +265,23 @@ def rank_collapse_table(trace: Trace) -> pd.DataFrame:
 def layer_redundancy_table(trace: Trace) -> pd.DataFrame:
     """Per layer l (input = depth l, output = depth l + 1): mean token cosine, Block Influence and linear CKA.
 
-    Columns: layer, layer_type, cosine, block_influence, cka.
+    Columns: layer, layer_type, cosine, block_influence, cka. Over every position (moments) when the hidden window
+    is shorter than the text.
     """
-    h = _hidden(trace)
     types = trace.meta.get("layer_types") or []
+    m = _moments(trace)
+    if m is not None and "cross_gram" in m:
+        n = m["count"].sum()
+        s_, g_, c_, cos_ = (m[k].sum(2) for k in ("sum", "gram", "cross_gram", "cos_sum"))  # over bins
+        rows = []
+        for layer in range(c_.shape[0]):
+            cos = float(np.mean(cos_[layer] / n))
+            cka = np.mean([linear_cka_from_moments(n, s_[layer, q], g_[layer, q], s_[layer + 1, q], g_[layer + 1, q],
+                                                   c_[layer, q]) for q in range(c_.shape[1])])  # fmt: skip
+            rows.append({"layer": layer, "layer_type": types[layer] if layer < len(types) else "?",
+                         "cosine": cos, "block_influence": 1.0 - cos, "cka": float(cka)})  # fmt: skip
+        return tidy(pd.DataFrame(rows), keys=["layer"], value="block_influence")
+    h = _hidden(trace)
     rows = []
     for layer in range(h.shape[0] - 1):
         cos = np.mean([token_cosine(a, b).mean() for a, b in zip(h[layer], h[layer + 1])])

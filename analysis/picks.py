@@ -52,11 +52,14 @@ def kda_state_choices(ctx: AnalysisContext) -> PickChoices:
 
 
 def mla_choices(ctx: AnalysisContext) -> PickChoices:
-    """MLA layers with recorded attention probabilities; heads from ``mla.i.attn`` ([batch, head, q, k])."""
-    layers = tuple(i for i in ctx.trace.layer_indices("mla") if names.mla_attn(i) in ctx.trace)
+    """MLA layers with attention statistics (``mla.i.entropy``, or an older trace's map ``mla.i.attn``); heads
+    from that array's head axis (1 in both)."""
+    tr = ctx.trace
+    layers = tuple(i for i in tr.layer_indices("mla") if names.mla_stat(i, "entropy") in tr or names.mla_attn(i) in tr)
     if not layers:
-        raise NotApplicable("no MLA attention probabilities in this trace (no MLA layer, or not recorded)")
-    return PickChoices("MLA", layers, _heads_of(ctx.trace, names.mla_attn(layers[0]), 1))
+        raise NotApplicable("no MLA attention statistics in this trace (no MLA layer, or not recorded)")
+    first = names.mla_stat(layers[0], "entropy")
+    return PickChoices("MLA", layers, _heads_of(tr, first if first in tr else names.mla_attn(layers[0]), 1))
 
 
 def moe_choices(ctx: AnalysisContext) -> PickChoices:

@@ -231,13 +231,17 @@ def write_report(
     progress: Any = None,
     picks: dict[str, int] | None = None,
     text_index: int | None = None,
+    window: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> ReportResult:
     """Load one run (or two to compare) through ``analysis.runs.load_run``, trace them on one input
     (``report_input``), build every selected view and write the report folder ``out`` (see the module docstring).
 
     ``text_index``: the first run is a trace folder and the report is of its recorded text of that number
     (``report_input``). ``views`` is a comma-separated list of view keys or sections (None: all); ``progress`` has
-    ``update(n)`` (a tqdm bar; None: silent) and gets ``2 * len(paths) + len(views) + 3`` steps. Raises CheckpointError,
+    ``update(n)`` (a tqdm bar; None: silent) and gets ``2 * len(paths) + len(views) + 3`` steps. ``window`` bounds the
+    bulky per-token trace arrays (``analysis.runs.trace_run``; long texts), ``options`` are view options (e.g. the
+    long-context views' ``recall_distances`` and ``cost_lengths``). Raises CheckpointError,
     ValueError or OSError for bad input, before anything is written."""
     if not 1 <= len(paths) <= 2:
         raise ValueError("give one run, or two runs to compare")
@@ -259,7 +263,7 @@ def write_report(
     t0 = time.perf_counter()
     contexts = []
     for run, label in zip(runs, labels):
-        contexts.append(runs_mod.trace_run(run, chosen, what="all", label=label))
+        contexts.append(runs_mod.trace_run(run, chosen, what="all", label=label, window=window, options=options))
         progress.update(1)
     timings["trace"] = time.perf_counter() - t0
 

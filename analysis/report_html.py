@@ -27,6 +27,7 @@ SECTION_TITLES = {
     "attnres": "AttnRes depth mixing",
     "moe": "LatentMoE expert load and routing",
     "degradation": "Attention degradation diagnostics",
+    "long_context": "Long context",
     "history": "Training history",
     "weights": "Weights (from the checkpoint's tensors)",
 }

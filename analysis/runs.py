@@ -337,13 +337,16 @@ def trace_run(
     max_attn_len: int = 1024,
     options: dict[str, Any] | None = None,
     edits: list | None = None,
+    window: int | None = None,
 ) -> AnalysisContext:
     """Run the model once on ``input_ids`` [B, T] inside ``record`` and wrap the trace in an AnalysisContext.
 
     ``edits`` (``k3core.interventions``): record the edited forward instead (``trace.meta["edits"]`` lists them).
 
     The loss (``token_nll``) uses ``targets`` when given (aligned, -100 ignored), else next-token labels.
-    Everything is recorded for the whole input (``max_tokens`` = T); attention matrices up to ``max_attn_len``.
+    Everything is recorded for the whole input (``max_tokens`` = T); attention maps for the first ``max_attn_len``
+    queries (their statistics for every position); ``window`` (None: all) bounds the bulky per-token arrays
+    (hidden states, KDA decays, MoE latents), which then are summarised over every position by bins.
     The recorder is per call (a context variable), so several threads may trace shared models at once.
     """
     from k3core.trace import record
@@ -371,7 +374,9 @@ def trace_run(
 
     with (
         intervene(model, edits or []),
-        record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace,
+        record(
+            model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len, window=window
+        ) as trace,
     ):
         out = model(ids, **kwargs)
     if edits:

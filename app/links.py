@@ -8,7 +8,7 @@ query parameters, written on every run and read on a session's first run:
     device   cpu | cuda                          dtype    float32 | bfloat16 | float16
     attn     0: do not record MLA attention      mode     compare: runs | texts
     b        compare: run B label                text_b   compare: text B (as ``text``)
-    section  compare: density | attnres | moe | degradation | weights
+    section  compare: density | attnres | moe | degradation | long_context | weights
     edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interventions)
     pick     layer / head picks of per-layer views: ``VIEW:L3H1,VIEW2:L5`` (analysis.picks; app.picks)
     text_index    a trace folder's recorded text (0, 1, ...; instead of ``text``)
@@ -42,6 +42,7 @@ SECTIONS = {
     "attnres": "AttnRes",
     "moe": "LatentMoE",
     "degradation": "Degradation",
+    "long_context": "Long context",
     "weights": "Weights",
 }
 TWO_RUNS, TWO_TEXTS, EDITED = "Two runs, same text", "One run, two texts", "Baseline vs edited"

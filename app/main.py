@@ -56,6 +56,7 @@ PAGES = {
         _page("attnres", "AttnRes", ":material/layers:"),
         _page("moe", "LatentMoE", ":material/hub:"),
         _page("degradation", "Degradation", ":material/monitor_heart:"),
+        _page("long_context", "Long context", ":material/straighten:"),
     ],
     "Runs": [
         _page("compare", "Compare", ":material/compare:"),

@@ -114,14 +114,16 @@ def _plain(value):
 
 # ----------------------------------------------------------------------------- every view of every page
 def sample_contexts(names=SAMPLES, tokens: int = 64) -> dict:
-    """Each shipped sample loaded and traced on MQAR, as the app's Compare link ``text=mqar&tokens=64`` does."""
+    """Each shipped sample loaded and traced on MQAR, as the app's Compare link ``text=mqar&tokens=64`` does (the
+    long-context measurements that rerun the model at a few short distances and lengths)."""
     from analysis import runs as runs_mod
 
     out = {}
+    options = {"recall_distances": (16, 64), "recall_examples": 8, "cost_lengths": (64, 256)}
     for name in names:
         run = runs_mod.load_run(REPO / "sample_checkpoints" / name)
         sample = runs_mod.sample_input("mqar", run.config, tokens, tokenizer=run.tokenizer)
-        out[name] = runs_mod.trace_run(run, sample, what="all", label=name)
+        out[name] = runs_mod.trace_run(run, sample, what="all", label=name, options=options)
     return out
 
 

@@ -262,7 +262,11 @@ def run_stage(
     for m, ids in enumerate(texts):
         ids = ids.to(device)
         T = int(ids.shape[1])
-        with record(model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len) as trace:
+        # window=None: each rank keeps its layers' hidden states whole (the whole-text moments of one rank lack the
+        # pair across a rank boundary, so merge_traces leaves them out)
+        with record(
+            model, what=what, max_tokens=T, max_batch=ids.shape[0], max_attn_len=max_attn_len, window=None
+        ) as trace:
             if stage.first:
                 stream = model.model.begin(ids)  # the tokens' hook point starts the recorder's forward
             else:
@@ -356,8 +360,8 @@ def merge_traces(parts: list[Trace]) -> Trace:
     for part in parts:
         sources.update(part.meta.get(TraceNames.ATTNRES_SOURCES_META, {}))
         for name, array in part.arrays.items():
-            if name in (TraceNames.HIDDEN, TraceNames.HIDDEN_RMS):
-                continue
+            if name in (TraceNames.HIDDEN, TraceNames.HIDDEN_RMS) or name.startswith("hidden_bins."):
+                continue  # stacked below; the moments are per rank (no pair across a boundary): left out
             if name in merged.arrays:
                 if not np.array_equal(merged.arrays[name], array):
                     raise PipelineError(f"the ranks disagree on trace array {name!r}")

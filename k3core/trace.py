@@ -11,14 +11,20 @@ for the items asked for and turns what they see into these arrays; with no hook 
 forward runs at full speed. The hook context lives in a ``contextvars`` variable, so each thread (each
 app session) records its own model without seeing another's. Recording inside ``intervene`` shows the
 edited forward. What
-is recorded is bounded: the first ``max_batch`` sequences and the first ``max_tokens`` positions of
-each (a contiguous prefix, so that causal and next-token statistics stay meaningful); MLA attention
-probabilities only when asked and only up to ``max_attn_len`` positions (computed here from the
-layer's q and k; the model's attention path is the same with or without recording). Whole-batch aggregates (MoE
-load counts) use every token. KDA state norms are read from the forward's own chunk-end states (hook
-point ``kda.chunk_state``, read only): on the torch path from its state loop, on CUDA with fla's Triton
-kernel (which cannot hand its states out) from ``kda_chunk_end_states`` after it, so recording keeps the fast
-kernel.
+is recorded covers every position of the first ``max_batch`` sequences (``max_tokens`` may cut a
+contiguous prefix; None, the default, keeps the whole text). Items that are O(T) and small (a few
+numbers per token: loss, beta, gates, routing, depth weights, RMS, MLA entropy / sink / received
+attention) are kept whole; bulky per-token items (``hidden``, ``kda.i.g``, ``moe.i.latent``: a vector
+per token) keep the first ``window`` positions and are summarised over every position by position bins
+(``position_bins``: 0, 16, 32, 64, ... T; the ``*_bins`` arrays). MLA attention statistics are computed
+here from the layer's q and k in query blocks (``k3core.trace_attention``: a [block, T] slab per head,
+never T x T; the model's attention path is the same with or without recording); the full attention map
+(``mla.i.attn``, with "attn_probs") is kept only for a query window (``attn_window``, default the first
+``max_attn_len`` positions). ``trace.meta["coverage"]`` says which positions [start, stop) each array
+covers. Whole-batch aggregates (MoE load counts) use every token. KDA state norms and ranks are read from
+the forward's own chunk-end states (hook point ``kda.chunk_state``, read only): on the torch path from its
+state loop, on CUDA with fla's Triton kernel (which cannot hand its states out) from
+``kda_chunk_end_states`` after it, so recording keeps the fast kernel.
 
 This module is the recorder. The ``Trace`` data type, its file format and ``TraceNames`` live in
 ``k3core.trace_data`` and are re-exported here (``from k3core.trace import Trace, TraceNames, names``).
@@ -29,15 +35,26 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
     tokens                   [batch, token]                     input ids
     token_nll                [batch, token]                     next-token loss (when labels are given)
     hidden                   [depth, batch, token, hidden]      state entering each layer, then the final one
-    hidden_rms               [depth, batch, token]
-    kda.i.g                  [batch, token, head, channel]      log decay (alpha = exp(g))
+    hidden_rms               [depth, batch, token]                  every position (hidden: the window)
+    position_bins            [edge]                             edges of the position bins of the *_bins arrays
+    hidden_bins.count        [bin]                              positions per bin
+    hidden_bins.sum|unit_sum [depth, batch, bin, hidden]        sum of h, of h / ||h|| over each bin
+    hidden_bins.gram         [depth, batch, bin, hidden, hidden2]   sum of h h^T over each bin
+    hidden_bins.cross_gram   [layer, batch, bin, hidden, hidden2]   sum of h_l h_(l+1)^T (depth l to l + 1)
+    hidden_bins.cos_sum      [layer, batch, bin]                sum of cos(h_l, h_(l+1)) over each bin
+    kda.i.g                  [batch, token, head, channel]      log decay (alpha = exp(g)); the window
+    kda.i.g_bins             [batch, bin, head, channel]        mean log decay per position bin (every position)
     kda.i.beta               [batch, token, head]
     kda.i.gate               [batch, token, head]               output-gate mean over channels
     kda.i.state_norm         [batch, step, head]                Frobenius norm of S at chunk ends (the forward's
                                                                 own states: hook point kda.chunk_state)
+    kda.i.state_rank         [batch, step, head]                effective rank exp(H(sigma / sum sigma)) of S there
     kda.i.state_steps        [step]                             token position of each state_norm step
     kda.i.final_state        [batch, head, key, value]
-    mla.i.attn               [batch, head, query, key]          only with "attn_probs"
+    mla.i.attn               [batch, head, query, key]          only with "attn_probs"; the query window
+                                                                (meta["attn_window"]; keys: the same range)
+    mla.i.entropy|sink|received  [batch, head, token]           per query: entropy (nats), mass on token 0;
+                                                                per key: attention received (sum over queries)
     mla.i.gate               [batch, token, head]               output-gate mean (gated MLA)
     attnres.i.attn|mlp       [batch, token, source]             depth weights; source names: meta["attnres_sources"]
     attnres.output           [batch, token, source]
@@ -47,7 +64,7 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
     moe.i.scores             [batch, token, expert]             sigmoid router scores
     moe.i.experts            [batch, token, rank]               chosen experts (by weight rank)
     moe.i.weights            [batch, token, rank]               their routing weights
-    moe.i.latent             [batch, token, latent]             z = W_down x (LatentMoE; x itself for plain MoE)
+    moe.i.latent             [batch, token, latent]             z = W_down x (LatentMoE; x itself for plain MoE); window
     moe.i.load               [expert]                           assignments over the whole batch
     moe.i.bias               [expert]                           selection bias e_bias
 """
@@ -63,6 +80,7 @@ import torch
 
 from .hooks import active, hooks
 from .ops.kda import kda_recurrent
+from .trace_attention import DEFAULT_BLOCK, blocked_attention_stats, position_bins
 from .trace_data import Trace, TraceError, TraceNames, names  # noqa: F401  (TraceError, names: re-exported)
 
 WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
@@ -83,36 +101,64 @@ class Recorder:
     def __init__(
         self,
         what: Iterable[str],
-        max_tokens: int,
+        max_tokens: int | None,
         max_batch: int,
         max_attn_len: int,
         model: torch.nn.Module | None = None,
+        window: int | None = None,
+        attn_window: tuple[int, int] | None = None,
+        attn_block: int = DEFAULT_BLOCK,
     ):
         self.what = frozenset(what)
         unknown = self.what - set(WHAT_ALL)
         if unknown:
             raise ValueError(f"unknown trace items {sorted(unknown)}; choose from {WHAT_ALL}")
+        for label, n in (("max_tokens", max_tokens), ("window", window)):
+            if n is not None and n < 1:
+                raise ValueError(f"{label} must be a positive number of tokens or None, got {n}")
+        if attn_window is not None and not 0 <= int(attn_window[0]) < int(attn_window[1]):
+            raise ValueError(f"attn_window must be (start, stop) with 0 <= start < stop, got {attn_window}")
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.max_attn_len = max_attn_len
+        self.window = window
+        self.attn_window = (0, max_attn_len) if attn_window is None else (int(attn_window[0]), int(attn_window[1]))
+        self.attn_block = attn_block
         self.model = model
         self.trace = Trace()
         self._hidden: list[torch.Tensor] = []
-        self._held: dict[str, torch.Tensor] = {}  # per layer q, k, ... until the point that needs them
+        self._held: dict[str, Any] = {}  # per layer q, k, ... until the point that needs them
+        self._bins: list[int] = [0, 1]
 
     def wants(self, item: str) -> bool:
         return item in self.what
 
+    def _limit(self, T: int) -> int:
+        """How many positions of a T-token forward are recorded."""
+        return T if self.max_tokens is None else min(T, self.max_tokens)
+
     def clip(self, x: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
-        """First max_batch sequences, first max_tokens positions."""
+        """First max_batch sequences, first max_tokens positions (all of them when max_tokens is None)."""
         x = x[: self.max_batch]
-        return x.narrow(token_dim, 0, min(self.max_tokens, x.shape[token_dim]))
+        return x.narrow(token_dim, 0, self._limit(x.shape[token_dim]))
+
+    def clip_window(self, x: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
+        """A bulky per-token item: the first ``window`` recorded positions."""
+        x = self.clip(x, token_dim)
+        n = x.shape[token_dim] if self.window is None else min(self.window, x.shape[token_dim])
+        return x.narrow(token_dim, 0, n)
 
     def put(self, name: str, value: torch.Tensor | np.ndarray, axes: Iterable[str]) -> None:
         self.trace.add(name, value, axes)
 
     def put_tokens(self, name: str, value: torch.Tensor, axes: Iterable[str]) -> None:
         self.trace.add(name, self.clip(value), axes)
+
+    def put_binned_mean(self, name: str, value: torch.Tensor, axes: Iterable[str]) -> None:
+        """[batch, token, ...] -> its mean over each position bin, [batch, bin, ...] (every recorded position)."""
+        x = self.clip(value).detach().double()
+        means = [x[:, s:e].mean(1) for s, e in zip(self._bins[:-1], self._bins[1:])]
+        self.trace.add(name, torch.stack(means, 1), axes)
 
     def start_forward(self, input_ids: torch.Tensor) -> None:
         """A new forward begins: earlier per-forward data is dropped (the last forward wins)."""
@@ -121,21 +167,77 @@ class Recorder:
         self.trace.arrays.clear()
         self.trace.axes.clear()
         self.trace.meta.pop(TraceNames.ATTNRES_SOURCES_META, None)
+        self._bins = position_bins(self._limit(input_ids.shape[1]))
         self.put_tokens(TraceNames.TOKENS, input_ids, ("batch", "token"))
+        self.put(TraceNames.POSITION_BINS, torch.tensor(self._bins), ("edge",))
         if "attnres" in self.what and self.model is not None:
             self._residual_parameters()
 
+    @torch.no_grad()
     def hidden(self, h: torch.Tensor) -> None:
-        if "hidden" in self.what:
-            self._hidden.append(self.clip(h).detach().float().cpu())
+        if "hidden" not in self.what:
+            return
+        x = self.clip(h).detach()
+        self._held.setdefault("hidden_rms", []).append(x.float().pow(2).mean(-1).sqrt().cpu())
+        self._hidden.append(self.clip_window(x).float().cpu())
+        self._hidden_moments(x.double().cpu())
+
+    def _hidden_moments(self, x: torch.Tensor) -> None:
+        """Per position bin: sum h, sum h h^T, sum h / ||h|| of this depth, and with the previous depth the
+        cross sum h_l h_(l+1)^T and sum cos(h_l, h_(l+1)) (the moments analysis.hidden_states reads)."""
+        unit = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        prev = self._held.get("hidden_prev")
+        parts: dict[str, list[torch.Tensor]] = {"sum": [], "unit_sum": [], "gram": [], "cross_gram": [], "cos_sum": []}
+        for s, e in zip(self._bins[:-1], self._bins[1:]):
+            xb = x[:, s:e]
+            parts["sum"].append(xb.sum(1))
+            parts["unit_sum"].append(unit[:, s:e].sum(1))
+            parts["gram"].append(xb.transpose(1, 2) @ xb)
+            if prev is not None:
+                parts["cross_gram"].append(prev[0][:, s:e].transpose(1, 2) @ xb)
+                parts["cos_sum"].append((prev[1][:, s:e] * unit[:, s:e]).sum(-1).sum(1))
+        moments = self._held.setdefault("hidden_moments", {})
+        for kind, values in parts.items():
+            if values:
+                moments.setdefault(kind, []).append(torch.stack(values, 1))
+        self._held["hidden_prev"] = (x, unit)
 
     def finish(self) -> None:
+        N = TraceNames
         if self._hidden:
-            stacked = torch.stack(self._hidden)
-            self.trace.add(TraceNames.HIDDEN, stacked, ("depth", "batch", "token", "hidden"))
-            self.trace.add(TraceNames.HIDDEN_RMS, stacked.pow(2).mean(-1).sqrt(), ("depth", "batch", "token"))
+            self.trace.add(N.HIDDEN, torch.stack(self._hidden), ("depth", "batch", "token", "hidden"))
+            self.trace.add(N.HIDDEN_RMS, torch.stack(self._held.pop("hidden_rms")), ("depth", "batch", "token"))
             self._hidden = []
+            moments = self._held.pop("hidden_moments", {})
+            edges = np.asarray(self._bins)
+            self.put(N.hidden_bins("count"), np.diff(edges), ("bin",))
+            axes = {
+                "sum": ("depth", "batch", "bin", "hidden"),
+                "unit_sum": ("depth", "batch", "bin", "hidden"),
+                "gram": ("depth", "batch", "bin", "hidden", "hidden2"),
+                "cross_gram": ("layer", "batch", "bin", "hidden", "hidden2"),
+                "cos_sum": ("layer", "batch", "bin"),
+            }
+            for kind, values in moments.items():
+                # float64 numpy, not the Trace's fp32: a Gram sum over 64K tokens needs the precision
+                self.put(N.hidden_bins(kind), torch.stack(values).numpy(), axes[kind])
         self._held = {}
+        self.trace.meta["coverage"] = self._coverage()
+
+    def _coverage(self) -> dict[str, list[int]]:
+        """{array name: [start, stop)} positions each positional array covers (whole-text summaries: [0, T))."""
+        T = self._bins[-1]
+        cover: dict[str, list[int]] = {}
+        for name, axes in self.trace.axes.items():
+            shape = self.trace.arrays[name].shape
+            if "query" in axes:
+                start = self.trace.meta.get("attn_window", [0, 0])[0]
+                cover[name] = [int(start), int(start + shape[axes.index("query")])]
+            elif "token" in axes:
+                cover[name] = [0, int(shape[axes.index("token")])]
+            elif "bin" in axes or "step" in axes:
+                cover[name] = [0, int(T)]
+        return cover
 
     # ------------------------------------------------------------------ hook consumers
     def read_hooks(self, config: Any) -> dict[str, Any]:
@@ -173,10 +275,12 @@ class Recorder:
         # from the chunk start to the prefix end (fewer than a chunk of tokens, only then).
         hold = {p: self._hold_partial_chunk(i, p, config.kda_chunk_size) for p in ("q", "k", "v", "g", "beta")}
         table.update({N.block(i, f"kda.{p}"): hold[p] for p in ("q", "k", "v")})
-        table[N.block(i, "kda.g")] = [
-            lambda v, n, info: self.put_tokens(N.kda_g(i), v, ("batch", "token", "head", "channel")),
-            hold["g"],
-        ]
+
+        def decay(value, name, info):
+            self.put(N.kda_g(i), self.clip_window(value), ("batch", "token", "head", "channel"))
+            self.put_binned_mean(N.kda_g_bins(i), value, ("batch", "bin", "head", "channel"))
+
+        table[N.block(i, "kda.g")] = [decay, hold["g"]]
         table[N.block(i, "kda.beta")] = [
             lambda v, n, info: self.put_tokens(N.kda_beta(i), v, ("batch", "token", "head")),
             hold["beta"],
@@ -189,7 +293,7 @@ class Recorder:
 
     def _partial_chunk(self, T: int, chunk_size: int) -> tuple[int, int] | None:
         """[chunk start, prefix end) when the recorded prefix of T tokens ends inside a chunk, else None."""
-        end = min(T, self.max_tokens)
+        end = self._limit(T)
         start = end - end % chunk_size
         return (start, end) if end < T and start < end else None
 
@@ -203,10 +307,13 @@ class Recorder:
 
     @torch.no_grad()
     def _kda_chunk_state(self, i: int, state: torch.Tensor, info: dict) -> None:
-        """The norm of S at a chunk end inside the recorded prefix (the forward's own state loop)."""
+        """The norm and effective rank of S at a chunk end inside the recorded prefix (the forward's own
+        state loop); only the last state is held, so memory does not grow with the number of chunks."""
         token = info["token"]
-        if token <= self.max_tokens:
-            self._held.setdefault(f"{i}.norms", []).append(state[: self.max_batch].float().flatten(-2).norm(dim=-1))
+        if self.max_tokens is None or token <= self.max_tokens:
+            norm, rank = state_norm_and_rank(state[: self.max_batch])
+            self._held.setdefault(f"{i}.norms", []).append(norm)
+            self._held.setdefault(f"{i}.ranks", []).append(rank)
             self._held.setdefault(f"{i}.steps", []).append(token)
             self._held[f"{i}.last"] = state[: self.max_batch]
 
@@ -215,6 +322,7 @@ class Recorder:
         N = TraceNames
         self.put(N.kda_final_state(i), final_state[: self.max_batch], ("batch", "head", "key", "value"))
         norms, steps = self._held.pop(f"{i}.norms", []), self._held.pop(f"{i}.steps", [])
+        ranks = self._held.pop(f"{i}.ranks", [])
         last = self._held.pop(f"{i}.last", None)
         partial = [self._held.pop(f"{i}.{p}", None) for p in ("q", "k", "v", "g", "beta")]
         if partial[0] is not None:  # the prefix ends inside a chunk: step on from the last chunk end
@@ -222,10 +330,13 @@ class Recorder:
             start = last if steps else info.get("initial")
             start = None if start is None else start[: self.max_batch]
             _, state = kda_recurrent(q, k, v, g, beta, initial_state=start, output_final_state=True)
-            norms.append(state.float().flatten(-2).norm(dim=-1))
+            norm, rank = state_norm_and_rank(state)
+            norms.append(norm)
+            ranks.append(rank)
             steps.append(steps[-1] + q.shape[1] if steps else q.shape[1])
         if steps:
             self.put(N.kda_state_norm(i), torch.stack(norms, 1), ("batch", "step", "head"))
+            self.put(N.kda_state_rank(i), torch.stack(ranks, 1), ("batch", "step", "head"))
             self.put(N.kda_state_steps(i), torch.tensor(steps), ("step",))
 
     def _mla_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
@@ -234,32 +345,35 @@ class Recorder:
             table[N.block(i, "mla.gate")] = lambda v, n, info: self.put_tokens(
                 N.mla_gate(i), v.float().mean(-1), ("batch", "token", "head")
             )
-        if "attn_probs" not in self.what:
+        if "mla" not in self.what and "attn_probs" not in self.what:
             return
         scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
         table[N.block(i, "mla.q")] = self._hold(f"{i}.mla.q")
+        table[N.block(i, "mla.k")] = self._hold(f"{i}.mla.k")
+        # A key mask is a hook point only when an edit writes it; then the statistics follow it.
+        table[N.block(i, "mla.key_mask")] = self._hold(f"{i}.mla.key_mask")
 
-        def probs(value, name, info, mask=None):
-            q = self._held[f"{i}.mla.q"]
-            k = value if mask is None else self._held[f"{i}.mla.k"]
-            self._held[f"{i}.mla.k"] = k
-            T, S = q.shape[2], k.shape[2]
-            if T != S:  # decoding with a cache: not recorded
+        def statistics(value, name, info):  # the attention output: q, k (and a mask) are complete; drop them after
+            q = self._held.pop(f"{i}.mla.q", None)
+            k = self._held.pop(f"{i}.mla.k", None)
+            mask = self._held.pop(f"{i}.mla.key_mask", None)
+            if q is None or k is None or q.shape[2] != k.shape[2]:  # decoding with a cache: not recorded
                 return
-            n = min(T, self.max_attn_len)
+            n = self._limit(q.shape[2])
             q, k = q[: self.max_batch, :, :n], k[: self.max_batch, :, :n]
-            visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if mask is None else mask[..., :n, :n]
-            self.put(N.mla_attn(i), attention_probabilities(q, k, visible, scale), ("batch", "head", "query", "key"))
+            mask = None if mask is None else mask[..., :n, :n]
+            window = None
+            if "attn_probs" in self.what and self.attn_window[0] < n:
+                window = (self.attn_window[0], min(n, self.attn_window[1]))
+                self.trace.meta["attn_window"] = list(window)
+            stats = blocked_attention_stats(q, k, scale, visible=mask, block=self.attn_block, window=window)
+            if "mla" in self.what:
+                for kind in ("entropy", "sink", "received"):
+                    self.put(N.mla_stat(i, kind), stats[kind], ("batch", "head", "token"))
+            if window is not None:
+                self.put(N.mla_attn(i), stats["map"], ("batch", "head", "query", "key"))
 
-        table[N.block(i, "mla.k")] = probs
-        # A key mask is a hook point only when an edit writes it; then the probabilities follow it.
-        table[N.block(i, "mla.key_mask")] = lambda v, n, info: probs(None, n, info, mask=v)
-
-        def release(value, name, info):  # the attention output: this layer's q and k are not needed any more
-            self._held.pop(f"{i}.mla.q", None)
-            self._held.pop(f"{i}.mla.k", None)
-
-        table[N.block(i, "mla.o")] = release
+        table[N.block(i, "mla.o")] = statistics
 
     def _moe_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames
@@ -278,8 +392,8 @@ class Recorder:
             N.moe_weights(i), v, ("batch", "token", "rank")
         )
         if "latent" in self.what:
-            table[N.block(i, "moe.latent")] = lambda v, n, info: self.put_tokens(
-                N.moe_latent(i), v, ("batch", "token", "latent")
+            table[N.block(i, "moe.latent")] = lambda v, n, info: self.put(
+                N.moe_latent(i), self.clip_window(v), ("batch", "token", "latent")
             )
 
     def _attnres_weights(self, value: torch.Tensor, name: str, info: dict) -> None:
@@ -315,13 +429,29 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, visible: torch.Ten
     return probs.nan_to_num(0.0)
 
 
+def state_norm_and_rank(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frobenius norm ``||S||_F`` and effective rank ``exp(H(p))``, ``p = sigma / sum sigma`` (uncentred; the
+    formula of ``analysis.hidden_states.effective_rank``, tested equal) of states [..., key, value]; [...] each.
+    A zero state has rank 0."""
+    s = state.float()
+    sigma = torch.linalg.svdvals(s)
+    total = sigma.sum(-1, keepdim=True)
+    p = sigma / total.clamp_min(1e-30)
+    ent = -(torch.where(p > 0, p * p.clamp_min(1e-30).log(), 0.0)).sum(-1)
+    rank = torch.where(total.squeeze(-1) > 0, ent.exp(), 0.0)
+    return s.flatten(-2).norm(dim=-1), rank
+
+
 @contextlib.contextmanager
 def record(
     model: torch.nn.Module | None = None,
     what: Iterable[str] | str | None = None,
-    max_tokens: int = 1024,
+    max_tokens: int | None = None,
     max_batch: int = 1,
     max_attn_len: int = 1024,
+    window: int | None = 1024,
+    attn_window: tuple[int, int] | None = None,
+    attn_block: int = DEFAULT_BLOCK,
 ) -> Iterator[Trace]:
     """Record the internals of every forward run inside the block into one Trace.
 
@@ -331,6 +461,11 @@ def record(
     other threads meanwhile are not recorded, and they may record their own models concurrently.
     ``model`` gives the hook points to read (its config) and the parameters some arrays copy; without
     it only the tokens and the loss are recorded.
+
+    Positions: ``max_tokens`` (None: all) cuts every array to a prefix; ``window`` (None: all) bounds the bulky
+    per-token arrays (hidden, kda.i.g, moe.i.latent), which are summarised over every position by bins;
+    ``attn_window`` (default ``(0, max_attn_len)``) is the query range of the attention maps; ``attn_block``
+    queries at a time go into the blocked attention statistics.
     """
     if current() is not None:
         raise RuntimeError("record() blocks cannot be nested")
@@ -343,12 +478,12 @@ def record(
     config = getattr(model, "config", None)
     rec = Recorder(
         what, max_tokens=max_tokens, max_batch=max_batch, max_attn_len=max_attn_len,
-        model=model if config is not None else None,
+        model=model if config is not None else None, window=window, attn_window=attn_window, attn_block=attn_block,
     )  # fmt: skip
     if config is not None:
         rec.trace.meta["config"] = config.to_dict()
         rec.trace.meta["layer_types"] = config.layer_types()
-    rec.trace.meta.update(what=sorted(rec.what), max_tokens=max_tokens, max_batch=max_batch)
+    rec.trace.meta.update(what=sorted(rec.what), max_tokens=max_tokens, max_batch=max_batch, window=window)
     table = rec.read_hooks(config) if config is not None else _model_free_hooks(rec)
     try:
         with hooks(read=table, owner=(_RECORDER, rec)):

@@ -38,6 +38,7 @@ class TraceNames(HookNames):
     TOKEN_NLL = "token_nll"
     HIDDEN = "hidden"
     HIDDEN_RMS = "hidden_rms"
+    POSITION_BINS = "position_bins"
     KDA_PREFIX = "kda."
     MLA_PREFIX = "mla."
     MOE_PREFIX = "moe."
@@ -77,6 +78,30 @@ class TraceNames(HookNames):
     @staticmethod
     def mla_attn(i: int) -> str:
         return f"mla.{i}.attn"
+
+    @staticmethod
+    def mla_stat(i: int, kind: str) -> str:
+        """Blocked attention statistics of MLA layer ``i`` over every position: kind "entropy" | "sink" |
+        "received" ([batch, head, token]; ``k3core.trace_attention``)."""
+        if kind not in ("entropy", "sink", "received"):
+            raise ValueError(f"MLA statistic must be entropy|sink|received, got {kind!r}")
+        return f"mla.{i}.{kind}"
+
+    @staticmethod
+    def kda_state_rank(i: int) -> str:
+        return f"kda.{i}.state_rank"
+
+    @staticmethod
+    def kda_g_bins(i: int) -> str:
+        return f"kda.{i}.g_bins"
+
+    @staticmethod
+    def hidden_bins(kind: str) -> str:
+        """Whole-text moments of the hidden states per position bin: count, sum, unit_sum, gram, cross_gram,
+        cos_sum (``k3core.trace``)."""
+        if kind not in ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum"):
+            raise ValueError(f"unknown hidden-state moment {kind!r}")
+        return f"hidden_bins.{kind}"
 
     @staticmethod
     def mla_gate(i: int) -> str:

@@ -26,6 +26,7 @@ COMMANDS = {
     "app": "open the Streamlit app",
     "train": "train a K3 config (byte-level, Shakespeare by default)",
     "report": "write a headless HTML report for one or two runs",
+    "long": "long-context diagnostics of one or two runs on one long text (cost estimate first)",
     "trace": "trace a checkpoint on texts into a trace folder (one process, or under torchrun)",
     "inspect": "print config, parameter counts, layer map and headline numbers",
     "weights": "weight-only diagnostics (decay, depth, routing) of a checkpoint of any size",

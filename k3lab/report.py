@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="focus the per-head views (KDA and MLA) on head H (0-based; default: all heads)",
     )
     p.add_argument("--save-trace", action="store_true", help="also write each run's trace (.npz)")
+    p.add_argument(
+        "--window",
+        type=int,
+        metavar="N",
+        help="keep the bulky per-token trace arrays (hidden states, KDA decays, MoE latents) for the first N "
+        "positions only; every diagnostic still covers the whole text, from position bins (default: all; use "
+        "1024 for long texts, see `k3lab long`)",
+    )
     return p
 
 
@@ -168,6 +176,8 @@ def _report(args: argparse.Namespace, out: str | Path, text_index: int | None) -
             progress=progress,
             picks={k: v for k, v in (("layer", args.layer), ("head", args.head)) if v is not None},
             text_index=text_index,
+            window=args.window,
+            options=getattr(args, "view_options", None),
         )
     except (CheckpointError, ValueError, OSError) as exc:
         progress.close()

@@ -161,7 +161,7 @@ APP_PAGES = (  # (url path, heading)
 )
 # app.links.SECTIONS; not imported here: importing streamlit makes its plotly template the default one, and the
 # offline pass must draw the figures as analysis.style makes them
-COMPARE_SECTIONS = ("density", "attnres", "moe", "degradation", "weights")
+COMPARE_SECTIONS = ("density", "attnres", "moe", "degradation", "long_context", "weights")
 
 
 def _shot(page, folder: str | None, name: str) -> None:
@@ -224,3 +224,35 @@ def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_
 def _outside(request_url: str, host: str) -> bool:
     parsed = urlparse(request_url)
     return parsed.scheme in ("http", "https", "ws", "wss") and parsed.netloc != host
+
+
+@pytest.mark.slow
+def test_long_context_page_draws_and_passes_the_figure_check(browser, tmp_path):
+    """The Long context page on the k3-full sample: the estimate first, then (after Run) every trace view and the
+    cost measurement drawn by Streamlit, no exception on the page, and the figure check on its charts."""
+    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
+    with app_server(REPO, tmp_path, env) as (url, _log):
+        page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+        try:
+            page.goto(f"{url}/long_context?run=k3-full&text=shakespeare&tokens=256")
+            run = page.get_by_role("button", name="Run on")
+            run.first.wait_for(timeout=RENDER_TIMEOUT_MS)
+            assert "Estimate for 1,024 tokens" in page.inner_text('[data-testid="stMain"]')
+            run.first.click()
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length >= 4",
+                timeout=RENDER_TIMEOUT_MS * 3,
+            )
+            page.get_by_role("button", name="Measure one forward").first.click()
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length >= 5",
+                timeout=RENDER_TIMEOUT_MS * 3,
+            )
+            settle(page)
+            assert page.locator('[data-testid="stException"]').count() == 0
+            bad = {key: problems for key, problems in app_page_problems(page).items() if problems}
+            assert set(app_page_problems(page)) >= {"fig-long_loss_by_position", "fig-long_cost_length"}
+            assert not bad, bad
+            _shot(page, os.environ.get("K3LAB_FIGURE_SHOTS"), "long_context")
+        finally:
+            page.context.close()

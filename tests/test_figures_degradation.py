@@ -54,11 +54,18 @@ def test_real_trace_metrics_are_in_range(nano_ctx):
     assert 0.0 <= summary["sink_rate"] <= 1.0
 
 
-def test_entropy_views_need_attention_probabilities(nano_ctx):
+def test_entropy_views_come_from_the_blocked_statistics_without_maps(nano_ctx):
+    """Since issue 24 the entropy and sink views read the recorder's blocked statistics (q, k in query blocks), so
+    they draw without the maps ("attn_probs"), with the values the maps give; without "mla" they say why."""
     model = nano_ctx.model
     ctx = trace_run(run_from_model(model), nano_ctx.input_ids, what=None, label="no-probs")
-    with pytest.raises(NotApplicable, match="sidebar"):
-        fig_dg.build_entropy_heatmap(ctx)
+    assert not ctx.trace.names("mla.") or all(not n.endswith(".attn") for n in ctx.trace.names("mla."))
+    _, table = fig_dg.build_entropy_heatmap(ctx)
+    _, from_maps = fig_dg.build_entropy_heatmap(nano_ctx)
+    np.testing.assert_allclose(table["entropy_norm"], from_maps["entropy_norm"], rtol=1e-5, atol=1e-6)
+    bare = trace_run(run_from_model(model), nano_ctx.input_ids, what=("hidden", "kda"), label="no-mla")
+    with pytest.raises(NotApplicable, match="not recorded"):
+        fig_dg.build_entropy_heatmap(bare)
     fig, _ = fig_dg.build_rank_collapse(ctx)  # hidden states are recorded by default
     assert len(fig.data) == 3
 

@@ -34,7 +34,7 @@ def documented_arrays() -> list[tuple[str, tuple[str, ...]]]:
 
 def test_docstring_lists_the_arrays():
     names = [p for p, _ in documented_arrays()]
-    assert len(names) == 28
+    assert len(names) == 40  # 28 before the whole-text summaries (issue 24)
     assert r"^kda\.\d+\.g$" in names and r"^residual\.\d+\.mlp_bias$" in names and r"^attnres\.output$" in names
 
 
@@ -85,7 +85,7 @@ def test_every_documented_array_appears_with_its_axes(ids, residual):
     assert tr.layer_indices("kda") == kda and tr.layer_indices("mla") == mla and tr.layer_indices("moe") == moe
     for i in kda:
         assert {n.split(".")[2] for n in tr.names(f"kda.{i}.")} == {
-            "g", "beta", "gate", "state_norm", "state_steps", "final_state"}  # fmt: skip
+            "g", "g_bins", "beta", "gate", "state_norm", "state_rank", "state_steps", "final_state"}  # fmt: skip
     if residual == "scale_bias":
         assert len(tr.names("residual.")) == 4 * cfg.num_hidden_layers
     if residual in ("block_attnres", "full_attnres"):
@@ -205,7 +205,7 @@ def test_recording_off_leaves_no_trace(ids):
         model(ids)
     assert trace_mod.current() is None
     snapshot = {k: v.copy() for k, v in tr.arrays.items()}
-    assert set(snapshot) == {"tokens"} | {n for n in snapshot if n.startswith("moe.")}
+    assert set(snapshot) == {"tokens", "position_bins"} | {n for n in snapshot if n.startswith("moe.")}
     with torch.no_grad():
         model(ids[:, :4])
     assert tr.arrays.keys() == snapshot.keys()
@@ -244,7 +244,7 @@ def test_what_selects_items(ids):
     model = nano_model()
     with torch.no_grad(), record(model, what="kda") as tr:
         model(ids, labels=ids)
-    assert {n.split(".")[0] for n in tr.arrays} == {"tokens", "kda"}
+    assert {n.split(".")[0] for n in tr.arrays} == {"tokens", "position_bins", "kda"}
 
 
 @pytest.mark.parametrize("residual", ["block_attnres", "full_attnres", "scale_bias", "plain"])
@@ -271,6 +271,9 @@ def test_every_trace_name_builder_matches_a_documented_array():
     """TraceNames builds exactly the names the docstring documents, and covers every documented one."""
     N = trace_mod.TraceNames
     built = [N.TOKENS, N.TOKEN_NLL, N.HIDDEN, N.HIDDEN_RMS, N.ATTNRES_OUTPUT, N.ATTNRES_OUTPUT_QUERY_NORM]
+    moments = ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum")
+    built += [N.POSITION_BINS] + [N.hidden_bins(k) for k in moments]
+    built += [N.mla_stat(3, k) for k in ("entropy", "sink", "received")] + [N.kda_state_rank(3), N.kda_g_bins(3)]
     built += [f(3) for f in (N.kda_g, N.kda_beta, N.kda_gate, N.kda_state_norm, N.kda_state_steps,
                              N.kda_final_state, N.mla_attn, N.mla_gate, N.moe_scores, N.moe_experts,
                              N.moe_weights, N.moe_latent, N.moe_load, N.moe_bias)]  # fmt: skip

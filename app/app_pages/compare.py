@@ -88,6 +88,9 @@ views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
 for view in views:
+    if view.needs_model and view.section == "long_context":  # reruns the model at other lengths: not a trace view
+        st.caption(f"**{view.title}**: measured per run on the Long context page (it runs the model again).")
+        continue
     if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
         continue
     cards.render_comparison(view, a, b)
