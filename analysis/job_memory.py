@@ -3,7 +3,8 @@
 calibrated on the k3-full sample (hidden 128, 8 layers, 2 MLA) and conservative: a forward of 1,024 / 4,096 tokens
 measured +77 / +717 MB of RSS against 87 / 955 MB estimated (benchmarks/ has no timing of these; they are sizes).
 
-    forward:      3 T^2 H 4 (one MLA layer's scores, probabilities and output buffers at a time, H heads)
+    forward:      3 min(T, Q) T H 4 (one MLA layer's query block of Q = k3core.ops.attention.QUERY_BLOCK rows:
+                  scores, probabilities and mask where a backend falls back to math; the fused path needs less)
                   + 4 T (64 d + 4 V + 4 E)   (per-token activations of width d, vocabulary V, E experts)
     trace:        forward + the recorded arrays: 4 T ((L+1) d + 2 n_kda h_kda c + L (E + latent))
                   + n_mla min(T, A)^2 H 4 when attention is recorded (A: its length cap)
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from k3core.ops.attention import QUERY_BLOCK
+
 
 def _mla_layers(config: Any) -> int:
     return sum(1 for i in range(config.num_hidden_layers) if config.is_mla_layer(i))
@@ -25,9 +28,9 @@ def _mla_layers(config: Any) -> int:
 def forward_peak_bytes(config: Any, tokens: int, batch: int = 1) -> int:
     """One forward's working memory (see the module docstring's formula)."""
     t = int(tokens)
-    quadratic = 3 * t * t * config.num_attention_heads * 4 if _mla_layers(config) else 0
+    attention_block = 3 * min(t, QUERY_BLOCK) * t * config.num_attention_heads * 4 if _mla_layers(config) else 0
     per_token = 4 * t * (64 * config.hidden_size + 4 * config.vocab_size + 4 * config.num_experts)
-    return batch * (quadratic + per_token)
+    return batch * (attention_block + per_token)
 
 
 def trace_peak_bytes(config: Any, tokens: int, attention_len: int | None = None) -> int:

@@ -14,8 +14,8 @@ stopped, returns the rows measured so far with ``attrs["stopped"] = True``.
   decode-cache model ``analysis.allocation.cache_bytes_by_length`` (KDA flat, MLA linear in T).
 - The estimate before a run (``estimate_cost``): a calibration forward of ``T0`` tokens scaled by the FLOP
   model, ``t(T) = t(T0) * F(T) / F(T0)`` with ``F(T) = T (2 P + sum_l f_l(T))`` (``P`` parameters,
-  ``f_l`` = ``analysis.allocation.sequence_mixing_flops``), and memory ``m(T) = m(T0) T / T0`` plus, for each MLA
-  layer computed on PyTorch's math attention path, ``3 B H T^2 4`` bytes of scores and probabilities.
+  ``f_l`` = ``analysis.allocation.sequence_mixing_flops``), and memory ``m(T) = m(T0) T / T0`` (linear: the MLA
+  layers' attention runs in O(T) memory, ``k3core.ops.attention``).
 """
 
 from __future__ import annotations
@@ -229,11 +229,10 @@ def estimate_cost(
     lengths: Iterable[int],
     calibrate: int = 256,
     record_what: Any = "all",
-    math_attention: bool = True,
 ) -> pd.DataFrame:
     """The estimate shown before a long run (module docstring): one calibration forward of ``calibrate`` tokens
-    (inside ``record`` when ``record_what``), scaled by the FLOP model and linearly in memory, plus the MLA math
-    path's ``3 B H T^2 4`` bytes when ``math_attention``. Columns: seq_len, seconds, bytes."""
+    (inside ``record`` when ``record_what``), scaled by the FLOP model and linearly in memory (every attention path
+    is O(T) in memory: ``k3core.ops.attention``). Columns: seq_len, seconds, bytes."""
     config = model.config
     device = next(model.parameters()).device
     n_params = sum(p.numel() for p in model.parameters())
@@ -242,12 +241,10 @@ def estimate_cost(
     start = time.perf_counter()
     _, grown = peak_rss_growth(lambda: _run_forward(model, ids, record_what))
     seconds = time.perf_counter() - start
-    n_mla = sum(1 for i in range(config.num_hidden_layers) if config.is_mla_layer(i))
     rows = []
     for T in sorted({int(t) for t in lengths}):
         scale = _forward_flops(config, n_params, T) / _forward_flops(config, n_params, calibrate)
-        quadratic = 3 * config.num_attention_heads * T * T * 4 if (math_attention and n_mla) else 0
-        rows.append(dict(seq_len=T, seconds=seconds * scale, bytes=grown * T / calibrate + quadratic))
+        rows.append(dict(seq_len=T, seconds=seconds * scale, bytes=grown * T / calibrate))
     table = pd.DataFrame(rows)
     table.attrs["calibration"] = {"tokens": calibrate, "seconds": seconds, "bytes": int(grown)}
     return table

@@ -149,25 +149,9 @@ def test_kda_state_rank_and_binned_decay(traces):
 _MEMORY_PROBE = textwrap.dedent(
     """
     import json, os, sys, threading, time, torch
-    import torch.nn.functional as F
     from tests.conftest import nano_model
     from k3core.trace import record
 
-    _sdpa = F.scaled_dot_product_attention
-
-    def blocked_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, **kw):
-        # The MLA layer's own attention is quadratic on this branch until issue 24's layer fix merges: here it is
-        # replaced by a blocked reference (256 queries at a time) so that the recorder's memory is what is measured.
-        if not is_causal or attn_mask is not None:
-            return _sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kw)
-        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-        for s in range(0, q.shape[-2], 256):
-            e = min(q.shape[-2], s + 256)
-            mask = torch.ones(e - s, e, dtype=torch.bool).tril(diagonal=s)
-            out[..., s:e, :] = _sdpa(q[..., s:e, :], k[..., :e, :], v[..., :e, :], attn_mask=mask, scale=scale)
-        return out
-
-    F.scaled_dot_product_attention = blocked_sdpa
     torch.set_num_threads(1)
     T = int(sys.argv[1])
     model = nano_model()
@@ -212,9 +196,8 @@ def _peak(T: int, what: str = "all") -> dict:
 def test_record_memory_grows_linearly_with_length():
     """Peak RSS growth (sampled each millisecond in a fresh subprocess per length) of a forward inside
     record(what="all") on the nano model, covering every position: at 8,192 tokens at most 2.5x that at 4,096
-    (quadratic would be 4x). The MLA layer's own attention is patched to a blocked reference in the subprocess
-    (_MEMORY_PROBE), since the layer's O(T) fix is another branch's. Measured here: 46 MB, 92 MB, 176 MB at
-    4K, 8K, 16K (the plain forward's own share: 34, 67, 135 MB)."""
+    (quadratic would be 4x). The model runs as it is (its MLA attention in O(T) memory, k3core.ops.attention), so
+    this is the memory of the recorder and the engine together."""
     short, long = _peak(4096), _peak(8192)
     assert short["covered"] == 4096 and long["covered"] == 8192  # the entropy covers every position
     ratio = long["growth_kb"] / max(short["growth_kb"], 1)

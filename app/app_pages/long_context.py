@@ -129,8 +129,8 @@ length = st.select_slider(
 row = by_length.loc[length]
 st.info(
     f"**Estimate for {length:,} tokens:** about {row['seconds']:,.0f} s and {format_bytes(row['bytes'])} of memory "
-    f"(scaled from a {cal['tokens']}-token forward with recording, {cal['seconds']:.2f} s; MLA layers on PyTorch's "
-    "math attention path are counted as quadratic, so this is an upper bound once their attention is O(T)). "
+    f"(scaled from a {cal['tokens']}-token forward with recording, {cal['seconds']:.2f} s: time by the FLOP count, "
+    "memory linearly, as every attention path is O(T) in memory). "
     f"The longest this machine can do: {largest:,} tokens."
 )
 try:
