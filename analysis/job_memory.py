@@ -3,12 +3,13 @@
 calibrated on the k3-full sample (hidden 128, 8 layers, 2 MLA) and conservative: a forward of 1,024 / 4,096 tokens
 measured +77 / +717 MB of RSS against 87 / 955 MB estimated (benchmarks/ has no timing of these; they are sizes).
 
-    forward:      3 min(T, Q) T H 4 (one MLA layer's query block of Q = k3core.ops.attention.QUERY_BLOCK rows:
-                  scores, probabilities and mask where a backend falls back to math; the fused path needs less)
-                  + 4 T (64 d + 4 V + 4 E)   (per-token activations of width d, vocabulary V, E experts)
+    forward:      4 T (64 d + 4 V + 4 E)   (per-token activations of width d, vocabulary V, E experts; the MLA
+                  prefill runs SDPA's fused kernel, O(T): k3core.ops.attention)
     trace:        forward + the recorded arrays: 4 T ((L+1) d + 2 n_kda h_kda c + L (E + latent))
                   + n_mla min(T, A)^2 H 4 when attention is recorded (A: its length cap)
-    experiment:   forward + 2 x 4 T V (the baseline's and the edited logits kept)
+    experiment:   forward + 2 x 4 T V (the baseline's and the edited logits kept) + T^2 + 3 min(T, Q) T H 4 when
+                  the MLA layers' key mask is written: the [T, T] boolean mask an edit writes, and a query block of
+                  Q = k3core.ops.attention.QUERY_BLOCK rows of scores where SDPA falls back to its math path
     patching:     forward + 2 x 4 L S T d (clean and corrupted activations per site, S sites) + logits
     attribution:  integrated gradients: 3 x steps x forward (Captum batches the steps; backward doubles it);
                   ablation and Shapley: 2 x forward; layer attribution: 3 x steps x forward
@@ -28,9 +29,8 @@ def _mla_layers(config: Any) -> int:
 def forward_peak_bytes(config: Any, tokens: int, batch: int = 1) -> int:
     """One forward's working memory (see the module docstring's formula)."""
     t = int(tokens)
-    attention_block = 3 * min(t, QUERY_BLOCK) * t * config.num_attention_heads * 4 if _mla_layers(config) else 0
     per_token = 4 * t * (64 * config.hidden_size + 4 * config.vocab_size + 4 * config.num_experts)
-    return batch * (attention_block + per_token)
+    return batch * per_token
 
 
 def trace_peak_bytes(config: Any, tokens: int, attention_len: int | None = None) -> int:
@@ -48,8 +48,11 @@ def trace_peak_bytes(config: Any, tokens: int, attention_len: int | None = None)
 
 
 def experiment_peak_bytes(config: Any, tokens: int) -> int:
-    """An edit experiment: the baseline and the edited forward, both logits kept."""
-    return forward_peak_bytes(config, tokens) + 2 * 4 * int(tokens) * config.vocab_size
+    """An edit experiment: the baseline and the edited forward, both logits kept, and (on a model with MLA layers)
+    room for a written key mask and the masked attention path's query block."""
+    t = int(tokens)
+    masked = t * t + 3 * min(t, QUERY_BLOCK) * t * config.num_attention_heads * 4 if _mla_layers(config) else 0
+    return forward_peak_bytes(config, t) + 2 * 4 * t * config.vocab_size + masked
 
 
 def patching_peak_bytes(config: Any, tokens: int, sites: int) -> int:
