@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from analysis.aggregates import EMPTY_ID, TopK, grouped_histogram, uniform_hash
+from analysis.attention import normalised_entropy
 from analysis.expert_cache import (
     POLICIES,
     OnlineLRU,
@@ -51,6 +52,7 @@ from analysis.moe import coactivation
 from analysis.routing_stats import TOKEN_CLASSES, byte_classes, cutoff_gaps, selection_margin, string_class
 from k3core.files import atomic_write_bytes, parse_json, read_bytes_limited
 from k3core.hooks import HookNames, hooks
+from k3core.trace_attention import blocked_attention_stats
 
 SURVEY_FORMAT = "k3lab-survey/1"
 CARD_NAME = "survey.json"
@@ -299,27 +301,17 @@ def _device(run: Any) -> torch.device:
 def mla_block_stats(
     q: torch.Tensor, k: torch.Tensor, scale: float, block: int = MLA_QUERY_BLOCK
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Per query block of causal attention ``A = softmax(q k^T * scale)`` (q [B, H, T, d], k [B, H, T, d], fp32):
-    yields (first query index, normalised row entropy ``H_i / log(i + 1)`` [B, H, block] (NaN at i = 0), first-key
-    mass ``A_i0`` [B, H, block]); at most [B, H, block, T] scores exist at a time. The one place a survey gets MLA
-    row statistics (to be swapped for the recorder's shared blocked statistics)."""
+    """Per query block of causal attention ``A = softmax(q k^T * scale)`` (q [B, H, T, d], k [B, H, T, d]): yields
+    (first query index, normalised row entropy ``H_i / log(i + 1)`` [B, H, block] (NaN at i = 0), first-key mass
+    ``A_i0`` [B, H, block]). The statistics are the recorder's own (``blocked_attention_stats``: [block, T] scores
+    at a time), normalised by ``analysis.attention.normalised_entropy``: one definition for traces and surveys."""
+    stats = blocked_attention_stats(q, k, scale, block=block)
+    norm = normalised_entropy(stats["entropy"].double().numpy())
+    sink = stats["sink"].double().numpy()
     T = q.shape[-2]
-    qf, kf = q.float(), k.float()
-    keys = torch.arange(T, device=q.device)
     for start in range(0, T, block):
         stop = min(start + block, T)
-        scores = (qf[..., start:stop, :] @ kf.transpose(-1, -2)) * scale  # [B, H, blk, T]
-        rows = torch.arange(start, stop, device=q.device)
-        visible = keys[None, :] <= rows[:, None]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        plogp = torch.where(probs > 0, probs * torch.log(probs.clamp_min(1e-45)), torch.zeros_like(probs))
-        ent = (-plogp.sum(-1)).double().cpu().numpy()
-        n_keys = np.log(np.arange(start + 1, stop + 1, dtype=np.float64))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            norm = ent / n_keys
-        if start == 0:
-            norm[..., 0] = np.nan
-        yield start, norm, probs[..., 0].double().cpu().numpy()
+        yield start, norm[..., start:stop], sink[..., start:stop]
 
 
 # ------------------------------------------------------------------------------------------------ the state
