@@ -60,3 +60,49 @@ def test_survey_page_runs_and_draws_its_results(server, tmp_path):
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(tmp_path / "survey.png"), full_page=True)
         page.screenshot(path=str(SHOTS / "survey.png"), full_page=True)
+        _click_a_load_mark_opens_its_card(page, tmp_path)
+
+
+# the drawn SVG mark of the load map (x = expert, y = layer) that is not the expert whose card is shown now
+_OTHER_MARK_JS = """() => {
+  const plots = Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"] .js-plotly-plot'));
+  const map = plots.find(g => (g.layout.title.text || '').startsWith('Expert load'));
+  const card = plots.map(g => g.layout.title.text || '').find(t => /^Layer \\d+ expert \\d+:/.test(t));
+  const points = Array.from(map.querySelectorAll('.scatterlayer .point'));
+  const other = points.filter(p => !card.startsWith(`Layer ${p.__data__.y} expert ${p.__data__.x}:`));
+  return other[Math.floor(other.length / 2)];
+}"""
+
+
+def _click_a_load_mark(page, mark) -> tuple[int, int]:
+    """A real mouse click at the centre of one drawn mark; returns its (layer, expert)."""
+    mark.scroll_into_view_if_needed()
+    layer, expert = page.evaluate("m => [m.__data__.y, m.__data__.x]", mark)
+    box = mark.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    # plotly clicks the point it hovers: move there and wait for its hover label before pressing
+    page.mouse.move(x - 3, y - 3)
+    page.mouse.move(x, y)
+    page.locator(".hoverlayer .hovertext").filter(has_text=f"layer {layer} expert {expert}").first.wait_for(
+        timeout=10_000
+    )
+    page.mouse.down()
+    page.mouse.up()
+    return int(layer), int(expert)
+
+
+def _click_a_load_mark_opens_its_card(page, tmp_path) -> None:
+    """Clicking a layer x expert mark of the load map opens the atlas card of exactly that layer and expert."""
+    mark = page.evaluate_handle(_OTHER_MARK_JS).as_element()
+    assert mark is not None
+    layer, expert = _click_a_load_mark(page, mark)
+    page.get_by_text(f"Atlas card of layer {layer} expert {expert} (selected on the load map)").wait_for(timeout=60_000)
+    settle(page)
+    page.wait_for_function(
+        "t => Array.from(document.querySelectorAll('.gtitle')).some(e => e.textContent.startsWith(t))",
+        arg=f"Layer {layer} expert {expert}:",
+        timeout=60_000,
+    )
+    assert page.locator(EXCEPTION).count() == 0
+    page.screenshot(path=str(tmp_path / "survey-selected.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / "survey-selected.png"), full_page=True)

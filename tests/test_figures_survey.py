@@ -41,6 +41,8 @@ def test_every_survey_view_draws_its_numbers(surveys):
     s = survey.state.sums
     for i in survey.layout.moe_layers:
         assert df[df.layer == i].tokens.tolist() == s[f"moe.{i}.load"].tolist()
+    # Streamlit turns a click into a selection only with clickmode "select" and a dragmode other than select/lasso
+    assert "select" in fig.layout.clickmode and fig.layout.dragmode not in ("select", "lasso")
     marks = fig.data[0].customdata
     assert {(int(a), int(b)) for a, b in marks[:, :2]} == {(i, e) for i in survey.layout.moe_layers for e in range(8)}
     layer, expert = int(marks[5, 0]), int(marks[5, 1])  # a selected mark opens that expert's card

@@ -72,7 +72,9 @@ def load_map(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             name="expert",
         )
     )
-    fig.update_layout(clickmode="event+select", dragmode="select")
+    # a click selects a mark: Streamlit's chart turns clickmode to "event" (clicks select nothing) whenever dragmode is
+    # "select" or "lasso", so the drag zooms and the click selects
+    fig.update_layout(clickmode="event+select", dragmode="zoom")
     fig.update_xaxes(dtick=1)
     fig.update_yaxes(dtick=1, autorange="reversed")
     apply_style(fig, f"Expert load over {_tokens_note(survey)} (fair share k/E = 1)", "expert", "MoE layer")

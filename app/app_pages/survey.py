@@ -102,10 +102,10 @@ def _results(folder, job) -> None:
         points = picked["selection"]["points"] if picked is not None else []
     except (KeyError, TypeError):
         points = []
-    if points:
-        data = points[0].get("customdata") or []
-        if len(data) >= 2:
-            options = {"layer": int(data[0]), "expert": int(data[1])}
+    if points and "x" in points[0] and "y" in points[0]:
+        # the mark's own position (x = expert, y = layer): its customdata row arrives as a {"0": ..} object, the
+        # screen copy sends it as a typed array, which the selection event serialises that way
+        options = {"layer": int(points[0]["y"]), "expert": int(points[0]["x"])}
     if not options:  # no mark selected: the pickers (default: the most specialised expert)
         best = tables.expert_table(survey).sort_values("specialisation_bits", ascending=False).iloc[0]
         p1, p2, _ = st.columns([1, 1, 4])
