@@ -18,7 +18,6 @@ if not CHROMIUM.exists():
 pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
 
 
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser-survey")
@@ -106,7 +105,6 @@ def _click_a_load_mark_opens_its_card(page, tmp_path) -> None:
     assert page.locator(EXCEPTION).count() == 0
     page.screenshot(path=str(tmp_path / "survey-selected.png"), full_page=True)
     _keep(tmp_path / "survey-selected.png")
-    page.screenshot(path=str(SHOTS / "survey-selected.png"), full_page=True)
 
 
 def _keep(path: Path) -> None:
