@@ -200,6 +200,18 @@ def test_generate_page(app_env, runs):
     assert any(h.value.startswith("#### Output of") for h in at.markdown)
 
 
+def test_generate_completes_at_its_defaults(app_env, runs):
+    """The default 200 new tokens redraw the live output (and its download button) every 16 tokens: each redraw must
+    have its own element id (today's code stopped after 32 tokens with StreamlitDuplicateElementId)."""
+    app_env(runs["good"])
+    at = _app().run()
+    _page(at, "generate")
+    at.button[0].click().run()
+    assert not at.exception and _errors(at) == []
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["200"]
+    assert at.session_state["k3lab_generated"]["done"] is True
+
+
 # ------------------------------------------------------------------------------------ pure helpers
 def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     samples = tmp_path / "samples"
