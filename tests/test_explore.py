@@ -99,6 +99,38 @@ def test_lens_last_depth_is_the_models_logits(residual):
     assert table.kl_to_final.min() >= -1e-6
 
 
+# One edit of every kind and op family, the output path's own points included (the output site's depth weights,
+# final_resid, final_norm, logits): the lens must read the edited model, not the baseline.
+LENS_EDITS = [
+    {"kind": "attnres", "site": "output", "mode": "uniform"},
+    {"kind": "attnres", "site": "output", "mode": "one_hot", "sources": [0], "tokens": [2, 7]},
+    {"kind": "attnres", "site": "2.attn", "mode": "mask", "sources": [0]},
+    {"kind": "value", "point": "mixer_out", "op": "zero", "layers": [1]},
+    {"kind": "value", "point": "final_resid", "op": "scale", "value": 0.5},
+    {"kind": "value", "point": "final_norm", "op": "add", "value": 0.25},
+    {"kind": "value", "point": "logits", "op": "scale", "value": 2.0},
+    {"kind": "kda", "op": "gate_off"},
+    {"kind": "kda", "op": "scale_g", "value": 3.0},
+    {"kind": "moe", "op": "ban", "experts": [0, 1]},
+    {"kind": "mla", "op": "mask_keys", "keys": [0, 3]},
+]
+
+
+@pytest.mark.parametrize("edit", LENS_EDITS, ids=lambda e: f"{e['kind']}-{e.get('op', e.get('mode'))}")
+def test_edited_lens_last_depth_is_the_edited_models_logits(edit):
+    model = nano_model()
+    randomize_attnres_queries(model)
+    ids = random_ids(12, 1)
+    with torch.no_grad():
+        base = model(ids).logits
+    with intervene(model, [edit]):
+        _, logits = lens.lens_logits(model, ids)
+        with torch.no_grad():
+            own = model(ids).logits
+    assert (own - base).abs().max() > 1e-4, "the edit must change the model for this test to mean anything"
+    torch.testing.assert_close(logits[-1], own, rtol=1e-5, atol=1e-5)
+
+
 def test_block_lens_first_depth_is_the_embedding_alone():
     model = nano_model()
     ids = random_ids(6, 1)
