@@ -12,6 +12,9 @@ from typing import Any
 
 from k3lab.options import add_device_options
 
+#: analysis.attribution.METHODS, spelled here so that --help does not import torch (a test keeps them equal)
+METHOD_CHOICES = ("feature_ablation", "shapley", "integrated_gradients", "ig_frozen_routing")
+
 EXPERIMENT_HELP = """\
 Run a text through a checkpoint twice, as it is and with edits, and write what changed per token.
 
@@ -99,12 +102,19 @@ def attribute_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--method",
         default="feature_ablation",
-        choices=("feature_ablation", "shapley", "integrated_gradients", "all"),
-        help="attribution method (default feature_ablation)",
+        choices=(*METHOD_CHOICES, "all"),
+        help="attribution method (default feature_ablation; ig_frozen_routing: integrated gradients with every MoE "
+        "layer's experts held at the input's, the one whose attributions add up on an MoE model)",
     )
     p.add_argument("--baseline-token", type=int, default=0, help="token id replacing ablated inputs (default 0)")
-    p.add_argument("--steps", type=int, default=64, help="integrated gradients: integration steps (default 64)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=64,
+        help="integrated gradients: integration steps (default 64; ig_frozen_routing refines up to 16x where needed)",
+    )
     p.add_argument("--samples", type=int, default=8, help="shapley: permutations sampled (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="shapley: seed of the sampled permutations (default 0)")
     p.add_argument("--layers", action="store_true", help="also the layer attribution by kind")
     return p
 
@@ -268,7 +278,7 @@ def attribute_main(argv: list[str]) -> int:
         y = torch.tensor(tok.encode(args.target)[: args.max_tokens])
         results = [
             attr.token_attribution(
-                run.model, x, y, m, args.baseline_token, tok, n_steps=args.steps, n_samples=args.samples
+                run.model, x, y, m, args.baseline_token, tok, n_steps=args.steps, n_samples=args.samples, seed=args.seed
             )
             for m in methods
         ]
@@ -289,11 +299,14 @@ def attribute_main(argv: list[str]) -> int:
             **r.extra,
         )
         if r.delta is not None:
-            print(f"k3lab attribute: integrated gradients delta per output token {[round(d, 5) for d in r.delta]}")
-            if any(abs(d) > 0.05 * max(abs(f), 1e-3) for d, f in zip(r.delta, r.difference)):
+            print(f"k3lab attribute: {r.method} delta per output token {[round(d, 5) for d in r.delta]}")
+            if "routing_changes" in r.extra:
                 print(
-                    "k3lab attribute: the delta is over 5% of f(x) - f(baseline): raise --steps for a closer integral"
+                    f"k3lab attribute: {r.method}: the top-k expert sets changed {r.extra['routing_changes']:,} times"
                 )
+        warning = r.warning()
+        if warning:
+            print(f"k3lab attribute: {r.method}: {warning}")
     if layers is not None:
         figures.append((layer_attribution_figure(layers), layers.table, "attribution_layers"))
         data["layers"] = dict(

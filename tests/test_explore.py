@@ -3,6 +3,8 @@ on real k3-nano models."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from captum.attr import LayerIntegratedGradients
 
 from analysis import attribution as attr
 from analysis import effects, lens, patching
+from analysis.runs import load_run
 from analysis.token_detail import TokenDetailError, token_detail
 from k3core.interventions import MoEEdit, ValueEdit, intervene
 from k3core.trace import record
@@ -158,6 +161,54 @@ def test_integrated_gradients_completeness_within_the_reported_delta():
     lig = LayerIntegratedGradients(first_token, model.model.embed_tokens)
     _, delta = lig.attribute(prefix, baselines=torch.zeros_like(prefix), n_steps=64, return_convergence_delta=True)
     assert float(delta) == pytest.approx(result.delta[0], abs=1e-5)
+
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_checkpoints"
+
+
+@pytest.mark.parametrize("sample", ["k3-full", "plain-moe"])
+def test_frozen_routing_ig_is_complete_on_the_samples_and_plain_ig_counts_its_routing_changes(sample):
+    """Plain IG on a trained MoE sample misses f(x) - f(baseline) by a large share (the top-k sets change along the
+    path: jumps the gradient never sees) and says how often routing changed; with the routing frozen at the input's the
+    function is smooth and the attributions add up to g(x) - g(baseline) within 1e-3 relative."""
+    run = load_run(SAMPLES / sample)
+    ids = torch.tensor(run.tokenizer.encode("ROMEO: Is the day"))
+    x, y = ids[:6], ids[6:7]
+    frozen = attr.token_attribution(run.model, x, y, "ig_frozen_routing", n_steps=64)
+    total, difference = float(frozen.matrix.sum()), frozen.difference[0]
+    assert abs(total - difference) <= 1e-3 * abs(difference), (total, difference, frozen.extra)
+    assert frozen.warning() is None
+    # g(x) is the model's own f(x): at the input the frozen routing is the routing
+    assert frozen.extra["routing"].startswith("frozen")
+    plain_ig = attr.token_attribution(run.model, x, y, "integrated_gradients", n_steps=32)
+    assert plain_ig.extra["routing_changes"] > 0
+    assert max(plain_ig.delta_share()) > 0.05 and "expert set changed" in plain_ig.warning()
+
+
+def test_own_ig_is_captums_on_a_dense_model_and_routing_changes_are_zero_there():
+    """The fp32 reference for our integral: on a model without experts (nothing to freeze) it is Captum's IG."""
+    model = nano_model(num_experts=0)
+    x, y = random_ids(8, 1, 1)[0], random_ids(2, 1, 2)[0]
+    captum = attr.token_attribution(model, x, y, "integrated_gradients", n_steps=64)
+    ours = attr.token_attribution(model, x, y, "ig_frozen_routing", n_steps=64)
+    torch.testing.assert_close(ours.matrix, captum.matrix, rtol=1e-4, atol=1e-5)
+    assert captum.extra["routing_changes"] == 0
+    assert max(ours.delta_share()) < 1e-4 and ours.warning() is None
+    with pytest.raises(attr.AttributionError, match="n_steps"):
+        attr.integrated_gradients(model, x, y, n_steps=0)
+
+
+def test_shapley_with_a_seed_is_reproducible_and_reports_its_samples():
+    model = nano_model()
+    x, y = random_ids(6, 1, 4)[0], random_ids(1, 1, 5)[0]
+    torch.manual_seed(123)
+    a = attr.token_attribution(model, x, y, "shapley", n_samples=3, seed=7)
+    torch.manual_seed(999)  # the caller's generator does not matter
+    b = attr.token_attribution(model, x, y, "shapley", n_samples=3, seed=7)
+    assert torch.equal(a.matrix, b.matrix)
+    assert a.extra == {"n_samples": 3, "seed": 7}
+    c = attr.token_attribution(model, x, y, "shapley", n_samples=3, seed=8)
+    assert not torch.equal(a.matrix, c.matrix)
 
 
 def test_feature_ablation_on_one_token_is_the_hand_computed_loss_change():
