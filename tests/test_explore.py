@@ -80,6 +80,32 @@ def test_patching_per_position_on_a_span_loss_and_bad_inputs():
     assert len(stopped.value.partial) == 2
 
 
+def test_patching_warns_of_a_noise_sized_gap_marks_the_trivial_rows_and_counts_its_cost():
+    model = nano_model(residual="plain")
+    clean, corrupted = _pair()
+    metric = patching.Metric("span_loss", start=3, stop=10)
+    df = patching.activation_patching(model, clean, corrupted, metric, sites=["resid", "ffn_out"], layers=[0, 1])
+    gap = df.attrs["clean_metric"] - df.attrs["corrupted_metric"]
+    assert (df.attrs["gap_warning"] is None) == (abs(gap) >= patching.GAP_FLOOR["span_loss"])
+    # the default: a 0.008-nat span-loss gap (fractions 1.36, -0.50) and a 0.001 logit difference
+    assert "ratios of noise" in patching.gap_warning(3.008, 3.0, "span_loss")
+    assert "ratios of noise" in patching.gap_warning(0.001, 0.0, "logit_diff")
+    assert patching.gap_warning(1.0, 0.0, "logit_diff") is None
+    resid = df[df.site == "resid"]
+    assert resid.by_construction.all() and np.allclose(resid.fraction_restored, 1.0, atol=1e-5)
+    assert not df[df.site == "ffn_out"].by_construction.any()
+    # per position: every selected site, only the window's positions; the plan is the cost, counted before running
+    plan = patching.patch_plan(model.config, 10, ["resid", "ffn_out"], [1], per_position=True, positions=(2, 5))
+    assert len(plan) == 2 * 3
+    df = patching.activation_patching(
+        model, clean, corrupted, metric, sites=["resid", "ffn_out"], layers=[1], per_position=True, positions=(2, 5)
+    )
+    assert sorted(set(df.site)) == ["ffn_out", "resid"] and sorted(set(df.position)) == [2, 3, 4]
+    assert not df.by_construction.any()
+    with pytest.raises(patching.PatchingError, match="window"):
+        patching.patch_plan(model.config, 10, per_position=True, positions=(5, 20))
+
+
 @pytest.mark.parametrize("residual", RESIDUALS)
 def test_lens_last_depth_is_the_models_logits(residual):
     model = nano_model(residual=residual)
