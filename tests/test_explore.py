@@ -88,8 +88,8 @@ def test_patching_warns_of_a_noise_sized_gap_marks_the_trivial_rows_and_counts_i
     gap = df.attrs["clean_metric"] - df.attrs["corrupted_metric"]
     assert (df.attrs["gap_warning"] is None) == (abs(gap) >= patching.GAP_FLOOR["span_loss"])
     # the default: a 0.008-nat span-loss gap (fractions 1.36, -0.50) and a 0.001 logit difference
-    assert "ratios of noise" in patching.gap_warning(3.008, 3.0, "span_loss")
-    assert "ratios of noise" in patching.gap_warning(0.001, 0.0, "logit_diff")
+    assert "ratio of noise" in patching.gap_warning(3.008, 3.0, "span_loss")
+    assert "ratio of noise" in patching.gap_warning(0.001, 0.0, "logit_diff")
     assert patching.gap_warning(1.0, 0.0, "logit_diff") is None
     resid = df[df.site == "resid"]
     assert resid.by_construction.all() and np.allclose(resid.fraction_restored, 1.0, atol=1e-5)
