@@ -92,6 +92,13 @@ def data_records(df: pd.DataFrame) -> list[dict]:
     return [{str(k): _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
+def csv_with_provenance(df: pd.DataFrame, meta: dict) -> str:
+    """A table as CSV text led by one ``# key: value`` line per entry of ``meta`` (e.g. the run, the text and its
+    token count), so a downloaded result says what it was computed on; pandas reads it back with comment="#"."""
+    head = "".join(f"# {k}: {' '.join(str(v).split())}\n" for k, v in meta.items())
+    return head + df.to_csv(index=False)
+
+
 def write_csv(df: pd.DataFrame, path: str | Path) -> Path:
     path = Path(path)
     df.to_csv(path, index=False)

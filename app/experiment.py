@@ -36,6 +36,9 @@ OP_LABELS = {
     "replace": "replace",
 }
 RESULTS = "k3lab_exp_results"
+HISTORY = "k3lab_exp_history"  # this session's experiments: one row each, in the order they ran
+#: patching / attribution jobs of more forwards than this are estimated and confirmed before they run
+CONFIRM_FORWARDS = 64
 
 
 def chunk_labels(tokens: int, chunk_size: int) -> dict[int, str]:
@@ -79,3 +82,42 @@ def remember(store: dict, key: tuple, value: Any, keep: int = 8) -> Any:
     while len(store) > keep:
         store.pop(next(iter(store)))
     return value
+
+
+def one_token(run: Any, text: str, what: str) -> int:
+    """The id of ``text`` read as exactly one token of the run's tokenizer; ValueError naming ``what`` otherwise."""
+    tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
+    ids = tok.encode(text) if text else []
+    if len(ids) != 1:
+        raise ValueError(f"{what} must be one token; {text!r} is {len(ids)} tokens")
+    return int(ids[0])
+
+
+def text_ids(run: Any, text: str, what: str) -> list[int]:
+    """The token ids of ``text`` (at least one); ValueError naming ``what`` when it is empty."""
+    ids = runs_mod.text_tokenizer(run.config, run.tokenizer).encode(text) if text else []
+    if not ids:
+        raise ValueError(f"{what} is empty: type at least one character")
+    return [int(i) for i in ids]
+
+
+def history_row(edits: list[dict], summary: dict, tokens: int) -> dict:
+    """One row of the session's experiment history: the edits, losses, loss change and top-1 changes."""
+    from k3core.interventions import edit_from_dict
+
+    return {
+        "edits": "; ".join(edit_from_dict(d).describe() for d in edits),
+        "base loss": summary["base_loss"],
+        "edited loss": summary["edited_loss"],
+        "loss change": summary["loss_change"],
+        "top-1 changes": summary["positions_changed_top1"],
+        "tokens": tokens,
+    }
+
+
+def text_of(run: Any, ids: list[int]) -> str:
+    """The text of token ids (the run's tokenizer; the ids themselves without one)."""
+    try:
+        return runs_mod.text_tokenizer(run.config, run.tokenizer).decode(ids)
+    except ValueError:
+        return " ".join(str(i) for i in ids)
