@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from streamlit.proto.Metric_pb2 import Metric
 
 from app import links
 from k3core.interventions import MoEEdit
@@ -52,6 +53,11 @@ def test_build_an_edit_from_the_menus_and_run_it(app_env, nano_run):
     assert not at.exception and _errors(at) == []
     metrics = {m.label: m.value for m in at.metric}
     assert {"Mean loss, baseline", "Mean loss, edited"} <= set(metrics)
+    # worse = warm: a loss increase is drawn red (inverse delta colours), never a green up-arrow
+    [edited] = [m for m in at.metric if m.label == "Mean loss, edited"]
+    direction = Metric.MetricDirection.Name(edited.proto.direction)
+    want = {"UP": "RED", "DOWN": "GREEN", "NONE": "GRAY"}[direction]
+    assert Metric.MetricColor.Name(edited.proto.color) == want, (edited.proto.delta, direction)
     table = _table(at, "loss_change")
     assert len(table) == 23 and np.allclose(table.loss_change, table.edited_loss - table.base_loss)
     assert table.loss_change.abs().max() > 0

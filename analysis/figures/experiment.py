@@ -108,6 +108,7 @@ def attribution_figure(result: TokenAttribution) -> go.Figure:
 def layer_attribution_figure(result: LayerAttribution) -> go.Figure:
     """Bars per layer and sub-layer output, coloured by kind (KDA, MLA, dense, routed, shared)."""
     fig = go.Figure()
+    depth_order = [f"L{r.layer} {r.group}" for r in result.table.sort_values(["layer", "group"]).itertuples()]
     for kind, rows in result.table.groupby("kind", sort=False):
         fig.add_bar(
             x=[f"L{r.layer} {r.group}" for r in rows.itertuples()],
@@ -116,6 +117,8 @@ def layer_attribution_figure(result: LayerAttribution) -> go.Figure:
             marker_color=KIND_COLORS.get(kind, "#7f7f7f"),
             hovertemplate="%{x}<br>attribution %{y:.4f}<extra>" + kind + "</extra>",
         )
+    # one trace per kind: without a fixed order the categories would follow the traces (every KDA layer first)
+    fig.update_xaxes(categoryorder="array", categoryarray=depth_order)
     return apply_style(
         fig,
         f"Layer attribution (integrated gradients; f = {result.f_model:.3f}, "
@@ -146,3 +149,21 @@ def lens_figure(table: pd.DataFrame, value: str = "next_rank") -> go.Figure:
     fig.update_yaxes(autorange="reversed")
     what = "rank of the actual next token" if value == "next_rank" else "KL(final || depth)"
     return apply_style(fig, f"Lens: {what} per depth", "position", "depth")
+
+
+def mla_attention_figure(rows: pd.DataFrame, query: int, what: str) -> go.Figure:
+    """Bars: one MLA head's attention from token ``query`` to each key position 0..query, keys on a numeric axis
+    (in position order, not as text: 0, 1, 2, ..., never 0, 105, 112, 12)."""
+    keys = rows.key.astype(int).to_numpy()
+    order = np.argsort(keys, kind="stable")
+    fig = go.Figure(
+        go.Bar(
+            x=keys[order],
+            y=rows.prob.to_numpy()[order],
+            marker_color=LAYER_TYPE_COLORS["MLA"],
+            hovertemplate="key %{x}<br>attention %{y:.4f}<extra></extra>",
+        )
+    )
+    fig.update_xaxes(type="linear", range=[-0.5, query + 0.5])
+    fig.update_yaxes(rangemode="tozero")
+    return apply_style(fig, f"MLA attention from token {query} ({what})", "key position", "attention weight")

@@ -17,6 +17,7 @@ from analysis.figures.experiment import (
     attribution_figure,
     layer_attribution_figure,
     lens_figure,
+    mla_attention_figure,
     loss_change_figure,
     patching_figure,
 )
@@ -217,7 +218,10 @@ def _experiment() -> None:
     st.markdown("#### Per-token loss change")
     c = st.columns(3)
     c[0].metric("Mean loss, baseline", f"{summary['base_loss']:.4f}")
-    c[1].metric("Mean loss, edited", f"{summary['edited_loss']:.4f}", f"{summary['loss_change']:+.4f}")
+    # a loss increase is worse: warm (red), whichever way the arrow points
+    c[1].metric(
+        "Mean loss, edited", f"{summary['edited_loss']:.4f}", f"{summary['loss_change']:+.4f}", delta_color="inverse"
+    )
     c[2].metric("Positions whose top-1 changed", summary["positions_changed_top1"])
     st.plotly_chart(loss_change_figure(table), key="k3lab_exp_loss_fig")
     st.dataframe(table, hide_index=True, key="k3lab_exp_table")
@@ -494,7 +498,8 @@ def _token() -> None:
         st.caption(
             f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}: keys 0..{s['position']}"
         )
-        st.bar_chart(pd.DataFrame({"attention": rows.prob.to_numpy()}, index=[f"{k}" for k in rows.key]))
+        what = f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}"
+        st.plotly_chart(mla_attention_figure(rows, int(s["position"]), what), key="k3lab_tok_mla_fig")
     elif trace.layer_indices("mla"):
         st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
     if len(detail.kda):
