@@ -17,8 +17,8 @@ from analysis.figures.experiment import (
     attribution_figure,
     layer_attribution_figure,
     lens_figure,
-    mla_attention_figure,
     loss_change_figure,
+    mla_attention_figure,
     patching_figure,
 )
 from analysis.token_detail import token_detail
