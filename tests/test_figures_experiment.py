@@ -26,3 +26,13 @@ def test_mla_attention_keys_are_numbers_in_position_order():
     assert list(fig.data[0].x) == [0, 2, 12, 105, 112]
     assert list(fig.data[0].y) == [0.1, 0.15, 0.25, 0.2, 0.3]
     assert fig.layout.xaxis.type == "linear"
+
+
+def test_the_config_table_numbers_layers_from_zero_like_the_layer_map():
+    from analysis.checkpoint_summary import config_summary
+    from k3core.presets import from_preset
+
+    cfg = from_preset("k3-nano")
+    summary = config_summary(cfg)
+    assert summary["mla_layers"] == [i for i, t in enumerate(cfg.layer_types()) if t == "MLA"]
+    assert not any("1-based" in key for key in summary)
