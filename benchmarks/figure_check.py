@@ -163,6 +163,57 @@ def all_figures(contexts: dict, pairs=PAIRS) -> list[Drawn]:
     return out
 
 
+def experiment_figures(contexts: dict) -> list[Drawn]:
+    """The Experiment page's figures of every sample at the page's defaults, as the page draws them: the loss change
+    of a ban of experts 0-1 in the last MoE layer, patching (every site; per position over every site in a window),
+    token attribution (feature ablation; IG frozen, 4 steps) and layer attribution, both lenses, a token's MLA
+    attention. The experiment figures are not Views (they depend on the page's menus), so they are listed here."""
+    import torch
+
+    from analysis import attribution, effects, lens, patching
+    from analysis.figures import experiment as fx
+    from analysis.style import screen_figure
+    from analysis.token_detail import token_detail
+    from k3core.interventions import MoEEdit, intervene
+
+    out: list[Drawn] = []
+    for name, ctx in contexts.items():
+        model, ids, cfg = ctx.model, ctx.input_ids[:1], ctx.config
+        figs: dict[str, object] = {}
+        moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        edits = [MoEEdit("ban", layer=moe[-1], experts=[0, 1])] if moe else []
+        exp = effects.run_experiment(model, ids, edits)
+        figs["loss change"] = fx.loss_change_figure(exp.effects(ids))
+        corrupted = ids.clone()
+        corrupted[0, 2] = 32
+        metric = patching.Metric("span_loss", start=3, stop=ids.shape[1])
+        figs["patching"] = fx.patching_figure(patching.activation_patching(model, ids, corrupted, metric))
+        per_position = patching.activation_patching(
+            model, ids, corrupted, metric, sites=["resid", "mixer_out"], per_position=True, positions=(0, 8), layers=[0]
+        )
+        figs["patching per position"] = fx.patching_figure(per_position)
+        x, y = ids[0, :8], ids[0, 8:10]
+        figs["attribution"] = fx.attribution_figure(attribution.token_attribution(model, x, y))
+        figs["attribution ig_frozen_routing"] = fx.attribution_figure(
+            attribution.token_attribution(model, x, y, "ig_frozen_routing", n_steps=4)
+        )
+        figs["layer attribution"] = fx.layer_attribution_figure(attribution.layer_attribution(model, x, y, 4))
+        for which, chosen in (("baseline", []), ("edited", edits)):
+            with intervene(model, chosen):
+                labels, logits = lens.lens_logits(model, ids)
+            table = lens.lens_table(labels, logits, ids, 5)
+            for value in ("next_rank", "kl_to_final"):
+                figs[f"lens {which} {value}"] = fx.lens_figure(table, value)
+        if ctx.trace.layer_indices("mla"):
+            with torch.no_grad():
+                all_logits = model(ids).logits
+            detail = token_detail(ctx.trace, all_logits, 40, top_k=5)
+            rows = detail.mla[(detail.mla.layer == detail.mla.layer.min()) & (detail.mla.head == 0)]
+            figs["MLA attention"] = fx.mla_attention_figure(rows, 40, "first MLA layer, head 0")
+        out += [Drawn(f"{name}/experiment/{k}", screen_figure(f).to_plotly_json()) for k, f in figs.items()]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shots", help="folder for a PNG of every figure")
