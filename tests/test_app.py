@@ -633,3 +633,12 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
     _page(at, "attnres")
     _page(at, "degradation")
     assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere
+
+
+def test_compares_default_b_is_not_a_quantised_copy_of_a():
+    samples = Path(__file__).resolve().parent.parent / "sample_checkpoints"
+    a, copy, other = (run_list.RunRef(n, str(samples / n), "sample") for n in ("k3-full", "k3-mxfp4", "plain-moe"))
+    assert run_list.quantised_copy(a, copy) and run_list.quantised_copy(copy, a)
+    assert not run_list.quantised_copy(a, other) and not run_list.quantised_copy(a, a)
+    assert run_list.default_run_b(a, [copy, other]) == other
+    assert run_list.default_run_b(a, [copy]) == copy  # nothing else: the copy is still comparable
