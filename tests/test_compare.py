@@ -298,6 +298,17 @@ def test_expert_rows_differ_only_for_one_checkpoint_on_two_texts(seeds):
     np.testing.assert_allclose(got.loc[share_a.index], (share_a - share_b).to_numpy())
 
 
+def test_weights_views_on_two_texts_of_one_run_say_it_is_one_checkpoint(seeds):
+    """Compare "one run, two texts" on the Weights section: the same weights, not "different learned units"."""
+    a, b = seeds
+    other_text = trace_run(run_from_model(a.model), IDS.flip(-1), label="reversed text")
+    view = next(v for v in all_views() if v.section == "weights" and not cmp.has_difference(v))
+    with pytest.raises(NotApplicable, match="one checkpoint's weights, which do not depend on the text"):
+        cmp.difference_view(view, a, other_text)
+    with pytest.raises(NotApplicable, match="different learned units"):
+        cmp.difference_view(view, a, b)
+
+
 # ----------------------------------------------------------------------------- labels, placeholders
 def test_distinct_labels():
     assert cmp.distinct_labels("MQAR", "Shakespeare") == ("MQAR", "Shakespeare")
