@@ -10,7 +10,12 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 # Set once: passing template= per figure re-validates and deep-copies the template (~0.2 s a figure).
-pio.templates.default = "plotly_white"
+# plotly_white, with log axes' minor ticks labelled by their value: plotly's default labels 0.5 as a small "5".
+_TEMPLATE = go.layout.Template(pio.templates["plotly_white"])
+_TEMPLATE.layout.xaxis.minorloglabels = "complete"
+_TEMPLATE.layout.yaxis.minorloglabels = "complete"
+pio.templates["k3lab"] = _TEMPLATE
+pio.templates.default = "k3lab"
 
 FONT = "Inter, Helvetica, Arial, sans-serif"
 # Perceptually uniform, readable in greyscale print.
