@@ -192,23 +192,29 @@ def test_integrated_gradients_completeness_within_the_reported_delta():
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_checkpoints"
 
 
-@pytest.mark.parametrize("sample", ["k3-full", "plain-moe"])
-def test_frozen_routing_ig_is_complete_on_the_samples_and_plain_ig_counts_its_routing_changes(sample):
+def test_frozen_routing_ig_is_complete_on_the_samples_and_plain_ig_counts_its_routing_changes():
     """Plain IG on a trained MoE sample misses f(x) - f(baseline) by a large share (the top-k sets change along the
     path: jumps the gradient never sees) and says how often routing changed; with the routing frozen at the input's the
-    function is smooth and the attributions add up to g(x) - g(baseline) within 1e-3 relative."""
-    run = load_run(SAMPLES / sample)
+    function is smooth and the attributions add up to g(x) - g(baseline) within 1e-3 relative. The full check runs on
+    one sample and 4 prompt tokens (16 steps: 256 path points, ~5 s); on the same input plain IG misses by > 5%, so the
+    1e-3 bound is not met by accident. The other sample shows the routing changes of plain IG (cheap)."""
+    run = load_run(SAMPLES / "plain-moe")
     ids = torch.tensor(run.tokenizer.encode("ROMEO: Is the day"))
-    x, y = ids[:6], ids[6:7]
-    frozen = attr.token_attribution(run.model, x, y, "ig_frozen_routing", n_steps=64)
+    x, y = ids[:4], ids[4:5]
+    frozen = attr.token_attribution(run.model, x, y, "ig_frozen_routing", n_steps=16)
     total, difference = float(frozen.matrix.sum()), frozen.difference[0]
+    assert abs(difference) > 0.1, difference  # a gap large enough that 1e-3 of it is not rounding
     assert abs(total - difference) <= 1e-3 * abs(difference), (total, difference, frozen.extra)
     assert frozen.warning() is None
     # g(x) is the model's own f(x): at the input the frozen routing is the routing
     assert frozen.extra["routing"].startswith("frozen")
-    plain_ig = attr.token_attribution(run.model, x, y, "integrated_gradients", n_steps=32)
+    plain_ig = attr.token_attribution(run.model, x, y, "integrated_gradients", n_steps=16)
     assert plain_ig.extra["routing_changes"] > 0
     assert max(plain_ig.delta_share()) > 0.05 and "expert set changed" in plain_ig.warning()
+    full = load_run(SAMPLES / "k3-full")
+    ids = torch.tensor(full.tokenizer.encode("ROMEO: Is the day"))
+    plain_full = attr.token_attribution(full.model, ids[:4], ids[4:5], "integrated_gradients", n_steps=16)
+    assert plain_full.extra["routing_changes"] > 0 and "expert set changed" in plain_full.warning()
 
 
 def test_own_ig_is_captums_on_a_dense_model_and_routing_changes_are_zero_there():
