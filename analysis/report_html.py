@@ -29,6 +29,7 @@ SECTION_TITLES = {
     "degradation": "Attention degradation diagnostics",
     "history": "Training history",
     "weights": "Weights (from the checkpoint's tensors)",
+    "experiment": "Experiment (edits, patching, attribution, lens)",
 }
 
 

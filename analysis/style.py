@@ -112,6 +112,19 @@ NOTE_STYLE = {
 }
 
 
+def mark_repeat_start(fig: go.Figure, x: float | None) -> go.Figure:
+    """A dashed vertical line at ``x`` (None: nothing) labelled where a copy task's second half begins, so a
+    per-token view shows which positions are predictable from the first half."""
+    if x is not None:
+        fig.add_vline(
+            x=x,
+            line={"dash": "dash", "color": "#555", "width": 1.5},
+            annotation={"text": "second half (copy) →", "font": {"size": 11, "color": "#555"}},
+            annotation_position="top right",
+        )
+    return fig
+
+
 def note_empty_panels(fig: go.Figure, text: str = EMPTY_PANEL_NOTE) -> None:
     """A note inside each panel whose bars are all 0 (or missing): an empty panel says that it is empty, instead
     of looking like a drawing that failed. Only panels of bar traces (a line at 0 is drawn and seen)."""

@@ -7,10 +7,10 @@ figure module's ``VIEWS``; a new figure module goes into ``MODULES`` below.
 
 from __future__ import annotations
 
-from analysis.figures import attnres, degradation, density, history, moe, weights
+from analysis.figures import attnres, degradation, density, experiment, history, moe, weights
 from analysis.view import View
 
-MODULES = (density, attnres, moe, degradation, history, weights)
+MODULES = (density, attnres, moe, degradation, history, weights, experiment)
 
 
 def all_views() -> list[View]:

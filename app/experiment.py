@@ -3,10 +3,14 @@ session's results (a result is kept per run, text and edits, so a rerun shows it
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from analysis import effects
 from analysis import runs as runs_mod
+from app.inputs import options_key
 from k3core.hooks import HookNames, hook_points
 
 KINDS = {
@@ -84,6 +88,26 @@ def remember(store: dict, key: tuple, value: Any, keep: int = 8) -> Any:
     return value
 
 
+def with_spec(loaded: Any, **spec: Any) -> Any:
+    """``loaded`` (an ``app.caching.Loaded``) with an experiment's inputs (``analysis.figures.experiment``: edits,
+    patching, attribution, lens_value) in its view options and in its figure-cache key, as picks travel."""
+    return replace(loaded, ctx=loaded.ctx.with_options(**spec), key=(*loaded.key, ("experiment", options_key(spec))))
+
+
+def experiment_logits(store: dict, loaded: Any, edits: list[dict]) -> tuple[Any, Any]:
+    """(baseline, edited) logits of the first text row on the CPU (``effects.run_experiment``), kept in ``store``
+    per run, text and edits (for the prediction-change table, which needs the logits, not only the losses)."""
+    from k3core.interventions import edit_from_dict
+
+    key = ("logits", loaded.key, json.dumps(edits))
+    if key not in store:
+        model = loaded.model
+        ids = loaded.ctx.input_ids[:1].to(next(model.parameters()).device)
+        exp = effects.run_experiment(model, ids, [edit_from_dict(d) for d in edits])
+        remember(store, key, (exp.base_logits.cpu(), exp.edited_logits.cpu()))
+    return store[key]
+
+
 def one_token(run: Any, text: str, what: str) -> int:
     """The id of ``text`` read as exactly one token of the run's tokenizer; ValueError naming ``what`` otherwise."""
     tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
@@ -113,11 +137,3 @@ def history_row(edits: list[dict], summary: dict, tokens: int) -> dict:
         "top-1 changes": summary["positions_changed_top1"],
         "tokens": tokens,
     }
-
-
-def text_of(run: Any, ids: list[int]) -> str:
-    """The text of token ids (the run's tokenizer; the ids themselves without one)."""
-    try:
-        return runs_mod.text_tokenizer(run.config, run.tokenizer).decode(ids)
-    except ValueError:
-        return " ".join(str(i) for i in ids)

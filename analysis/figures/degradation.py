@@ -13,7 +13,7 @@ from analysis import hidden_states as hs
 from analysis import kda_memory as km
 from analysis import picks as pk
 from analysis.context import AnalysisContext
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style, mark_repeat_start
 from analysis.trace_errors import MissingTraceData
 from analysis.view import Comparison, NotApplicable, View
 
@@ -132,6 +132,7 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         "normalised entropy H / log(i+1)",
     )
     fig.update_xaxes(**ctx.token_axis(lines["query"]))
+    mark_repeat_start(fig, None if ctx.repeat_start is None else ctx.repeat_start - 0.5)
     return fig, df
 
 
@@ -207,6 +208,8 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     )
     fig.update_xaxes(**ctx.token_axis(table.columns))
     fig.update_yaxes(autorange="reversed")
+    if ctx.repeat_start is not None and ctx.repeat_start <= max(table.columns, default=-1):
+        mark_repeat_start(fig, ctx.repeat_start - 0.5)
     total = int(df.attrs.get("total_keys", table.shape[1]))
     shown = f"first {table.shape[1]} of {total} keys" if total > table.shape[1] else f"all {total} keys"
     apply_style(

@@ -18,7 +18,7 @@ from analysis import picks as pk
 from analysis.context import AnalysisContext
 from analysis.format import format_bytes, format_tokens
 from analysis.importance import sublayer_importance
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
+from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style, mark_repeat_start
 from analysis.view import Comparison, NotApplicable, View
 from k3core.trace import names
 
@@ -423,6 +423,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     if axis:
         axis["tickvals"] = [v + 1 for v in axis["tickvals"]]
     fig.update_xaxes(**axis)
+    mark_repeat_start(fig, ctx.repeat_start)  # x = tokens read: the first copy is read once x reaches it
     if len(layers) > 4:  # many entries: legend as a column on the right
         fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table

@@ -9,24 +9,16 @@ from urllib.parse import urlencode
 import numpy as np
 import pandas as pd
 import streamlit as st
-import torch
 
-from analysis import attribution, effects, lens, patching
-from analysis.export import csv_with_provenance
-from analysis.figures.experiment import (
-    attribution_figure,
-    layer_attribution_figure,
-    lens_figure,
-    loss_change_figure,
-    mla_attention_figure,
-    patching_figure,
-)
+from analysis import attribution, effects, patching
+from analysis.export import csv_with_provenance, provenance
+from analysis.figures import experiment as fx
 from analysis.token_detail import token_detail
-from app import caching, links, page, picks
+from app import caching, cards, links, page, picks
 from app import experiment as ex
 from app.errors import plain
 from app.links import EDITS
-from k3core.interventions import EditError, KDAEdit, compile_edits, edit_from_dict, intervene
+from k3core.interventions import EditError, KDAEdit, compile_edits, edit_from_dict
 
 inputs = page.inputs_or_stop()
 page.page_header(
@@ -54,14 +46,22 @@ results = ss.setdefault(ex.RESULTS, {})
 edits: list[dict] = ss.setdefault(EDITS, [])
 
 
+VIEWS = {view.key: view for view in fx.VIEWS}
+
+
+def _draw(view_key: str, card: str = "", **spec: object) -> bool:
+    """One experiment View drawn through app.cards (export, figure cache), its inputs in the view options;
+    ``card`` tells apart two cards of one view on the page."""
+    return cards.render_view(VIEWS[view_key], ex.with_spec(loaded, **spec), key=f"{view_key}{card}")
+
+
 def _positions(values: list[int]) -> dict[int, str]:
     return {t: f"{t}: {label(int(ids[0, t]))}" for t in values}
 
 
 def _download(df: pd.DataFrame, stem: str, label_text: str, **meta: object) -> None:
     """A CSV download of a result, led by the run, the text and its token count (and ``meta``)."""
-    text = ex.text_of(run, ids[0].tolist())
-    head = {"run": loaded.ref.label, "text": text, "tokens": T, **meta}
+    head = {**provenance(loaded.ctx), **meta}
     st.download_button(
         label_text,
         data=csv_with_provenance(df, head),
@@ -189,29 +189,19 @@ def _experiment() -> None:
     auto = ss.pop("k3lab_exp_autorun", False)
     if key not in results and not (st.button("Run experiment", type="primary", key="k3lab_exp_run") or auto):
         return
-    if key not in results:
-        with st.status("Running the baseline and the edited forward...", expanded=True) as status:
-            bar = st.progress(0.0, text="baseline forward")
-            start = time.perf_counter()
-            try:
-                parsed = [edit_from_dict(d) for d in edits]
-                with caching.model_use(model):
-                    exp = effects.run_experiment(model, ids.to(next(model.parameters()).device), parsed)
-            except (EditError, ValueError, RuntimeError) as exc:
-                status.update(label="The experiment failed", state="error")
-                st.error(f"The experiment could not run: {plain(exc)}")
-                return
-            bar.progress(1.0, text="done")
-            status.update(label=f"Experiment done in {time.perf_counter() - start:.1f} s", state="complete")
-        ex.remember(results, key, exp)
-        fresh = True
-    else:
-        fresh = False
-    exp = results[key]
-    ids_cpu = ids.cpu()
-    exp_cpu = effects.Experiment(exp.edits, exp.base_logits.cpu(), exp.edited_logits.cpu())
-    table = exp_cpu.effects(ids_cpu, label)
-    summary = exp_cpu.summary(ids_cpu)
+    fresh = key not in results
+    spec = ex.with_spec(loaded, edits=list(edits))
+    with st.status("Running the baseline and the edited forward...", expanded=fresh) as status:
+        start = time.perf_counter()
+        try:
+            with caching.model_use(model, exclusive=True):
+                table, summary = fx.experiment_effects(spec.ctx)
+        except (EditError, ValueError, RuntimeError) as exc:
+            status.update(label="The experiment failed", state="error")
+            st.error(f"The experiment could not run: {plain(exc)}")
+            return
+        status.update(label=f"Experiment done in {time.perf_counter() - start:.1f} s", state="complete")
+    ex.remember(results, key, True)
     history = ss.setdefault(ex.HISTORY, [])
     if fresh:
         history.append({"run": loaded.ref.label, **ex.history_row(edits, summary, T)})
@@ -223,7 +213,7 @@ def _experiment() -> None:
         "Mean loss, edited", f"{summary['edited_loss']:.4f}", f"{summary['loss_change']:+.4f}", delta_color="inverse"
     )
     c[2].metric("Positions whose top-1 changed", summary["positions_changed_top1"])
-    st.plotly_chart(loss_change_figure(table), key="k3lab_exp_loss_fig")
+    _draw("experiment_loss_change", edits=list(edits))
     st.dataframe(table, hide_index=True, key="k3lab_exp_table")
     _download(table, "per-token-loss", "Download per-token loss (CSV)", edits=json.dumps(edits))
     if len(history) > 1:
@@ -235,7 +225,9 @@ def _experiment() -> None:
         "Prediction changes at", list(options), default=[worst], format_func=options.get, key="k3lab_exp_at"
     )
     if chosen:
-        changes = effects.prediction_changes(exp_cpu.base_logits, exp_cpu.edited_logits, chosen, 5, label)
+        with caching.model_use(model, exclusive=True):
+            base_logits, edited_logits = ex.experiment_logits(results, loaded, edits)
+        changes = effects.prediction_changes(base_logits, edited_logits, chosen, 5, label)
         st.dataframe(changes, hide_index=True, key="k3lab_exp_changes")
     query = {**st.query_params.to_dict(), "mode": "edited", "section": "moe"}
     st.markdown(f"[Every diagnostics view, baseline vs edited, on the Compare page](/compare?{urlencode(query)})")
@@ -266,7 +258,6 @@ def _patching() -> None:
         last = c[2].number_input("to (excluded)", 1, T, T, key="k3lab_patch_to")
         confirm = st.checkbox("Run it even when it is a long job (the estimate is shown first)", key="k3lab_patch_ok")
         go = st.form_submit_button("Run patching", type="primary")
-    device = next(model.parameters()).device
     try:
         token = ex.one_token(run, replacement, "the replacement")
         window = (int(first), int(last)) if per_position else None
@@ -280,9 +271,9 @@ def _patching() -> None:
     forwards = len(plan) + 2
     if go and key not in results:
         start = time.perf_counter()
-        with torch.no_grad(), caching.model_use(model):
-            clean_logits = model(ids.to(device)).logits[0, -1]
-            corrupt_logits = model(corrupted.to(device)).logits[0, -1]
+        with caching.model_use(model):
+            clean_logits = effects.forward_logits(model, ids)[0, -1]
+            corrupt_logits = effects.forward_logits(model, corrupted)[0, -1]
         seconds = (time.perf_counter() - start) / 2 * forwards
         if forwards > ex.CONFIRM_FORWARDS and not confirm:
             st.warning(
@@ -308,31 +299,20 @@ def _patching() -> None:
         except (ValueError, patching.PatchingError) as exc:
             st.error(plain(exc))
             return
-        bar = st.progress(0.0, text="clean run")
-
-        def progress(done: int, total: int, what: str) -> None:
-            bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
-
+        spec = fx.patching_spec(int(where), token, metric.to_dict(), list(sites), per_position, window)
         try:
-            with caching.model_use(model):
-                df = patching.activation_patching(
-                    model,
-                    ids.to(device),
-                    corrupted.to(device),
-                    metric,
-                    sites=sites,
-                    per_position=per_position,
-                    progress=progress,
-                    positions=window,
-                )
+            with st.spinner(f"Patching: {forwards:,} forwards..."), caching.model_use(model, exclusive=True):
+                fx.experiment_patching(ex.with_spec(loaded, patching=spec).ctx)
         except patching.PatchingError as exc:
             st.error(plain(exc))
             return
-        ex.remember(results, key, (df, metric))
+        ex.remember(results, key, (spec, metric))
     elif key not in results:
         st.caption(f"This job: {forwards:,} forwards.")
     if key in results:
-        df, metric = results[key]
+        spec, metric = results[key]
+        with caching.model_use(model, exclusive=True):  # the cached result (computed again if it was dropped)
+            df = fx.experiment_patching(ex.with_spec(loaded, patching=spec).ctx)
         clean, corrupt = df.attrs["clean_metric"], df.attrs["corrupted_metric"]
         c = st.columns(3)
         c[0].metric(f"Clean {metric.kind}", f"{clean:.4f}")
@@ -350,7 +330,7 @@ def _patching() -> None:
             f"Corrupted: position {int(where)} {label(int(ids[0, int(where)]))!r} -> {label(token)!r}. Metric: "
             f"{answers}."
         )
-        st.plotly_chart(patching_figure(df), key="k3lab_patch_fig")
+        _draw("experiment_patching", patching=spec)
         if df.by_construction.any():
             st.caption(
                 "The resid rows over every position are 1 by construction: patching the whole residual stream "
@@ -384,37 +364,38 @@ def _attribution() -> None:
     except ValueError as exc:
         st.error(plain(exc))
         return
-    x = ids[0, :n].cpu()
-    y = torch.tensor(target) if target else ids[0, n : n + int(min(m, T - n))].cpu()
-    key = ("attr", loaded.key, n, tuple(y.tolist()), method, baseline, int(steps), int(samples), int(seed), layers)
+    y = list(target) if target else ids[0, n : n + int(min(m, T - n))].tolist()
+    key = ("attr", loaded.key, n, tuple(y), method, baseline, int(steps), int(samples), int(seed), layers)
     # plain IG is shown beside the frozen-routing one (and the other way round) on MoE models
     methods = [method]
     if method in attribution.IG_METHODS and config.num_experts:
         methods = list(attribution.IG_METHODS)
+    specs = [fx.attribution_spec(n, y, mth, baseline, int(steps), int(samples), int(seed)) for mth in methods]
     if go and key not in results:
-        with st.spinner(f"{', '.join(methods)} on {n} prompt and {len(y)} target tokens..."), caching.model_use(model):
+        running = f"{', '.join(methods)} on {n} prompt and {len(y)} target tokens..."
+        with st.spinner(running), caching.model_use(model, exclusive=True):
             try:
-                toks = [
-                    attribution.token_attribution(
-                        model, x, y, mth, baseline, run.tokenizer, int(steps), int(samples), int(seed)
-                    )
-                    for mth in methods
-                ]
-                lay = attribution.layer_attribution(model, x, y, int(steps)) if layers else None
+                for spec in specs:
+                    fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
+                if layers:
+                    fx.experiment_layer_attribution(ex.with_spec(loaded, attribution=specs[0]).ctx)
             except attribution.AttributionError as exc:
                 st.error(plain(exc))
                 return
-        ex.remember(results, key, (toks, lay))
+        ex.remember(results, key, True)
     if key in results:
-        toks, lay = results[key]
-        cols = st.columns(len(toks))
-        for col, tok in zip(cols, toks):
+        cols = st.columns(len(specs))
+        for col, spec in zip(cols, specs):
             with col:
-                st.plotly_chart(attribution_figure(tok), key=f"k3lab_attr_fig_{tok.method}")
+                _draw("experiment_attribution", f"_{spec['method']}", attribution=spec)
+                with caching.model_use(model, exclusive=True):
+                    tok = fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
                 _attribution_notes(tok)
                 _download(tok.table(), f"attribution-{tok.method}", f"Download {tok.method} (CSV)", **tok.extra)
-        if lay is not None:
-            st.plotly_chart(layer_attribution_figure(lay), key="k3lab_attr_layers")
+        if layers:
+            _draw("experiment_layer_attribution", attribution=specs[0])
+            with caching.model_use(model, exclusive=True):
+                lay = fx.experiment_layer_attribution(ex.with_spec(loaded, attribution=specs[0]).ctx)
             st.dataframe(lay.by_kind, hide_index=True, key="k3lab_attr_kinds")
 
 
@@ -448,16 +429,12 @@ def _lens() -> None:
     )
     value = st.radio("Colour", ("next_rank", "kl_to_final"), horizontal=True, key="k3lab_lens_value")
     runs_to_show = [("baseline", [])] + ([("edited", edits)] if edits else [])
-    device = next(model.parameters()).device
     for name, chosen in runs_to_show:
-        key = ("lens", loaded.key, json.dumps(chosen))
-        if key not in results:
-            with caching.model_use(model), intervene(model, [edit_from_dict(d) for d in chosen]):
-                labels, logits = lens.lens_logits(model, ids.to(device))
-            ex.remember(results, key, lens.lens_table(labels, logits.cpu(), ids.cpu(), 5, label))
-        table = results[key]
+        spec = {"edits": list(chosen), "lens_value": value}
+        with caching.model_use(model, exclusive=True):
+            table = fx.experiment_lens(ex.with_spec(loaded, **spec).ctx)
         st.markdown(f"**{name}**")
-        st.plotly_chart(lens_figure(table, value), key=f"k3lab_lens_fig_{name}")
+        _draw("experiment_lens", f"_{name}", **spec)
         where = st.selectbox(
             "Position",
             list(range(T)),
@@ -474,8 +451,8 @@ def _token() -> None:
     position = st.selectbox("Token", list(options), format_func=options.get, key="k3lab_tok_pos")
     key = ("logits", loaded.key)
     if key not in results:
-        with torch.no_grad(), caching.model_use(model):
-            ex.remember(results, key, model(ids.to(next(model.parameters()).device)).logits.cpu())
+        with caching.model_use(model):
+            ex.remember(results, key, effects.forward_logits(model, ids))
     detail = token_detail(trace, results[key], int(position), top_k=5, token_label=label)
     s = detail.summary
     loss = "—" if s["loss"] is None else f"{s['loss']:.4f} nats"
@@ -499,7 +476,9 @@ def _token() -> None:
             f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}: keys 0..{s['position']}"
         )
         what = f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}"
-        st.plotly_chart(mla_attention_figure(rows, int(s["position"]), what), key="k3lab_tok_mla_fig")
+        fig = fx.mla_attention_figure(rows, int(s["position"]), what)
+        stem = f"{cards.slug(loaded.ctx.label)}_mla_attention_from_{int(s['position'])}"
+        cards.figure_card(fig, rows, key="k3lab_tok_mla_fig", stem=stem)
     elif trace.layer_indices("mla"):
         st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
     if len(detail.kda):
