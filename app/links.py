@@ -43,7 +43,6 @@ SECTIONS = {
     "moe": "LatentMoE",
     "degradation": "Degradation",
     "weights": "Weights",
-    "experiment": "Experiment",
 }
 TWO_RUNS, TWO_TEXTS, EDITED = "Two runs, same text", "One run, two texts", "Baseline vs edited"
 MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS, "edited": EDITED}

@@ -325,8 +325,7 @@ def importance_card(view: View, loaded: Loaded) -> None:
 
 def prefetch_sections(loaded: Loaded) -> None:
     """Build the other mechanism pages' figures for this run and text in the background (app.prefetch)."""
-    # not the experiment views: they rerun the model on inputs chosen on the Experiment page
-    prefetch([v for v in all_views() if v.section in SECTIONS and v.section != "experiment"], loaded)
+    prefetch([v for v in all_views() if v.section in SECTIONS], loaded)
 
 
 def section_page(section: str, title: str, intro: str) -> None:

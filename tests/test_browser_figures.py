@@ -169,7 +169,7 @@ APP_PAGES = (  # (url path, heading)
 )
 # app.links.SECTIONS; not imported here: importing streamlit makes its plotly template the default one, and the
 # offline pass must draw the figures as analysis.style makes them
-COMPARE_SECTIONS = ("density", "attnres", "moe", "degradation", "weights", "experiment")
+COMPARE_SECTIONS = ("density", "attnres", "moe", "degradation", "weights")
 
 
 def _shot(page, folder: str | None, name: str) -> None:
