@@ -32,7 +32,9 @@ def config_summary(cfg: K3Config) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
-        "mla_layers (1-based)": list(cfg.full_attn_layers),
+        # one layer numbering in the app and its files: 0-based, as the code and the layer map (the HF config's
+        # full_attn_layers list is 1-based; it is converted here, never shown raw)
+        "mla_layers": [i for i in range(cfg.num_hidden_layers) if cfg.is_mla_layer(i)],
         "kda": f"{cfg.kda_num_heads} heads x {cfg.kda_head_dim}, gate {cfg.kda_gate}"
         + (f" (lower bound {cfg.kda_gate_lower_bound})" if cfg.kda_gate == "lower_bound" else "")
         + f", output gate {cfg.kda_output_gate}, chunk {cfg.kda_chunk_size}",

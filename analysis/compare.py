@@ -106,6 +106,9 @@ def difference_view(
     learned units of two different checkpoints (``same_weights``), or the tables do not align."""
     spec = view.compare
     if not has_difference(view):
+        if view.section == "weights" and same_weights(a, b):
+            # one run on two texts: not "different learned units" (that is two checkpoints), the very same weights
+            raise NotApplicable("both sides are one checkpoint's weights, which do not depend on the text: A - B is 0")
         raise NotApplicable(spec.no_difference)
     if spec.same_weights and not same_weights(a, b):
         raise NotApplicable(

@@ -51,6 +51,12 @@ class AnalysisContext:
         return self.shared[key]
 
     @property
+    def repeat_start(self) -> int | None:
+        """The first position of a copy task's second half (the built-in ``repeat`` sample), else None."""
+        start = ((self.trace.meta or {}).get("run") or {}).get("repeat_start")
+        return int(start) if start is not None else None
+
+    @property
     def token_strings(self) -> list[str] | None:
         """Readable strings of the traced tokens (first sequence of the batch, ``Tokenizer.token_strings``:
         ``'␣the'``, ``'↵'``, ``'<0xE2>'``), or None without a tokenizer or tokens."""

@@ -109,6 +109,18 @@ class Experiment:
 
 
 @torch.no_grad()
+def forward_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits of ``ids`` [batch, T, V] (eval mode, no edits), on the CPU; ``ids`` go to the model's
+    device."""
+    was_training = model.training
+    model.eval()
+    try:
+        return model(ids.to(next(model.parameters()).device)).logits.cpu()
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
 def run_experiment(
     model: torch.nn.Module,
     ids: torch.Tensor,

@@ -19,6 +19,7 @@ import os
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -92,9 +93,63 @@ def data_records(df: pd.DataFrame) -> list[dict]:
     return [{str(k): _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
-def write_csv(df: pd.DataFrame, path: str | Path) -> Path:
+def csv_with_provenance(df: pd.DataFrame, meta: dict) -> str:
+    """A table as CSV text led by one ``# key: value`` line per entry of ``meta`` (e.g. the run, the text and its
+    token count), so a downloaded result says what it was computed on; pandas reads it back with comment="#"."""
+    head = "".join(f"# {k}: {' '.join(str(v).split())}\n" for k, v in meta.items())
+    return head + df.to_csv(index=False)
+
+
+def read_csv_with_provenance(path: str | Path) -> tuple[pd.DataFrame, dict[str, str]]:
+    """(table, meta) of a CSV written by ``csv_with_provenance``: its leading ``# key: value`` lines are the meta
+    (values as text); the rest is read as CSV, so a '#' inside the data (a token) is kept."""
+    meta: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.startswith("# "):
+                break
+            key, _, value = line[2:].rstrip("\n").partition(": ")
+            meta[key] = value
+    return pd.read_csv(path, skiprows=len(meta)), meta
+
+
+PROVENANCE_TEXT_CHARS = 4000  # an exported file carries the text up to this many characters (and says when cut)
+
+
+def provenance(*contexts: Any) -> dict:
+    """What an exported table was computed on, for its CSV header / JSON meta: each context's (an
+    ``AnalysisContext``) run label, text (first row, decoded; cut at PROVENANCE_TEXT_CHARS characters with a note)
+    and token count. One context: keys "run", "text", "tokens"; two (a comparison): the same with " A" / " B"."""
+    from analysis.texts import text_tokenizer
+
+    out: dict = {}
+    for side, ctx in zip(("A", "B"), contexts):
+        suffix = f" {side}" if len(contexts) > 1 else ""
+        out[f"run{suffix}"] = ctx.label
+        ids = ctx.input_ids
+        if ids is None:
+            continue
+        row = [int(i) for i in (ids[0] if getattr(ids, "ndim", 1) > 1 else ids).tolist()]
+        try:
+            text = text_tokenizer(ctx.config, ctx.tokenizer).decode(row)
+        except ValueError:  # no tokenizer for this vocabulary: the ids themselves
+            text = " ".join(map(str, row))
+        if len(text) > PROVENANCE_TEXT_CHARS:
+            text = (
+                f"{text[:PROVENANCE_TEXT_CHARS]} [... the first {PROVENANCE_TEXT_CHARS:,} of {len(text):,} characters]"
+            )
+        out[f"text{suffix}"] = text
+        out[f"tokens{suffix}"] = len(row)
+    return out
+
+
+def write_csv(df: pd.DataFrame, path: str | Path, meta: dict | None = None) -> Path:
+    """The table as CSV, led by ``csv_with_provenance``'s ``# key: value`` lines when ``meta`` is given."""
     path = Path(path)
-    df.to_csv(path, index=False)
+    if meta:
+        path.write_text(csv_with_provenance(df, meta))
+    else:
+        df.to_csv(path, index=False)
     return path
 
 
@@ -198,7 +253,8 @@ def export_many(
     """Export several (figure, table, stem) at once: {stem: {format: Path or message}}.
 
     HTML/CSV/JSON are written per item; PNG/SVG for all items in one kaleido session. A table of None
-    skips CSV/JSON for that item (with a message)."""
+    skips CSV/JSON for that item (with a message). ``meta[stem]`` (e.g. ``provenance``) leads the item's CSV
+    (``# key: value`` lines) and its JSON (top-level keys)."""
     formats = _check_formats(formats)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +273,7 @@ def export_many(
                     if df is None:
                         res[fmt] = "no data table for this figure"
                     elif fmt == "csv":
-                        res[fmt] = write_csv(df, path)
+                        res[fmt] = write_csv(df, path, (meta or {}).get(stem))
                     else:
                         res[fmt] = write_json(df, path, (meta or {}).get(stem))
                 else:
@@ -243,12 +299,15 @@ def export_figure(
     stem: str,
     formats: Iterable[str] = FORMATS,
     scale: float = DEFAULT_SCALE,
+    meta: dict | None = None,
 ) -> dict[str, Path | str]:
-    """Export one figure and its table: {format: written Path, or a message saying why not}.
+    """Export one figure and its table: {format: written Path, or a message saying why not}; ``meta`` (e.g.
+    ``provenance``) leads the CSV and the JSON.
 
     PNG/SVG need Chromium (see ``static_export_available``); without it their entries are the
     ExportUnavailable message and the other formats are still written."""
-    return export_many([(fig, df, stem)], out_dir, formats, scale=scale)[_safe_stem(stem)]
+    meta_of = {_safe_stem(stem): meta} if meta else None
+    return export_many([(fig, df, stem)], out_dir, formats, scale=scale, meta=meta_of)[_safe_stem(stem)]
 
 
 def failures(results: dict) -> dict[str, str]:

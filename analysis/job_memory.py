@@ -66,5 +66,5 @@ def attribution_peak_bytes(config: Any, tokens: int, method: str, steps: int = 6
     """Token attribution by ``method`` (and the layer attribution with ``layers``) over ``tokens`` prompt + target
     tokens."""
     one = forward_peak_bytes(config, tokens)
-    token_part = 3 * max(int(steps), 1) * one if method == "integrated_gradients" else 2 * one
+    token_part = 3 * max(int(steps), 1) * one if method in ("integrated_gradients", "ig_frozen_routing") else 2 * one
     return max(token_part, 3 * max(int(steps), 1) * one if layers else 0)

@@ -20,8 +20,7 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
-from k3core.hooks import HookNames, hooks
-from k3core.ops.attnres import attnres_mix
+from k3core.hooks import HookNames, active, hooks
 
 
 def boundary_layers(config: object) -> list[int]:
@@ -34,7 +33,11 @@ def boundary_layers(config: object) -> list[int]:
 
 @torch.no_grad()
 def lens_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[str], torch.Tensor]:
-    """(depth labels, logits [depth, batch, token, vocab]) of the lens on one forward."""
+    """(depth labels, logits [depth, batch, token, vocab]) of the lens on one forward.
+
+    Each depth's sources go through the model's own output path (``K3Model.read_out``, then the LM head) inside the
+    caller's hook context: edits of the output site's depth weights, final_resid, final_norm or the logits act on
+    every depth as on the model, so the last depth is the (edited) model's logits."""
     config = model.config
     inner = model.model
     layers = boundary_layers(config)
@@ -49,23 +52,21 @@ def lens_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[str], t
     try:
         with hooks(read=dict.fromkeys(names, keep)):
             model(ids)
+        edits = active()  # the caller's edits (intervene), None without any
+        attnres = config.residual in ("block_attnres", "full_attnres")
+        labels, out = [], []
+        for layer, name in zip([*layers, None], names):
+            stacked, sources = states[name]
+            h = inner.read_out(list(stacked), sources, edits)
+            if attnres:
+                label = f"{sources[-1]} ({len(sources)} sources)"
+            else:
+                done = config.num_hidden_layers if layer is None else layer  # layers already applied
+                label = "embedding" if done == 0 else f"after layer {done - 1}" + (" (final)" if layer is None else "")
+            out.append(model.head(h).logits)
+            labels.append(label)
     finally:
         model.train(was_training)
-    attnres = config.residual in ("block_attnres", "full_attnres")
-    labels, out = [], []
-    for layer, name in zip([*layers, None], names):
-        stacked, sources = states[name]
-        if attnres:
-            proj, norm = inner.output_attn_res_proj, inner.output_attn_res_norm
-            dev = proj.weight.device
-            h = attnres_mix(proj.weight[0], stacked.to(dev), norm.weight, norm.eps)
-            label = f"{sources[-1]} ({len(sources)} sources)"
-        else:
-            h = stacked[-1]
-            done = config.num_hidden_layers if layer is None else layer  # layers already applied
-            label = "embedding" if done == 0 else f"after layer {done - 1}" + (" (final)" if layer is None else "")
-        out.append(model.lm_head(inner.norm(h)))
-        labels.append(label)
     return labels, torch.stack(out)
 
 

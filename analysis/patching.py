@@ -14,6 +14,13 @@ forward (``k3core.hooks`` write hooks); the table reports
 - ``mixer_out``: the KDA / MLA sub-layer output; ``ffn_out``: the FFN / MoE sub-layer output;
 - ``depth_weights``: the layer's AttnRes depth weights (both sites), AttnRes runs only.
 
+Trust: a fraction is a ratio to the clean - corrupted gap. When that gap is small (below ``GAP_FLOOR`` of its
+metric: 0.05 nats of mean span loss, 0.5 logits of logit difference) the fractions are ratios of noise-sized numbers
+(1.36 and -0.50 of a 0.008-nat gap) and ``gap_warning`` says so. Rows of ``resid`` over every position (position -1)
+are 1 by construction (after them the corrupted run *is* the clean run): ``by_construction`` marks them; they are
+the reference, not a finding. Per position the cost is one forward per (layer, site, position): ``patch_plan``
+counts them before anything runs.
+
 Metrics (plain data, ``Metric``): ``logit_diff`` = logit[correct] - logit[wrong] at a position (default
 the last); ``span_loss`` = mean next-token loss of the clean tokens [start, stop) (lower is better; the
 fraction is still 1 at the clean value).
@@ -31,6 +38,8 @@ import torch.nn.functional as F
 from k3core.hooks import HookNames, hook_points, hooks, point_axes
 
 SITES = ("resid", "mixer_out", "ffn_out", "depth_weights")
+#: the clean - corrupted gap below which fractions restored are ratios of noise (units of the metric)
+GAP_FLOOR = {"span_loss": 0.05, "logit_diff": 0.5}
 
 Progress = Callable[[int, int, str], None]  # (done, total, what runs next)
 
@@ -150,6 +159,44 @@ def patched_metric(
     return metric(logits, clean_ids)
 
 
+def gap_warning(clean: float, corrupted: float, kind: str) -> str | None:
+    """A sentence when |clean - corrupted| < GAP_FLOOR[kind] (the fractions then mean nothing), else None."""
+    gap = clean - corrupted
+    floor = GAP_FLOOR[kind]
+    if abs(gap) >= floor:
+        return None
+    return (
+        f"The clean - corrupted gap is {gap:+.4g} ({kind}), under {floor:g}: the corruption barely changes the metric, "
+        f"so every fraction restored is a ratio of noise-sized numbers. Corrupt an earlier or more telling token, or "
+        f"measure a metric the corruption moves."
+    )
+
+
+def patch_plan(
+    config: object,
+    tokens: int,
+    sites: tuple[str, ...] | list[str] = SITES,
+    layers: list[int] | None = None,
+    per_position: bool = False,
+    positions: tuple[int, int] | None = None,
+) -> list[tuple[int, str, list[str], int | None]]:
+    """(layer, site, hook points, position or None) of every patched forward, in run order: one per (layer, site
+    that exists there) and, per position, per position of ``positions`` [start, stop) (default all ``tokens``).
+    Its length is the job's cost in forwards (plus the clean and the corrupted run)."""
+    layers = list(range(config.num_hidden_layers)) if layers is None else layers
+    start, stop = (0, tokens) if positions is None else positions
+    if not 0 <= start < stop <= tokens:
+        raise PatchingError(f"positions must be a window [start, stop) inside 0..{tokens}, got [{start}, {stop})")
+    plan = []
+    for layer in layers:
+        for site in sites:
+            points = site_points(config, layer, site)
+            if points:
+                where = range(start, stop) if per_position else [None]
+                plan += [(layer, site, points, p) for p in where]
+    return plan
+
+
 def activation_patching(
     model: torch.nn.Module,
     clean_ids: torch.Tensor,
@@ -160,21 +207,16 @@ def activation_patching(
     per_position: bool = False,
     progress: Progress | None = None,
     should_stop: Callable[[], bool] | None = None,
+    positions: tuple[int, int] | None = None,
 ) -> pd.DataFrame:
     """Fraction of the metric restored by patching each (layer, site) [and position] from clean into corrupted.
 
-    Columns: layer, site, position (-1: every position), metric, fraction_restored; ``df.attrs`` holds the
-    clean and corrupted metric values. ``depth_weights`` is skipped on runs without AttnRes."""
+    Columns: layer, site, position (-1: every position), metric, fraction_restored, by_construction; ``df.attrs``
+    holds the clean and corrupted metric values and ``gap_warning``'s sentence (None when the gap is large enough).
+    ``depth_weights`` is skipped on runs without AttnRes; per position, ``positions`` [start, stop) limits the
+    window (``patch_plan``)."""
     _check_inputs(model, clean_ids, corrupted_ids)
-    config = model.config
-    layers = list(range(config.num_hidden_layers)) if layers is None else layers
-    plan = []
-    for layer in layers:
-        for site in sites:
-            points = site_points(config, layer, site)
-            if points:
-                positions = range(clean_ids.shape[1]) if per_position else [None]
-                plan += [(layer, site, points, p) for p in positions]
+    plan = patch_plan(model.config, clean_ids.shape[1], sites, layers, per_position, positions)
     was_training = model.training
     model.eval()
     try:
@@ -192,7 +234,7 @@ def activation_patching(
         rows = []
         for k, (layer, site, points, position) in enumerate(plan):
             if should_stop is not None and should_stop():
-                raise Stopped(_frame(rows, clean, corrupt))
+                raise Stopped(_frame(rows, clean, corrupt, metric.kind))
             if progress:
                 where = "" if position is None else f" position {position}"
                 progress(k, len(plan), f"layer {layer} {site}{where}")
@@ -204,16 +246,18 @@ def activation_patching(
                     position=-1 if position is None else position,
                     metric=value,
                     fraction_restored=(value - corrupt) / span,
+                    by_construction=site == "resid" and position is None,
                 )
             )
         if progress:
             progress(len(plan), len(plan), "done")
     finally:
         model.train(was_training)
-    return _frame(rows, clean, corrupt)
+    return _frame(rows, clean, corrupt, metric.kind)
 
 
-def _frame(rows: list[dict], clean: float, corrupt: float) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=["layer", "site", "position", "metric", "fraction_restored"])
-    df.attrs.update(clean_metric=clean, corrupted_metric=corrupt)
+def _frame(rows: list[dict], clean: float, corrupt: float, kind: str) -> pd.DataFrame:
+    columns = ["layer", "site", "position", "metric", "fraction_restored", "by_construction"]
+    df = pd.DataFrame(rows, columns=columns)
+    df.attrs.update(clean_metric=clean, corrupted_metric=corrupt, gap_warning=gap_warning(clean, corrupt, kind))
     return df

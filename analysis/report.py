@@ -31,7 +31,7 @@ from analysis import picks as pk
 from analysis import runs as runs_mod
 from analysis.compare import build_both, difference_view, distinct_labels, has_difference, side_by_side
 from analysis.context import AnalysisContext
-from analysis.export import export_many, static_export_available
+from analysis.export import export_many, provenance, static_export_available
 from analysis.headline import headline_numbers, headline_table
 from analysis.report_html import Entry, render_html
 from analysis.view import NotApplicable, View
@@ -285,7 +285,8 @@ def write_report(
         if not ok:
             formats, static_note = ("csv", "json"), why
     shown = [e for e in entries if e.figure is not None]
-    meta = {e.key: {"view": e.key, "title": e.title, "section": e.section, "runs": labels} for e in shown}
+    made_on = provenance(*contexts)  # the run(s), text(s) and token count(s) in every CSV header and JSON
+    meta = {e.key: {"view": e.key, "title": e.title, "section": e.section, "runs": labels, **made_on} for e in shown}
     results = export_many([(e.figure, e.table, e.key) for e in shown], out / "figures", formats, meta=meta)
     for e in shown:
         e.files = results.get(e.key, {})

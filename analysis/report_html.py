@@ -30,6 +30,7 @@ SECTION_TITLES = {
     "long_context": "Long context",
     "history": "Training history",
     "weights": "Weights (from the checkpoint's tensors)",
+    "experiment": "Experiment (edits, patching, attribution, lens)",
 }
 
 
@@ -110,7 +111,8 @@ def _run_block(run, label: str) -> str:
 
     card = {k: v for k, v in run.card.items() if k not in ("card_text", "notes", "training")}
     parts = [
-        f"<div><h3>{html.escape(label)}</h3><p class='desc'>{html.escape(str(run.path))}<br>"
+        # the folder's name, never its absolute path: a report is shared, the server's layout is not its business
+        f"<div><h3>{html.escape(label)}</h3><p class='desc'>folder {html.escape(Path(str(run.path)).name)}<br>"
         f"fingerprint {html.escape(run.fingerprint[:16])}</p>",
         "<h4>Model card</h4>",
         _kv_table(card),

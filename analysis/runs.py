@@ -24,6 +24,7 @@ from analysis.texts import (  # noqa: F401 - the inputs a run reads, re-exported
     COUNT_CHARS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SAMPLE,
+    REPEAT_START,
     SAMPLES,
     Input,
     count_tokens,
@@ -351,9 +352,10 @@ def trace_run(
     """
     from k3core.trace import record
 
-    sample_name = recorded_index = None
+    sample_name = recorded_index = repeat_start = None
     if isinstance(input_ids, Input):
         recorded_index = input_ids.extra.get("recorded_index")
+        repeat_start = input_ids.extra.get(REPEAT_START)
         targets = input_ids.targets if targets is None else targets
         sample_name = input_ids.name
         input_ids = input_ids.input_ids
@@ -385,6 +387,7 @@ def trace_run(
         "path": str(run.path),
         "fingerprint": run.fingerprint,
         "sample": sample_name,
+        REPEAT_START: repeat_start,
         "loss": float(out.loss) if out.loss is not None else None,
         "tokenizer": run.tokenizer.describe() if run.tokenizer is not None else None,
     }

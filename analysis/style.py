@@ -10,7 +10,12 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 # Set once: passing template= per figure re-validates and deep-copies the template (~0.2 s a figure).
-pio.templates.default = "plotly_white"
+# plotly_white, with log axes' minor ticks labelled by their value: plotly's default labels 0.5 as a small "5".
+_TEMPLATE = go.layout.Template(pio.templates["plotly_white"])
+_TEMPLATE.layout.xaxis.minorloglabels = "complete"
+_TEMPLATE.layout.yaxis.minorloglabels = "complete"
+pio.templates["k3lab"] = _TEMPLATE
+pio.templates.default = "k3lab"
 
 FONT = "Inter, Helvetica, Arial, sans-serif"
 # Perceptually uniform, readable in greyscale print.
@@ -105,6 +110,19 @@ NOTE_STYLE = {
     "font": {"size": 12, "color": "#555"},
     "name": "note",
 }
+
+
+def mark_repeat_start(fig: go.Figure, x: float | None) -> go.Figure:
+    """A dashed vertical line at ``x`` (None: nothing) labelled where a copy task's second half begins, so a
+    per-token view shows which positions are predictable from the first half."""
+    if x is not None:
+        fig.add_vline(
+            x=x,
+            line={"dash": "dash", "color": "#555", "width": 1.5},
+            annotation={"text": "second half (copy) →", "font": {"size": 11, "color": "#555"}},
+            annotation_position="top right",
+        )
+    return fig
 
 
 def note_empty_panels(fig: go.Figure, text: str = EMPTY_PANEL_NOTE) -> None:

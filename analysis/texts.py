@@ -27,6 +27,7 @@ from k3core.config import K3Config
 from k3core.tokenizer import ByteTokenizer, Tokenizer
 
 SAMPLES = ("shakespeare", "mqar", "repeat")
+REPEAT_START = "repeat_start"  # Input.extra / trace.meta["run"] key: the first position of the copy task's second half
 DEFAULT_SAMPLE = "shakespeare"
 DEFAULT_MAX_TOKENS = 256
 _PASSAGE_PLAY = "julius-caesar"
@@ -127,7 +128,9 @@ def sample_input(
                 name, ids, text=tok.decode(ids[0]), description="held-out Shakespeare (Julius Caesar, Antony's speech)"
             )
         ids = torch.cat([ids, ids], dim=1)
-        return Input(name, ids, text=None, description=f"a {ids.shape[1] // 2}-token passage, twice")
+        half = ids.shape[1] // 2
+        # where the second copy starts: the per-token views mark it (AnalysisContext.repeat_start)
+        return Input(name, ids, text=None, description=f"a {half}-token passage, twice", extra={REPEAT_START: half})
     if name == "mqar":
         from k3core.data import make_mqar
 

@@ -7,10 +7,10 @@ figure module's ``VIEWS``; a new figure module goes into ``MODULES`` below.
 
 from __future__ import annotations
 
-from analysis.figures import attnres, degradation, density, history, long_context, moe, weights
+from analysis.figures import attnres, degradation, density, experiment, history, long_context, moe, weights
 from analysis.view import View
 
-MODULES = (density, attnres, moe, degradation, long_context, history, weights)
+MODULES = (density, attnres, moe, degradation, long_context, history, weights, experiment)
 
 
 def all_views() -> list[View]:

@@ -410,9 +410,12 @@ def trace(
         from k3core.interventions import EditError, compile_edits, edits_from_json
 
         try:
-            compile_edits(run.config, edits_from_json(edits))
+            parsed = edits_from_json(edits)
+            compile_edits(run.config, parsed)
         except EditError as exc:
             raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
+        # the experiment views of an edited trace (Compare, baseline vs edited) read its edits from the options
+        options.setdefault("edits", [e.to_dict() for e in parsed])
     recorded = tokens.extra.get("recorded_index")  # a trace folder's text: one cache entry per text
     base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits, recorded)
     label = label or ref.label

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from analysis.export import export_figure, static_export_available
+from analysis.export import export_figure, provenance, static_export_available
 from analysis.format import format_number
 from analysis.headline import HEADLINE_LABELS, headline_help, headline_table
 from analysis.picks import pick_text
@@ -82,25 +82,28 @@ def static_export_status() -> tuple[bool, str]:
     return bool(ok), "" if ok else str(message)
 
 
-def figure_bytes(fig, df, stem: str, fmt: str) -> bytes:
-    """One export of a figure (analysis.export.export_figure into a temporary folder), as bytes."""
+def figure_bytes(fig, df, stem: str, fmt: str, meta: Any = None) -> bytes:
+    """One export of a figure (analysis.export.export_figure into a temporary folder), as bytes; ``meta``
+    (analysis.export.provenance: run, text, tokens; or a function making it) leads its CSV / JSON."""
+    if callable(meta):  # made on click (the text is decoded only for a download)
+        meta = meta()
     with tempfile.TemporaryDirectory(prefix="k3lab-export-") as tmp:
-        written = export_figure(fig, df, tmp, stem, [fmt])
+        written = export_figure(fig, df, tmp, stem, [fmt], meta=meta)
         result = written.get(fmt)
         if not isinstance(result, Path):
             raise RuntimeError(str(result) if result is not None else f"{fmt} was not written")
         return result.read_bytes()
 
 
-def _safe_bytes(fig, df, stem: str, fmt: str) -> bytes:
+def _safe_bytes(fig, df, stem: str, fmt: str, meta: Any = None) -> bytes:
     try:
-        return figure_bytes(fig, df, stem, fmt)
+        return figure_bytes(fig, df, stem, fmt, meta)
     except Exception as exc:  # noqa: BLE001 - runs on click, outside the page; the file says what failed
         log.exception("export %s.%s failed", stem, fmt)
         return f"k3lab could not export {stem}.{fmt}: {type(exc).__name__}: {exc}\n".encode()
 
 
-def export_buttons(fig, df, stem: str, key: str) -> None:
+def export_buttons(fig, df, stem: str, key: str, meta: Any = None) -> None:
     """Download buttons for PNG, SVG, HTML (offline), CSV and JSON. Files are built on click."""
     static_ok, static_msg = static_export_status()
     formats = [f for f in EXPORT_FORMATS if static_ok or f not in STATIC_FORMATS]
@@ -110,7 +113,7 @@ def export_buttons(fig, df, stem: str, key: str) -> None:
         return
     cols = st.columns(len(formats))
     for col, fmt in zip(cols, formats):
-        data: Any = functools.partial(_safe_bytes, fig, df, stem, fmt)
+        data: Any = functools.partial(_safe_bytes, fig, df, stem, fmt, meta)
         if not DEFERRED_DOWNLOADS:
             data = data()
         col.download_button(
@@ -154,9 +157,10 @@ def screen_copy(fig):
     return light
 
 
-def figure_card(fig, df, key: str, stem: str, description: str = "") -> None:
+def figure_card(fig, df, key: str, stem: str, description: str = "", meta: Any = None) -> None:
     """A figure with its caption and an Export popover. The browser gets the lighter screen copy (float32, rounded
-    floats, the template trimmed to what the figure uses); the exports are built from ``fig`` at full precision."""
+    floats, the template trimmed to what the figure uses); the exports are built from ``fig`` at full precision,
+    their CSV / JSON led by ``meta`` (analysis.export.provenance)."""
     with st.container(border=True):
         # theme=None: the figure keeps its own look (analysis.style, the same as its exported files), and the
         # browser skips re-theming it (0.1-0.2 s less to draw a page of ten figures, measured in Chromium)
@@ -165,12 +169,13 @@ def figure_card(fig, df, key: str, stem: str, description: str = "") -> None:
         if description:
             left.caption(description)
         with right.popover("Export", **_POPOVER_KW):
-            export_buttons(fig, df, stem, key)
+            export_buttons(fig, df, stem, key, meta)
 
 
-def render_view(view: View, loaded: Loaded) -> bool:
+def render_view(view: View, loaded: Loaded, key: str | None = None) -> bool:
     """Draw one View (with its layer/head pickers, ``app.picks``, when it declares them); NotApplicable becomes
-    an info line, a failure an error line. True when drawn."""
+    an info line, a failure an error line. True when drawn. ``key``: the card's widget key when a page draws one
+    view more than once (default: the view's key)."""
     pick, _ = picks.view_pick(view, loaded)
     loaded = picks.focused(loaded, pick)
     try:
@@ -186,7 +191,14 @@ def render_view(view: View, loaded: Loaded) -> bool:
         st.error(f"**{view.title}** could not be drawn: {type(exc).__name__}: {exc}")
         return False
     stem = f"{slug(loaded.ctx.label)}_{view.key}{_pick_suffix(pick)}"
-    figure_card(fig, df, key=view.key, stem=stem, description=view.description)
+    figure_card(
+        fig,
+        df,
+        key=key or view.key,
+        stem=stem,
+        description=view.description,
+        meta=functools.partial(provenance, loaded.ctx),
+    )
     return True
 
 
@@ -260,7 +272,8 @@ def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
         log.exception("comparison %s failed", view.key)
         st.error(f"**{view.title}** could not be compared: {type(exc).__name__}: {exc}")
         return
-    figure_card(fig, df, key=f"cmp-{view.key}", stem=stem, description=view.description)
+    meta = functools.partial(provenance, a.ctx, b.ctx)
+    figure_card(fig, df, key=f"cmp-{view.key}", stem=stem, description=view.description, meta=meta)
     try:
         dfig, ddf = caching.compare_view("diff", view, a, b)
     except NotApplicable as exc:
@@ -271,7 +284,7 @@ def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
         st.caption(f"No difference view for {view.title}: {type(exc).__name__}: {exc}")
         return
     with st.expander(f"Difference A - B: {view.title}"):
-        figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff")
+        figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff", meta=meta)
 
 
 def layer_badges(cfg) -> str:

@@ -3,10 +3,14 @@ session's results (a result is kept per run, text and edits, so a rerun shows it
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from analysis import effects
 from analysis import runs as runs_mod
+from app.inputs import options_key
 from k3core.hooks import HookNames, hook_points
 
 KINDS = {
@@ -36,6 +40,9 @@ OP_LABELS = {
     "replace": "replace",
 }
 RESULTS = "k3lab_exp_results"
+HISTORY = "k3lab_exp_history"  # this session's experiments: one row each, in the order they ran
+#: patching / attribution jobs of more forwards than this are estimated and confirmed before they run
+CONFIRM_FORWARDS = 64
 
 
 def chunk_labels(tokens: int, chunk_size: int) -> dict[int, str]:
@@ -79,3 +86,54 @@ def remember(store: dict, key: tuple, value: Any, keep: int = 8) -> Any:
     while len(store) > keep:
         store.pop(next(iter(store)))
     return value
+
+
+def with_spec(loaded: Any, **spec: Any) -> Any:
+    """``loaded`` (an ``app.caching.Loaded``) with an experiment's inputs (``analysis.figures.experiment``: edits,
+    patching, attribution, lens_value) in its view options and in its figure-cache key, as picks travel."""
+    return replace(loaded, ctx=loaded.ctx.with_options(**spec), key=(*loaded.key, ("experiment", options_key(spec))))
+
+
+def experiment_logits(store: dict, loaded: Any, edits: list[dict]) -> tuple[Any, Any]:
+    """(baseline, edited) logits of the first text row on the CPU (``effects.run_experiment``), kept in ``store``
+    per run, text and edits (for the prediction-change table, which needs the logits, not only the losses)."""
+    from k3core.interventions import edit_from_dict
+
+    key = ("logits", loaded.key, json.dumps(edits))
+    if key not in store:
+        model = loaded.model
+        ids = loaded.ctx.input_ids[:1].to(next(model.parameters()).device)
+        exp = effects.run_experiment(model, ids, [edit_from_dict(d) for d in edits])
+        remember(store, key, (exp.base_logits.cpu(), exp.edited_logits.cpu()))
+    return store[key]
+
+
+def one_token(run: Any, text: str, what: str) -> int:
+    """The id of ``text`` read as exactly one token of the run's tokenizer; ValueError naming ``what`` otherwise."""
+    tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
+    ids = tok.encode(text) if text else []
+    if len(ids) != 1:
+        raise ValueError(f"{what} must be one token; {text!r} is {len(ids)} tokens")
+    return int(ids[0])
+
+
+def text_ids(run: Any, text: str, what: str) -> list[int]:
+    """The token ids of ``text`` (at least one); ValueError naming ``what`` when it is empty."""
+    ids = runs_mod.text_tokenizer(run.config, run.tokenizer).encode(text) if text else []
+    if not ids:
+        raise ValueError(f"{what} is empty: type at least one character")
+    return [int(i) for i in ids]
+
+
+def history_row(edits: list[dict], summary: dict, tokens: int) -> dict:
+    """One row of the session's experiment history: the edits, losses, loss change and top-1 changes."""
+    from k3core.interventions import edit_from_dict
+
+    return {
+        "edits": "; ".join(edit_from_dict(d).describe() for d in edits),
+        "base loss": summary["base_loss"],
+        "edited loss": summary["edited_loss"],
+        "loss change": summary["loss_change"],
+        "top-1 changes": summary["positions_changed_top1"],
+        "tokens": tokens,
+    }

@@ -47,7 +47,15 @@ SHORT_SOURCE = {
     TEXT_PASTE: "pasted text",
 }
 
-KNOWN_OPTIONS = {"seq_len": int, "overlay_metrics": dict}
+# edits / patching / attribution / lens_value: the Experiment views' inputs (analysis.figures.experiment)
+KNOWN_OPTIONS = {
+    "seq_len": int,
+    "overlay_metrics": dict,
+    "edits": list,
+    "patching": dict,
+    "attribution": dict,
+    "lens_value": str,
+}
 
 
 class InputError(ValueError):

@@ -165,6 +165,68 @@ def all_figures(contexts: dict, pairs=PAIRS) -> list[Drawn]:
     return out
 
 
+def experiment_specs(ctx) -> dict[str, dict]:
+    """The Experiment page's defaults for one sample, as view options (``analysis.figures.experiment``): a ban of
+    experts 0-1 in the last MoE layer, patching (every site; per position over two sites in a window), token
+    attribution (feature ablation; IG frozen, 4 steps) and layer attribution, both lenses."""
+    from analysis.figures import experiment as fx
+    from k3core.interventions import MoEEdit
+
+    cfg, T = ctx.config, int(ctx.input_ids.shape[1])
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    edits = [MoEEdit("ban", layer=moe[-1], experts=[0, 1]).to_dict()] if moe else []
+    metric = {"kind": "span_loss", "start": 3, "stop": T}
+    target = [int(t) for t in ctx.input_ids[0, 8:10]]
+    specs = {
+        "patching": {"patching": fx.patching_spec(2, 32, metric)},
+        "patching per position": {
+            "patching": fx.patching_spec(2, 32, metric, ["resid", "mixer_out"], True, [0, 8]),
+        },
+        "attribution": {"attribution": fx.attribution_spec(8, target)},
+        "attribution ig_frozen_routing": {"attribution": fx.attribution_spec(8, target, "ig_frozen_routing", steps=4)},
+        "layer attribution": {"attribution": fx.attribution_spec(8, target, steps=4)},
+    }
+    if edits:
+        specs["loss change"] = {"edits": edits}
+    for which, chosen in (("baseline", []), ("edited", edits)):
+        for value in ("next_rank", "kl_to_final"):
+            specs[f"lens {which} {value}"] = {"edits": chosen, "lens_value": value}
+    return specs
+
+
+EXPERIMENT_VIEW_OF = {
+    "loss change": "experiment_loss_change",
+    "patching": "experiment_patching",
+    "patching per position": "experiment_patching",
+    "attribution": "experiment_attribution",
+    "attribution ig_frozen_routing": "experiment_attribution",
+    "layer attribution": "experiment_layer_attribution",
+}
+
+
+def experiment_figures(contexts: dict) -> list[Drawn]:
+    """The Experiment page's figures of every sample at the page's defaults (``experiment_specs``), built by its
+    Views as the page draws them, and a token's MLA attention (drawn on the page's Token section, not a View)."""
+    from analysis.effects import forward_logits
+    from analysis.figures import experiment as fx
+    from analysis.style import screen_figure
+    from analysis.token_detail import token_detail
+
+    views = {view.key: view for view in fx.VIEWS}
+    out: list[Drawn] = []
+    for name, ctx in contexts.items():
+        figs: dict[str, object] = {}
+        for what, options in experiment_specs(ctx).items():
+            view = views[EXPERIMENT_VIEW_OF.get(what, "experiment_lens")]
+            figs[what], _ = view.build(ctx.with_options(**options))
+        if ctx.trace.layer_indices("mla"):
+            detail = token_detail(ctx.trace, forward_logits(ctx.model, ctx.input_ids[:1]), 40, top_k=5)
+            rows = detail.mla[(detail.mla.layer == detail.mla.layer.min()) & (detail.mla.head == 0)]
+            figs["MLA attention"] = fx.mla_attention_figure(rows, 40, "first MLA layer, head 0")
+        out += [Drawn(f"{name}/experiment/{k}", screen_figure(f).to_plotly_json()) for k, f in figs.items()]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shots", help="folder for a PNG of every figure")

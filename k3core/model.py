@@ -95,13 +95,11 @@ class ResidualStream:
             self.bank = [new[j].to(s.device) for j, s in enumerate(self.bank)]
             self.last = new[-1].to(sources[-1].device)
 
-    def read(self, layer: K3DecoderLayer | K3Model, side: str, hooks: HookContext | None) -> torch.Tensor:
-        """The input of a sub-layer ("attn" or "mlp" of a decoder layer, "output" for the model)."""
+    def read(self, layer: K3DecoderLayer, side: str, hooks: HookContext | None) -> torch.Tensor:
+        """The input of a sub-layer ("attn" or "mlp" of a decoder layer; the model's output: ``K3Model.read_out``)."""
         if not self.attnres:
             return self.last
-        if side == "output":
-            site, proj, norm = HookNames.OUTPUT_SITE, layer.output_attn_res_proj, layer.output_attn_res_norm
-        elif side == "attn":
+        if side == "attn":
             if not self.bank:  # the first layer reads the embedding itself
                 return self.last
             site = HookNames.attnres_site(layer.layer_idx, "attn")
@@ -265,7 +263,19 @@ class K3Model(nn.Module):
         hooks = active()
         if hooks is not None:
             stream.offer(hooks, HookNames.FINAL_STREAM)
-        final = point(hooks, HookNames.FINAL_RESID, stream.read(self, "output", hooks))
+        return self.read_out(*stream.sources(), hooks)
+
+    def read_out(self, sources: list[torch.Tensor], names: list[str], hooks: HookContext | None) -> torch.Tensor:
+        """The final hidden state of depth sources: the output depth mix (AttnRes; else the last source), then the
+        final RMSNorm, through their hook points. ``end`` reads the stream with it; the lens reads earlier depths
+        with it, so an edit of the output path (the output site's weights, final_resid, final_norm) acts on both."""
+        if self.config.residual in ("block_attnres", "full_attnres"):
+            mixed = depth_mix(
+                hooks, HookNames.OUTPUT_SITE, self.output_attn_res_proj, self.output_attn_res_norm, sources, names
+            )
+        else:
+            mixed = sources[-1]
+        final = point(hooks, HookNames.FINAL_RESID, mixed)
         return point(hooks, HookNames.FINAL_NORM, self.norm(final))
 
 

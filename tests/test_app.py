@@ -200,6 +200,18 @@ def test_generate_page(app_env, runs):
     assert any(h.value.startswith("#### Output of") for h in at.markdown)
 
 
+def test_generate_completes_at_its_defaults(app_env, runs):
+    """The default 200 new tokens redraw the live output (and its download button) every 16 tokens: each redraw must
+    have its own element id (today's code stopped after 32 tokens with StreamlitDuplicateElementId)."""
+    app_env(runs["good"])
+    at = _app().run()
+    _page(at, "generate")
+    at.button[0].click().run()
+    assert not at.exception and _errors(at) == []
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["200"]
+    assert at.session_state["k3lab_generated"]["done"] is True
+
+
 # ------------------------------------------------------------------------------------ pure helpers
 def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
     samples = tmp_path / "samples"
@@ -621,3 +633,12 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
     _page(at, "attnres")
     _page(at, "degradation")
     assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere
+
+
+def test_compares_default_b_is_not_a_quantised_copy_of_a():
+    samples = Path(__file__).resolve().parent.parent / "sample_checkpoints"
+    a, copy, other = (run_list.RunRef(n, str(samples / n), "sample") for n in ("k3-full", "k3-mxfp4", "plain-moe"))
+    assert run_list.quantised_copy(a, copy) and run_list.quantised_copy(copy, a)
+    assert not run_list.quantised_copy(a, other) and not run_list.quantised_copy(a, a)
+    assert run_list.default_run_b(a, [copy, other]) == other
+    assert run_list.default_run_b(a, [copy]) == copy  # nothing else: the copy is still comparable

@@ -111,7 +111,10 @@ def test_cold_open_page_switches_and_export(server, browser, tmp_path):
         name = download.value.suggested_filename
         assert name.startswith(f"{SAMPLE}_moe") and name.endswith(".csv"), name
         lines = Path(download.value.path()).read_text().splitlines()
-        assert len(lines) >= 2 and "," in lines[0], lines[:2]
+        head = [line for line in lines if line.startswith("# ")]  # the run, the text and its token count
+        assert {line.split(":")[0] for line in head} >= {"# run", "# text", "# tokens"}, lines[:4]
+        body = lines[len(head) :]
+        assert len(body) >= 2 and "," in body[0], body[:2]
     finally:
         page.context.close()
 

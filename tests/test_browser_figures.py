@@ -37,6 +37,7 @@ from benchmarks.figure_check import (
     SAMPLES,
     all_figures,
     app_page_problems,
+    experiment_figures,
     figure_problems,
     open_check_page,
     sample_contexts,
@@ -79,6 +80,13 @@ def test_every_view_and_comparison_of_the_samples_passes_the_figure_check(check_
     t2 = time.perf_counter()
     print(f"\nfigure check: {len(drawn)} figures, built in {t1 - t0:.1f} s, checked in Chromium in {t2 - t1:.1f} s")
     assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p) for where, p in bad.items())
+
+
+def test_the_experiment_pages_figures_pass_the_figure_check(check_page):
+    drawn = experiment_figures(sample_contexts())
+    assert len(drawn) >= 10 * len(SAMPLES), len(drawn)
+    bad = {d.where: problems for d in drawn if (problems := figure_problems(check_page, d.spec))}
+    assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p[:6]) for where, p in bad.items())
 
 
 # ----------------------------------------------------------------------------------------- the check catches faults

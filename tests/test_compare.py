@@ -17,6 +17,7 @@ from analysis import compare as cmp
 from analysis import weights as wt
 from analysis.context import AnalysisContext
 from analysis.figures import degradation as fig_dg
+from analysis.figures import experiment as fx
 from analysis.runs import run_from_model, trace_run
 from analysis.shared_scales import AXIS_TOP
 from analysis.view import Comparison, NotApplicable, View
@@ -175,15 +176,27 @@ def assert_one_colour_scale(fig, n_a: int, where: str) -> None:
 
 
 VIEWS = [v for v in all_views() if not v.compare.overlay]
+# an experiment view needs its inputs in the options (the Experiment page sets them; without them: NotApplicable)
+EXPERIMENT_INPUTS = {
+    "experiment_loss_change": {"edits": [{"kind": "value", "point": "mixer_out", "op": "scale", "value": 0.5}]},
+    "experiment_patching": {"patching": fx.patching_spec(2, 32, {"kind": "span_loss", "start": 3, "stop": 8})},
+    "experiment_attribution": {"attribution": fx.attribution_spec(4, [1, 2])},
+    "experiment_layer_attribution": {"attribution": fx.attribution_spec(4, [1, 2], steps=4)},
+}
+
+
+def _with_experiment_inputs(view, a, b):
+    options = EXPERIMENT_INPUTS.get(view.key, {})
+    return a.with_options(**options), b.with_options(**options)
 
 
 @pytest.mark.parametrize("pair_name", ["seeds", "shapes"])
 @pytest.mark.parametrize("view", VIEWS, ids=lambda v: v.key)
 def test_every_view_side_by_side_keeps_both_runs_numbers_and_covers_them(view, pair_name, request):
-    a, b = request.getfixturevalue(pair_name)
+    a, b = _with_experiment_inputs(view, *request.getfixturevalue(pair_name))
     built = cmp.build_both(view, a, b)
     if pair_name == "seeds" and all(isinstance(r, NotApplicable) for r in built):
-        a, b = request.getfixturevalue("scale_bias_seeds")  # a view of the other residual mode
+        a, b = _with_experiment_inputs(view, *request.getfixturevalue("scale_bias_seeds"))  # the other residual mode
         built = cmp.build_both(view, a, b)
     assert not all(isinstance(r, NotApplicable) for r in built), f"{view.key} applies to neither run of {pair_name}"
     fig, table = cmp.side_by_side(view, a, b, built=built)
@@ -223,9 +236,9 @@ DIFF_VIEWS = [v for v in all_views() if cmp.has_difference(v)]
 
 @pytest.mark.parametrize("view", DIFF_VIEWS, ids=lambda v: v.key)
 def test_declared_difference_is_a_minus_b(view, seeds, scale_bias_seeds):
-    a, b = seeds
+    a, b = _with_experiment_inputs(view, *seeds)
     if all(isinstance(r, NotApplicable) for r in cmp.build_both(view, a, b)):
-        a, b = scale_bias_seeds  # a view of the other residual mode
+        a, b = _with_experiment_inputs(view, *scale_bias_seeds)  # a view of the other residual mode
     spec = view.compare
     value = spec.difference[0]
     try:
@@ -296,6 +309,17 @@ def test_expert_rows_differ_only_for_one_checkpoint_on_two_texts(seeds):
     share_b = view.build(other_text)[1].set_index(["layer", "expert"])["share"]
     got = diff.set_index(["layer", "expert"])["share_diff"]
     np.testing.assert_allclose(got.loc[share_a.index], (share_a - share_b).to_numpy())
+
+
+def test_weights_views_on_two_texts_of_one_run_say_it_is_one_checkpoint(seeds):
+    """Compare "one run, two texts" on the Weights section: the same weights, not "different learned units"."""
+    a, b = seeds
+    other_text = trace_run(run_from_model(a.model), IDS.flip(-1), label="reversed text")
+    view = next(v for v in all_views() if v.section == "weights" and not cmp.has_difference(v))
+    with pytest.raises(NotApplicable, match="one checkpoint's weights, which do not depend on the text"):
+        cmp.difference_view(view, a, other_text)
+    with pytest.raises(NotApplicable, match="different learned units"):
+        cmp.difference_view(view, a, b)
 
 
 # ----------------------------------------------------------------------------- labels, placeholders

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from analysis import attribution
 from k3lab.cli import main
+from k3lab.experiment import METHOD_CHOICES
 
 from .conftest import nano_model
 
@@ -61,5 +63,9 @@ def test_patch_and_attribute(run_dir, tmp_path, capsys):
                  "--steps", "8", "--out", str(tmp_path / "a"), "--no-static"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     data = json.loads((tmp_path / "a" / "attribution.json").read_text())
-    assert set(data["methods"]) == {"feature_ablation", "shapley", "integrated_gradients"}
+    assert set(data["methods"]) == set(attribution.METHODS) == set(METHOD_CHOICES)
     assert len(data["methods"]["shapley"]["matrix"][0]) == 2 and "delta" in data["layers"]
+    assert data["methods"]["shapley"]["seed"] == 0 and data["methods"]["shapley"]["n_samples"] == 8
+    assert data["methods"]["integrated_gradients"]["routing_changes"] >= 0
+    out = capsys.readouterr().out
+    assert "raise --steps" not in out and "ig_frozen_routing delta per output token" in out

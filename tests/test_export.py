@@ -116,3 +116,33 @@ def test_images_that_failed_get_one_more_browser_session(tmp_path, monkeypatch):
         "static export failed for b.png" in out[tmp_path / "b.png"] and "b cannot be drawn" in out[tmp_path / "b.png"]
     )
     assert out[tmp_path / "a.png"] == tmp_path / "a.png" and out[tmp_path / "c.png"] == tmp_path / "c.png"
+
+
+def test_exported_tables_carry_the_text_and_token_count(tmp_path):
+    from analysis import export as ex
+    from analysis.runs import run_from_model, trace_run
+    from analysis.texts import sample_input
+    from tests.conftest import nano_model
+
+    model = nano_model()
+    run = run_from_model(model)
+    ctx = trace_run(run, sample_input("repeat", run.config, 24), label="nano")
+    made_on = ex.provenance(ctx)
+    assert made_on["run"] == "nano" and made_on["tokens"] == 24 and len(made_on["text"]) > 0
+    pair = ex.provenance(ctx, ctx.with_options(label="other"))
+    assert (pair["run A"], pair["run B"], pair["tokens B"]) == ("nano", "other", 24)
+    df = pd.DataFrame({"position": [0, 1], "value": [0.5, 1.5]})
+    fig = go.Figure(go.Scatter(x=df.position, y=df.value))
+    written = ex.export_figure(fig, df, tmp_path, "v", ["csv", "json"], meta=made_on)
+    text = written["csv"].read_text()
+    assert text.startswith("# run: nano\n") and "# tokens: 24\n" in text
+    back, head = ex.read_csv_with_provenance(written["csv"])
+    pd.testing.assert_frame_equal(back, df)
+    assert head["tokens"] == "24" and head["run"] == "nano"
+    payload = json.loads(written["json"].read_text())
+    assert payload["tokens"] == 24 and payload["text"] == made_on["text"] and len(payload["rows"]) == 2
+    # a long text is cut, and says so
+    long = ctx.with_options()
+    long.input_ids = ctx.input_ids.repeat(1, 400)
+    cut = ex.provenance(long)["text"]
+    assert cut.endswith("characters]") and len(cut) < ex.PROVENANCE_TEXT_CHARS + 80

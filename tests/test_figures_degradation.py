@@ -124,3 +124,16 @@ def test_hidden_state_views_show_hand_computed_numbers():
     fig, _ = fig_dg.build_layer_redundancy(ctx)
     # per-token cosines between input and output: 1, 0, -1 -> mean 0 -> Block Influence 1
     assert list(fig.data[0].y) == [pytest.approx(1.0)]
+
+
+def test_redundancy_axes_share_zero_ratio_has_its_own_axis_and_uniform_entropy_is_said(nano_ctx):
+    fig, df = fig_dg.build_layer_redundancy(nano_ctx)
+    y1, y2 = fig.layout.yaxis.range, fig.layout.yaxis2.range
+    assert -y1[0] / (y1[1] - y1[0]) == pytest.approx(-y2[0] / (y2[1] - y2[0]))  # 0 at one height on both axes
+    assert y1[1] >= df["block_influence"].max()
+    fig, _ = fig_dg.build_massive_activations(nano_ctx)
+    ratio = next(t for t in fig.data if t.name.startswith("max / median"))
+    assert ratio.yaxis == "y2" and all(t.yaxis in (None, "y") for t in fig.data if t is not ratio)
+    fig, df = fig_dg.build_entropy_heatmap(nano_ctx)
+    said = any("near uniform" in (a.text or "") for a in fig.layout.annotations)
+    assert said == (df["entropy_norm"].min() >= fig_dg.NEAR_UNIFORM)

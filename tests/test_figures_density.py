@@ -94,6 +94,11 @@ def test_density_views_show_hand_computed_numbers():
         if tr.yaxis == "y3":
             cache.update(zip(tr.x, tr.y))
     assert cache == {i: (mla if t == "MLA" else kda) for i, t in enumerate(cfg.layer_types())}
+    # no bars on a log axis (a bar's length there depends on where the axis starts): FLOPs and cache are markers
+    for tr in fig.data:
+        axis = fig.layout[f"yaxis{tr.yaxis[1:]}" if tr.yaxis != "y" else "yaxis"]
+        assert not (axis.type == "log" and tr.type == "bar"), (tr.name, tr.yaxis)
+    assert {tr.type for tr in fig.data if tr.yaxis in ("y2", "y3")} == {"scatter"}
     # KDA decay: g = log 0.5 everywhere gives a half-life of ln 2 / (-log 0.5) = 1 token in every channel
     g = np.full((1, 4, 2, 3), np.log(0.5))
     tr = Trace(meta={"config": {"kda_gate": "lower_bound", "kda_gate_lower_bound": -5.0}})

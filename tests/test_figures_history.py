@@ -82,3 +82,17 @@ def test_history_figures_are_readable_and_keep_each_runs_colour():
     assert titles == ["attention residual scale (mean)"] and "attn_scale_mean" not in str(titles)
     assert list(fig.data[0].y) == [pytest.approx(0.75), pytest.approx(0.6)]  # mean over layers 0 and 1
     assert fig.layout.yaxis.title.text == "scale"
+
+
+def test_mqar_accuracy_stands_against_its_chance_line_from_zero():
+    from k3core.data.mqar import mqar_chance
+
+    assert mqar_chance() == 1 / 64
+    metrics = {"val": [{"step": s, "val_loss": 3.0, "mqar_accuracy": a} for s, a in ((0, 0.004), (50, 0.032))]}
+    fig, _ = fig_hist.history_curves_figure({"run": metrics})
+    titles = [a.text for a in fig.layout.annotations]
+    col = [t for t in titles if t in ("val loss", "bits per byte", "MQAR accuracy")].index("MQAR accuracy") + 1
+    axis = fig.layout[f"yaxis{col if col > 1 else ''}"]
+    assert axis.range[0] == 0 and axis.range[1] >= 2 / 64
+    lines = [s for s in fig.layout.shapes if s.y0 == s.y1 == 1 / 64]
+    assert len(lines) == 1 and any("chance 1/64" in t for t in titles)

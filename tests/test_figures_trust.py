@@ -13,7 +13,6 @@ from analysis import weights as wt
 from analysis.compare import difference_view, side_by_side
 from analysis.context import AnalysisContext
 from analysis.headline import HEADLINE_LABELS, headline_help
-from analysis.shared_scales import AXIS_TOP
 from analysis.style import colour_ticks
 from analysis.view import NotApplicable
 from analysis.views import all_views
@@ -46,15 +45,22 @@ def test_stacked_bars_fit_the_shared_axis():
         assert hi >= stacked, f"{name}: axis to {hi:,.0f}, a stack reaches {stacked:,.0f}"  # was 1.05 x one segment
 
 
-def test_unbounded_memory_markers_stand_at_one_height_above_every_kda_layer():
-    a, b = _weights("k3-full"), _weights("plain-moe")
-    fig, _ = side_by_side(VIEWS["weights_kda_half_life"], a, b)
-    pinned = [t for t in fig.data if t.meta == AXIS_TOP]
-    assert len(pinned) == 2
-    heights = {float(y) for t in pinned for y in t.y}
-    assert len(heights) == 1  # was 1084 in A and 440 in B on one axis
-    p90 = max(float(np.nanmax(ctx.weights.kda_layers["half_life_p90"])) for ctx in (a, b))
-    assert heights.pop() > p90
+def test_unbounded_memory_is_a_band_per_mla_layer_not_a_mark_on_the_half_life_axis():
+    from analysis.figures.weights_kda import MLA_UNBOUNDED
+
+    for name in ("k3-full", "plain-moe"):
+        ctx = _weights(name)
+        fig, _ = VIEWS["weights_kda_half_life"].build(ctx)
+        mla = ctx.weights.structure.loc[ctx.weights.structure["mixer"] == "mla", "layer"].to_list()
+        assert mla, name
+        # no trace stands at an MLA layer: a mark there would read as a half-life (it sat at ~700 tokens)
+        assert not any(set(mla) & {float(x) for x in np.asarray(t.x).ravel()} for t in fig.data), name
+        bands = [sh for sh in fig.layout.shapes if sh.name == MLA_UNBOUNDED]
+        assert sorted((sh.x0 + sh.x1) / 2 for sh in bands) == sorted(mla), name
+        assert all(sh.yref == "paper" and (sh.y0, sh.y1) == (0, 1) for sh in bands)  # the whole height, no y value
+        assert [sh.showlegend for sh in bands].count(True) == 1  # one legend entry
+    fig, _ = side_by_side(VIEWS["weights_kda_half_life"], _weights("k3-full"), _weights("plain-moe"))
+    assert {sh.xref for sh in fig.layout.shapes if sh.name == MLA_UNBOUNDED} == {"x", "x2"}  # a band in each half
 
 
 def test_the_layer_axis_ends_at_the_last_layer(runs):

@@ -70,6 +70,8 @@ def test_single_run_report(ckpts, tmp_path, capsys):
     assert h["tokens"] == 40 and h["bits_per_byte"] > 0 and 0 <= h["sink_rate"] <= 1
     assert "k3-nano" in page and "Headline numbers" in page
     assert "wrote" in printed.out
+    # the checkpoint's absolute path on the machine that wrote it stays out of a shared page (its name is shown)
+    assert str(ckpts[0].resolve()) not in page and str(ckpts[0]) not in page and ckpts[0].name in page
 
 
 def test_two_run_comparison_report(ckpts, tmp_path):
@@ -112,6 +114,13 @@ def test_report_on_a_text_file(ckpts, tmp_path):
     assert k3lab_main(["report", *args, "--device", "cpu", "--dtype", "float32", *FAST]) == 0
     page = (out / "report.html").read_text()
     assert "To be, or not to be" in page and 'id="fig-degradation_sink"' in page
+    # every figure file says what it was computed on: the text and its token count (analysis.export.provenance)
+    head = [line for line in (out / "figures" / "degradation_sink.csv").read_text().splitlines() if line[:1] == "#"]
+    tokens = json.loads((out / "headline.json").read_text())["runs"][0]["tokens"]
+    assert any(line.startswith("# text: To be, or not to be") for line in head), head
+    assert f"# tokens: {tokens}" in head, head
+    meta = json.loads((out / "figures" / "degradation_sink.json").read_text())
+    assert meta["text"].startswith("To be, or not to be") and meta["tokens"] == tokens
     assert 'id="fig-history_curves"' not in page  # not selected
     checkpoint = json.loads((out / "headline.json").read_text())["checkpoints"][0]
     assert (checkpoint["device"], checkpoint["dtype"]) == ("cpu", "float32")

@@ -9,6 +9,7 @@ import pytest
 
 from analysis import attention as at
 from analysis import runs
+from analysis.export import read_csv_with_provenance
 from k3core.trace import names
 from k3lab import report
 
@@ -30,11 +31,11 @@ def test_report_layer_and_head(ckpts, tmp_path, capsys):  # noqa: F811
     assert report.main(args) == 0
     printed = capsys.readouterr().out
     figures = out / "figures"
-    table = pd.read_csv(figures / f"degradation_entropy_position_L{mla}H1.csv")
+    table = read_csv_with_provenance(figures / f"degradation_entropy_position_L{mla}H1.csv")[0]
     expected = at.causal_normalised_entropy(trace[names.mla_attn(mla)]).mean(0)[1, 1:]
     assert set(table["layer"]) == {mla} and set(table["head"]) == {1}
     np.testing.assert_allclose(table["entropy_norm"], expected, rtol=1e-6)
-    sink = pd.read_csv(figures / f"degradation_sink_L{mla}H1.csv")
+    sink = read_csv_with_provenance(figures / f"degradation_sink_L{mla}H1.csv")[0]
     np.testing.assert_allclose(
         sink["first_token_mass"], [at.attention_received(trace[names.mla_attn(mla)]).mean(0)[1, 0]]
     )
@@ -45,7 +46,7 @@ def test_report_layer_and_head(ckpts, tmp_path, capsys):  # noqa: F811
 
     plain = tmp_path / "plain"
     assert report.main([str(ckpts[0]), "--out", str(plain), "--views", VIEWS, *FAST]) == 0
-    full = pd.read_csv(plain / "figures" / "degradation_entropy_position.csv")
+    full = read_csv_with_provenance(plain / "figures" / "degradation_entropy_position.csv")[0]
     pd.testing.assert_frame_equal(full, at.entropy_by_position_table(trace).reset_index(drop=True), check_dtype=False)
     assert (plain / "figures" / "degradation_rank_collapse.csv").read_bytes() == (
         figures / "degradation_rank_collapse.csv"
@@ -56,7 +57,7 @@ def test_report_two_runs_one_pick(ckpts, tmp_path):  # noqa: F811
     out = tmp_path / "two"
     args = [str(ckpts[0]), str(ckpts[1]), "--out", str(out), "--views", "degradation_sink", "--head", "0", *FAST]
     assert report.main(args) == 0
-    side = pd.read_csv(out / "figures" / "degradation_sink_H0__side.csv")
+    side = read_csv_with_provenance(out / "figures" / "degradation_sink_H0__side.csv")[0]
     assert set(side["head"]) == {0} and side["run"].nunique() == 2
 
 

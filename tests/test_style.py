@@ -84,3 +84,13 @@ def test_screen_figure_is_a_lighter_copy_with_the_same_numbers_and_look():
     vals, texts = list(screen.layout.xaxis.tickvals), list(screen.layout.xaxis.ticktext)
     assert len(vals) <= SCREEN_MAX_TICKS and vals[:2] == [0, 30] and texts[:2] == ["0:tok", "30:tok"]
     assert len(fig.layout.xaxis.tickvals) == 40
+
+
+def test_log_axes_label_minor_ticks_by_their_value():
+    """plotly's default writes a small "5" for 0.5 on a log axis' minor ticks: the k3lab template asks for 0.5."""
+    from analysis.style import apply_style
+
+    fig = apply_style(go.Figure(go.Scatter(x=[1, 2], y=[0.3, 3])), "log", "x", "y")
+    fig.update_yaxes(type="log")
+    assert fig.layout.template.layout.yaxis.minorloglabels == "complete"
+    assert fig.layout.template.layout.xaxis.minorloglabels == "complete"

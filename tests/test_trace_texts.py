@@ -12,11 +12,11 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from analysis import runs as runs_mod
+from analysis.export import read_csv_with_provenance
 from analysis.trace_files import read_inputs, write_run_traces
 from app.inputs import TEXT_RECORDED, TextChoice
 from k3core.trace_dir import TraceDir
@@ -259,7 +259,8 @@ def test_a_checkpoint_reads_a_recorded_text_as_pasted_text():
 
 # ------------------------------------------------------------------------------------------- CLI
 def _report_means(out: Path) -> np.ndarray:
-    return pd.read_csv(out / "figures" / f"{VIEW}.csv")["mean"].to_numpy(dtype=float)
+    table, _ = read_csv_with_provenance(out / "figures" / f"{VIEW}.csv")  # led by the run, text and token count
+    return table["mean"].to_numpy(dtype=float)
 
 
 def test_report_text_index_writes_text_1s_tables(traced, tmp_path, direct):

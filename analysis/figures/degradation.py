@@ -13,7 +13,7 @@ from analysis import hidden_states as hs
 from analysis import kda_memory as km
 from analysis import picks as pk
 from analysis.context import AnalysisContext
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style, mark_repeat_start
 from analysis.trace_errors import MissingTraceData
 from analysis.view import Comparison, NotApplicable, View
 
@@ -23,6 +23,10 @@ def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
         return fn(ctx.trace)
     except MissingTraceData as exc:
         raise NotApplicable(str(exc)) from exc
+
+
+#: normalised attention entropy at or above which every head is said to be near uniform
+NEAR_UNIFORM = 0.9
 
 
 def _heatmap(
@@ -64,6 +68,23 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
         "H / log(i+1) (1 = uniform)",
         fmt=".3f",
     )  # the colours span the values present (often 0.9-1): a fixed 0..1 drew every head in one colour
+    low = float(df["entropy_norm"].min()) if len(df) else 0.0
+    if low >= NEAR_UNIFORM:
+        # colours stretched over 0.96-0.99 would make noise look like contrast: a fixed NEAR_UNIFORM..1 scale, and
+        # the sentence that every head is near uniform
+        fig.update_traces(zmin=NEAR_UNIFORM, zmax=1.0)
+        fig.add_annotation(
+            text=f"every head is near uniform: H / log(i+1) >= {low:.3f} everywhere (1 = uniform; colours "
+            f"{NEAR_UNIFORM:g}..1)",
+            xref="paper",
+            yref="paper",
+            x=0,
+            y=1.0,
+            yanchor="bottom",
+            showarrow=False,
+            font={"size": 12},
+        )
+        fig.update_layout(margin={"t": fig.layout.margin.t + 20 if fig.layout.margin.t else 100})
     return fig, df
 
 
@@ -111,6 +132,7 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         "normalised entropy H / log(i+1)",
     )
     fig.update_xaxes(**ctx.token_axis(lines["query"]))
+    mark_repeat_start(fig, None if ctx.repeat_start is None else ctx.repeat_start - 0.5)
     return fig, df
 
 
@@ -186,6 +208,8 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     )
     fig.update_xaxes(**ctx.token_axis(table.columns))
     fig.update_yaxes(autorange="reversed")
+    if ctx.repeat_start is not None and ctx.repeat_start <= max(table.columns, default=-1):
+        mark_repeat_start(fig, ctx.repeat_start - 0.5)
     total = int(df.attrs.get("total_keys", table.shape[1]))
     shown = f"first {table.shape[1]} of {total} keys" if total > table.shape[1] else f"all {total} keys"
     apply_style(
@@ -266,12 +290,17 @@ def build_layer_redundancy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
         "layer",
         "Block Influence (1 - mean cosine)",
     )
+    # one zero for both axes: the bars' axis is stretched so that its 0 sits where the CKA axis has its 0
+    cka_range = [-0.06, 1.06]
+    zero_at = -cka_range[0] / (cka_range[1] - cka_range[0])
+    top = 1.1 * max(float(df["block_influence"].max()), 1e-12)
+    fig.update_yaxes(range=[-zero_at * top / (1 - zero_at), top])
     fig.update_layout(
         yaxis2={
             "title": {"text": "linear CKA"},
             "overlaying": "y",
             "side": "right",
-            "range": [-0.06, 1.06],  # 0 above the x axis: clear of the turned layer labels
+            "range": cka_range,  # 0 above the x axis: clear of the turned layer labels
             "showgrid": False,
             "tickmode": "linear",
             "tick0": 0,
@@ -304,9 +333,10 @@ def build_massive_activations(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         go.Scatter(
             x=top["depth_label"],
             y=top["max_median_ratio"],
-            name="max / median",
+            name="max / median (right axis)",
             mode="lines+markers",
             line={"dash": "dot"},
+            yaxis="y2",  # a unitless ratio: its own axis, not |h|'s
         )
     )
     fig.update_yaxes(type="log")
@@ -315,6 +345,9 @@ def build_massive_activations(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         f"Massive activations: largest |h| per depth, median and their ratio (hover: token, channel) — {ctx.label}",
         "depth (state entering layer)",
         "|h| (log scale)",
+    )
+    fig.update_layout(
+        yaxis2={"title": {"text": "max / median (ratio, log)"}, "overlaying": "y", "side": "right", "type": "log"}
     )
     return fig, df
 

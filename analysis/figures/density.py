@@ -18,7 +18,7 @@ from analysis import picks as pk
 from analysis.context import AnalysisContext
 from analysis.format import format_bytes, format_tokens
 from analysis.importance import sublayer_importance
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
+from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style, mark_repeat_start
 from analysis.view import Comparison, NotApplicable, View
 from k3core.trace import names
 
@@ -37,15 +37,28 @@ def _dtype_bytes(ctx: AnalysisContext) -> int:
 
 
 def _layer_bars(
-    fig: go.Figure, layers: pd.DataFrame, column: str, row: int, hover_name: str, fmt: str, show_legend: bool
+    fig: go.Figure,
+    layers: pd.DataFrame,
+    column: str,
+    row: int,
+    hover_name: str,
+    fmt: str,
+    show_legend: bool,
+    log: bool = False,
 ) -> None:
-    """One bar trace per layer type (so the legend explains the colours), hover naming the layer."""
+    """One bar trace per layer type (so the legend explains the colours), hover naming the layer. ``log``: markers
+    instead (a bar's length on a log axis depends on where the axis happens to start: it means nothing)."""
     for ltype, g in layers.groupby("layer_type", sort=False):
+        shape = (
+            {"mode": "markers", "marker": {"size": 9, "symbol": "diamond"}}
+            if log
+            else {"width": 0.8}  # explicit: plotly would size each trace's bars from its own x spacing
+        )
         fig.add_trace(
-            go.Bar(
+            (go.Scatter if log else go.Bar)(
                 x=g["layer"],
                 y=g[column],
-                width=0.8,  # explicit: plotly would size each trace's bars from its own x spacing
+                **shape,
                 name=ltype,
                 legendgroup=ltype,
                 showlegend=show_legend,
@@ -86,8 +99,8 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         ),
     )
     _layer_bars(fig, layers, "active_params", 1, "active parameters", ",.0f", True)
-    _layer_bars(fig, layers, "flops", 2, "FLOPs/token", ".3s", False)
-    _layer_bars(fig, layers, "cache_bytes", 3, "cache bytes", ",.0f", False)
+    _layer_bars(fig, layers, "flops", 2, "FLOPs/token", ".3s", False, log=True)
+    _layer_bars(fig, layers, "cache_bytes", 3, "cache bytes", ",.0f", False, log=True)
     fig.update_layout(barmode="overlay")
     fig.update_yaxes(title_text="parameters", row=1, col=1)
     fig.update_yaxes(title_text="FLOPs / token", type="log", row=2, col=1)
@@ -176,7 +189,7 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
         ),
     )
     _layer_bars(fig, table, "active_params", 1, "active parameters", ",.0f", True)
-    _layer_bars(fig, table, "flops", 2, "FLOPs/token", ".3s", False)
+    _layer_bars(fig, table, "flops", 2, "FLOPs/token", ".3s", False, log=True)
     lines = [
         ("ablation_attn", "ablation, mixer", RUN_COLORS[0], "solid"),
         ("ablation_ffn", "ablation, FFN", RUN_COLORS[1], "solid"),
@@ -410,6 +423,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     if axis:
         axis["tickvals"] = [v + 1 for v in axis["tickvals"]]
     fig.update_xaxes(**axis)
+    mark_repeat_start(fig, ctx.repeat_start)  # x = tokens read: the first copy is read once x reaches it
     if len(layers) > 4:  # many entries: legend as a column on the right
         fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
     return fig, table

@@ -14,6 +14,7 @@ from analysis import history as hist
 from analysis.context import AnalysisContext
 from analysis.style import RUN_COLORS, apply_style, subplot_spacing
 from analysis.view import Comparison, NotApplicable, View
+from k3core.data.mqar import mqar_chance
 
 
 def runs_metrics(ctx: AnalysisContext) -> dict[str, dict]:
@@ -109,6 +110,20 @@ def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFram
     apply_style(fig, "Training curves", height=380)
     for col, panel in enumerate(panels, start=1):
         fig.update_yaxes(title_text=PANEL_Y.get(panel, panel), row=1, col=col)
+        if panel == "MQAR accuracy":
+            # accuracy against its chance line, on an axis from 0 (a bare 0.004-0.032 span made noise look like
+            # a trend); the training data's MQAR rows draw values from 64 byte tokens (k3core.data.mqar)
+            chance = mqar_chance()
+            top = max(float(df[df["panel"] == panel]["value"].max()), 2 * chance)
+            fig.add_hline(
+                y=chance,
+                line={"color": "#888", "dash": "dash", "width": 1},
+                annotation_text=f"chance 1/{round(1 / chance)}",
+                annotation_position="top left",
+                row=1,
+                col=col,
+            )
+            fig.update_yaxes(range=[0, 1.1 * top], row=1, col=col)
     fig.update_xaxes(title_text=x_title)
     _legend_right(fig)
     return fig, df

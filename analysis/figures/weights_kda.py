@@ -9,14 +9,15 @@ import plotly.graph_objects as go
 
 from analysis.context import AnalysisContext
 from analysis.figures.weights_source import run_label, weights_of
-from analysis.shared_scales import AXIS_TOP, AXIS_TOP_AT
 from analysis.style import LAYER_TYPE_COLORS, SEQUENTIAL, apply_style
 from analysis.view import NotApplicable
+
+MLA_UNBOUNDED = "MLA layer: unbounded memory (full attention, no half-life)"
 
 
 def build_kda_half_life(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per KDA layer: median resting half-life over its channels, with the 10th-90th percentile band;
-    MLA layers drawn at the top as unbounded memory."""
+    MLA layers drawn as bands over the plot's height (unbounded memory has no half-life to plot)."""
     s = weights_of(ctx)
     table = s.kda_layers
     if table.empty:
@@ -38,25 +39,24 @@ def build_kda_half_life(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
     )
     mla = s.structure.loc[s.structure["mixer"] == "mla", "layer"].to_list()
-    finite = np.concatenate([np.asarray(v, dtype=np.float64) for v in (lo, med, hi)])
-    finite = finite[np.isfinite(finite) & (finite > 0)]
-    bottom, top = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 10.0)
-    if mla:
-        # "Unbounded" has no value: the markers stand at the top of the axis (AXIS_TOP), above every KDA
-        # layer, here and on any axis this one shares in a comparison.
-        span = np.log10(top) - np.log10(bottom) or 1.0
-        y_range = [np.log10(bottom) - 0.05 * span, np.log10(top) + 0.25 * span]
-        fig.update_yaxes(range=y_range)
-        fig.add_trace(
-            go.Scatter(
-                x=mla,
-                y=[10 ** (y_range[0] + AXIS_TOP_AT * (y_range[1] - y_range[0]))] * len(mla),
-                meta=AXIS_TOP,
-                mode="markers",
-                name="MLA: unbounded memory (full attention)",
-                marker={"color": LAYER_TYPE_COLORS["MLA"], "symbol": "triangle-up", "size": 11},
-                hovertemplate="layer %{x} (MLA)<br>full attention: every earlier token stays readable<extra></extra>",
-            )
+    # "Unbounded" has no value on a half-life axis: each MLA layer is a band over the whole plot height (paper
+    # coordinates: no y value at all, so nothing reads as a half-life of ~700 tokens), named once in the legend.
+    for k, layer in enumerate(mla):
+        fig.add_shape(
+            type="rect",
+            xref="x",
+            yref="paper",
+            x0=layer - 0.4,
+            x1=layer + 0.4,
+            y0=0,
+            y1=1,
+            fillcolor=LAYER_TYPE_COLORS["MLA"],
+            opacity=0.15,
+            line_width=0,
+            layer="below",
+            name=MLA_UNBOUNDED,
+            legendgroup="mla",
+            showlegend=k == 0,
         )
     fig.update_yaxes(type="log")
     cfg = s.config

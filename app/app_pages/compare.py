@@ -9,7 +9,7 @@ import streamlit as st
 
 from analysis.compare import distinct_labels
 from analysis.views import section_views
-from app import cards, links, page
+from app import cards, links, page, run_list
 from app.errors import md_escape
 from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
@@ -35,7 +35,8 @@ if mode == TWO_RUNS:
     c1, c2 = st.columns(2)
     c1.text_input("Run A (sidebar)", value=run_a.label, disabled=True, key="k3lab_cmp_a")
     if st.session_state.get("k3lab_cmp_run_b") not in [r.label for r in others]:
-        st.session_state.pop("k3lab_cmp_run_b", None)
+        # a first B that compares something: not A's own quantised copy (its deltas are ~1e-5 of rounding)
+        st.session_state["k3lab_cmp_run_b"] = run_list.default_run_b(run_a, others).label
     label_b = c2.selectbox("Run B", [r.label for r in others], key="k3lab_cmp_run_b")
     run_b = next(r for r in others if r.label == label_b)
 elif mode == EDITED:

@@ -9,22 +9,16 @@ from urllib.parse import urlencode
 import numpy as np
 import pandas as pd
 import streamlit as st
-import torch
 
-from analysis import attribution, effects, job_memory, lens, patching
-from analysis.figures.experiment import (
-    attribution_figure,
-    layer_attribution_figure,
-    lens_figure,
-    loss_change_figure,
-    patching_figure,
-)
+from analysis import attribution, effects, job_memory, patching
+from analysis.export import csv_with_provenance, provenance
+from analysis.figures import experiment as fx
 from analysis.token_detail import token_detail
-from app import caching, job_budget, links, page, picks
+from app import caching, cards, job_budget, links, page, picks
 from app import experiment as ex
 from app.errors import plain
 from app.links import EDITS
-from k3core.interventions import EditError, KDAEdit, compile_edits, edit_from_dict, intervene
+from k3core.interventions import EditError, KDAEdit, compile_edits, edit_from_dict
 
 inputs = page.inputs_or_stop()
 page.page_header(
@@ -52,19 +46,51 @@ results = ss.setdefault(ex.RESULTS, {})
 edits: list[dict] = ss.setdefault(EDITS, [])
 
 
+VIEWS = {view.key: view for view in fx.VIEWS}
+
+
+def _draw(view_key: str, card: str = "", **spec: object) -> bool:
+    """One experiment View drawn through app.cards (export, figure cache), its inputs in the view options;
+    ``card`` tells apart two cards of one view on the page."""
+    return cards.render_view(VIEWS[view_key], ex.with_spec(loaded, **spec), key=f"{view_key}{card}")
+
+
 def _positions(values: list[int]) -> dict[int, str]:
     return {t: f"{t}: {label(int(ids[0, t]))}" for t in values}
 
 
+def _download(df: pd.DataFrame, stem: str, label_text: str, **meta: object) -> None:
+    """A CSV download of a result, led by the run, the text and its token count (and ``meta``)."""
+    head = {**provenance(loaded.ctx), **meta}
+    st.download_button(
+        label_text,
+        data=csv_with_provenance(df, head),
+        file_name=f"k3lab-{stem}.csv",
+        mime="text/csv",
+        key=f"k3lab_exp_dl_{stem}",
+    )
+
+
+def _position_range(key: str, what: str = "Positions") -> tuple[list[int] | None, str | None]:
+    """A [from, to) range of token positions (the whole text: None), with an error sentence when it is empty."""
+    cols = st.columns(2)
+    start = cols[0].number_input(f"{what} from", 0, T - 1, 0, key=f"k3lab_exp_from_{key}")
+    stop = cols[1].number_input(f"{what} to (excluded)", 1, T, T, key=f"k3lab_exp_to_{key}")
+    if int(start) >= int(stop):
+        return None, f"{what} from {int(start)} to {int(stop)} is empty: 'from' must be below 'to'"
+    return (None if (int(start), int(stop)) == (0, T) else [int(start), int(stop)]), None
+
+
 def _build_edit() -> None:
-    """The edit menus: kind and what it acts on (outside the form, the menus below depend on them), then
-    the rest in a form whose button adds the edit."""
+    """The edit menus: kind, what it acts on and the operation (outside the form: the fields below depend on them),
+    then the fields that operation reads in a form whose button adds the edit."""
     kinds = [k for k in ex.KINDS if k != "attnres" or config.residual.endswith("attnres")]
     kinds = [k for k in kinds if k not in ("moe",) or ex.layers_with(config, "moe.selection")]
     kinds = [k for k in kinds if k != "mla" or ex.layers_with(config, "mla.key_mask")]
     c = st.columns(3)
     kind = c[0].selectbox("Edit", kinds, format_func=ex.KINDS.get, key="k3lab_exp_kind")
     data: dict = {"kind": kind}
+    problem = None
     if kind == "attnres":
         sites = list(loaded.ctx.trace.meta.get("attnres_sources", {}))
         site = c[1].selectbox("Site", sites, key="k3lab_exp_site")
@@ -72,58 +98,74 @@ def _build_edit() -> None:
         with st.form("k3lab_exp_form_attnres"):
             mode = st.selectbox("Depth weights", ("uniform", "one_hot", "mask"), key="k3lab_exp_mode")
             picked = st.multiselect("Source(s) (one-hot: the first; mask: all)", sources, key="k3lab_exp_sources")
+            tokens, problem = _position_range("attnres")
             add = st.form_submit_button("Add edit", type="primary")
-        data.update(site=site, mode=mode, sources=picked)
+        data.update(site=site, mode=mode, sources=picked, tokens=tokens)
     else:
         point = {"moe": "moe.selection", "kda": "kda.g", "mla": "mla.key_mask"}.get(kind)
+        op = None
         if kind == "value":
             points = ex.value_points(config)
             point = c[1].selectbox("Hook point", points, key="k3lab_exp_point")
+        else:
+            ops = {"moe": ("ban", "force", "uniform", "bias_off", "shared_off"), "kda": KDAEdit.OPS}.get(
+                kind, ("mask_keys",)
+            )
+            op = c[2].selectbox("Operation", ops, format_func=ex.OP_LABELS.get, key=f"k3lab_exp_op_{kind}")
         layers = ex.layers_with(config, point) if point not in ("embed", "final_resid", "final_norm", "logits") else []
         with st.form(f"k3lab_exp_form_{kind}"):
             cols = st.columns(3)
             if kind == "value":
                 chosen = cols[0].multiselect("Layers (none: all)", layers, key="k3lab_exp_layers") if layers else []
                 op = cols[1].selectbox("Operation", ("zero", "scale", "add", "replace"), key="k3lab_exp_vop")
-                value = cols[2].number_input("Value (factor or number)", value=0.0, key="k3lab_exp_value")
+                value = cols[2].number_input("Value (factor or number; zero: unused)", value=0.0, key="k3lab_exp_value")
+                tokens, problem = _position_range("value")
                 data.update(point=point, op=op, layers=chosen or None, value=None if op == "zero" else value)
+                data["tokens"] = tokens
             else:
                 layer = cols[0].selectbox("Layer", layers, key=f"k3lab_exp_layer_{kind}")
-                ops = {
-                    "moe": ("ban", "force", "uniform", "bias_off", "shared_off"),
-                    "kda": KDAEdit.OPS,
-                    "mla": ("mask_keys",),
-                }[kind]
-                op = cols[1].selectbox("Operation", ops, format_func=ex.OP_LABELS.get, key=f"k3lab_exp_op_{kind}")
                 data.update(layer=layer, op=op)
                 if kind == "moe":
-                    picked = cols[2].multiselect("Experts", list(range(config.num_experts)), key="k3lab_exp_experts")
-                    data["experts"] = picked
+                    if op in ("ban", "force"):
+                        data["experts"] = cols[1].multiselect(
+                            "Experts", list(range(config.num_experts)), key="k3lab_exp_experts"
+                        )
+                    if op != "bias_off":  # the selection bias is one vector: it has no positions
+                        data["tokens"], problem = _position_range("moe")
                 elif kind == "kda":
-                    value = cols[2].number_input("Value (g <= 0, or a factor)", value=0.0, key="k3lab_exp_kvalue")
-                    where = st.number_input("Position (reset_state)", 0, T - 1, min(1, T - 1), key="k3lab_exp_pos")
-                    chunk_names = ex.chunk_labels(T, config.kda_chunk_size)
-                    chunks = st.multiselect(
-                        "Chunks (the chunk-state operations)", list(chunk_names), format_func=chunk_names.get,
-                        key="k3lab_exp_chunks",
-                    )  # fmt: skip
                     if op in ("pin_g", "scale_g", "scale_beta", "scale_chunk_state"):
-                        data["value"] = value
+                        what = "g (<= 0)" if op == "pin_g" else "Factor"
+                        data["value"] = cols[1].number_input(what, value=0.0, key="k3lab_exp_kvalue")
                     if op == "reset_state":
+                        where = cols[1].number_input(
+                            "Forget the state before position", 0, T - 1, min(1, T - 1), key="k3lab_exp_pos"
+                        )
                         data["tokens"] = [int(where), int(where) + 1]
-                    if op in ("reset_chunk_state", "scale_chunk_state"):
-                        data["chunks"] = chunks
+                    elif op in ("reset_chunk_state", "scale_chunk_state"):
+                        chunk_names = ex.chunk_labels(T, config.kda_chunk_size)
+                        data["chunks"] = st.multiselect(
+                            "Chunks", list(chunk_names), format_func=chunk_names.get, key="k3lab_exp_chunks"
+                        )
+                    else:
+                        data["tokens"], problem = _position_range("kda")
                 else:
-                    start = cols[2].number_input("First key masked", 0, T - 1, 0, key="k3lab_exp_k0")
-                    stop = st.number_input("Keys masked up to (excluded)", 1, T, 1, key="k3lab_exp_k1")
+                    start = cols[1].number_input("First key masked", 0, T - 1, 0, key="k3lab_exp_k0")
+                    stop = cols[2].number_input("Keys masked up to (excluded)", 1, T, 1, key="k3lab_exp_k1")
                     data["keys"] = [int(start), int(stop)]
+                    data["queries"], problem = _position_range("mla", "Queries")
             add = st.form_submit_button("Add edit", type="primary")
     if add:
+        if problem:
+            st.error(f"This edit cannot be applied: {problem}")
+            return
         try:
             edit = edit_from_dict(data)
             compile_edits(config, [edit])
         except EditError as exc:
             st.error(f"This edit cannot be applied: {plain(exc)}")
+            return
+        if edit.to_dict() in edits:  # e.g. Enter in a number field submitted the form, then "Add edit" again
+            st.warning(f"`{edit.describe()}` is already in the list: not added twice.")
             return
         edits.append(edit.to_dict())
         st.rerun()
@@ -147,44 +189,49 @@ def _experiment() -> None:
     auto = ss.pop("k3lab_exp_autorun", False)
     if key not in results and not (st.button("Run experiment", type="primary", key="k3lab_exp_run") or auto):
         return
-    if key not in results:
-        with st.status("Running the baseline and the edited forward...", expanded=True) as status:
-            bar = st.progress(0.0, text="baseline forward")
-            start = time.perf_counter()
-            try:
-                parsed = [edit_from_dict(d) for d in edits]
-                need = job_memory.experiment_peak_bytes(config, T)
-                with (
-                    job_budget.budget().admit(need, f"The experiment on {T:,} tokens", st.info),
-                    caching.model_use(model),
-                ):
-                    exp = effects.run_experiment(model, ids.to(next(model.parameters()).device), parsed)
-            except (EditError, ValueError, RuntimeError) as exc:
-                status.update(label="The experiment failed", state="error")
-                st.error(f"The experiment could not run: {plain(exc)}")
-                return
-            bar.progress(1.0, text="done")
-            status.update(label=f"Experiment done in {time.perf_counter() - start:.1f} s", state="complete")
-        ex.remember(results, key, exp)
-    exp = results[key]
-    ids_cpu = ids.cpu()
-    exp_cpu = effects.Experiment(exp.edits, exp.base_logits.cpu(), exp.edited_logits.cpu())
-    table = exp_cpu.effects(ids_cpu, label)
-    summary = exp_cpu.summary(ids_cpu)
+    fresh = key not in results
+    spec = ex.with_spec(loaded, edits=list(edits))
+    with st.status("Running the baseline and the edited forward...", expanded=fresh) as status:
+        start = time.perf_counter()
+        try:
+            need = job_memory.experiment_peak_bytes(config, T)
+            with (
+                job_budget.budget().admit(need, f"The experiment on {T:,} tokens", st.info),
+                caching.model_use(model, exclusive=True),
+            ):
+                table, summary = fx.experiment_effects(spec.ctx)
+        except (EditError, ValueError, RuntimeError) as exc:
+            status.update(label="The experiment failed", state="error")
+            st.error(f"The experiment could not run: {plain(exc)}")
+            return
+        status.update(label=f"Experiment done in {time.perf_counter() - start:.1f} s", state="complete")
+    ex.remember(results, key, True)
+    history = ss.setdefault(ex.HISTORY, [])
+    if fresh:
+        history.append({"run": loaded.ref.label, **ex.history_row(edits, summary, T)})
     st.markdown("#### Per-token loss change")
     c = st.columns(3)
     c[0].metric("Mean loss, baseline", f"{summary['base_loss']:.4f}")
-    c[1].metric("Mean loss, edited", f"{summary['edited_loss']:.4f}", f"{summary['loss_change']:+.4f}")
+    # a loss increase is worse: warm (red), whichever way the arrow points
+    c[1].metric(
+        "Mean loss, edited", f"{summary['edited_loss']:.4f}", f"{summary['loss_change']:+.4f}", delta_color="inverse"
+    )
     c[2].metric("Positions whose top-1 changed", summary["positions_changed_top1"])
-    st.plotly_chart(loss_change_figure(table), key="k3lab_exp_loss_fig")
+    _draw("experiment_loss_change", edits=list(edits))
     st.dataframe(table, hide_index=True, key="k3lab_exp_table")
+    _download(table, "per-token-loss", "Download per-token loss (CSV)", edits=json.dumps(edits))
+    if len(history) > 1:
+        st.markdown("**This session's experiments** (oldest first)")
+        st.dataframe(pd.DataFrame(history), hide_index=True, key="k3lab_exp_history")
     worst = int(table.loss_change.abs().idxmax()) if len(table) else 0
     options = _positions(list(range(T)))
     chosen = st.multiselect(
         "Prediction changes at", list(options), default=[worst], format_func=options.get, key="k3lab_exp_at"
     )
     if chosen:
-        changes = effects.prediction_changes(exp_cpu.base_logits, exp_cpu.edited_logits, chosen, 5, label)
+        with caching.model_use(model, exclusive=True):
+            base_logits, edited_logits = ex.experiment_logits(results, loaded, edits)
+        changes = effects.prediction_changes(base_logits, edited_logits, chosen, 5, label)
         st.dataframe(changes, hide_index=True, key="k3lab_exp_changes")
     query = {**st.query_params.to_dict(), "mode": "edited", "section": "moe"}
     st.markdown(f"[Every diagnostics view, baseline vs edited, on the Compare page](/compare?{urlencode(query)})")
@@ -194,54 +241,113 @@ def _patching() -> None:
     st.caption(
         "The sidebar's text is the clean input; the corrupted one replaces one token. Each (layer, site) "
         "activation of the clean run is written into the corrupted run; the heatmap shows the fraction of "
-        "the metric restored."
+        "the metric restored: (patched - corrupted) / (clean - corrupted)."
     )
     with st.form("k3lab_patch_form"):
         c = st.columns(3)
         where = c[0].number_input("Corrupt position", 0, T - 2, min(2, T - 2), key="k3lab_patch_pos")
-        token = c[1].number_input("Replacement token id", 0, config.vocab_size - 1, 0, key="k3lab_patch_tok")
+        replacement = c[1].text_input("Replacement (one token of text)", " ", key="k3lab_patch_text")
         metric_kind = c[2].selectbox("Metric", ("span_loss", "logit_diff"), key="k3lab_patch_metric")
+        c = st.columns(2)
+        correct_text = c[0].text_input(
+            "logit_diff: correct answer (empty: the clean run's top-1)", "", key="k3lab_patch_correct"
+        )
+        wrong_text = c[1].text_input(
+            "logit_diff: wrong answer (empty: the corrupted run's top-1)", "", key="k3lab_patch_wrong"
+        )
         sites = st.multiselect("Sites", list(patching.SITES), default=list(patching.SITES), key="k3lab_patch_sites")
-        per_position = st.checkbox("Per position (one site)", key="k3lab_patch_pp")
+        c = st.columns(3)
+        per_position = c[0].checkbox("Per position (every selected site)", key="k3lab_patch_pp")
+        first = c[1].number_input("Positions from", 0, T - 1, 0, key="k3lab_patch_from")
+        last = c[2].number_input("to (excluded)", 1, T, T, key="k3lab_patch_to")
+        confirm = st.checkbox("Run it even when it is a long job (the estimate is shown first)", key="k3lab_patch_ok")
         go = st.form_submit_button("Run patching", type="primary")
+    try:
+        token = ex.one_token(run, replacement, "the replacement")
+        window = (int(first), int(last)) if per_position else None
+        plan = patching.patch_plan(config, T, sites, None, per_position, window)
+    except (ValueError, patching.PatchingError) as exc:
+        st.error(plain(exc))
+        return
     corrupted = ids.clone()
-    corrupted[0, int(where)] = int(token)
-    key = ("patch", loaded.key, int(where), int(token), metric_kind, tuple(sites), per_position)
+    corrupted[0, int(where)] = token
+    key = ("patch", loaded.key, int(where), token, metric_kind, correct_text, wrong_text, tuple(sites), window)
+    forwards = len(plan) + 2
     if go and key not in results:
-        device = next(model.parameters()).device
-        with torch.no_grad(), caching.model_use(model):
-            clean_top = int(model(ids.to(device)).logits[0, -1].argmax())
-            corrupt_top = int(model(corrupted.to(device)).logits[0, -1].argmax())
-        if metric_kind == "logit_diff":
-            metric = patching.Metric("logit_diff", clean_top, corrupt_top if corrupt_top != clean_top else 0)
-        else:
-            metric = patching.Metric("span_loss", start=int(where) + 1, stop=T)
-        bar = st.progress(0.0, text="clean run")
-
-        def progress(done: int, total: int, what: str) -> None:
-            bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
-
+        start = time.perf_counter()
+        with caching.model_use(model):
+            clean_logits = effects.forward_logits(model, ids)[0, -1]
+            corrupt_logits = effects.forward_logits(model, corrupted)[0, -1]
+        seconds = (time.perf_counter() - start) / 2 * forwards
+        if forwards > ex.CONFIRM_FORWARDS and not confirm:
+            st.warning(
+                f"This job runs {forwards:,} forwards ({len(plan):,} patches + the clean and corrupted runs), about "
+                f"{seconds:,.0f} s at this machine's speed. Tick 'Run it even when it is a long job' to run it, or "
+                "narrow the sites, the positions or turn off per position."
+            )
+            return
+        try:
+            if metric_kind == "logit_diff":
+                correct = ex.one_token(run, correct_text, "the correct answer") if correct_text else None
+                wrong = ex.one_token(run, wrong_text, "the wrong answer") if wrong_text else None
+                correct = int(clean_logits.argmax()) if correct is None else correct
+                wrong = int(corrupt_logits.argmax()) if wrong is None else wrong
+                if correct == wrong:
+                    raise ValueError(
+                        f"the correct and the wrong answer are the same token ({label(correct)!r}): type a wrong "
+                        "answer (the clean and the corrupted run predict the same top-1)"
+                    )
+                metric = patching.Metric("logit_diff", correct, wrong)
+            else:
+                metric = patching.Metric("span_loss", start=int(where) + 1, stop=T)
+        except (ValueError, patching.PatchingError) as exc:
+            st.error(plain(exc))
+            return
+        spec = fx.patching_spec(int(where), token, metric.to_dict(), list(sites), per_position, window)
         try:
             need = job_memory.patching_peak_bytes(config, T, len(sites))
-            with job_budget.budget().admit(need, f"Patching over {T:,} tokens", st.info), caching.model_use(model):
-                df = patching.activation_patching(
-                    model,
-                    ids.to(next(model.parameters()).device),
-                    corrupted.to(next(model.parameters()).device),
-                    metric,
-                    sites=sites[:1] if per_position else sites,
-                    per_position=per_position,
-                    progress=progress,
-                )
+            with (
+                st.spinner(f"Patching: {forwards:,} forwards..."),
+                job_budget.budget().admit(need, f"Patching over {T:,} tokens", st.info),
+                caching.model_use(model, exclusive=True),
+            ):
+                fx.experiment_patching(ex.with_spec(loaded, patching=spec).ctx)
         except (patching.PatchingError, job_budget.JobRefused) as exc:
             st.error(plain(exc))
             return
-        ex.remember(results, key, (df, metric))
+        ex.remember(results, key, (spec, metric))
+    elif key not in results:
+        st.caption(f"This job: {forwards:,} forwards.")
     if key in results:
-        df, metric = results[key]
-        st.caption(f"Metric: {json.dumps(metric.to_dict())}")
-        st.plotly_chart(patching_figure(df), key="k3lab_patch_fig")
+        spec, metric = results[key]
+        with caching.model_use(model, exclusive=True):  # the cached result (computed again if it was dropped)
+            df = fx.experiment_patching(ex.with_spec(loaded, patching=spec).ctx)
+        clean, corrupt = df.attrs["clean_metric"], df.attrs["corrupted_metric"]
+        c = st.columns(3)
+        c[0].metric(f"Clean {metric.kind}", f"{clean:.4f}")
+        c[1].metric(f"Corrupted {metric.kind}", f"{corrupt:.4f}")
+        c[2].metric("Gap (clean - corrupted)", f"{clean - corrupt:+.4f}", delta_color="off")
+        if df.attrs.get("gap_warning"):
+            st.warning(df.attrs["gap_warning"])
+        answers = (
+            f"correct {label(metric.correct)!r} (id {metric.correct}), wrong {label(metric.wrong)!r} "
+            f"(id {metric.wrong}) at the last position"
+            if metric.kind == "logit_diff"
+            else f"mean next-token loss of positions {metric.start}..{metric.stop - 1}"
+        )
+        st.caption(
+            f"Corrupted: position {int(where)} {label(int(ids[0, int(where)]))!r} -> {label(token)!r}. Metric: "
+            f"{answers}."
+        )
+        _draw("experiment_patching", patching=spec)
+        if df.by_construction.any():
+            st.caption(
+                "The resid rows over every position are 1 by construction: patching the whole residual stream "
+                "entering a layer makes the corrupted run the clean run from there on. They are the reference "
+                "scale, not a finding; per position, resid says where the information sits."
+            )
         st.dataframe(df, hide_index=True, key="k3lab_patch_table")
+        _download(df, "patching", "Download patching (CSV)", metric=json.dumps(metric.to_dict()))
 
 
 def _attribution() -> None:
@@ -250,37 +356,79 @@ def _attribution() -> None:
         n = c[0].number_input("Prompt tokens", 1, max(1, T - 1), min(16, T - 1), key="k3lab_attr_n")
         m = c[1].number_input("Target tokens", 1, 16, 4, key="k3lab_attr_m")
         method = c[2].selectbox("Method", attribution.METHODS, key="k3lab_attr_method")
-        baseline = c[3].number_input("Baseline token id", 0, config.vocab_size - 1, 0, key="k3lab_attr_base")
+        baseline_text = c[3].text_input("Baseline (one token of text)", " ", key="k3lab_attr_base_text")
+        target_text = st.text_input(
+            "Target continuation as text (empty: the text's next tokens after the prompt)", "", key="k3lab_attr_target"
+        )
+        c = st.columns(3)
+        steps = c[0].number_input("IG steps", 4, 512, 64, key="k3lab_attr_steps")
+        samples = c[1].number_input("Shapley samples", 1, 64, 8, key="k3lab_attr_samples")
+        seed = c[2].number_input("Shapley seed", 0, 2**31 - 1, 0, key="k3lab_attr_seed")
         layers = st.checkbox("Also attribute to layer kinds (KDA / MLA, dense / routed / shared)", key="k3lab_attr_l")
         go = st.form_submit_button("Run attribution", type="primary")
-    n, m = int(n), int(min(m, T - n))
-    key = ("attr", loaded.key, n, m, method, int(baseline), layers)
+    n = int(n)
+    try:
+        baseline = ex.one_token(run, baseline_text, "the baseline")
+        target = ex.text_ids(run, target_text, "the target")[:16] if target_text else None
+    except ValueError as exc:
+        st.error(plain(exc))
+        return
+    y = list(target) if target else ids[0, n : n + int(min(m, T - n))].tolist()
+    key = ("attr", loaded.key, n, tuple(y), method, baseline, int(steps), int(samples), int(seed), layers)
+    # plain IG is shown beside the frozen-routing one (and the other way round) on MoE models
+    methods = [method]
+    if method in attribution.IG_METHODS and config.num_experts:
+        methods = list(attribution.IG_METHODS)
+    specs = [fx.attribution_spec(n, y, mth, baseline, int(steps), int(samples), int(seed)) for mth in methods]
     if go and key not in results:
-        x, y = ids[0, :n].cpu(), ids[0, n : n + m].cpu()
-        need = job_memory.attribution_peak_bytes(config, n + m, method, layers=layers)
+        running = f"{', '.join(methods)} on {n} prompt and {len(y)} target tokens..."
+        need = max(job_memory.attribution_peak_bytes(config, n + len(y), mth, int(steps), layers) for mth in methods)
         try:
-            with (
-                st.spinner(f"{method} on {n} prompt and {m} target tokens..."),
-                job_budget.budget().admit(need, f"Attribution ({method}) over {n + m:,} tokens", st.info),
-                caching.model_use(model),
-            ):
-                tok = attribution.token_attribution(model, x, y, method, int(baseline), run.tokenizer)
-                lay = attribution.layer_attribution(model, x, y) if layers else None
+            admitted = job_budget.budget().admit(need, f"Attribution over {n + len(y):,} tokens", st.info)
+            with st.spinner(running), admitted, caching.model_use(model, exclusive=True):
+                for spec in specs:
+                    fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
+                if layers:
+                    fx.experiment_layer_attribution(ex.with_spec(loaded, attribution=specs[0]).ctx)
         except (attribution.AttributionError, job_budget.JobRefused) as exc:
             st.error(plain(exc))
             return
-        ex.remember(results, key, (tok, lay))
+        ex.remember(results, key, True)
     if key in results:
-        tok, lay = results[key]
-        st.plotly_chart(attribution_figure(tok), key="k3lab_attr_fig")
-        if tok.delta is not None:
-            st.caption(
-                f"Integrated gradients: f(x) - f(baseline) per output token {np.round(tok.difference, 4).tolist()}, "
-                f"convergence delta {np.round(tok.delta, 4).tolist()} (more steps shrink it)."
-            )
-        if lay is not None:
-            st.plotly_chart(layer_attribution_figure(lay), key="k3lab_attr_layers")
+        cols = st.columns(len(specs))
+        for col, spec in zip(cols, specs):
+            with col:
+                _draw("experiment_attribution", f"_{spec['method']}", attribution=spec)
+                with caching.model_use(model, exclusive=True):
+                    tok = fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
+                _attribution_notes(tok)
+                _download(tok.table(), f"attribution-{tok.method}", f"Download {tok.method} (CSV)", **tok.extra)
+        if layers:
+            _draw("experiment_layer_attribution", attribution=specs[0])
+            with caching.model_use(model, exclusive=True):
+                lay = fx.experiment_layer_attribution(ex.with_spec(loaded, attribution=specs[0]).ctx)
             st.dataframe(lay.by_kind, hide_index=True, key="k3lab_attr_kinds")
+
+
+def _attribution_notes(tok: attribution.TokenAttribution) -> None:
+    """How much to trust one attribution: its completeness (IG), routing changes, samples and seed (Shapley)."""
+    if tok.delta is not None:
+        shares = tok.delta_share()
+        st.caption(
+            f"{tok.method}: f(x) - f(baseline) per output token {np.round(tok.difference, 4).tolist()}, "
+            f"delta {np.round(tok.delta, 4).tolist()} ({max(shares):.1%} of it at most)"
+            + (
+                f"; top-k expert sets changed {tok.extra['routing_changes']:,} times along the path"
+                if "routing_changes" in tok.extra
+                else ""
+            )
+            + (f"; {tok.extra['path_points']:,} path points" if "path_points" in tok.extra else "")
+        )
+    elif tok.method == "shapley":
+        st.caption(f"Shapley values from {tok.extra['n_samples']} sampled permutations, seed {tok.extra['seed']}.")
+    warning = tok.warning()
+    if warning:
+        st.warning(f"{tok.method}: {warning}")
 
 
 def _lens() -> None:
@@ -292,16 +440,12 @@ def _lens() -> None:
     )
     value = st.radio("Colour", ("next_rank", "kl_to_final"), horizontal=True, key="k3lab_lens_value")
     runs_to_show = [("baseline", [])] + ([("edited", edits)] if edits else [])
-    device = next(model.parameters()).device
     for name, chosen in runs_to_show:
-        key = ("lens", loaded.key, json.dumps(chosen))
-        if key not in results:
-            with caching.model_use(model), intervene(model, [edit_from_dict(d) for d in chosen]):
-                labels, logits = lens.lens_logits(model, ids.to(device))
-            ex.remember(results, key, lens.lens_table(labels, logits.cpu(), ids.cpu(), 5, label))
-        table = results[key]
+        spec = {"edits": list(chosen), "lens_value": value}
+        with caching.model_use(model, exclusive=True):
+            table = fx.experiment_lens(ex.with_spec(loaded, **spec).ctx)
         st.markdown(f"**{name}**")
-        st.plotly_chart(lens_figure(table, value), key=f"k3lab_lens_fig_{name}")
+        _draw("experiment_lens", f"_{name}", **spec)
         where = st.selectbox(
             "Position",
             list(range(T)),
@@ -318,8 +462,8 @@ def _token() -> None:
     position = st.selectbox("Token", list(options), format_func=options.get, key="k3lab_tok_pos")
     key = ("logits", loaded.key)
     if key not in results:
-        with torch.no_grad(), caching.model_use(model):
-            ex.remember(results, key, model(ids.to(next(model.parameters()).device)).logits.cpu())
+        with caching.model_use(model):
+            ex.remember(results, key, effects.forward_logits(model, ids))
     detail = token_detail(trace, results[key], int(position), top_k=5, token_label=label)
     s = detail.summary
     loss = "—" if s["loss"] is None else f"{s['loss']:.4f} nats"
@@ -342,7 +486,10 @@ def _token() -> None:
         st.caption(
             f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}: keys 0..{s['position']}"
         )
-        st.bar_chart(pd.DataFrame({"attention": rows.prob.to_numpy()}, index=[f"{k}" for k in rows.key]))
+        what = f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}"
+        fig = fx.mla_attention_figure(rows, int(s["position"]), what)
+        stem = f"{cards.slug(loaded.ctx.label)}_mla_attention_from_{int(s['position'])}"
+        cards.figure_card(fig, rows, key="k3lab_tok_mla_fig", stem=stem)
     elif trace.layer_indices("mla"):
         st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
     if len(detail.kda):

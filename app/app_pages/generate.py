@@ -54,8 +54,9 @@ def show_result(result: dict, live: bool = False) -> None:
         data=result["prompt"] + result["text"],
         file_name="k3lab-generated.txt",
         mime="text/plain",
-        # while generating the button is drawn again every 16 tokens: no fixed key (one per script run)
-        key=None if live else "k3lab_gen_download",
+        # while generating the button is drawn again every 16 tokens, in one script run: each redraw needs its own
+        # id (the auto id hashes label and file name only, so the third redraw collided), keyed by the count so far
+        key=f"k3lab_gen_download_live_{result['new']}" if live else "k3lab_gen_download",
     )
 
 

@@ -52,6 +52,12 @@ def _default_mqar_ranges(vocab_size: int) -> tuple[tuple[int, int], tuple[int, i
     return (half, three_q), (three_q, vocab_size)
 
 
+def mqar_chance(vocab_size: int = 256) -> float:
+    """Accuracy of a uniform guess among the value tokens of the default ranges: 1 / |values| (1/64 for bytes)."""
+    lo, hi = _default_mqar_ranges(vocab_size)[1]
+    return 1.0 / (hi - lo)
+
+
 def _rand_perm_rows(n: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
     """``n`` independent random permutations of ``range(k)``, shape ``[n, k]``."""
     return torch.rand(n, k, generator=generator).argsort(dim=1)

@@ -1,0 +1,95 @@
+"""Every page of the app in a real browser, two rounds: the first visit and the second (nothing changed, one user).
+
+    .venv/bin/python -m benchmarks.bench_pages            # this checkout; prints one line per page and visit
+
+The app is started as ``benchmarks.bench_app`` starts it (fresh HOME, free port, the shipped samples), opened cold
+(seconds to the first drawn chart), then each sidebar page is clicked in turn, twice over. A visit's time is wall
+clock from the click to the page's heading shown, its script run over and every chart on it drawn
+(``bench_app.settle``). Targets (issue 27): first chart within 5 s of a cold open, every second visit within 0.5 s.
+Pages that raise show Streamlit's exception box: counted and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench_app import CHART, CHROMIUM, CHROMIUM_ARGS, EXCEPTION, REPO, app_server, settle
+
+#: (sidebar link, url path, heading) of every page, in sidebar order (app/main.py)
+PAGES = (
+    ("Weights", "weights", "Weights"),
+    ("KDA & density", "density", "KDA & layer density"),
+    ("AttnRes", "attnres", "AttnRes"),
+    ("LatentMoE", "moe", "LatentMoE"),
+    ("Degradation", "degradation", "Attention degradation"),
+    ("Compare", "compare", "Compare"),
+    ("Training history", "history", "Training history"),
+    ("Experiment", "experiment", "Experiment"),
+    ("Generate", "generate", "Generate"),
+    ("Runs library", "upload", "Runs library"),
+    ("Overview", "", "k3lab"),  # the default page, served at "/"
+)
+COLD_TARGET_S, AGAIN_TARGET_S = 5.0, 0.5
+
+
+def visit(page, link: str, url_path: str, heading: str, timeout_ms: int = 180_000) -> float:
+    """Click a sidebar link; seconds until the heading is shown and the page is settled (charts drawn, run over)."""
+    start = time.perf_counter()
+    page.get_by_role("link", name=link, exact=True).first.click()
+    if url_path:
+        page.wait_for_url(f"**/{url_path}*", timeout=timeout_ms)
+    page.get_by_role("heading", name=heading).first.wait_for(timeout=timeout_ms)
+    settle(page, timeout_ms)
+    return time.perf_counter() - start
+
+
+def walk(url: str, pw, shots: Path | None = None) -> dict[str, float]:
+    browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    try:
+        context = browser.new_context(viewport={"width": 1440, "height": 1000})
+        page = context.new_page()
+        start = time.perf_counter()
+        page.goto(url)
+        page.wait_for_selector(CHART, timeout=180_000)
+        times = {"cold open to first chart": time.perf_counter() - start}
+        settle(page)
+        for visit_name in ("first", "again"):
+            for link, path, heading in PAGES:
+                times[f"{link} ({visit_name})"] = visit(page, link, path, heading)
+                print(f"{link} ({visit_name}) {times[f'{link} ({visit_name})']:.2f} s", file=sys.stderr, flush=True)
+                errors = page.locator(EXCEPTION).count()
+                if errors:
+                    times[f"{link} ({visit_name}) EXCEPTIONS"] = float(errors)
+                if shots is not None and visit_name == "again":
+                    page.screenshot(path=str(shots / f"{path or 'overview'}.png"), full_page=True)
+        return times
+    finally:
+        browser.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/k3lab-bench-pages"))
+    parser.add_argument("--screenshots", type=Path, help="save a full-page screenshot of each page's second visit")
+    args = parser.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.screenshots:
+        args.screenshots.mkdir(parents=True, exist_ok=True)
+    with app_server(REPO, args.workdir, {}) as (url, _log), sync_playwright() as pw:
+        times = walk(url, pw, args.screenshots)
+    failed = 0
+    for name, seconds in times.items():
+        target = COLD_TARGET_S if name.startswith("cold") else AGAIN_TARGET_S if "(again)" in name else None
+        ok = "" if target is None else ("  ok" if seconds <= target else f"  OVER {target} s")
+        failed += bool(ok.strip().startswith("OVER")) or "EXCEPTIONS" in name
+        print(f"{name:40s} {seconds:7.2f} s{ok}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
