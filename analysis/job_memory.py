@@ -6,7 +6,8 @@ measured +77 / +717 MB of RSS against 87 / 955 MB estimated (benchmarks/ has no 
     forward:      4 T (64 d + 4 V + 4 E)   (per-token activations of width d, vocabulary V, E experts; the MLA
                   prefill runs SDPA's fused kernel, O(T): k3core.ops.attention)
     trace:        forward + the recorded arrays: 4 T ((L+1) d + 2 n_kda h_kda c + L (E + latent))
-                  + n_mla min(T, A)^2 H 4 when attention is recorded (A: its length cap)
+                  + (n_mla + 3) min(T, A)^2 H 4 when attention is recorded (A: its query window; the kept maps
+                  and one layer's window being computed)
     experiment:   forward + 2 x 4 T V (the baseline's and the edited logits kept) + T^2 + 3 min(T, Q) T H 4 when
                   the MLA layers' key mask is written: the [T, T] boolean mask an edit writes, and a query block of
                   Q = k3core.ops.attention.QUERY_BLOCK rows of scores where SDPA falls back to its math path
@@ -43,7 +44,8 @@ def trace_peak_bytes(config: Any, tokens: int, attention_len: int | None = None)
     kept = 4 * t * ((layers + 1) * config.hidden_size + 2 * n_kda * kda_width + layers * (config.num_experts + latent))
     if attention_len:
         a = min(t, int(attention_len))
-        kept += _mla_layers(config) * a * a * config.num_attention_heads * 4
+        # the kept maps, and the work of one layer's window at a time (its scores, weights and probabilities)
+        kept += (_mla_layers(config) + 3) * a * a * config.num_attention_heads * 4
     return forward_peak_bytes(config, t) + kept
 
 

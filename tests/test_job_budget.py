@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 from analysis import job_memory
 from analysis.runs import load_run
 from app import job_budget, library_home, run_list
+from app.inputs import MAX_ATTN_LEN
 from app.job_budget import JobBudget, JobRefused
 from app.settings import HOME_ENV, JOB_MEMORY_ENV, ROOTS_ENV, job_memory_bytes, machine_memory_bytes
 from k3core.trace import record
@@ -153,7 +154,7 @@ def test_six_sessions_two_long_jobs_stay_in_a_small_budget_and_every_page_answer
     runs library, the weights, the history, an overview of 64 tokens). The traces run one after the other, the
     admitted estimates never pass the budget, and every session's page answers without an error."""
     config = load_run(SAMPLE).config
-    one = job_memory.trace_peak_bytes(config, 1536)
+    one = job_memory.trace_peak_bytes(config, 1536, MAX_ATTN_LEN)  # what the page asks for (attention recorded)
     budget = job_budget.reset(int(one * 1.5), wait_s=120)
     sessions = [("overview", 1536), ("overview", 1535), ("runs_library", 64), ("weights", 64), ("history", 64),
                 ("overview", 64)]  # fmt: skip
