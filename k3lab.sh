@@ -47,7 +47,7 @@ case "${1:-app}" in
   test)
     shift || true
     need_chromium
-    # flash-linear-attention's pure-torch KDA reference, for the cross-check in tests/test_ops_kda.py
+    # flash-linear-attention's pure-torch KDA reference, for the cross-check in tests/k3core/ops/test_ops_kda.py
     # (--no-deps: its package needs triton and a GPU; the test loads naive.py by file path).
     if ! "$VENV/bin/python" -m pip show -q fla-core >/dev/null 2>&1; then
       pip_install --no-deps fla-core || echo "k3lab: fla-core not installed; the fla cross-check will skip"

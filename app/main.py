@@ -17,10 +17,12 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import links, prefetch, run_list, sidebar  # noqa: E402
-from app.errors import shown_errors  # noqa: E402
-from app.roots import descriptor_check  # noqa: E402
-from k3core.files import checked_opens  # noqa: E402
+from app.library import run_list  # noqa: E402
+from app.library.roots import descriptor_check  # noqa: E402
+from app.render import prefetch  # noqa: E402
+from app.render.errors import shown_errors  # noqa: E402
+from app.state import links, sidebar  # noqa: E402
+from k3core.utils.files import checked_opens  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
 PAGES_DIR = Path(__file__).resolve().parent / "app_pages"

@@ -12,11 +12,11 @@ waited on through its health URL, then opened in a fresh Chromium context (the s
 - page switch (first visit): a sidebar link click -> the page's heading, its charts, and the script run
   finished, on the run the Overview loaded (model and trace cached, this page's figures not);
 - page switch (again): back to each page already drawn (everything cached);
-- where Degradation draws its first figures and the rest on request (app.page.render_section): the toggle
+- where Degradation draws its first figures and the rest on request (app.render.page.render_section): the toggle
   click -> the other figures drawn, and a switch back to the page with all of them shown.
 
 With ``--before`` both apps run one after the other in one process, on the same sample, and the table
-gives after / before. The test suite uses the same driver (tests/test_browser.py) and prints its times.
+gives after / before. The test suite uses the same driver (tests/app/test_browser.py) and prints its times.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
 def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: float = 120, preload: bool = True):
     """The app of ``repo`` on a free port; yields (base url, log path); stops it after.
 
-    ``preload``: start it with ``python -m app.serve`` (libraries imported before the server listens, as
+    ``preload``: start it with ``python -m app.server.serve`` (libraries imported before the server listens, as
     ``k3lab app`` does) where the checkout has it; else ``streamlit run app/main.py``."""
     home = workdir / "home"
     home.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,11 @@ def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: fl
     env.update(env_extra)
     log = workdir / f"streamlit-{port}.log"
     serve = preload and (repo / "app" / "serve.py").is_file()
-    start = [sys.executable, "-m", "app.serve"] if serve else [sys.executable, "-m", "streamlit", "run", "app/main.py"]
+    start = (
+        [sys.executable, "-m", "app.server.serve"]
+        if serve
+        else [sys.executable, "-m", "streamlit", "run", "app/main.py"]
+    )
     cmd = [
         *start,
         "--server.headless", "true",
@@ -162,8 +166,8 @@ def switch_page(page, link: str, url_path: str, heading: str, timeout_ms: int = 
 
 
 def show_the_rest(page, timeout_ms: int = RENDER_TIMEOUT_MS) -> float | None:
-    """On a page that draws its first figures and the rest on request (app.page.render_section), turn the rest on;
-    seconds until they are drawn. None where the page has no such toggle (it draws everything at once)."""
+    """On a page that draws its first figures and the rest on request (app.render.page.render_section), turn the rest
+    on; seconds until they are drawn. None where the page has no such toggle (it draws everything at once)."""
     toggle = page.get_by_text(re.compile(r"^Show the other \d+ figures$"))
     if toggle.count() == 0:
         return None
@@ -215,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--streamlit-run",
         action="store_true",
-        help="also time this checkout served by `streamlit run app/main.py` (by default only `python -m app.serve`, "
-        "as `k3lab app` serves it; --before is served the same way where it has app/serve.py)",
+        help="also time this checkout served by `streamlit run app/main.py` (by default only `python -m "
+        "app.server.serve`, "
+        "as `k3lab app` serves it; --before is served the same way where it has app/server/serve.py)",
     )
     args = parser.parse_args(argv)
     from playwright.sync_api import sync_playwright
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     apps = [("before", args.before.resolve(), True)] if args.before else []
     if args.streamlit_run:
         apps.append(("after, streamlit run", REPO, False))
-    apps.append(("after, app.serve", REPO, True))
+    apps.append(("after, app.server.serve", REPO, True))
     results: dict[str, dict[str, float]] = {}
     env = {"K3LAB_RUNS": str(args.run.resolve())}
     with sync_playwright() as pw:
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(load average {load:.1f} on {os.cpu_count()} cores)"
     )
     print(f"  {'':44s}" + "".join(f"{name:>22s}" for name in results) + ("   ratio to before" if args.before else ""))
-    for key in results["after, app.serve"]:
+    for key in results["after, app.server.serve"]:
         row = [results[name].get(key) for name in results]
         ratios = "   " + " ".join(_ratio(v, row[0]) for v in row[1:]) if args.before else ""
         print(f"  {key:44s}" + "".join(f"{v:20.2f} s" if v is not None else f"{'-':>22s}" for v in row) + ratios)

@@ -1,7 +1,7 @@
 """Decode-cache bytes: the K3 layout (KDA + MLA) vs the same model with every layer MLA.
 
 Bytes are summed over the cache tensors actually allocated (``K3Cache.nbytes()``: numel * element_size)
-by ``k3core.generate.build_decode_cache``: each layer's own attention code fills its cache from a short
+by ``k3core.generation.decode.build_decode_cache``: each layer's own attention code fills its cache from a short
 prefill, then every MLA latent is allocated at the full length [B, T, kv_lora + rope] (``torch.empty``;
 KDA caches do not depend on length). No formula is involved.
 
@@ -14,7 +14,7 @@ KDA caches do not depend on length). No formula is involved.
 from __future__ import annotations
 
 from k3core.config import K3Config
-from k3core.generate import decode_cache_bytes
+from k3core.generation.decode import decode_cache_bytes
 from k3core.presets import from_preset
 
 from .common import Row

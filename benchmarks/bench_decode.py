@@ -1,10 +1,10 @@
-"""Generation: cached decoding (k3core.generate, K3Cache) vs recomputing the whole forward per new token."""
+"""Generation: cached decoding (k3core.generation.decode, K3Cache) vs recomputing the whole forward per new token."""
 
 from __future__ import annotations
 
 import torch
 
-from k3core.generate import generate, next_token
+from k3core.generation.decode import generate, next_token
 from k3core.model import K3ForCausalLM
 
 from .common import Row, side_by_side

@@ -18,7 +18,7 @@ FLOPs per token of the K3 forward (``forward_flops_per_token``), counted analyti
                 the router, k of E routed experts per MoE layer, the depthwise short convs (kernel x channels)
     MLA         per layer H (d_qk + d_v) (T + 1): QK^T and AV, causal, i.e. (T+1)/2 keys on average
     KDA         per layer H (8 C d + 6 d^2 + 2 C^2 / 3), d = head dim, C = chunk size: the matmuls of the
-                chunked algorithm in k3core/ops/kda_chunked.py (intra-chunk scores 2Cd, UT inverse ~2C^2/3,
+                chunked algorithm in k3core/ops/kda/chunk.py (intra-chunk scores 2Cd, UT inverse ~2C^2/3,
                 U and W 4Cd, state passing 4d^2, outputs 2d^2 + 2Cd)
     not counted norms, gates, activations, AttnRes depth mixes, softmax (elementwise work)
 """

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from k3core.hooks import hook_points, hooks
+from k3core.interp.hooks import hook_points, hooks
+from k3core.interp.recorder import record
 from k3core.model import K3ForCausalLM
-from k3core.trace import record
 
 from .common import Row, side_by_side
 

@@ -8,7 +8,7 @@ full depth; compressed-tensors MXFP4 experts back to back, BF16/F32 elsewhere, l
 vision tensors, config with quantization_config inside text_config) and plants only what makes the forward
 do real work (embedding rows of the prompt, norms, KDA gates, routers favouring 24 experts per layer, a
 few random MXFP4 experts); the rest are file holes. A child process loads it with
-``k3core.streamed.load_streamed`` under ``--budget``, records a full trace (``what="all"``) of one forward
+``k3core.bigmodel.streamed_run.load_streamed`` under ``--budget``, records a full trace (``what="all"``) of one forward
 over ``--tokens`` tokens, and reports: seconds, seconds per token, bytes read (and per token), expert
 hits / misses, peak RSS (``VmHWM``, interpreter and imports included), and bytes read against the floor
 (stored dense bytes of the layers + the embedding rows + the distinct experts chosen).
@@ -55,9 +55,10 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
     import numpy as np
     import torch
 
+    from k3core.bigmodel.streamed_run import EXPERT_RE, load_streamed
+    from k3core.interp.recorder import record
+    from k3core.interp.trace import TraceNames
     from k3core.model import K3ForCausalLM
-    from k3core.streamed import EXPERT_RE, load_streamed
-    from k3core.trace import TraceNames, record
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     peaks: dict[int, int] = {}  # VmHWM before each decoder layer: where the peak was reached

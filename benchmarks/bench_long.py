@@ -98,7 +98,7 @@ def _child(model_name: str, mode: str, T: int, folder: str) -> dict:
 
     def forward(x):
         if mode == "record":
-            from k3core.trace import record
+            from k3core.interp.recorder import record
 
             with record(model, what="all"):
                 model(x)

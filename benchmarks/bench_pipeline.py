@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from analysis.runs import shakespeare_passage
-    from k3core.checkpoint_files import CheckpointFiles
+    from analysis.runs.texts import shakespeare_passage
+    from k3core.checkpoints.folder import CheckpointFiles
     from k3core.model import K3ForCausalLM
     from k3core.presets import from_preset
 

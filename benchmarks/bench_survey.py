@@ -24,9 +24,9 @@ RSS_LIMIT = 1.5e9
 
 CHILD = """
 import json, resource, sys, time, torch
-from analysis import survey as sv
-from analysis.runs import load_run
-from analysis.texts import text_tokenizer
+from analysis.survey import engine as sv
+from analysis.runs.loading import load_run
+from analysis.runs.texts import text_tokenizer
 run = load_run(sys.argv[1]); torch.set_num_threads(1)
 ids = sv.corpus_ids(sv.sample_corpus_text("shakespeare"), text_tokenizer(run.config, run.tokenizer), int(sys.argv[2]))
 plan = sv.make_plan(ids, "shakespeare", run.fingerprint, sv.default_seq_len(run), batch_size=8)

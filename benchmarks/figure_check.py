@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = ("k3-full", "plain-moe", "plain-residual", "scale-bias")
 PAIRS = (("k3-full", "plain-residual"), ("plain-moe", "scale-bias"))
-WIDTH = 900  # px: the app's main column on a 1280-px window (analysis.style.FIGURE_WIDTH)
+WIDTH = 900  # px: the app's main column on a 1280-px window (analysis.figures.style.FIGURE_WIDTH)
 
 
 @dataclass
@@ -116,13 +116,14 @@ def _plain(value):
 def sample_contexts(names=SAMPLES, tokens: int = 64) -> dict:
     """Each shipped sample loaded and traced on MQAR, as the app's Compare link ``text=mqar&tokens=64`` does (the
     long-context measurements that rerun the model at a few short distances and lengths)."""
-    from analysis import runs as runs_mod
+    from analysis.runs import loading as runs_mod
+    from analysis.runs import texts
 
     out = {}
     options = {"recall_distances": (16, 64), "recall_examples": 8, "cost_lengths": (64, 256)}
     for name in names:
         run = runs_mod.load_run(REPO / "sample_checkpoints" / name)
-        sample = runs_mod.sample_input("mqar", run.config, tokens, tokenizer=run.tokenizer)
+        sample = texts.sample_input("mqar", run.config, tokens, tokenizer=run.tokenizer)
         out[name] = runs_mod.trace_run(run, sample, what="all", label=name, options=options)
     return out
 
@@ -130,10 +131,10 @@ def sample_contexts(names=SAMPLES, tokens: int = 64) -> dict:
 def all_figures(contexts: dict, pairs=PAIRS) -> list[Drawn]:
     """Every view of every sample (single-run pages) and, for each pair, every side-by-side and difference view,
     as the app draws them (``screen_figure``). Each view is built once per sample; the comparisons reuse it."""
-    from analysis.compare import difference_view, has_difference, side_by_side
-    from analysis.style import screen_figure
-    from analysis.view import NotApplicable
-    from analysis.views import all_views
+    from analysis.compare.two_runs import difference_view, has_difference, side_by_side
+    from analysis.figures.style import screen_figure
+    from analysis.views.catalogue import all_views
+    from analysis.views.view import NotApplicable
 
     views = all_views()
     out: list[Drawn] = []
@@ -170,7 +171,7 @@ def experiment_specs(ctx) -> dict[str, dict]:
     experts 0-1 in the last MoE layer, patching (every site; per position over two sites in a window), token
     attribution (feature ablation; IG frozen, 4 steps) and layer attribution, both lenses."""
     from analysis.figures import experiment as fx
-    from k3core.interventions import MoEEdit
+    from k3core.interp.edit_kinds import MoEEdit
 
     cfg, T = ctx.config, int(ctx.input_ids.shape[1])
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
@@ -207,10 +208,10 @@ EXPERIMENT_VIEW_OF = {
 def experiment_figures(contexts: dict) -> list[Drawn]:
     """The Experiment page's figures of every sample at the page's defaults (``experiment_specs``), built by its
     Views as the page draws them, and a token's MLA attention (drawn on the page's Token section, not a View)."""
-    from analysis.effects import forward_logits
+    from analysis.experiments.effects import forward_logits
     from analysis.figures import experiment as fx
-    from analysis.style import screen_figure
-    from analysis.token_detail import token_detail
+    from analysis.figures.style import screen_figure
+    from analysis.metrics.token_detail import token_detail
 
     views = {view.key: view for view in fx.VIEWS}
     out: list[Drawn] = []

@@ -24,10 +24,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from analysis import runs as runs_mod  # noqa: E402
+from analysis.runs import loading as runs_mod  # noqa: E402
+from analysis.runs import texts  # noqa: E402
+from k3core.interp.trace_folder import read_trace_dir  # noqa: E402
 from k3core.model import K3ForCausalLM  # noqa: E402
 from k3core.presets import from_preset  # noqa: E402
-from k3core.trace_dir import read_trace_dir  # noqa: E402
 
 TOLERANCE = 1e-5
 
@@ -73,7 +74,7 @@ def main() -> int:
             runs_plan.append((2, "gloo", "cpu"))
         for nproc, backend, device in runs_plan:
             run = runs_mod.load_run(ckpt, device=device)
-            chosen = runs_mod.text_input(text.read_text(), run.config, 256, name=text.name)
+            chosen = texts.text_input(text.read_text(), run.config, 256, name=text.name)
             want = runs_mod.trace_run(run, chosen, what="all").trace
             out = root / f"out-{backend}-{nproc}"
             problem = torchrun(ckpt, text, out, nproc, backend)

@@ -1,9 +1,9 @@
 """k3core: the K3 model, its hook points, recording and interventions.
 
     from k3core import K3ForCausalLM, record, intervene, MoEEdit
-    from k3core.hooks import hooks        # read / write hook points directly
+    from k3core.interp.hooks import hooks        # read / write hook points directly
 
-The names below are imported on first use (``import k3core.checkpoint_files`` alone stays free of the
+The names below are imported on first use (``import k3core.checkpoints.folder`` alone stays free of the
 model and of torch's start-up cost).
 """
 
@@ -20,23 +20,23 @@ _EXPORTS = {
     "K3Config": "config",
     "from_preset": "presets",
     "PRESETS": "presets",
-    "K3Cache": "cache",
-    "record": "trace",
-    "Trace": "trace",
-    "TraceNames": "trace",
-    "names": "trace",
-    "HookNames": "hooks",
-    "hook_points": "hooks",
-    "intervene": "interventions",
-    "parse_edit": "interventions",
-    "edits_from_json": "interventions",
-    "edits_to_json": "interventions",
-    "EditError": "interventions",
-    "ValueEdit": "interventions",
-    "AttnResEdit": "interventions",
-    "KDAEdit": "interventions",
-    "MoEEdit": "interventions",
-    "MLAEdit": "interventions",
+    "K3Cache": "generation.cache",
+    "record": "interp.recorder",
+    "Trace": "interp.trace",
+    "TraceNames": "interp.trace",
+    "names": "interp.trace",
+    "HookNames": "interp.hooks",
+    "hook_points": "interp.hooks",
+    "intervene": "interp.interventions",
+    "parse_edit": "interp.interventions",
+    "edits_from_json": "interp.interventions",
+    "edits_to_json": "interp.interventions",
+    "EditError": "interp.edit_kinds",
+    "ValueEdit": "interp.edit_kinds",
+    "AttnResEdit": "interp.edit_kinds",
+    "KDAEdit": "interp.edit_kinds",
+    "MoEEdit": "interp.edit_kinds",
+    "MLAEdit": "interp.edit_kinds",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,26 +26,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import K3Cache
-from .checkpoint import build_meta_model, load_pretrained, save_pretrained
-from .checkpoint_files import CheckpointFiles
+from .bigmodel.placement import Plan, load_placed, plan_for_model
+from .checkpoints.folder import CheckpointFiles
+from .checkpoints.pretrained import build_meta_model, load_pretrained, save_pretrained
 from .config import K3Config
-from .generate import generate as _generate
-from .hooks import HookContext, HookNames, active, point
+from .generation.cache import K3Cache
+from .generation.decode import generate as _generate
+from .interp.hooks import HookContext, HookNames, active, point
 from .layers.ffn import GatedMLP
 from .layers.kda import KDACache, KimiDeltaAttention
 from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
-from .ops.attnres import attnres_combine, attnres_mix
-from .placement import Plan, load_placed, plan_for_model
+from .layers.residual import ResidualStream, depth_mix, scale_bias_init
 from .presets import PRESETS, from_preset
-
-
-def scale_bias_init(config: K3Config, layer_idx: int) -> float:
-    """Initial residual scale: 1.0 at the first layer falling linearly to 0.9 at the last."""
-    depth = layer_idx / max(config.num_hidden_layers - 1, 1)
-    return 1.0 - 0.1 * depth
 
 
 @dataclass
@@ -54,108 +48,6 @@ class K3Output:
     loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     cache: K3Cache | None = None
-
-
-class ResidualStream:
-    """What flows from layer to layer: the depth sources so far, and how a sub-layer reads and adds to them.
-
-    - plain / scale_bias: one source h; read h; write h + f (scale_bias: h + scale * f + bias).
-    - block_attnres: completed block sums (the bank, starting with the embedding) + the running partial
-      sum P of the current block; read = the site's softmax mix over bank + [P] (layer 0's attention reads
-      P = x directly); each block's first attention output starts a new P.
-    - full_attnres: the embedding and every sub-layer output; read = the site's mix over all of them.
-    """
-
-    def __init__(self, config: K3Config, x: torch.Tensor):
-        self.mode = config.residual
-        self.block_size = config.attn_res_block_size
-        self.num_layers = config.num_hidden_layers
-        self.bank: list[torch.Tensor] = []  # block: completed blocks; full: every source but the last
-        self.bank_names: list[str] = []
-        self.last: torch.Tensor | None = x  # additive: h; block: partial P; full: the newest source
-        self.last_name = "embedding"
-
-    @property
-    def attnres(self) -> bool:
-        return self.mode in ("block_attnres", "full_attnres")
-
-    def sources(self) -> tuple[list[torch.Tensor], list[str]]:
-        if self.last is None:
-            return list(self.bank), list(self.bank_names)
-        return self.bank + [self.last], self.bank_names + [self.last_name]
-
-    def offer(self, hooks: HookContext, name: str) -> None:
-        """The depth state as one hook point [source, batch, token, hidden] (built only when asked for)."""
-        if not hooks.wants(name):
-            return
-        sources, names = self.sources()
-        stacked = torch.stack([s.to(sources[-1].device) for s in sources])
-        new = hooks.point(name, stacked, sources=names)
-        if new is not stacked:
-            self.bank = [new[j].to(s.device) for j, s in enumerate(self.bank)]
-            self.last = new[-1].to(sources[-1].device)
-
-    def read(self, layer: K3DecoderLayer, side: str, hooks: HookContext | None) -> torch.Tensor:
-        """The input of a sub-layer ("attn" or "mlp" of a decoder layer; the model's output: ``K3Model.read_out``)."""
-        if not self.attnres:
-            return self.last
-        if side == "attn":
-            if not self.bank:  # the first layer reads the embedding itself
-                return self.last
-            site = HookNames.attnres_site(layer.layer_idx, "attn")
-            proj, norm = layer.self_attention_res_proj, layer.self_attention_res_norm
-        else:
-            site = HookNames.attnres_site(layer.layer_idx, "mlp")
-            proj, norm = layer.mlp_res_proj, layer.mlp_res_norm
-        sources, names = self.sources()
-        return depth_mix(hooks, site, proj, norm, sources, names)
-
-    def write(self, layer: K3DecoderLayer, side: str, out: torch.Tensor) -> None:
-        """Add a sub-layer's output ("attn" or "mlp") to the stream."""
-        i = layer.layer_idx
-        if self.mode == "plain":
-            self.last = self.last.to(out.device) + out
-        elif self.mode == "scale_bias":
-            scale, bias = (
-                (layer.self_attention_res_scale, layer.self_attention_res_bias)
-                if side == "attn"
-                else (layer.mlp_res_scale, layer.mlp_res_bias)
-            )
-            self.last = self.last.to(out.device) + out * scale + bias
-        elif self.mode == "full_attnres":
-            self.bank.append(self.last)
-            self.bank_names.append(self.last_name)
-            self.last, self.last_name = out, f"L{i}.{'attn' if side == 'attn' else 'ffn'}"
-        else:
-            if side == "attn" and i % self.block_size == 0:  # a new block starts
-                self.bank.append(self.last)
-                self.bank_names.append(self.last_name)
-                self.last, self.last_name = None, f"block {i // self.block_size + 1} (partial)"
-            self.last = out if self.last is None else self.last.to(out.device) + out
-            if side == "mlp" and ((i + 1) % self.block_size == 0 or i + 1 == self.num_layers):
-                self.last_name = self.last_name.replace(" (partial)", "")
-
-
-def depth_mix(
-    hooks: HookContext | None,
-    site: str,
-    proj: nn.Linear,
-    norm: RMSNorm,
-    sources: list[torch.Tensor],
-    names: list[str],
-) -> torch.Tensor:
-    """AttnRes mix of ``sources`` at ``site``; its depth weights and output are hook points."""
-    # Layers may sit on different devices (device="auto"): the mix runs where its pseudo-query is.
-    dev = proj.weight.device
-    stacked = torch.stack([s.to(dev) for s in sources])
-    if hooks is None:
-        return attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps)
-    mixed, p = attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps, return_weights=True)
-    weights = p.permute(1, 2, 0)
-    new = hooks.point(HookNames.attnres_point(site, "weights"), weights, sources=names, site=site)
-    if new is not weights:
-        mixed = attnres_combine(new.permute(2, 0, 1), stacked)
-    return hooks.point(HookNames.attnres_point(site, "mix"), mixed, site=site)
 
 
 class K3DecoderLayer(nn.Module):
@@ -355,16 +247,17 @@ class K3ForCausalLM(nn.Module):
         offload_folder: str | Path | None = None,
         stream: bool = False,
     ) -> K3ForCausalLM:
-        """Stream a checkpoint folder in (any size; see ``k3core.checkpoint.load_pretrained``).
+        """Stream a checkpoint folder in (any size; see ``k3core.checkpoints.pretrained.load_pretrained``).
 
         ``device="auto"`` places layers over every GPU, then CPU, then ``offload_folder`` (accelerate);
         tensors of the keep-fp32 rule stay fp32 whatever ``dtype``; ``progress``: (bytes done, total)
         callback, or True for a tqdm bar. ``stream=True``: run from the checkpoint files within
         ``max_memory`` (e.g. ``{"cpu": "8GB"}``) on ``device``: routed experts read as the router chooses them,
         dense parts resident when they fit, else read module by module; nothing copied anywhere
-        (``k3core.streamed.load_streamed``; the plan is ``model.streaming.plan``). Raises CheckpointError."""
+        (``k3core.bigmodel.streamed_run.load_streamed``; the plan is ``model.streaming.plan``). Raises
+        CheckpointError."""
         if stream:
-            from .streamed import load_streamed
+            from .bigmodel.streamed_run import load_streamed
 
             return load_streamed(path, cls, device=device, dtype=dtype, max_memory=max_memory or "8GB")
         if str(device) == "auto" or max_memory is not None:
@@ -465,7 +358,7 @@ class K3ForCausalLM(nn.Module):
 
     def num_parameters(self, active: bool = False) -> int:
         """Total parameters, or parameters touched per token (routed experts counted k of E). Parameters are
-        ``nn.Parameter``s (k3core.checkpoint_names.PARAMETER_RULE): the router selection bias, a buffer, is not."""
+        ``nn.Parameter``s (k3core.checkpoints.names.PARAMETER_RULE): the router selection bias, a buffer, is not."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total
@@ -477,5 +370,5 @@ class K3ForCausalLM(nn.Module):
         return total - inactive
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs: Any) -> torch.Tensor:
-        """Hugging Face style shortcut for :func:`k3core.generate.generate` (same arguments)."""
+        """Hugging Face style shortcut for :func:`k3core.generation.decode.generate` (same arguments)."""
         return _generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)

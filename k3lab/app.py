@@ -1,4 +1,4 @@
-"""``k3lab app``: start the Streamlit app (``app/main.py`` through ``app.serve``) with the runs library home,
+"""``k3lab app``: start the Streamlit app (``app/main.py`` through ``app.server.serve``) with the runs library home,
 the folders that may be opened by path and the upload limit in its environment."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ in) and the library home may be opened; symlinks are resolved before that check.
 
 def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The streamlit command line and environment for parsed ``k3lab app`` arguments."""
-    from app.settings import HOME_ENV, JOB_MEMORY_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, home_dir
+    from app.server.settings import HOME_ENV, JOB_MEMORY_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, home_dir
 
     env = dict(os.environ if environ is None else environ)
     if args.runs:
@@ -35,8 +35,8 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
     env[MAX_UPLOAD_ENV] = str(args.max_upload_mb)
     if getattr(args, "job_memory", None):
         env[JOB_MEMORY_ENV] = str(args.job_memory)
-    # app.serve = `streamlit run app/main.py` with the app's libraries imported before the server listens.
-    cmd = [sys.executable, "-m", "app.serve",
+    # app.server.serve = `streamlit run app/main.py` with the app's libraries imported before the server listens.
+    cmd = [sys.executable, "-m", "app.server.serve",
            "--server.address", args.host,
            "--server.port", str(args.port),
            "--server.maxUploadSize", str(args.max_upload_mb),
@@ -50,7 +50,7 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
 
 
 def _job_memory(value: str) -> str:
-    from k3core.units import parse_bytes
+    from k3core.utils.units import parse_bytes
 
     try:
         parse_bytes(value, what="--job-memory")
@@ -60,7 +60,7 @@ def _job_memory(value: str) -> str:
 
 
 def app_parser() -> argparse.ArgumentParser:
-    from app.settings import DEFAULT_HOST, DEFAULT_MAX_UPLOAD_MB
+    from app.server.settings import DEFAULT_HOST, DEFAULT_MAX_UPLOAD_MB
 
     parser = argparse.ArgumentParser(
         prog="k3lab app", description=APP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter

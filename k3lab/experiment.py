@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from k3core import input_limits as limits
+from k3core.utils import input_limits as limits
 from k3lab.options import add_device_options, arg_int, arg_position
 
-#: analysis.attribution.METHODS, spelled here so that --help does not import torch (a test keeps them equal)
+#: analysis.experiments.attribution.METHODS, spelled here so that --help does not import torch (a test keeps them equal)
 METHOD_CHOICES = ("feature_ablation", "shapley", "integrated_gradients", "ig_frozen_routing")
 
 EXPERIMENT_HELP = """\
@@ -27,7 +27,7 @@ Edits (repeat --edit) are JSON objects or the short form KIND.OP key=value ...:
   kda.pin_g layer=1 value=0                    KDA: pin_g, scale_g, scale_beta value=..., reset_state tokens=P, gate_off
   moe.ban layer=2 experts=1,5                  MoE: ban, force (experts=...), uniform, bias_off, shared_off
   mla.mask_keys layer=3 keys=0:1               MLA: mask a key range (e.g. the sink at position 0)
-Hook point names: k3core.hooks.hook_points(config) lists them (see the README, Python API).
+Hook point names: k3core.interp.hooks.hook_points(config) lists them (see the README, Python API).
 
 Writes DIR/experiment.json (edits, summary, per-token effects, top-5 prediction changes at --positions)
 and DIR/figures/loss_change.* (+ lens_base.*, lens_edited.* with --lens).
@@ -147,8 +147,8 @@ def attribute_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace, prog: str) -> Any:
-    from analysis import runs as runs_mod
-    from k3core.runtime import configure_threads
+    from analysis.runs import loading as runs_mod
+    from k3core.utils.runtime import configure_threads
 
     run = runs_mod.load_run(args.run, device=args.device, dtype=args.dtype)
     configure_threads(run.model)
@@ -156,17 +156,17 @@ def _load(args: argparse.Namespace, prog: str) -> Any:
 
 
 def _label(run: Any) -> Any:
-    from analysis import runs as runs_mod
+    from analysis.runs import texts
 
     try:
-        tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
+        tok = texts.text_tokenizer(run.config, run.tokenizer)
     except ValueError:
         return str
     return lambda i: repr(tok.token_strings([i])[0])[1:-1]
 
 
 def _write(out: Path, name: str, data: dict, figures: list, static: bool) -> list[str]:
-    from analysis.export import export_many, failures
+    from analysis.output.export import export_many, failures
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
@@ -178,20 +178,20 @@ def _write(out: Path, name: str, data: dict, figures: list, static: bool) -> lis
 
 
 def _text_arg(text: str | None, file: str | None, what: str) -> str:
-    """The text of --text, or of --text-file read within the limit (``k3core.input_limits``)."""
+    """The text of --text, or of --text-file read within the limit (``k3core.utils.input_limits``)."""
     if text is not None:
         return limits.text(text, what)
-    from k3core.files import read_bytes_limited
+    from k3core.utils.files import read_bytes_limited
 
     return limits.text(read_bytes_limited(file, limits.MAX_TEXT_BYTES).decode("utf-8", errors="replace"), file)
 
 
 def _one_token(text: str, run: Any) -> int:
-    from analysis import runs as runs_mod
+    from analysis.runs import texts
 
     if text.startswith("#") and text[1:].isdigit():
         return limits.bounded_int(text[1:], f"token {text}", 0, run.config.vocab_size - 1)
-    ids = runs_mod.text_tokenizer(run.config, run.tokenizer).encode(text)
+    ids = texts.text_tokenizer(run.config, run.tokenizer).encode(text)
     if len(ids) != 1:
         raise ValueError(f"{text!r} is {len(ids)} tokens, not one (give #ID for a token id)")
     return ids[0]
@@ -199,22 +199,24 @@ def _one_token(text: str, run: Any) -> int:
 
 def main(argv: list[str]) -> int:
     args = experiment_parser().parse_args(argv)
-    from analysis import effects, lens
-    from analysis import runs as runs_mod
+    from analysis.experiments import effects
     from analysis.figures.experiment import lens_figure, loss_change_figure
-    from k3core.checkpoint import CheckpointError
-    from k3core.interventions import EditError, intervene, parse_edit
+    from analysis.metrics import lens
+    from analysis.runs import texts
+    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.interp.edit_kinds import EditError
+    from k3core.interp.interventions import intervene, parse_edit
 
     try:
         edits = [parse_edit(e) for e in args.edit]
         run = _load(args, "k3lab experiment")
         if args.text is not None or args.text_file:
             text = _text_arg(args.text, args.text_file, "--text")
-            ids = runs_mod.text_input(text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
+            ids = texts.text_input(text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
         else:
-            sample = runs_mod.sample_input(args.sample or "shakespeare", run.config, args.max_tokens, run.tokenizer)
+            sample = texts.sample_input(args.sample or "shakespeare", run.config, args.max_tokens, run.tokenizer)
             ids = sample.input_ids
-        from k3core.interventions import compile_edits
+        from k3core.interp.interventions import compile_edits
 
         compile_edits(run.config, edits)  # names checked before any forward
         listed = [p for p in args.positions.split(",") if p.strip()]
@@ -254,16 +256,16 @@ def patch_main(argv: list[str]) -> int:
     args = patch_parser().parse_args(argv)
     from tqdm import tqdm
 
-    from analysis import patching
-    from analysis import runs as runs_mod
+    from analysis.experiments import patching
     from analysis.figures.experiment import patching_figure
-    from k3core.checkpoint import CheckpointError
+    from analysis.runs import texts
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     try:
         run = _load(args, "k3lab patch")
         clean_text, corrupted_text = limits.text(args.clean, "--clean"), limits.text(args.corrupted, "--corrupted")
-        clean = runs_mod.text_input(clean_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
-        corrupted = runs_mod.text_input(corrupted_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
+        clean = texts.text_input(clean_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
+        corrupted = texts.text_input(corrupted_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
         if args.metric == "logit_diff":
             if not (args.correct and args.wrong):
                 raise ValueError("--metric logit_diff needs --correct and --wrong")
@@ -304,15 +306,15 @@ def attribute_main(argv: list[str]) -> int:
     args = attribute_parser().parse_args(argv)
     import torch
 
-    from analysis import attribution as attr
-    from analysis import runs as runs_mod
+    from analysis.experiments import attribution as attr
     from analysis.figures.experiment import attribution_figure, layer_attribution_figure
-    from k3core.checkpoint import CheckpointError
+    from analysis.runs import texts
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     methods = attr.METHODS if args.method == "all" else (args.method,)
     try:
         run = _load(args, "k3lab attribute")
-        tok = runs_mod.text_tokenizer(run.config, run.tokenizer)
+        tok = texts.text_tokenizer(run.config, run.tokenizer)
         limits.bounded_int(args.baseline_token, "--baseline-token", 0, run.config.vocab_size - 1)
         x = torch.tensor(tok.encode(limits.text(args.prompt, "--prompt"))[: args.max_tokens])
         y = torch.tensor(tok.encode(limits.text(args.target, "--target"))[: args.max_tokens])

@@ -1,4 +1,4 @@
-"""``k3lab generate RUN``: sample text from a checkpoint, loaded through ``analysis.runs.load_run`` (the one
+"""``k3lab generate RUN``: sample text from a checkpoint, loaded through ``analysis.runs.loading.load_run`` (the one
 loader of report, inspect, weights and the app) and read with the checkpoint's own tokenizer."""
 
 from __future__ import annotations
@@ -6,18 +6,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3core import input_limits as limits
+from k3core.utils import input_limits as limits
 from k3lab.options import add_device_options, arg_int
 
 
 def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, max_memory: str | None = None) -> None:
     """With ``--max-memory``, the streaming plan (what stays, what streams, bytes and expected time per prompt);
     with ``--device auto``, the placement plan (bytes and layers per device); on stderr before loading."""
-    from analysis.runs import DTYPES, dtype_name
+    from analysis.runs.loading import DTYPES, dtype_name
     from k3core.model import K3ForCausalLM
 
     if max_memory:
-        from k3core.streamed import plan_for_path
+        from k3core.bigmodel.streamed_run import plan_for_path
 
         device = "cpu" if device == "auto" else device
         plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=DTYPES[dtype_name(dtype)], max_memory=max_memory)
@@ -62,9 +62,9 @@ def main(argv: list[str]) -> int:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
 
-    from analysis.runs import load_run, run_tokenizer
-    from k3core.checkpoint import CheckpointError
-    from k3core.generate import generate_text
+    from analysis.runs.loading import load_run, run_tokenizer
+    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.generation.decode import generate_text
 
     try:
         print_placement_plan(args.run, args.device, args.dtype, "k3lab generate", args.max_memory)

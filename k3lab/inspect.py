@@ -3,11 +3,11 @@
     k3lab inspect RUN [--text FILE | --sample NAME] [--max-tokens N] [--json]
     k3lab inspect RUN --plan --gpu-memory 141GB [--ranks N] [--dtype bfloat16]
 
-``--plan``: the GPUs a resident pipeline-parallel run needs (``k3core.rank_plan``: contiguous layer ranges, the
-embedding on the first rank, the output mix, norm and LM head on the last), from the headers alone.
+``--plan``: the GPUs a resident pipeline-parallel run needs (``k3core.distributed.rank_plan``: contiguous layer ranges,
+the embedding on the first rank, the output mix, norm and LM head on the last), from the headers alone.
 
-The numbers come from ``analysis.checkpoint_summary`` (headers only; a 5 TB checkpoint answers in seconds) and,
-with ``--text`` / ``--sample``, from a quick trace through ``analysis.runs.load_run`` (headline numbers).
+The numbers come from ``analysis.weights.checkpoint_summary`` (headers only; a 5 TB checkpoint answers in seconds) and,
+with ``--text`` / ``--sample``, from a quick trace through ``analysis.runs.loading.load_run`` (headline numbers).
 Exit codes: 0 success, 2 bad input.
 """
 
@@ -19,8 +19,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from analysis.checkpoint_summary import config_summary, layer_map
-from analysis.format import format_bytes, format_count, format_number
+from analysis.output.format import format_bytes, format_count, format_number
+from analysis.weights.checkpoint_summary import config_summary, layer_map
 from k3core.config import K3Config
 from k3lab.options import add_device_options
 
@@ -87,7 +87,7 @@ def format_report(
     if training:
         out += ["", "-- training (metrics.json)"] + [f"  {k:24s} {format_number(v)}" for k, v in training.items()]
     if headline:
-        from analysis.headline import HEADLINE_LABELS
+        from analysis.metrics.headline import HEADLINE_LABELS
 
         out += ["", "-- headline numbers (quick trace)"]
         out += [f"  {HEADLINE_LABELS.get(k, k):40s} {format_number(v)}" for k, v in headline.items() if k != "label"]
@@ -95,7 +95,7 @@ def format_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from analysis.runs import DEFAULT_MAX_TOKENS, SAMPLES
+    from analysis.runs.texts import DEFAULT_MAX_TOKENS, SAMPLES
 
     p = argparse.ArgumentParser(
         prog="k3lab inspect",
@@ -130,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from pathlib import Path
 
-    from analysis import runs as runs_mod
-    from analysis.checkpoint_summary import checkpoint_summary, header_breakdown, parameter_breakdown
-    from analysis.history import final_numbers
-    from k3core.checkpoint import CheckpointError
-    from k3core.checkpoint_files import CheckpointFiles
+    from analysis.metrics.history import final_numbers
+    from analysis.runs import loading as runs_mod
+    from analysis.runs import texts
+    from analysis.weights.checkpoint_summary import checkpoint_summary, header_breakdown, parameter_breakdown
+    from k3core.checkpoints.folder import CheckpointFiles
+    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.model import K3ForCausalLM
     from k3core.presets import PRESETS
 
@@ -157,15 +158,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.text or args.sample:
                 run = runs_mod.load_run(path, device=args.device, dtype=args.dtype, max_memory=args.max_memory)
                 if args.text:
-                    sample = runs_mod.text_input(
+                    sample = texts.text_input(
                         Path(args.text).read_text(encoding="utf-8", errors="replace"),
                         run.config,
                         args.max_tokens,
                         tokenizer=run.tokenizer,
                     )
                 else:
-                    sample = runs_mod.sample_input(args.sample, run.config, args.max_tokens, tokenizer=run.tokenizer)
-                from analysis.headline import headline_numbers
+                    sample = texts.sample_input(args.sample, run.config, args.max_tokens, tokenizer=run.tokenizer)
+                from analysis.metrics.headline import headline_numbers
 
                 headline = headline_numbers(runs_mod.trace_run(run, sample, what="all"))
     except (CheckpointError, ValueError, OSError) as exc:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def usable_bytes(gpu_memory: str, reserve: str) -> int:
     """One GPU's bytes minus the reserve ("10%" of it, or a size). Raises ValueError."""
-    from k3core.units import parse_bytes
+    from k3core.utils.units import parse_bytes
 
     total = parse_bytes(gpu_memory, bare=2**30, what="--gpu-memory")  # a bare number is GiB here
     percent = reserve.strip().endswith("%")
@@ -225,10 +226,10 @@ def format_plan(plan, source: str, dtype: str, gpus_per_node: int) -> str:
 
 
 def print_plan(args) -> int:
-    """``k3lab inspect RUN --plan``: the rank plan of a resident run (k3core.rank_plan), headers only."""
-    from analysis.runs import DTYPES
-    from k3core.checkpoint import CheckpointError
-    from k3core.rank_plan import plan_for, sizes_of
+    """``k3lab inspect RUN --plan``: the rank plan of a resident run (k3core.distributed.rank_plan), headers only."""
+    from analysis.runs.loading import DTYPES
+    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.distributed.rank_plan import plan_for, sizes_of
 
     dtype = args.dtype or "bfloat16"
     try:

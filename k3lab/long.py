@@ -1,9 +1,9 @@
 """``k3lab long RUN [RUN2] [--text FILE | --sample NAME] [--tokens N] [--window W] [--distances LIST]
 [--lengths LIST] [--estimate-only] --out DIR``: the Long-context report of one run (or two on the same long text).
 
-It prints the cost estimate first (``analysis.long_runs.estimate_cost``: a calibration forward scaled by the FLOP
-model), then records every position of the text (bulky arrays windowed at ``--window``) and writes the
-``long_context`` views with ``k3lab report`` (``analysis.report.write_report``): loss by position, KDA state and
+It prints the cost estimate first (``analysis.experiments.long_runs.estimate_cost``: a calibration forward scaled by the
+FLOP model), then records every position of the text (bulky arrays windowed at ``--window``) and writes the
+``long_context`` views with ``k3lab report`` (``analysis.output.report.write_report``): loss by position, KDA state and
 decay horizon, MLA entropy and sink over position, recall by distance and seconds / memory per token against T.
 Exit codes as ``k3lab report``.
 """
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _estimate(args: argparse.Namespace) -> None:
-    from analysis.format import format_bytes
-    from analysis.long_runs import estimate_cost
-    from analysis.runs import load_run
+    from analysis.experiments.long_runs import estimate_cost
+    from analysis.output.format import format_bytes
+    from analysis.runs.loading import load_run
 
     run = load_run(args.runs[0], device=args.device, dtype=args.dtype, max_memory=args.max_memory)
     if run.model is None:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 2:
         print("k3lab long: --tokens must be at least 2", file=sys.stderr)
         return 2
-    from k3core.checkpoint import CheckpointError
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     try:
         _estimate(args)

@@ -55,9 +55,9 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def arg_int(low: int, high: int) -> Callable[[str], int]:
-    """An argparse ``type=``: a whole number in [low, high] (``k3core.input_limits.bounded_int``); argparse prints
+    """An argparse ``type=``: a whole number in [low, high] (``k3core.utils.input_limits.bounded_int``); argparse prints
     the message and exits with 2, no traceback."""
-    from k3core.input_limits import InputLimitError, bounded_int
+    from k3core.utils.input_limits import InputLimitError, bounded_int
 
     def parse(value: str) -> int:
         try:
@@ -71,7 +71,7 @@ def arg_int(low: int, high: int) -> Callable[[str], int]:
 
 def arg_position() -> Callable[[str], int]:
     """An argparse ``type=`` for a token position: a whole number >= -1 (-1: the last token); the text's length
-    is checked once it is known (``k3core.input_limits.position``)."""
-    from k3core.input_limits import MAX_TOKENS
+    is checked once it is known (``k3core.utils.input_limits.position``)."""
+    from k3core.utils.input_limits import MAX_TOKENS
 
     return arg_int(-1, MAX_TOKENS - 1)

@@ -7,7 +7,7 @@ import argparse
 
 def main(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
-    from analysis.format import format_count
+    from analysis.output.format import format_count
     from k3core.model import K3ForCausalLM
     from k3core.presets import PRESETS
 

@@ -1,7 +1,7 @@
 """``k3lab report RUN [RUN2] [--text FILE | --sample NAME | --text-index N|all] [--layer N] [--head H] --out DIR``:
-the headless report of one run, or a comparison of two (``analysis.report.write_report`` does the work; this module
-parses, shows progress, prints). ``--layer`` / ``--head`` focus the views that have a layer/head picker in the app.
-``--text-index`` picks a trace folder's recorded text (default its text 0); ``all`` writes one report per text,
+the headless report of one run, or a comparison of two (``analysis.output.report.write_report`` does the work; this
+module parses, shows progress, prints). ``--layer`` / ``--head`` focus the views that have a layer/head picker in the
+app. ``--text-index`` picks a trace folder's recorded text (default its text 0); ``all`` writes one report per text,
 in ``DIR/text-0``, ``DIR/text-1``, ...
 
 Exit codes: 0 success, 1 the report was written but some view failed unexpectedly, 2 bad input
@@ -34,7 +34,7 @@ def text_index_arg(value: str) -> int | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from analysis.runs import DEFAULT_MAX_TOKENS, SAMPLES
+    from analysis.runs.texts import DEFAULT_MAX_TOKENS, SAMPLES
 
     p = argparse.ArgumentParser(
         prog="k3lab report",
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--views",
         metavar="LIST",
-        help="comma-separated view keys or sections to include (default: every view of analysis.views.all_views())",
+        help="comma-separated view keys or sections to include (default: every view of "
+        "analysis.views.catalogue.all_views())",
     )
     p.add_argument(
         "--skip-model-views",
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print("k3lab report: --max-tokens must be at least 2", file=sys.stderr)
         return 2
 
-    from k3core.checkpoint import CheckpointError
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     try:
         indices = _text_indices(args)
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 def _text_indices(args: argparse.Namespace) -> list[int | None]:
     """The recorded texts to report: [None] without --text-index, [N], or every text of the trace folder for
     'all'. Raises ValueError (checked before any model is loaded) when RUN is no trace folder or has no text N."""
-    from analysis.runs import check_text_index, load_trace_folder
-    from k3core.trace_dir import is_trace_dir
+    from analysis.runs.loading import check_text_index, load_trace_folder
+    from k3core.interp.trace_folder import is_trace_dir
 
     if args.text_index is None:
         return [None]
@@ -153,9 +154,9 @@ def _report(args: argparse.Namespace, out: str | Path, text_index: int | None) -
     """One report (``write_report``) into ``out``, with a progress bar and a summary; its exit code."""
     from tqdm import tqdm
 
-    from analysis.report import select_views, write_report
-    from analysis.views import all_views
-    from k3core.checkpoint import CheckpointError
+    from analysis.output.report import select_views, write_report
+    from analysis.views.catalogue import all_views
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     steps = 2 * len(args.runs) + len(select_views(all_views(), args.views, args.skip_model_views)) + 3
     progress = tqdm(total=steps, desc="k3lab report", unit="step", disable=args.quiet, file=sys.stderr, leave=False)

@@ -1,5 +1,5 @@
 """``k3lab survey RUN (--text FILE ... | --sample NAME) [--tokens N] --out DIR``: statistics of a run over every token
-of a corpus (``analysis.survey``), kept as bounded aggregates in a survey folder that opens without the weights.
+of a corpus (``analysis.survey.engine``), kept as bounded aggregates in a survey folder that opens without the weights.
 
     k3lab survey sample_checkpoints/k3-full --sample shakespeare --tokens 200000 --out surveys/k3-full
     torchrun --nproc-per-node 3 -m k3lab survey RUN --sample shakespeare --tokens 2000000 --out DIR
@@ -16,7 +16,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from analysis.survey import SURVEY_SAMPLES
+    from analysis.survey.engine import SURVEY_SAMPLES
 
     p = argparse.ArgumentParser(
         prog="k3lab survey",
@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from analysis import survey as sv
-    from analysis.runs import load_run
-    from analysis.texts import text_tokenizer
-    from k3core.checkpoint import CheckpointError
+    from analysis.runs.loading import load_run
+    from analysis.runs.texts import text_tokenizer
+    from analysis.survey import engine as sv
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args) -> int:
-    from analysis import survey as sv
-    from analysis.survey_tables import export_tables, summary_text
+    from analysis.survey import engine as sv
+    from analysis.survey.tables import export_tables, summary_text
 
     try:
         survey = sv.read_survey(args.report)

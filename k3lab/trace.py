@@ -1,10 +1,10 @@
 """``k3lab trace RUN [--text FILE ...] --out DIR``: trace a checkpoint on one or more texts and write a trace folder
-(``k3core.trace_dir``: the traces, a run card, config and tokenizer) that ``k3lab report DIR`` and the app open
-without the weights.
+(``k3core.interp.trace_folder``: the traces, a run card, config and tokenizer) that ``k3lab report DIR`` and the app
+open without the weights.
 
-On one process the work is ``analysis.trace_files.write_run_traces``. Under torchrun with more than one process
-(WORLD_SIZE > 1) it is the pipeline-parallel trace (``analysis.trace_files.write_pipeline_traces``,
-``k3core.pipeline``): each rank loads and runs its own layers, rank 0 writes DIR.
+On one process the work is ``analysis.runs.trace_writer.write_run_traces``. Under torchrun with more than one process
+(WORLD_SIZE > 1) it is the pipeline-parallel trace (``analysis.runs.trace_writer.write_pipeline_traces``,
+``k3core.distributed.pipeline``): each rank loads and runs its own layers, rank 0 writes DIR.
 
     torchrun --nproc-per-node 8 -m k3lab trace RUN --text a.txt --text b.txt --out DIR --device cuda --dtype bfloat16
 
@@ -18,12 +18,12 @@ import argparse
 import os
 import sys
 
-from k3core import input_limits as limits
+from k3core.utils import input_limits as limits
 from k3lab.options import add_device_options, arg_int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from analysis.runs import DEFAULT_MAX_TOKENS, SAMPLES
+    from analysis.runs.texts import DEFAULT_MAX_TOKENS, SAMPLES
 
     p = argparse.ArgumentParser(
         prog="k3lab trace",
@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _pipeline(args)
 
-    from analysis import runs as runs_mod
-    from analysis.trace_files import read_inputs, write_run_traces
-    from k3core.checkpoint import CheckpointError
-    from k3core.trace_dir import check_out_dir
+    from analysis.runs import loading as runs_mod
+    from analysis.runs.trace_writer import read_inputs, write_run_traces
+    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.interp.trace_folder import check_out_dir
 
     try:
         check_out_dir(args.out)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs = read_inputs(run, args.text, args.sample, args.max_tokens)
         edits = None
         if args.edit:
-            from k3core.interventions import compile_edits, parse_edit
+            from k3core.interp.interventions import compile_edits, parse_edit
 
             edits = [parse_edit(e) for e in args.edit]
             compile_edits(run.config, edits)  # names checked before any forward
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 def _pipeline(args) -> int:
     """One rank of the pipeline-parallel trace; a failure ends the process at once (no teardown that could wait on
     a dead peer)."""
-    from analysis.trace_files import write_pipeline_traces
-    from k3core.checkpoint import CheckpointError
-    from k3core.pipeline import PipelineError
+    from analysis.runs.trace_writer import write_pipeline_traces
+    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.distributed.pipeline import PipelineError
 
     rank = os.environ.get("RANK", "?")
     try:

@@ -1,7 +1,7 @@
 """``k3lab weights PATH --out DIR``: weight-only diagnostics of a checkpoint of any size (no model built).
 
 The work is ``analysis.weights`` (reading the small tensors into a ``WeightSummary``) and
-``analysis.weights_report.write_outputs`` (the output folder); this module parses the options and prints.
+``analysis.output.weights_folder.write_outputs`` (the output folder); this module parses the options and prints.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     from analysis import weights as wt
-    from analysis.format import format_bytes
-    from analysis.weights_report import write_outputs
-    from k3core.checkpoint_files import CheckpointError
+    from analysis.output.format import format_bytes
+    from analysis.output.weights_folder import write_outputs
+    from k3core.checkpoints.tensor_info import CheckpointError
 
     started = time.perf_counter()
     try:

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from k3core.checkpoint_files import keep_fp32  # noqa: E402
+from k3core.checkpoints.names import keep_fp32  # noqa: E402
 from k3core.config import K3Config  # noqa: E402
 from k3core.model import K3ForCausalLM  # noqa: E402
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from k3core.config import K3Config
+from k3core.interp.recorder import record
+from k3core.interp.trace import Trace
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
-from k3core.trace import Trace, record
 
 # The tests run tiny models on a small shared CPU: with several threads per process every small op pays for
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.
@@ -112,9 +113,9 @@ def nano() -> K3ForCausalLM:
 
 @pytest.fixture(scope="session")
 def sparse_k3(tmp_path_factory):
-    """The sparse Kimi K3 replica of tests/test_weights.build_sparse_k3 (BF16, every tensor declared), built once
-    for the session: test_weights and test_rank_plan only read it."""
-    from .test_weights import build_sparse_k3
+    """The sparse Kimi K3 replica of tests/analysis/weights/test_weights.build_sparse_k3 (BF16, every tensor declared),
+    built once for the session: test_weights and test_rank_plan only read it."""
+    from .analysis.weights.test_weights import build_sparse_k3
 
     return build_sparse_k3(tmp_path_factory.mktemp("sparse-k3"))
 

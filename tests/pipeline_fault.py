@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_pipeline.py, kept out of the library:
+"""Fault injection for tests/k3core/distributed/test_pipeline.py, kept out of the library:
 
     torchrun ... -m tests.pipeline_fault RANK:LAYER:die|hang  TRACE-ARGS...
 

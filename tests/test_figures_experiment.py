@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis import attribution as attr
+from analysis.experiments import attribution as attr
 from analysis.figures.experiment import layer_attribution_figure, mla_attention_figure
 
 from .conftest import nano_model, random_ids
@@ -29,7 +29,7 @@ def test_mla_attention_keys_are_numbers_in_position_order():
 
 
 def test_the_config_table_numbers_layers_from_zero_like_the_layer_map():
-    from analysis.checkpoint_summary import config_summary
+    from analysis.weights.checkpoint_summary import config_summary
     from k3core.presets import from_preset
 
     cfg = from_preset("k3-nano")
@@ -42,12 +42,13 @@ def test_the_experiment_views_build_on_the_samples_and_equal_the_analysis_functi
     import numpy as np
     import pytest
 
-    from analysis import effects, lens, patching
+    from analysis.experiments import effects, patching
     from analysis.figures import experiment as fx
-    from analysis.view import NotApplicable
-    from app.inputs import check_options
+    from analysis.metrics import lens
+    from analysis.views.view import NotApplicable
+    from app.state.inputs import check_options
     from benchmarks.figure_check import sample_contexts
-    from k3core.interventions import edit_from_dict, intervene
+    from k3core.interp.interventions import edit_from_dict, intervene
 
     views = {view.key: view for view in fx.VIEWS}
     for name, ctx in sample_contexts(("k3-full", "plain-residual"), tokens=24).items():
@@ -75,7 +76,7 @@ def test_the_experiment_views_build_on_the_samples_and_equal_the_analysis_functi
         target = [int(t) for t in ids[0, 8:10]]
         aspec = fx.attribution_spec(8, target)
         _, atable = views["experiment_attribution"].build(ctx.with_options(attribution=aspec))
-        from analysis import attribution
+        from analysis.experiments import attribution
 
         wanted = attribution.token_attribution(model, ids[0, :8], ids[0, 8:10], tokenizer=ctx.tokenizer).table()
         np.testing.assert_allclose(atable.attribution, wanted.attribution, atol=1e-6)
@@ -88,9 +89,9 @@ def test_the_experiment_views_build_on_the_samples_and_equal_the_analysis_functi
 
 def test_the_copy_task_marks_where_its_second_half_starts_in_the_per_token_views():
     from analysis.figures import experiment as fx
-    from analysis.runs import run_from_model, trace_run
-    from analysis.texts import sample_input
-    from analysis.views import all_views
+    from analysis.runs.loading import run_from_model, trace_run
+    from analysis.runs.texts import sample_input
+    from analysis.views.catalogue import all_views
 
     from .conftest import nano_model
 

@@ -1,4 +1,4 @@
-"""Figures for AttnRes (analysis.attnres): depth-weight map, per-site statistics, pseudo-query norms,
+"""Figures for AttnRes (analysis.metrics.attnres): depth-weight map, per-site statistics, pseudo-query norms,
 scale/bias per depth and residual growth."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis import attnres as ar
-from analysis import picks as pk
-from analysis.context import AnalysisContext
-from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.view import Comparison, NotApplicable, View
+from analysis.figures.style import RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.metrics import attnres as ar
+from analysis.runs.context import AnalysisContext
+from analysis.views import picks as pk
+from analysis.views import view
+from analysis.views.view import Comparison, NotApplicable, View
 
 
 def _require_attnres(ctx: AnalysisContext) -> None:
@@ -25,11 +26,11 @@ def _require_attnres(ctx: AnalysisContext) -> None:
         raise NotApplicable(f"no AttnRes depth weights: {why} (residual={mode!r})")
 
 
-def attnres_choices(ctx: AnalysisContext) -> pk.PickChoices:
+def attnres_choices(ctx: AnalysisContext) -> view.PickChoices:
     """Decoder layers with AttnRes sites in the trace (the output mix is not a layer)."""
     _require_attnres(ctx)
     layers = sorted({int(site.split(".")[0]) for site in ar.sites(ctx.trace) if site != "output"})
-    return pk.PickChoices("AttnRes", tuple(layers))
+    return view.PickChoices("AttnRes", tuple(layers))
 
 
 def _site_label(site: str) -> str:
@@ -39,7 +40,7 @@ def _site_label(site: str) -> str:
 def build_depth_weights(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Sites x sources heatmap of the depth-softmax weights, mean over tokens."""
     choices = attnres_choices(ctx)
-    layer, _ = pk.picked(ctx, choices, (pk.LAYER,))
+    layer, _ = pk.picked(ctx, choices, (view.LAYER,))
     table = ar.depth_weights(ctx.trace)
     if layer is not None:  # the picked layer's sites (its output-mix row is not a layer's)
         table = pk.filter_picked(table[table["side"] != "output"], layer, None)
@@ -156,7 +157,7 @@ VIEWS: list[View] = [
         build_depth_weights,
         description="Sites x sources map of the depth-softmax weights, averaged over tokens.",
         compare=Comparison(difference=("weight",), keys=("site", "source"), x="source"),
-        picks=pk.Picks((pk.LAYER,), attnres_choices),
+        picks=view.Picks((view.LAYER,), attnres_choices),
     ),
     View(
         "attnres_site_stats",

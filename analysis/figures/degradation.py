@@ -1,5 +1,5 @@
-"""Figures for the degradation diagnostics: MLA attention (analysis.attention), hidden states over depth
-(analysis.hidden_states) and their KDA counterparts (analysis.kda_memory). One View per figure."""
+"""Figures for the degradation diagnostics: MLA attention (analysis.metrics.attention), hidden states over depth
+(analysis.metrics.hidden_states) and their KDA counterparts (analysis.metrics.kda_memory). One View per figure."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import attention as at
-from analysis import hidden_states as hs
-from analysis import kda_memory as km
-from analysis import picks as pk
-from analysis.context import AnalysisContext
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style, mark_repeat_start
-from analysis.trace_errors import MissingTraceData
-from analysis.view import Comparison, NotApplicable, View
+from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style, mark_repeat_start
+from analysis.metrics import attention as at
+from analysis.metrics import hidden_states as hs
+from analysis.metrics import kda_memory as km
+from analysis.runs.context import AnalysisContext
+from analysis.runs.missing_data import MissingTraceData
+from analysis.views import picks as pk
+from analysis.views import view
+from analysis.views.view import Comparison, NotApplicable, View
 
 
 def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
@@ -88,7 +89,7 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
     return fig, df
 
 
-def _mla_pick(ctx: AnalysisContext) -> tuple[pk.PickChoices, int | None, int | None]:
+def _mla_pick(ctx: AnalysisContext) -> tuple[view.PickChoices, int | None, int | None]:
     """The MLA choices of the run and the picked (layer, head); NotApplicable without MLA attention."""
     try:
         choices = pk.mla_choices(ctx)
@@ -387,7 +388,7 @@ VIEWS: list[View] = [
         build_entropy_by_position,
         description="Normalised entropy of each query row, mean over heads.",
         compare=Comparison(difference=("entropy_norm",), keys=("layer", "head", "query"), reduce=("head",), x="query"),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
     ),
     View(
         "degradation_sink",
@@ -396,7 +397,7 @@ VIEWS: list[View] = [
         build_sink_mass,
         description="First-token sink mass per head and the sink rate (share above 0.3; Gu et al. 2024).",
         compare=Comparison(difference=("first_token_mass",), keys=("layer", "head"), x="head"),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
     ),
     View(
         "degradation_sink_profile",
@@ -405,7 +406,7 @@ VIEWS: list[View] = [
         build_sink_profile,
         description="Mean attention each key position receives from the queries that can see it.",
         compare=Comparison(difference=("received",), keys=("layer", "head", "key"), x="key"),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
     ),
     View(
         "degradation_mla_gate",

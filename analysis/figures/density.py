@@ -1,5 +1,5 @@
-"""Figures for KDA layer density: allocated (analysis.allocation) vs measured (analysis.kda_memory,
-analysis.importance), per depth.
+"""Figures for KDA layer density: allocated (analysis.metrics.allocation) vs measured (analysis.metrics.kda_memory,
+analysis.metrics.importance), per depth.
 
 Options read from ``ctx.options``: ``seq_len`` (tokens; default 131072) for FLOPs and the cache readout,
 ``dtype_bytes`` (default 2, bf16) for the MLA latent and KDA conv tails.
@@ -12,15 +12,16 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import allocation as al
-from analysis import kda_memory as km
-from analysis import picks as pk
-from analysis.context import AnalysisContext
-from analysis.format import format_bytes, format_tokens
-from analysis.importance import sublayer_importance
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style, mark_repeat_start
-from analysis.view import Comparison, NotApplicable, View
-from k3core.trace import names
+from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style, mark_repeat_start
+from analysis.metrics import allocation as al
+from analysis.metrics import kda_memory as km
+from analysis.metrics.importance import sublayer_importance
+from analysis.output.format import format_bytes, format_tokens
+from analysis.runs.context import AnalysisContext
+from analysis.views import picks as pk
+from analysis.views import view
+from analysis.views.view import Comparison, NotApplicable, View
+from k3core.interp.trace import names
 
 DEFAULT_SEQ_LEN = 131072
 
@@ -269,7 +270,7 @@ def _group_label(layer: int, head: int | None) -> str:
 
 def build_kda_decay(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per KDA layer/head (pooled per layer when there are many heads): spread over key channels of the
-    half-life ln 2 / (-mean_t g) (``analysis.kda_memory.half_life``), and the share of decays near the lower
+    half-life ln 2 / (-mean_t g) (``analysis.metrics.kda_memory.half_life``), and the share of decays near the lower
     bound (g < 0.9 lb)."""
     _require_kda(ctx)
     choices = pk.kda_choices(ctx)
@@ -463,7 +464,7 @@ VIEWS: list[View] = [
         description="Memory half-life ln 2/(-g) in tokens over key channels per KDA head; share of decays near "
         "the lower bound.",
         compare=Comparison(difference=("g_mean", "frac_near_lb"), keys=("layer", "head")),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.kda_choices),
     ),
     View(
         "kda_beta",
@@ -472,7 +473,7 @@ VIEWS: list[View] = [
         build_kda_beta,
         description="Distribution of the delta-rule write strength β per KDA head.",
         compare=Comparison(difference=("mean",), keys=("layer", "head")),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.kda_choices),
     ),
     View(
         "kda_state_norm",
@@ -481,6 +482,6 @@ VIEWS: list[View] = [
         build_kda_state_norm,
         description="Frobenius norm of each KDA head's state at chunk ends.",
         compare=Comparison(difference=("state_norm",), keys=("layer", "head", "token"), reduce=("head",), x="token"),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_state_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.kda_state_choices),
     ),
 ]

@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis.attribution import LayerAttribution, TokenAttribution
-from analysis.context import AnalysisContext
-from analysis.style import DIVERGING, LAYER_TYPE_COLORS, SEQUENTIAL_REVERSED, apply_style, mark_repeat_start
-from analysis.view import Comparison, NotApplicable, View
+from analysis.experiments.attribution import LayerAttribution, TokenAttribution
+from analysis.figures.style import DIVERGING, LAYER_TYPE_COLORS, SEQUENTIAL_REVERSED, apply_style, mark_repeat_start
+from analysis.runs.context import AnalysisContext
+from analysis.views.view import Comparison, NotApplicable, View
 
 KIND_COLORS = {
     "KDA": LAYER_TYPE_COLORS["KDA"],
@@ -178,8 +178,8 @@ def mla_attention_figure(rows: pd.DataFrame, query: int, what: str) -> go.Figure
 
 
 # ----------------------------------------------------------------------------------------- views
-# The experiment's inputs travel in the view options, as picks do (``analysis.picks``): ``edits`` (a list of edit
-# dicts, ``k3core.interventions.edit_from_dict``), ``patching`` (``patching_spec``), ``attribution``
+# The experiment's inputs travel in the view options, as picks do (``analysis.views.picks``): ``edits`` (a list of edit
+# dicts, ``k3core.interp.interventions.edit_from_dict``), ``patching`` (``patching_spec``), ``attribution``
 # (``attribution_spec``) and ``lens_value``. A view whose spec is absent (the report, a Compare section) says so
 # (NotApplicable) instead of guessing an experiment; the lens needs none (no edits: the baseline's).
 EDITS, PATCHING, ATTRIBUTION, LENS_VALUE = "edits", "patching", "attribution", "lens_value"
@@ -255,8 +255,8 @@ def experiment_effects(ctx: AnalysisContext) -> tuple[pd.DataFrame, dict]:
     computed once per edit list on the context."""
     import json
 
-    from analysis import effects
-    from k3core.interventions import edit_from_dict
+    from analysis.experiments import effects
+    from k3core.interp.interventions import edit_from_dict
 
     dicts = _spec(ctx, EDITS, "edits")
 
@@ -274,7 +274,7 @@ def experiment_patching(ctx: AnalysisContext) -> pd.DataFrame:
     """``patching.activation_patching`` of the spec in ``ctx.options["patching"]`` (``patching_spec``)."""
     import json
 
-    from analysis import patching
+    from analysis.experiments import patching
 
     spec = _spec(ctx, PATCHING, "patching (corrupted token and metric)")
 
@@ -309,7 +309,7 @@ def experiment_token_attribution(ctx: AnalysisContext) -> TokenAttribution:
     """``attribution.token_attribution`` of the spec in ``ctx.options["attribution"]`` (``attribution_spec``)."""
     import json
 
-    from analysis import attribution
+    from analysis.experiments import attribution
 
     spec = _spec(ctx, ATTRIBUTION, "attribution (prompt, target and method)")
     x, y = _attribution_inputs(ctx, spec)
@@ -333,7 +333,7 @@ def experiment_layer_attribution(ctx: AnalysisContext) -> LayerAttribution:
     """``attribution.layer_attribution`` of the prompt, target and steps in ``ctx.options["attribution"]``."""
     import json
 
-    from analysis import attribution
+    from analysis.experiments import attribution
 
     spec = _spec(ctx, ATTRIBUTION, "attribution (prompt, target and steps)")
     x, y = _attribution_inputs(ctx, spec)
@@ -345,8 +345,8 @@ def experiment_lens(ctx: AnalysisContext) -> pd.DataFrame:
     """``lens.lens_table`` of the forward with ``ctx.options["edits"]`` applied (none: the baseline's)."""
     import json
 
-    from analysis import lens
-    from k3core.interventions import edit_from_dict, intervene
+    from analysis.metrics import lens
+    from k3core.interp.interventions import edit_from_dict, intervene
 
     _needs_model(ctx)
     dicts = ctx.options.get(EDITS) or []

@@ -1,4 +1,4 @@
-"""Training-history figures from metrics.json (analysis.history), several runs overlaid.
+"""Training-history figures from metrics.json (analysis.metrics.history), several runs overlaid.
 
 A view draws ``ctx.metrics`` (labelled ``ctx.label``) plus any runs in
 ``ctx.options["overlay_metrics"]`` ({label: metrics dict}), each in its own colour.
@@ -10,10 +10,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import history as hist
-from analysis.context import AnalysisContext
-from analysis.style import RUN_COLORS, apply_style, subplot_spacing
-from analysis.view import Comparison, NotApplicable, View
+from analysis.figures.style import RUN_COLORS, apply_style, subplot_spacing
+from analysis.metrics import history as hist
+from analysis.runs.context import AnalysisContext
+from analysis.views.view import Comparison, NotApplicable, View
 from k3core.data.mqar import mqar_chance
 
 

@@ -1,6 +1,6 @@
-"""Figures for long context (analysis.long_context from a trace, analysis.long_runs running the model): loss by
-position against the run's short-context loss, KDA state norm and rank over position, the decay horizon used,
-MLA entropy and sink mass over position, recall by distance, and seconds and memory per token against T.
+"""Figures for long context (analysis.metrics.long_context from a trace, analysis.experiments.long_runs running the
+model): loss by position against the run's short-context loss, KDA state norm and rank over position, the decay horizon
+used, MLA entropy and sink mass over position, recall by distance, and seconds and memory per token against T.
 Every position axis is logarithmic (position bins double in width)."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import long_context as lc
-from analysis import long_runs as lr
-from analysis import picks as pk
-from analysis.context import AnalysisContext
-from analysis.style import RUN_COLORS, apply_style
-from analysis.trace_errors import MissingTraceData
-from analysis.view import Comparison, NotApplicable, View
+from analysis.experiments import long_runs as lr
+from analysis.figures.style import RUN_COLORS, apply_style
+from analysis.metrics import long_context as lc
+from analysis.runs.context import AnalysisContext
+from analysis.runs.missing_data import MissingTraceData
+from analysis.views import picks as pk
+from analysis.views import view
+from analysis.views.view import Comparison, NotApplicable, View
 
 SECTION = "long_context"
 
@@ -332,7 +333,7 @@ VIEWS: list[View] = [
         compare=Comparison(
             difference=("state_norm", "state_rank"), keys=("layer", "head", "token"), reduce=("head",), x="token"
         ),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_state_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.kda_state_choices),
     ),
     View(
         "long_decay_horizon",
@@ -341,7 +342,7 @@ VIEWS: list[View] = [
         build_decay_horizon,
         description="Median channel half-life of the decays actually applied, per position bin.",
         compare=Comparison(difference=("horizon",), keys=("layer", "head", "start"), reduce=("head",), x="start"),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.kda_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.kda_choices),
     ),
     View(
         "long_mla_position",
@@ -352,7 +353,7 @@ VIEWS: list[View] = [
         compare=Comparison(
             difference=("entropy_norm", "sink_mass"), keys=("layer", "head", "start"), reduce=("head",), x="start"
         ),
-        picks=pk.Picks((pk.LAYER, pk.HEAD), pk.mla_choices),
+        picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
     ),
     View(
         "long_recall_distance",

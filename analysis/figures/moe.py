@@ -1,9 +1,9 @@
-"""Figures for LatentMoE (analysis.moe): load heatmap, imbalance, weight by rank, co-activation,
+"""Figures for LatentMoE (analysis.metrics.moe): load heatmap, imbalance, weight by rank, co-activation,
 next-token reuse, latent PCA and router bias.
 
 Per-layer figures (co-activation, latent PCA) show one MoE layer at a time with a layer dropdown;
 ``ctx.options["layer"]`` picks a single layer (default: all, up to a size budget). The load heatmap and the
-weight by rank also focus on a picked layer (``analysis.picks``).
+weight by rank also focus on a picked layer (``analysis.views.picks``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from analysis import moe as mo
-from analysis import picks as pk
-from analysis.context import AnalysisContext
-from analysis.style import RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.view import Comparison, NotApplicable, View
-from k3core.trace import names
+from analysis.figures.style import RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.metrics import moe as mo
+from analysis.runs.context import AnalysisContext
+from analysis.views import picks as pk
+from analysis.views import view
+from analysis.views.view import Comparison, NotApplicable, View
+from k3core.interp.trace import names
 
 COACT_CELL_BUDGET = 1_000_000  # E * E * layers shown in one co-activation figure
 PCA_POINT_BUDGET = 200_000
@@ -48,7 +49,7 @@ def _layers_with(ctx: AnalysisContext, array: Callable[[int], str], hint: str = 
 
 
 def _pick_layers(ctx: AnalysisContext, layers: list[int], cost_per_layer: int, budget: int) -> list[int]:
-    layer, _ = pk.picked(ctx, pk.PickChoices("MoE", tuple(layers)), (pk.LAYER,))
+    layer, _ = pk.picked(ctx, view.PickChoices("MoE", tuple(layers)), (view.LAYER,))
     if layer is not None:
         return [layer]
     n = max(1, budget // max(cost_per_layer, 1))
@@ -90,7 +91,7 @@ def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Layers x experts heatmap of each expert's share of its layer's assignments (whole batch)."""
     _require_moe(ctx)
     choices = pk.moe_choices(ctx)
-    layer, _ = pk.picked(ctx, choices, (pk.LAYER,))
+    layer, _ = pk.picked(ctx, choices, (view.LAYER,))
     table = pk.filter_picked(mo.expert_load(ctx.trace), layer, None)
     share = table.pivot(index="layer", columns="expert", values="share").sort_index()
     count = table.pivot(index="layer", columns="expert", values="count").sort_index()
@@ -161,8 +162,8 @@ def build_weight_by_rank(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     table = mo.weight_by_rank(ctx.trace)
     if table.empty:
         raise NotApplicable("trace has no moe.*.weights arrays")
-    choices = pk.PickChoices("MoE", tuple(sorted(int(v) for v in table["layer"].unique())))
-    picked_layer, _ = pk.picked(ctx, choices, (pk.LAYER,))
+    choices = view.PickChoices("MoE", tuple(sorted(int(v) for v in table["layer"].unique())))
+    picked_layer, _ = pk.picked(ctx, choices, (view.LAYER,))
     table = pk.filter_picked(table, picked_layer, None)
     fig = go.Figure()
     layers = sorted(table["layer"].unique())
@@ -355,7 +356,7 @@ VIEWS: list[View] = [
         build_load_heatmap,
         description="Share of each layer's assignments per expert, layers x experts.",
         compare=Comparison(difference=("share",), keys=("layer", "expert"), x="expert", same_weights=True),
-        picks=pk.Picks((pk.LAYER,), pk.moe_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_choices),
     ),
     View(
         "moe_imbalance",
@@ -372,7 +373,7 @@ VIEWS: list[View] = [
         build_weight_by_rank,
         description="Mean routing weight of the 1st..k-th chosen expert.",
         compare=Comparison(difference=("mean_weight",), keys=("layer", "rank"), x="rank"),
-        picks=pk.Picks((pk.LAYER,), pk.moe_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_choices),
     ),
     View(
         "moe_coactivation",
@@ -383,7 +384,7 @@ VIEWS: list[View] = [
         compare=Comparison(
             difference=("rate",), keys=("layer", "expert_i", "expert_j"), x="expert_j", same_weights=True
         ),
-        picks=pk.Picks((pk.LAYER,), pk.moe_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_choices),
     ),
     View(
         "moe_reuse",
@@ -400,6 +401,6 @@ VIEWS: list[View] = [
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
         compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
-        picks=pk.Picks((pk.LAYER,), pk.moe_latent_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_latent_choices),
     ),
 ]

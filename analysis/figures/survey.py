@@ -1,4 +1,4 @@
-"""Survey figures: a corpus survey (``analysis.survey``, tables in ``analysis.survey_tables``) drawn as views.
+"""Survey figures: a corpus survey (``analysis.survey.engine``, tables in ``analysis.survey.tables``) drawn as views.
 
 A survey view draws ``ctx.options["survey"]`` (a ``Survey`` read with ``read_survey``; ``survey_context`` makes the
 context) and raises NotApplicable without one, so these views live in their own catalogue (``VIEWS`` here, section
@@ -15,11 +15,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis import survey_tables as st
-from analysis.context import AnalysisContext
-from analysis.style import RUN_COLORS, apply_style
-from analysis.survey import Survey
-from analysis.view import NotApplicable, View
+from analysis.figures.style import RUN_COLORS, apply_style
+from analysis.runs.context import AnalysisContext
+from analysis.survey import tables as st
+from analysis.survey.engine import Survey
+from analysis.views.view import NotApplicable, View
 
 POLICY_COLORS = {"lru": RUN_COLORS[0], "lfu": RUN_COLORS[1], "belady": RUN_COLORS[2]}
 

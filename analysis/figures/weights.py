@@ -5,7 +5,7 @@ summary is computed from the model's parameters (once per model).
 
 This module lists the views, in report order; their builders live by subject in ``weights_kda``,
 ``weights_attnres``, ``weights_router`` and ``weights_norms_params``, and ``weights_source.weights_of`` finds
-the summary (re-exported here)."""
+the summary."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from analysis.figures.weights_router import (
     build_router_bias_spread,
     build_router_norms,
 )
-from analysis.figures.weights_source import weights_of as weights_of
-from analysis.view import Comparison, View
+from analysis.views.view import Comparison, View
 
 UNITS = (
     "expert / head e of one checkpoint and expert / head e of another are different learned units; "

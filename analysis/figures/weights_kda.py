@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis.context import AnalysisContext
+from analysis.figures.style import LAYER_TYPE_COLORS, SEQUENTIAL, apply_style
 from analysis.figures.weights_source import run_label, weights_of
-from analysis.style import LAYER_TYPE_COLORS, SEQUENTIAL, apply_style
-from analysis.view import NotApplicable
+from analysis.runs.context import AnalysisContext
+from analysis.views.view import NotApplicable
 
 MLA_UNBOUNDED = "MLA layer: unbounded memory (full attention, no half-life)"
 

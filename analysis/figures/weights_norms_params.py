@@ -7,10 +7,10 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis import weights as wt
-from analysis.context import AnalysisContext
+from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
 from analysis.figures.weights_source import run_label, weights_of
-from analysis.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
-from analysis.view import NotApplicable
+from analysis.runs.context import AnalysisContext
+from analysis.views.view import NotApplicable
 
 KIND_COLORS = {
     "KDA": LAYER_TYPE_COLORS["KDA"],

@@ -7,11 +7,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis import moe as mo
-from analysis.context import AnalysisContext
+from analysis.figures.style import DIVERGING, RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.figures.weights_source import run_label, weights_of
-from analysis.style import DIVERGING, RUN_COLORS, SEQUENTIAL, apply_style
-from analysis.view import NotApplicable
+from analysis.metrics import moe as mo
+from analysis.runs.context import AnalysisContext
+from analysis.views.view import NotApplicable
 
 
 def _layer_expert_heatmap(
@@ -58,7 +58,7 @@ def build_router_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 def build_router_bias_spread(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Per MoE layer: e_bias std (spread) and its min-max range around the mean; with a trace that recorded
-    the expert load, also the bias-load correlation per layer (``analysis.moe.bias_load_correlation``)."""
+    the expert load, also the bias-load correlation per layer (``analysis.metrics.moe.bias_load_correlation``)."""
     s = weights_of(ctx)
     table = s.router_bias_stats
     if table.empty:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import weakref
 
 from analysis import weights as wt
-from analysis.context import AnalysisContext
-from analysis.view import NotApplicable
+from analysis.runs.context import AnalysisContext
+from analysis.views.view import NotApplicable
 
 _FROM_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -27,10 +27,10 @@ Modules, one job each: ``source`` (tensor sources: a checkpoint folder header-on
 ``layout`` (layers, kinds and parameters from names and shapes; which tensors are read), ``decay`` (KDA
 resting decay), ``residual`` (AttnRes queries, scale/bias, norm gains), ``routing`` (router biases and
 norms, expert norms), ``summary`` (``WeightSummary``, ``summarize_values``), ``read`` (reading a source into
-a summary), ``document`` (``weights.json``). The ``k3lab weights`` output folder is ``analysis.weights_report``.
+a summary), ``document`` (``weights.json``). The ``k3lab weights`` output folder is ``analysis.output.weights_folder``.
 """
 
-from analysis.kda_memory import LN2, half_life
+from analysis.metrics.kda_memory import LN2, half_life
 
 from .decay import kda_tables, live_a_log, resting_decay, spread
 from .document import weights_json, write_weights_json

@@ -1,5 +1,5 @@
 """KDA resting decay: the decay gate with zero input, per head and channel, and its half-life in tokens
-(``analysis.kda_memory.half_life``, the one definition of KDA memory)."""
+(``analysis.metrics.kda_memory.half_life``, the one definition of KDA memory)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.kda_memory import half_life
+from analysis.metrics.kda_memory import half_life
 from k3core.config import K3Config
-from k3core.ops.kda_gate import kda_decay_gate
+from k3core.ops.kda.gate import kda_decay_gate
 
 
 def live_a_log(a_log: np.ndarray, num_heads: int) -> np.ndarray:
@@ -26,7 +26,7 @@ def live_a_log(a_log: np.ndarray, num_heads: int) -> np.ndarray:
 def resting_decay(
     a_log: np.ndarray, dt_bias: np.ndarray, num_heads: int, gate: str = "lower_bound", lower_bound: float = -5.0
 ) -> np.ndarray:
-    """The KDA decay gate (``k3core.ops.kda_gate.kda_decay_gate``, in float64) with zero input, per head and
+    """The KDA decay gate (``k3core.ops.kda.gate.kda_decay_gate``, in float64) with zero input, per head and
     channel, [H, d] float64:
 
         lower-bound gate (K3):         g0 = lb * sigmoid(exp(A_log[h]) * dt_bias[h, c])

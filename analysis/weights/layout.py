@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from k3core.checkpoint_files import counts_as_parameter
+from k3core.checkpoints.names import counts_as_parameter
 from k3core.config import K3Config
 
 EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
@@ -143,7 +143,7 @@ _DENSE_UNDER_MOE = frozenset(f"block_sparse_moe.{p}_proj.weight" for p in ("gate
 
 
 def params_by_depth(shapes: Mapping[str, Any], structure: pd.DataFrame) -> pd.DataFrame:
-    """Parameters (elements, from header shapes) per depth and kind: ``analysis.allocation.params_by_kind`` (the
+    """Parameters (elements, from header shapes) per depth and kind: ``analysis.metrics.allocation.params_by_kind`` (the
     definition and its rule) counted from what a checkpoint stores, so it answers without a config too. Columns:
     layer (-1 = embedding, n = output: LM head, final norm, output mix), depth ("embedding", "L0".., "output"),
     kind, params. Only (depth, kind) pairs with parameters appear."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3core.checkpoint_files import CheckpointFiles
+from k3core.checkpoints.folder import CheckpointFiles
 from k3core.config import K3Config
 
 
@@ -82,8 +82,8 @@ class StateDictSource:
 
 
 def open_source(path: str | Path) -> Any:
-    """A checkpoint folder (or one .safetensors file) opened header-only (``k3core.checkpoint_files``);
+    """A checkpoint folder (or one .safetensors file) opened header-only (``k3core.checkpoints.folder``);
     config.json is read when present (without it the KDA gate form is unknown, everything else works).
 
-    Raises ``k3core.checkpoint_files.CheckpointError`` for anything wrong with it."""
+    Raises ``k3core.checkpoints.tensor_info.CheckpointError`` for anything wrong with it."""
     return CheckpointFiles.open(path, require_config=False)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from k3core.checkpoint_files import counts_as_parameter
+from k3core.checkpoints.names import counts_as_parameter
 from k3core.config import K3Config
 
 from .decay import kda_tables

@@ -1,6 +1,6 @@
 """AttnRes: depth-softmax weights per site, pseudo-query norms, scale/bias residuals, hidden-state growth."""
 
-from app import page
+from app.render import page
 
 page.section_page(
     "attnres",

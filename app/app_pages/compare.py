@@ -1,5 +1,5 @@
 """Compare: two runs on the same text, one run on two texts, or one run as it is and with the Experiment
-page's edits (analysis.compare)."""
+page's edits (analysis.compare.two_runs)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import json
 
 import streamlit as st
 
-from analysis.compare import distinct_labels
-from analysis.views import section_views
-from app import cards, links, page, run_list
-from app.errors import md_escape
-from app.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
-from app.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
-from app.sidebar import text_choice
+from analysis.compare.two_runs import distinct_labels
+from analysis.views.catalogue import section_views
+from app.library import run_list
+from app.render import cards, page
+from app.render.errors import md_escape
+from app.state import links
+from app.state.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
+from app.state.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
+from app.state.sidebar import text_choice
 
 inputs = page.inputs_or_stop()
 page.page_header(

@@ -1,6 +1,6 @@
 """Attention degradation diagnostics: entropy collapse, sinks, rank collapse, redundancy, massive activations."""
 
-from app import page
+from app.render import page
 
 page.section_page(
     "degradation",

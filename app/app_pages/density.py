@@ -1,6 +1,6 @@
 """KDA & layer density: allocated (params, FLOPs, cache bytes by depth) against measured importance."""
 
-from app import page
+from app.render import page
 
 page.section_page(
     "density",

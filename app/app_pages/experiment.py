@@ -10,15 +10,19 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from analysis import attribution, effects, job_memory, patching
-from analysis.export import csv_with_provenance, provenance
+from analysis.experiments import attribution, effects, patching
 from analysis.figures import experiment as fx
-from analysis.token_detail import token_detail
-from app import caching, cards, job_budget, links, page, picks
-from app import experiment as ex
-from app.errors import plain
-from app.links import EDITS
-from k3core.interventions import EditError, KDAEdit, compile_edits, edit_from_dict
+from analysis.metrics.token_detail import token_detail
+from analysis.output.export import csv_with_provenance, provenance
+from analysis.runs import job_memory
+from app.render import caching, cards, page
+from app.render.errors import plain
+from app.server import job_budget
+from app.state import experiment_choices as ex
+from app.state import links, pickers
+from app.state.links import EDITS
+from k3core.interp.edit_kinds import EditError, KDAEdit
+from k3core.interp.interventions import compile_edits, edit_from_dict
 
 inputs = page.inputs_or_stop()
 page.page_header(
@@ -31,7 +35,7 @@ loaded = page.load_or_stop(inputs)
 page.show_input_notes(loaded)
 page.run_line(loaded)
 model, run, config = loaded.model, loaded.run, loaded.run.config
-if model is None:  # a trace folder (analysis.runs.load_trace_folder): nothing to rerun
+if model is None:  # a trace folder (analysis.runs.loading.load_trace_folder): nothing to rerun
     st.info(
         f"**{loaded.ref.label}** is a trace folder without its weights: experiments rerun the model, so this page "
         "needs the checkpoint."
@@ -50,7 +54,7 @@ VIEWS = {view.key: view for view in fx.VIEWS}
 
 
 def _draw(view_key: str, card: str = "", **spec: object) -> bool:
-    """One experiment View drawn through app.cards (export, figure cache), its inputs in the view options;
+    """One experiment View drawn through app.render.cards (export, figure cache), its inputs in the view options;
     ``card`` tells apart two cards of one view on the page."""
     return cards.render_view(VIEWS[view_key], ex.with_spec(loaded, **spec), key=f"{view_key}{card}")
 
@@ -475,14 +479,14 @@ def _token() -> None:
         st.markdown("Experts per MoE layer (by weight rank)")
         experts = detail.experts
         if len(experts):
-            experts, _, _ = picks.table_pick(links.TOKEN_MOE, "Experts", experts, "MoE")
+            experts, _, _ = pickers.table_pick(links.TOKEN_MOE, "Experts", experts, "MoE")
         st.table(experts.set_index(["layer", "rank"]))
     if len(detail.depth):
         st.markdown("AttnRes depth weights")
         st.dataframe(detail.depth.pivot(index="site", columns="source", values="weight"), key="k3lab_tok_depth")
     if len(detail.mla):
         st.markdown(f"MLA attention from token {s['position']} as the query")
-        rows, choices, pick = picks.table_pick(links.TOKEN_MLA, "MLA attention", detail.mla, "MLA", allow_all=False)
+        rows, choices, pick = pickers.table_pick(links.TOKEN_MLA, "MLA attention", detail.mla, "MLA", allow_all=False)
         st.caption(
             f"{choices.label('layer', pick['layer'])}, {choices.label('head', pick['head'])}: keys 0..{s['position']}"
         )
@@ -494,7 +498,7 @@ def _token() -> None:
         st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
     if len(detail.kda):
         st.markdown("KDA gates (beta, output gate mean, mean log decay g) per layer and head")
-        rows, _, _ = picks.table_pick(links.TOKEN_KDA, "KDA gates", detail.kda, "KDA")
+        rows, _, _ = pickers.table_pick(links.TOKEN_KDA, "KDA gates", detail.kda, "KDA")
         st.dataframe(rows, hide_index=True, key="k3lab_tok_kda")
 
 

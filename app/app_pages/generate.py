@@ -7,10 +7,10 @@ import time
 import streamlit as st
 import torch
 
-from app import caching, page
-from app.errors import md_escape, plain
-from app.inputs import MAX_TEXT_CHARS, MAX_TOKENS_CAP
-from k3core.cache import K3Cache
+from app.render import caching, page
+from app.render.errors import md_escape, plain
+from app.state.inputs import MAX_TEXT_CHARS, MAX_TOKENS_CAP
+from k3core.generation.cache import K3Cache
 
 inputs = page.inputs_or_stop()
 run = inputs.run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import caching, page
+from app.render import caching, page
 
 inputs = page.inputs_or_stop()
 page.page_header(

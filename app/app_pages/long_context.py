@@ -1,9 +1,10 @@
 """Long context: the sidebar's run far into one long text (the cost estimate first, then progress and Stop).
 
 The length chooser offers powers of two up to the longest length whose estimated memory fits this machine
-(``analysis.long_runs.estimate_cost``: one calibration forward scaled by the FLOP model). The trace covers every
-position (bulky arrays windowed at WINDOW tokens, ``k3core.trace``); the views are ``analysis.figures.long_context``.
-Recall by distance and cost by length run the model again, each on its own button with progress and Stop.
+(``analysis.experiments.long_runs.estimate_cost``: one calibration forward scaled by the FLOP model). The trace covers
+every position (bulky arrays windowed at WINDOW tokens, ``k3core.interp.recorder``); the views are
+``analysis.figures.long_context``. Recall by distance and cost by length run the model again, each on its own button
+with progress and Stop.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import time
 
 import streamlit as st
 
-from analysis import long_runs as lr
-from analysis import texts
+from analysis.experiments import long_runs as lr
 from analysis.figures import long_context as fl
-from analysis.format import format_bytes
-from analysis.runs import trace_run
-from app import caching, cards, page
-from app.caching import Loaded
-from app.inputs import SAMPLE_OF_SOURCE, TEXT_SHAKESPEARE
-from k3core.hooks import HookNames, hooks
+from analysis.output.format import format_bytes
+from analysis.runs import texts
+from analysis.runs.loading import trace_run
+from app.render import caching, cards, page
+from app.render.caching import Loaded
+from app.state.inputs import SAMPLE_OF_SOURCE, TEXT_SHAKESPEARE
+from k3core.interp.hooks import HookNames, hooks
 
 WINDOW = 1024  # bulky per-token arrays (hidden states, KDA decays) keep this many positions
 LENGTHS = tuple(1024 * 2**k for k in range(11))  # 1K .. 1M

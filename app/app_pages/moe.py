@@ -1,6 +1,6 @@
 """LatentMoE: expert load, imbalance, weight by rank, co-activation, latent routing, router biases."""
 
-from app import page
+from app.render import page
 
 page.section_page(
     "moe",

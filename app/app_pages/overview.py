@@ -5,13 +5,13 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from analysis.checkpoint_summary import config_summary, layer_map, parameter_breakdown
-from analysis.format import format_count
-from analysis.views import section_views
-from app import caching, cards, page
-from app.download_all import download_all
-from app.errors import markdown_card, md_escape
-from k3core.checkpoint_files import PARAMETER_RULE
+from analysis.output.format import format_count
+from analysis.views.catalogue import section_views
+from analysis.weights.checkpoint_summary import config_summary, layer_map, parameter_breakdown
+from app.render import caching, cards, page
+from app.render.download_all import download_all
+from app.render.errors import markdown_card, md_escape
+from k3core.checkpoints.names import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis.format import format_bytes
-from analysis.runs import DTYPES
-from app import caching, error_text, library_home, memory_fit, page, run_list
-from app.errors import USER_ERRORS, describe, log, md_escape, plain
-from app.inputs import current_inputs
-from app.library import LibraryError
-from app.roots import PathRefused, confine_folder
-from app.run_folders import describe_folder, human_count, summary_text
-from k3core import rank_plan
+from analysis.output.format import format_bytes
+from analysis.runs.loading import DTYPES
+from app.library import home as library_home
+from app.library import memory_fit, run_list, run_messages
+from app.library.roots import PathRefused, confine_folder
+from app.library.run_folders import LibraryError, describe_folder, human_count, summary_text
+from app.render import caching, page
+from app.render.errors import USER_ERRORS, describe, log, md_escape, plain
+from app.state.inputs import current_inputs
+from k3core.distributed import rank_plan
 
 page.page_header(
     "Runs library",
@@ -164,7 +165,7 @@ with tab_upload:
                 lib.delete(entry.id)
             if not isinstance(exc, USER_ERRORS):
                 log.exception("checking an upload failed")
-            shown = describe(exc) if ref is None else plain(error_text.message(exc, ref))
+            shown = describe(exc) if ref is None else plain(run_messages.message(exc, ref))
             st.error(f"This checkpoint cannot be used: {shown}")
         else:
             _added(entry, f" Skipped: {md_escape(', '.join(skipped))}." if skipped else "")
@@ -262,7 +263,7 @@ for entry in entries:
                 except Exception as exc:  # noqa: BLE001 - the run stays, marked unchecked, with the reason shown
                     if not isinstance(exc, USER_ERRORS):
                         log.exception("checking a run again failed")
-                    shown = plain(error_text.message(exc, run_list.ref_of(entry)))
+                    shown = plain(run_messages.message(exc, run_list.ref_of(entry)))
                     c1.error(f"This checkpoint cannot be used: {shown}")
                 else:
                     st.rerun()

@@ -1,4 +1,5 @@
-"""Survey: statistics of the chosen run over a corpus (analysis.survey), its expert atlas and expert-cache curves."""
+"""Survey: statistics of the chosen run over a corpus (analysis.survey.engine), its expert atlas and expert-cache
+curves."""
 
 from __future__ import annotations
 
@@ -6,14 +7,15 @@ import re
 
 import streamlit as st
 
-from analysis import survey as sv
-from analysis import survey_tables as tables
 from analysis.figures import survey as fs
-from analysis.style import screen_figure
-from analysis.texts import text_tokenizer
-from analysis.view import NotApplicable
-from app import page, survey_jobs
-from app.cards import PLOTLY_CONFIG
+from analysis.figures.style import screen_figure
+from analysis.runs.texts import text_tokenizer
+from analysis.survey import engine as sv
+from analysis.survey import tables
+from analysis.views.view import NotApplicable
+from app.render import page
+from app.render.cards import PLOTLY_CONFIG
+from app.server import survey_jobs
 
 inputs = page.inputs_or_stop()
 page.page_header(
@@ -120,8 +122,8 @@ def _results(folder, job) -> None:
     budget = None
     if inputs.max_memory:
         try:
+            from k3core.bigmodel.streamed_run import plan_for_path
             from k3core.model import K3ForCausalLM
-            from k3core.streamed import plan_for_path
 
             budget = plan_for_path(run.path, K3ForCausalLM, max_memory=inputs.max_memory).expert_cache_bytes
         except Exception:  # noqa: BLE001 - no budget mark then

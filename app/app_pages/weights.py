@@ -8,18 +8,20 @@ import json
 import streamlit as st
 
 from analysis import weights as wt
-from analysis.format import format_bytes
-from analysis.views import section_views
-from app import caching, cards, error_text, page
-from app.run_folders import human_count
-from k3core.checkpoint_files import PARAMETER_RULE, CheckpointError
+from analysis.output.format import format_bytes
+from analysis.views.catalogue import section_views
+from app.library import run_messages
+from app.library.run_folders import human_count
+from app.render import caching, cards, page
+from k3core.checkpoints.names import PARAMETER_RULE
+from k3core.checkpoints.tensor_info import CheckpointError
 
 
 def weights_or_stop(ref, experts: bool = False, progress=None) -> caching.Loaded:
     try:
         return caching.load_weights(ref, experts, progress)
     except (CheckpointError, OSError, ValueError) as exc:
-        st.error(f"**{ref.label}**: {error_text.message(exc, ref)}")
+        st.error(f"**{ref.label}**: {run_messages.message(exc, ref)}")
         st.stop()
 
 

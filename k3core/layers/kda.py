@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
-from ..hooks import HookContext, HookNames, active, point_axes
+from ..interp.hooks import HookContext, HookNames, active, point_axes
 from ..ops.kda import kda_chunk, kda_recurrent
-from ..ops.kda_gate import kda_decay_gate
+from ..ops.kda.gate import kda_decay_gate
 from .norm import RMSNorm
 
 

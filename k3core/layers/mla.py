@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import K3Config
-from ..hooks import HookNames, active
+from ..interp.hooks import HookNames, active
 from ..ops.attention import attention
 from .norm import RMSNorm
 

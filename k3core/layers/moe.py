@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
-from ..hooks import HookContext, HookNames, active
+from ..interp.hooks import HookContext, HookNames, active
 from .ffn import GatedMLP, activation
 from .norm import RMSNorm
 
@@ -103,7 +103,7 @@ class StackedExperts(nn.Module):
     """E gated FFNs, weights stacked: w1 (gate) [E, m, L], w3 (up) [E, m, L], w2 (down) [E, L, m]."""
 
     WEIGHTS = ("w1", "w2", "w3")
-    # Optional source of expert weights (k3core.expert_store.LayerExperts): experts read from the checkpoint
+    # Optional source of expert weights (k3core.bigmodel.expert_store.LayerExperts): experts read from the checkpoint
     # on demand instead of the stacked parameters (which then stay on the meta device).
     weight_source = None
 

@@ -17,7 +17,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
         return out.to(gate.dtype)
     # No autograd: the same products in place on two fresh buffers (half the passes over memory,
     # no temporaries; the MoE experts' activation was a third of their time). Equal to the line above
-    # up to the rounding of folding beta * linear_beta into one factor (tests/test_ops_situ.py).
+    # up to the rounding of folding beta * linear_beta into one factor (tests/k3core/ops/test_ops_situ.py).
     out = torch.div(g, beta).tanh_().mul_(torch.sigmoid(g))
     out.mul_(torch.div(u, linear_beta).tanh_()).mul_(beta * linear_beta)
     return out.to(gate.dtype)

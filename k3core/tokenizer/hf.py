@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..files import parse_json, read_bytes_limited
+from ..utils.files import parse_json, read_bytes_limited
 from .base import Tokenizer, TokenizerError, content_digest
 
 MAX_TOKENIZER_BYTES = 256 * 1024**2  # tokenizer.json (a 256K-token vocabulary: about 35 MB)

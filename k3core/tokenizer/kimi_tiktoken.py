@@ -8,7 +8,7 @@ import binascii
 import json
 from pathlib import Path
 
-from ..files import parse_json, read_bytes_limited
+from ..utils.files import parse_json, read_bytes_limited
 from .base import Tokenizer, TokenizerError, content_digest
 
 #: Kimi's pre-tokenizer split (``pat_str`` of ``tokenization_kimi.py``, Kimi K2 / Kimi Linear): runs of Han

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint_files import config_from_json
+from ..checkpoints.folder import config_from_json
 from ..config import ConfigError, K3Config
 from ..data import Corpus, load_shakespeare, load_text_path
 from ..presets import PRESETS, from_preset

@@ -21,7 +21,7 @@
     final             {"step", "tokens_seen", "wall_time_s", "val_loss", "val_bpb", "mqar_accuracy"}
     sample            {"prompt", "text", "max_new_tokens", "temperature", "top_k", "seed"}
 
-``max_vio`` and ``cv`` are :func:`k3core.moe_balance.moe_load_stats` of the interval's load.
+``max_vio`` and ``cv`` are :func:`k3core.training.load_stats.moe_load_stats` of the interval's load.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from ..data import Corpus, unigram_cross_entropy_bits
-from ..moe_balance import moe_load_stats
-from ..trace import Trace, TraceNames
+from ..interp.trace import Trace, TraceNames
 from .config import TrainConfig
 from .evaluate import LN2, MQAR_EVAL_SEED
+from .load_stats import moe_load_stats
 from .rundir import code_version
 
 HISTORY_KEYS = ("train", "val", "moe", "attnres")

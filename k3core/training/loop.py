@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import save_pretrained
+from ..checkpoints.pretrained import save_pretrained
 from ..data import eval_window_starts, mix_mqar, random_batches
-from ..files import atomic_write_text
-from ..generate import generate_text
+from ..generation.decode import generate_text
+from ..interp.recorder import record
 from ..model import K3ForCausalLM
-from ..trace import record
+from ..utils.files import atomic_write_text
 from .balancing import update_router_biases
 from .card import model_card
 from .config import (

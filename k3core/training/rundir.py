@@ -11,7 +11,7 @@ A run directory is a loadable checkpoint plus its history::
 
 Everything is safetensors + JSON: nothing is pickled. A resume checkpoint is first written to a
 ``.tmp-*`` folder and then renamed into place; single files are replaced atomically
-(k3core.files).
+(k3core.utils.files).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from ..checkpoint import save_pretrained
-from ..files import atomic_write_bytes, atomic_write_text, fsync_dir
+from ..checkpoints.pretrained import save_pretrained
+from ..utils.files import atomic_write_bytes, atomic_write_text, fsync_dir
 from .config import TrainError
 
 METRICS_NAME = "metrics.json"

@@ -1,0 +1,1 @@
+"""Experiments on a model: edits, patching, attribution."""

@@ -1,0 +1,1 @@
+"""The diagnostics: trace or config in, tidy tables out."""

@@ -1,0 +1,189 @@
+"""A run's headline numbers on one trace, and two runs' numbers side by side with their delta.
+
+Every number here is a summary of a metric defined once elsewhere: MoE balance in ``analysis.metrics.moe``
+(MaxVio and CV from ``k3core.training.load_stats``), the KDA memory half-life in ``analysis.metrics.kda_memory``,
+attention metrics in ``analysis.metrics.attention``, hidden-state metrics in ``analysis.metrics.hidden_states``, AttnRes
+weights in ``analysis.metrics.attnres``, training numbers in ``analysis.metrics.history``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis.metrics import attention as at
+from analysis.metrics import attnres as ar
+from analysis.metrics import hidden_states as hs
+from analysis.metrics import kda_memory as km
+from analysis.metrics import moe as mo
+from analysis.metrics.history import final_numbers
+from analysis.runs.context import AnalysisContext
+from analysis.runs.missing_data import MissingTraceData
+from k3core.interp.trace import Trace, names
+
+HEADLINE_LABELS = {
+    "loss": "loss (nats/token)",
+    "bits_per_token": "bits/token",
+    "bits_per_byte": "bits/byte",
+    "mla_entropy_norm_mean": "MLA entropy (normalised, mean)",
+    "sink_rate": "sink rate",
+    "rank_collapse_mean": "rank-collapse ratio (mean over depth)",
+    "token_cosine_mean": "token cosine (mean)",
+    "block_influence_mean": "Block Influence (mean)",
+    "massive_ratio_max": "max/median |h| (worst depth)",
+    "moe_maxvio_max": "MoE MaxVio (max over layers)",
+    "moe_entropy_norm_mean": "MoE load entropy (normalised)",
+    "moe_cv_mean": "MoE load CV (mean)",
+    "moe_dead_experts": "MoE dead experts",
+    "attnres_embedding_weight_mean": "AttnRes embedding weight (mean)",
+    "kda_half_life_mean": "KDA half-life, mean of finite (tokens)",
+    "kda_half_life_median": "KDA half-life, median (tokens)",
+    "kda_half_life_inf_share": "KDA channels with alpha = 1",
+    "mla_gate_mean": "MLA output gate (mean)",
+    "train_final_val_bpb": "val bits/byte (training)",
+    "tokens": "tokens traced",
+}
+
+_NAN = float("nan")
+DIAGNOSTICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "DIAGNOSTICS.md"
+_HELP_LINE = re.compile(r"^- `([a-z0-9_]+)`: (.+)$")
+
+
+def headline_help(doc: Path = DIAGNOSTICS_DOC) -> dict[str, str]:
+    """The one-line definition and unit of each headline number, from the "Headline numbers" section of
+    docs/DIAGNOSTICS.md (lines ``- `key`: definition; unit``). Empty when the file is missing."""
+    try:
+        text = doc.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    section = text.split("## Headline numbers", 1)[-1] if "## Headline numbers" in text else ""
+    out = {}
+    for line in section.splitlines():
+        if line.startswith("## "):
+            break
+        m = _HELP_LINE.match(line.strip())
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def degradation_summary(trace: Trace) -> dict[str, float]:
+    """Mean causal-normalised MLA entropy, sink rate (share of MLA heads with first-token mass > 0.3; NaN below
+    ``analysis.metrics.attention.MIN_SINK_TOKENS`` tokens, where every head is a sink by construction), mean
+    rank-collapse ratio and token cosine over depth, mean Block Influence, worst max/median |h| (first
+    sequence); NaN where the trace lacks the data."""
+    out = dict.fromkeys(
+        (
+            "mla_entropy_norm_mean",
+            "sink_rate",
+            "rank_collapse_mean",
+            "token_cosine_mean",
+            "block_influence_mean",
+            "massive_ratio_max",
+        ),
+        _NAN,
+    )
+    if at.has_attention(trace):
+        out["mla_entropy_norm_mean"] = float(at.attention_entropy_table(trace)["entropy_norm"].mean())
+        if at.attention_tokens(trace) >= at.MIN_SINK_TOKENS:  # fewer keys: "all sinks" by construction
+            out["sink_rate"] = at.sink_rate(at.attention_sink_table(trace)["first_token_mass"].to_numpy())
+    if names.HIDDEN in trace:
+        rc = hs.rank_collapse_table(trace)
+        out["rank_collapse_mean"] = float(rc["ratio"].mean())
+        out["token_cosine_mean"] = float(rc["token_cosine"].mean())
+        if len(rc) > 1:
+            out["block_influence_mean"] = float(hs.layer_redundancy_table(trace)["block_influence"].mean())
+        h = np.asarray(trace[names.HIDDEN], dtype=np.float64)
+        out["massive_ratio_max"] = float(max(hs.max_median_ratio(h[d, 0]) for d in range(h.shape[0])))
+    return out
+
+
+def moe_summary(trace: Trace) -> dict[str, float]:
+    """Over the MoE layers (``analysis.metrics.moe.imbalance_table``): max MaxVio, mean normalised entropy, mean CV and
+    the number of dead experts; NaN without MoE data."""
+    table = mo.imbalance_table(trace)
+    if table.empty:
+        return dict.fromkeys(("moe_maxvio_max", "moe_entropy_norm_mean", "moe_cv_mean", "moe_dead_experts"), _NAN)
+    return {
+        "moe_maxvio_max": float(table["max_vio"].max()),
+        "moe_entropy_norm_mean": float(table["entropy"].mean()),
+        "moe_cv_mean": float(table["cv"].mean()),
+        "moe_dead_experts": float(table["dead"].sum()),
+    }
+
+
+def attnres_embedding_weight(trace: Trace) -> float:
+    """Mean over AttnRes sites of the token-averaged depth weight on the embedding source (NaN without AttnRes)."""
+    stats = ar.site_stats(trace)
+    return float(stats["embedding_weight"].mean()) if len(stats) else _NAN
+
+
+def kda_half_life_summary(trace: Trace) -> dict[str, float]:
+    """Over every KDA layer, head and key channel of ``analysis.metrics.kda_memory.kda_channel_decay``: mean half-life
+    of the channels with a finite one, median half-life, and the share of channels with alpha = 1 (infinite)."""
+    h = km.kda_channel_decay(trace)["half_life"].to_numpy(dtype=np.float64)
+    if h.size == 0:
+        return {"kda_half_life_mean": _NAN, "kda_half_life_median": _NAN, "kda_half_life_inf_share": _NAN}
+    finite = h[np.isfinite(h)]
+    return {
+        "kda_half_life_mean": float(finite.mean()) if finite.size else float("inf"),
+        "kda_half_life_median": float(np.median(h)),
+        "kda_half_life_inf_share": float(1.0 - finite.size / h.size),
+    }
+
+
+def headline_numbers(ctx: AnalysisContext) -> dict[str, Any]:
+    """The run's headline numbers on this trace (NaN where the trace or model lacks the data):
+
+    loss (mean next-token NLL in nats over scored tokens), bits per token = loss / ln 2 (= bits per byte
+    for the byte-level vocab), ``degradation_summary``, ``moe_summary``, the mean AttnRes embedding
+    weight, ``kda_half_life_summary``, the mean MLA output gate, and the final validation bits/byte from
+    metrics.json when present.
+    """
+    trace = ctx.trace
+    out: dict[str, Any] = {"label": ctx.label}
+    out["tokens"] = int(trace[names.TOKENS].shape[-1]) if names.TOKENS in trace else 0
+    nll = trace.get(names.TOKEN_NLL)
+    loss = float(np.nanmean(nll)) if nll is not None and np.isfinite(nll).any() else _NAN
+    out["loss"] = loss
+    out["bits_per_token"] = loss / math.log(2) if math.isfinite(loss) else _NAN
+    out["bits_per_byte"] = out["bits_per_token"] if ctx.config.vocab_size == 256 else _NAN
+    out.update(degradation_summary(trace))
+    out.update(moe_summary(trace))
+    out["attnres_embedding_weight_mean"] = attnres_embedding_weight(trace)
+    out.update(kda_half_life_summary(trace))
+    try:
+        out["mla_gate_mean"] = float(at.mla_gate_table(trace)["gate_mean"].mean())
+    except MissingTraceData:
+        out["mla_gate_mean"] = _NAN
+    if ctx.metrics:
+        final = final_numbers(ctx.metrics)
+        out["train_final_val_bpb"] = final.get("final_val_bpb", final.get("val_bpb", _NAN))
+    return out
+
+
+def headline_table(a: AnalysisContext | dict, b: AnalysisContext | dict) -> pd.DataFrame:
+    """Headline numbers of two runs with delta = A - B. Columns: metric, description, a, b, delta.
+
+    Accepts contexts or already computed ``headline_numbers`` dicts; ``df.attrs`` holds the labels."""
+    ha = a if isinstance(a, dict) else headline_numbers(a)
+    hb = b if isinstance(b, dict) else headline_numbers(b)
+    rows = []
+    for key in [k for k in ha if k != "label"] + [k for k in hb if k not in ha and k != "label"]:
+        va, vb = _num(ha.get(key)), _num(hb.get(key))
+        rows.append({"metric": key, "description": HEADLINE_LABELS.get(key, key), "a": va, "b": vb, "delta": va - vb})
+    df = pd.DataFrame(rows)
+    df.attrs.update(label_a=str(ha.get("label", "A")), label_b=str(hb.get("label", "B")), keys=["metric"])
+    return df
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return _NAN

@@ -1,0 +1,1 @@
+"""What leaves the process: the report, files of figures, numbers as text."""

@@ -1,0 +1,1 @@
+"""Statistics over a corpus: bounded, mergeable, resumable."""

@@ -1,0 +1,1 @@
+"""The View type and the catalogue of views."""

@@ -1,0 +1,1 @@
+"""The runs the app offers: the run list, the library, opened folders."""

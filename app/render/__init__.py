@@ -1,0 +1,1 @@
+"""Drawing and caching: the page scaffold, figure cards, errors."""

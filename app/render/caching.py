@@ -1,0 +1,541 @@
+"""Streamlit caching around analysis' one run-and-trace path; nothing here computes a metric or draws.
+
+    checkpoint folder --folder_fingerprint--> fingerprint   st.cache_data per (folder, file sizes, mtimes)
+    (fingerprint, device, dtype) --analysis.runs.loading.load_run--> Run          st.cache_resource
+    (text choice, vocab) --analysis.runs.texts.sample_input/text_input--> Input   st.cache_resource
+    (trace folder, text index) --analysis.runs.loading.recorded_input--> Input     st.cache_resource
+    (run, tokens, trace items) --analysis.runs.loading.trace_run--> AnalysisContext  st.cache_resource
+    (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
+
+``st.cache_resource`` hands back the same object on every rerun (no pickling), so the models, traces
+and figures are shared read-only by every session. The page's label and view options are applied with
+``AnalysisContext.with_options`` (the trace is not copied), and a view's cache key holds them, so
+changing an option that needs no model (the sequence-length slider) never runs the model again.
+
+The recorder is per call (``k3core.interp.recorder`` keeps it in a context variable), so sessions run models at
+the same time. Only work that installs hooks on a shared model (the importance ablations) needs it to
+itself: ``model_use(model, exclusive=True)``; forward passes take it shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from analysis.runs import job_memory, texts
+from analysis.runs import loading as runs
+from analysis.runs.context import AnalysisContext
+from analysis.runs.loading import Run
+from analysis.runs.texts import Input
+from analysis.views.view import NotApplicable
+from analysis.weights import WeightSummary, read_weight_summary
+from app.library.run_folders import folder_stamp
+from app.library.run_list import RunRef
+from app.server import job_budget
+from app.state.inputs import (
+    MAX_ATTN_LEN,
+    SAMPLE_OF_SOURCE,
+    TEXT_RECORDED,
+    InputError,
+    TextChoice,
+    check_device,
+    check_options,
+    check_text,
+    current_inputs,
+    options_key,
+)
+from k3core.checkpoints.folder import folder_fingerprint
+from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.interp.recorder import WHAT_ALL, WHAT_DEFAULT
+from k3core.interp.trace_folder import is_trace_dir, trace_dir_fingerprint
+
+
+# ----------------------------------------------------------------------------------------- model use
+class _SharedExclusive:
+    """Many forward passes at once, or one job that changes the model's hooks, never both."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0  # exclusive jobs waiting: new forwards queue behind them, so they are not starved
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        with self._cond:
+            if exclusive:
+                self._waiting += 1
+                self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+                self._waiting -= 1
+                self._exclusive = True
+            else:
+                self._cond.wait_for(lambda: not self._exclusive and self._waiting == 0)
+                self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if exclusive:
+                    self._exclusive = False
+                else:
+                    self._shared -= 1
+                self._cond.notify_all()
+
+
+_GUARDS: weakref.WeakKeyDictionary[Any, _SharedExclusive] = weakref.WeakKeyDictionary()
+_GUARDS_LOCK = threading.Lock()
+
+
+def model_use(model: Any, exclusive: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Use a shared model: forward passes (exclusive=False) run together; hook-installing work runs alone."""
+    with _GUARDS_LOCK:
+        guard = _GUARDS.setdefault(model, _SharedExclusive())
+    return guard.hold(exclusive)
+
+
+# ----------------------------------------------------------------------------------------- runs
+@st.cache_data(show_spinner=False, max_entries=64)
+def _fingerprint(path: str, stamp: tuple) -> str:
+    return folder_fingerprint(path)
+
+
+def run_fingerprint(path: str | Path) -> str:
+    """k3core.checkpoints.folder.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
+    file's size or mtime changes (``app.library.run_folders.folder_stamp``)."""
+    path = Path(path)
+    try:
+        if is_trace_dir(path):  # its run card holds every trace file's digest
+            return trace_dir_fingerprint(path)
+        return _fingerprint(str(path), folder_stamp(path))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({exc})") from exc
+
+
+@st.cache_resource(show_spinner=False, max_entries=6)
+def _run_slot(fingerprint: str, device: str, dtype: str, max_memory: str = "") -> dict[str, Any]:
+    """A cached holder for one loaded run. The load itself happens outside the cached function, so its
+    progress bar can be drawn (elements drawn inside a cached function are replayed on every cache hit)."""
+    return {"lock": threading.Lock()}
+
+
+def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: str = "", max_memory: str = "") -> Run:
+    slot = _run_slot(fingerprint, device, dtype, max_memory)
+    with slot["lock"]:  # one load per (checkpoint, device, dtype), however many sessions ask at once
+        if "run" not in slot:
+            bar = st.empty()
+
+            def progress(done: int, total: int) -> None:
+                text = f"Loading {label or Path(_path).name}: {done / 2**20:,.0f} of {total / 2**20:,.0f} MB"
+                bar.progress(min(done / max(total, 1), 1.0), text=text)
+
+            try:
+                slot["run"] = runs.load_run(
+                    _path, device, dtype, fingerprint=fingerprint, progress=progress, max_memory=max_memory or None
+                )
+            finally:
+                bar.empty()
+    return slot["run"]
+
+
+def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memory: str | None = None) -> Run:
+    """The run (model shared across sessions), via analysis.runs.loading.load_run, with a progress bar while it loads.
+    ``max_memory`` (default: the sidebar's memory budget): run it from its files within that budget
+    (k3core.bigmodel.streamed_run). Raises CheckpointError / InputError."""
+    check_device(device, dtype)
+    if max_memory is None:
+        inputs = current_inputs()
+        max_memory = inputs.max_memory if inputs is not None else ""
+    return _cached_run(run_fingerprint(ref.path), device, dtype, ref.path, ref.label, max_memory)
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def _shape_model(fingerprint: str, _config: Any) -> Any:
+    from k3core.model import K3ForCausalLM
+
+    return K3ForCausalLM.from_config(_config, device="meta")
+
+
+def shape_model(run: Run) -> Any:
+    """A model of the run's config on the meta device (shapes only, no weights): parameter counts of a trace
+    folder's run, which has no model."""
+    return _shape_model(run.fingerprint, run.config)
+
+
+def run_metrics(ref: RunRef) -> dict | None:
+    """The run's metrics.json (training history), or None when absent or unreadable."""
+    path = Path(ref.path) / runs.METRICS_NAME
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    return _read_metrics(ref.path, (stat.st_size, stat.st_mtime_ns))
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _read_metrics(path: str, stamp: tuple) -> dict | None:
+    return runs.read_metrics(path)[0]
+
+
+def run_card(ref: RunRef) -> str | None:
+    """The run's model card text (README.md), or None; read again only when a file of the folder changes."""
+    try:
+        stamp = folder_stamp(Path(ref.path))
+    except (CheckpointError, OSError):
+        return None
+    return _read_card(ref.path, stamp)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _read_card(path: str, stamp: tuple) -> str | None:
+    return runs.read_card_text(path, max_chars=20000)
+
+
+def metrics_digest(metrics: dict | None) -> str:
+    """sha256 of a metrics dict (canonical JSON), '' for None."""
+    if not metrics:
+        return ""
+    return hashlib.sha256(json.dumps(metrics, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------- tokens
+@st.cache_resource(show_spinner=False, max_entries=32)
+def _cached_tokens(key: tuple, fingerprint: str, _choice: TextChoice, _run: Run) -> Input:
+    choice, config, tokenizer = _choice, _run.config, _run.tokenizer
+    try:
+        if choice.source in SAMPLE_OF_SOURCE:
+            sample = texts.sample_input(SAMPLE_OF_SOURCE[choice.source], config, choice.max_tokens, tokenizer)
+        else:
+            # Never encode more than needed: a token covers at most a few dozen characters.
+            sample = texts.text_input(
+                choice.text[: 64 * choice.max_tokens],
+                config,
+                choice.max_tokens,
+                name=choice.name or choice.source,
+                tokenizer=tokenizer,
+            )
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    n = int(sample.input_ids.shape[1])
+    total, exact = n, True
+    if choice.text is not None:  # a long text is counted from its first megabyte, never tokenized whole
+        total, exact = texts.count_tokens(choice.text, texts.text_tokenizer(config, tokenizer))
+    source = choice.source if choice.text is None else f"{choice.source}{': ' + choice.name if choice.name else ''}"
+    if sample.description and choice.text is None:
+        source = sample.description
+    return replace(sample, source=source, total=max(total, n), total_exact=exact)
+
+
+@st.cache_resource(show_spinner=False, max_entries=64)
+def _recorded_tokens(fingerprint: str, index: int, _run: Run) -> Input:
+    try:
+        return runs.recorded_input(_run, index)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+
+
+def _recorded_index(choice: TextChoice, run: Run) -> int:
+    """The number of ``run``'s recorded text that ``choice`` names: its own number, or, for a text picked in another
+    trace folder (Compare, two runs), the number of the text equal to it here. InputError when there is none."""
+    if choice.source != TEXT_RECORDED:
+        return 0  # a trace folder reads only what it recorded: its first text for any other choice
+    texts = run.recorded.texts
+    index = choice.recorded or 0
+    if 0 <= index < len(texts) and texts[index].get("text") == choice.text:
+        return index
+    same = [i for i, entry in enumerate(texts) if entry.get("text") == choice.text]
+    if not same:
+        raise InputError(
+            f"{run.label} is a trace folder and recorded no text equal to {choice.short}: it shows only the "
+            f"{len(texts)} text(s) it recorded"
+        )
+    return same[0]
+
+
+def make_tokens(choice: TextChoice, run: Run) -> Input:
+    """Token ids for a text choice, read with the run's tokenizer (analysis.runs.texts sample_input / text_input).
+    Cached.
+
+    A trace folder reads its recorded text ``choice`` names (``_recorded_index``; text 0 for a choice that is no
+    recorded text: it has no model to read another); one Input per (folder, text), so its trace is read once."""
+    if run.recorded is not None:
+        return _recorded_tokens(run.fingerprint, _recorded_index(choice, run), run)
+    check_text(choice)
+    return _cached_tokens(choice.key(), run.fingerprint, choice, run)
+
+
+# ----------------------------------------------------------------------------------------- traces
+@st.cache_data(show_spinner=False, max_entries=64)
+def _recorded_entries(fingerprint: str, path: str) -> list[tuple[str, str, str | None, int]]:
+    from k3core.interp.trace_folder import read_trace_dir
+    from k3core.interp.trace_npz import TraceError
+
+    try:
+        texts = read_trace_dir(path).texts
+    except TraceError as exc:
+        raise CheckpointError(str(exc)) from exc
+    entries = []
+    for i, entry in enumerate(texts):
+        text = entry.get("text") if isinstance(entry.get("text"), str) else None
+        tokens = entry.get("tokens") if isinstance(entry.get("tokens"), list) else []
+        entries.append((runs.recorded_text_label(entry, i), str(entry.get("name") or f"text {i}"), text, len(tokens)))
+    return entries
+
+
+def recorded_texts(ref: RunRef | None) -> list[tuple[str, str, str | None, int]] | None:
+    """Per recorded text of a trace folder: (picker label, name, text as traced or None, tokens), or None when ``ref``
+    is a checkpoint. The label is ``analysis.runs.loading.recorded_text_label`` (index, name, tokens, first words);
+    label, name and text are raw file-controlled text: escape them for Markdown. Read once per run card; raises
+    CheckpointError."""
+    if ref is None or not is_trace_dir(ref.path):
+        return None
+    return _recorded_entries(run_fingerprint(ref.path), str(ref.path))
+
+
+def trace_items(record_attn: bool) -> tuple[str, ...]:
+    """What the recorder captures: everything, attention matrices only when asked."""
+    return tuple(sorted(WHAT_ALL if record_attn else WHAT_DEFAULT))
+
+
+_TRACED: dict[tuple, tuple[float, int]] = {}  # trace key -> (tokens per second of its forward, its tokens)
+
+
+@st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
+def _cached_trace(
+    fingerprint: str,
+    device: str,
+    dtype: str,
+    digest: str,
+    what: tuple[str, ...],
+    _run: Run,
+    _tokens: Input,
+    edits: str = "",
+    recorded: int | None = None,
+) -> AnalysisContext:
+    from k3core.interp.interventions import edits_from_json
+
+    start = time.perf_counter()
+    if _run.model is None:  # a trace folder: its trace is read, within the trace file limits (k3core.interp.trace_npz)
+        job = contextlib.nullcontext()
+    else:
+        attention = MAX_ATTN_LEN if "attn_probs" in what else None
+        need = job_memory.trace_peak_bytes(_run.config, _tokens.n, attention)
+        job = job_budget.budget().admit(need, f"Recording the trace of {_tokens.n:,} tokens")
+    with job, model_use(_run.model) if _run.model is not None else contextlib.nullcontext():
+        ctx = runs.trace_run(
+            _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
+        )
+    if not edits:
+        speed = _tokens.n / max(time.perf_counter() - start, 1e-9)
+        _TRACED[(fingerprint, device, dtype, digest, what)] = (speed, _tokens.n)
+    return ctx
+
+
+def is_traced(key: tuple) -> bool:
+    """Whether (fingerprint, device, dtype, token digest, trace items) was traced in this process."""
+    return key in _TRACED
+
+
+def forward_speed(fingerprint: str, device: str, dtype: str) -> tuple[float, int] | None:
+    """(tokens per second, tokens) of this run's last recorded forward in this process (None: never run)."""
+    speeds = [v for k, v in _TRACED.items() if k[:3] == (fingerprint, device, dtype)]
+    return speeds[-1] if speeds else None
+
+
+def forward_seconds_range(measured: tuple[float, int], tokens: int) -> tuple[float, float]:
+    """(low, high) seconds of a forward of ``tokens`` from one measured at (speed, n tokens): low scales the time
+    linearly in tokens, high quadratically past n (attention over the whole text), as a range, not one number."""
+    speed, n = measured
+    low = tokens / speed
+    return low, low * max(1.0, tokens / max(n, 1))
+
+
+@dataclass
+class Loaded:
+    """What an app page draws from: the picked run (``RunRef``), its ``Run`` (None on the weights path and for
+    the training history), the ``AnalysisContext``, the ``Input`` it read, and the key its figures are cached
+    under (``build_view``). Made by ``load`` / ``trace`` (``app.render.page.load_or_stop``) and ``load_weights``."""
+
+    ref: RunRef
+    run: Run | None  # None for contexts without a model (training history)
+    ctx: AnalysisContext
+    key: tuple
+    tokens: Input | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> Any:
+        return None if self.run is None else self.run.model
+
+
+def load(
+    ref: RunRef,
+    choice: TextChoice,
+    device: str = "cpu",
+    dtype: str = "float32",
+    record_attn: bool = True,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+    edits: str = "",
+) -> Loaded:
+    """Run + traced AnalysisContext for a run on a text choice (all cached); ``edits`` (JSON of
+    ``k3core.interp.interventions`` edits): the edited forward's trace instead.
+
+    Raises CheckpointError (bad checkpoint) or InputError (bad text / device / options / edits).
+    """
+    run = load_run(ref, device, dtype)
+    return trace(ref, run, make_tokens(choice, run), record_attn, options, label, edits)
+
+
+def trace(
+    ref: RunRef,
+    run: Run,
+    tokens: Input,
+    record_attn: bool = True,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+    edits: str = "",
+) -> Loaded:
+    """The traced AnalysisContext of a loaded run on its tokens (cached per run, tokens, trace items and edits),
+    under ``label`` and the view ``options``. Raises InputError for bad options or edits that do not fit."""
+    options = dict(options or {})
+    check_options(options)
+    what = trace_items(record_attn)
+    if edits:
+        from k3core.interp.edit_kinds import EditError
+        from k3core.interp.interventions import compile_edits, edits_from_json
+
+        try:
+            parsed = edits_from_json(edits)
+            compile_edits(run.config, parsed)
+        except EditError as exc:
+            raise InputError(f"the edits do not fit {ref.label}: {exc}") from exc
+        # the experiment views of an edited trace (Compare, baseline vs edited) read its edits from the options
+        options.setdefault("edits", [e.to_dict() for e in parsed])
+    recorded = tokens.extra.get("recorded_index")  # a trace folder's text: one cache entry per text
+    base = _cached_trace(run.fingerprint, run.device, run.dtype, tokens.digest, what, run, tokens, edits, recorded)
+    label = label or ref.label
+    ctx = base.with_options(label=label, **options)
+    notes = []
+    if ctx.loss is not None and not math.isfinite(ctx.loss):
+        notes.append(f"The forward pass gave a non-finite loss ({ctx.loss}); try float32.")
+    key = (
+        run.fingerprint,
+        run.device,
+        run.dtype,
+        tokens.digest,
+        what,
+        label,
+        options_key(options),
+        metrics_digest(run.metrics),
+        edits,
+        recorded,
+    )
+    return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=tokens, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------- weights
+@st.cache_resource(show_spinner="Reading the checkpoint's small tensors...", max_entries=8)
+def _weight_summary(fingerprint: str, path: str, experts: bool, _progress=None) -> WeightSummary:
+    return read_weight_summary(path, experts=experts, progress=_progress)
+
+
+def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
+    """A context for the views drawn from the weights alone (``analysis.weights.read_weight_summary``: headers
+    and small tensors, no model built), cached per folder state; ``experts`` also reads every expert matrix.
+    Raises CheckpointError / OSError / ValueError."""
+    if is_trace_dir(ref.path):
+        raise CheckpointError(f"{ref.label} is a trace folder without its weights: this page needs the checkpoint")
+    fingerprint = run_fingerprint(ref.path)
+    summary = _weight_summary(fingerprint, str(ref.path), experts, progress)
+    ctx = AnalysisContext(trace=None, config=summary.config, label=ref.label, weights=summary)
+    return Loaded(ref=ref, run=None, ctx=ctx, key=("weights", fingerprint, experts, ref.label), tokens=None)
+
+
+# ----------------------------------------------------------------------------------------- views
+@st.cache_resource(show_spinner=False, max_entries=512)
+def _cached_view(view_key: str, key: tuple, _build, _ctx) -> tuple:
+    try:
+        fig, df = _build(_ctx)
+    except NotApplicable as exc:  # cached too: "does not apply" is an answer, not a failure
+        return None, None, exc
+    return fig, df, None
+
+
+def build_view(view, loaded: Loaded):
+    """(figure, table) of a View for a loaded run, cached per (view, run key). Raises NotApplicable."""
+    if view.needs_model and loaded.model is not None:
+        with model_use(loaded.model, exclusive=True):  # importance views hook into the shared model
+            fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
+    else:
+        fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
+    if na is not None:
+        raise na
+    return fig, df
+
+
+@st.cache_resource(show_spinner=False, max_entries=64)
+def _cached_headline(key: tuple, _ctx) -> dict[str, Any]:
+    from analysis.metrics.headline import headline_numbers
+
+    return headline_numbers(_ctx)
+
+
+def headline(loaded: Loaded) -> dict[str, Any]:
+    """analysis.metrics.headline.headline_numbers of a loaded run, cached per run key."""
+    return _cached_headline(loaded.key, loaded.ctx)
+
+
+def cached_build(view, *loadeds: Loaded):
+    """The same View, its build served from the figure cache for these loaded runs' contexts.
+
+    Lets analysis.compare.two_runs build side-by-side and difference figures without recomputing a view."""
+    by_ctx = {id(loaded.ctx): loaded for loaded in loadeds}
+
+    def build(ctx):
+        loaded = by_ctx.get(id(ctx))
+        return build_view(view, loaded) if loaded is not None else view.build(ctx)
+
+    return replace(view, build=build)
+
+
+@st.cache_resource(show_spinner=False, max_entries=256)
+def _cached_both(view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> list:
+    """analysis.compare.two_runs.build_both: each run's figure (or its NotApplicable), asked of the figure cache once
+    for both comparisons, side by side and difference (as ``analysis.output.report`` builds them)."""
+    from analysis.compare import two_runs as compare
+
+    return compare.build_both(cached_build(_view, _a, _b), _a.ctx, _b.ctx)
+
+
+@st.cache_resource(show_spinner=False, max_entries=256)
+def _cached_pair(kind: str, view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> tuple:
+    from analysis.compare import two_runs as compare
+
+    fn = compare.side_by_side if kind == "side" else compare.difference_view
+    built = None if _view.compare.overlay else _cached_both(view_key, key_a, key_b, _view, _a, _b)
+    try:
+        fig, df = fn(cached_build(_view, _a, _b), _a.ctx, _b.ctx, built=built)
+    except NotApplicable as exc:
+        return None, None, exc
+    return fig, df, None
+
+
+def compare_view(kind: str, view, a: Loaded, b: Loaded):
+    """analysis.compare.two_runs.side_by_side (kind "side") or difference_view (kind "diff"), cached. May raise
+    NotApplicable."""
+    if kind not in ("side", "diff"):
+        raise InputError(f"unknown comparison {kind!r}")
+    fig, df, na = _cached_pair(kind, view.key, a.key, b.key, view, a, b)
+    if na is not None:
+        raise na
+    return fig, df

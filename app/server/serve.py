@@ -1,0 +1,47 @@
+"""Start the app's Streamlit server with its libraries already imported (``python -m app.server.serve [options]``).
+
+``streamlit run app/main.py`` imports torch, plotly, pandas and k3lab only when the first browser
+session runs the script: about 4 s on a 2-core machine, all of it in front of the first user's first
+chart. Here the server process imports them (and builds one model on the meta device, which pulls in
+the rest of what a checkpoint load needs) before it starts listening, so a session starts warm. The
+arguments after ``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+MAIN = Path(__file__).resolve().parent.parent / "main.py"
+_ROOT = str(MAIN.parent.parent)
+
+
+def preload() -> None:
+    """Import what the first script run needs, and build a small model on the meta device."""
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    # Not app.*: their Streamlit caches are made when the server's runtime exists.
+    import pandas  # noqa: F401 - imported to warm the module cache
+    import plotly.graph_objects  # noqa: F401
+    import torch
+
+    import analysis.metrics.headline  # noqa: F401
+    import analysis.runs.loading  # noqa: F401
+    from analysis.views.catalogue import all_views
+    from k3core.model import K3ForCausalLM
+
+    all_views()
+    K3ForCausalLM.from_config("k3-nano", device="meta", dtype=torch.float32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from streamlit.web import cli
+
+    preload()
+    args = list(sys.argv[1:] if argv is None else argv)
+    sys.argv = ["streamlit", "run", str(MAIN), *args]
+    return cli.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

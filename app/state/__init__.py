@@ -1,0 +1,1 @@
+"""What the user chose: sidebar inputs, picks, the address bar."""

@@ -1,0 +1,1 @@
+"""Models larger than memory: placement, streamed execution, expert store."""

@@ -1,0 +1,1 @@
+"""Checkpoint files: headers first, one tensor at a time."""

@@ -1,0 +1,1 @@
+"""Several GPUs: the rank plan and the pipeline-parallel trace."""

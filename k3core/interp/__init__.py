@@ -1,0 +1,1 @@
+"""Interpretability: hook points, the recorder, traces, interventions."""

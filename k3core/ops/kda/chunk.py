@@ -1,0 +1,410 @@
+"""KDA's chunked form: :func:`kda_chunk` (the WY / UT-transform algorithm in pure PyTorch, or fla's
+Triton kernel on CUDA when it is installed) and :func:`kda_chunk_end_states` (the state at every chunk
+end, an independent reference for the states ``kda_chunk`` hands its ``chunk_state_hook``).
+
+Same inputs, outputs and math as :func:`k3core.ops.kda.naive.kda_recurrent`; layouts and dtype
+rules: ``k3core.ops.kda``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from .naive import check_shapes, compute_dtype, expand_heads
+
+__all__ = ["kda_chunk", "kda_chunk_end_states"]
+
+
+# exp() of arguments below about -87 gives fp32 subnormals or 0, which takes a slow path on CPU
+# (10-40x slower).  The chunked path clamps per-step log-decays here first (only reachable with
+# an unbounded gate such as Kimi Linear's): exp(-60) ~ 9e-27 instead of something smaller, far
+# below fp32 resolution for any O(1) quantity it multiplies.
+_EXP_FLOOR = -60.0
+
+# Chunks are processed in groups of about this many floats per [group, C, K] temporary.
+_GROUP_ELEMENTS = 1 << 18
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for a log-decay x <= 0, with x clamped at _EXP_FLOOR (error < exp(-60))."""
+    return torch.exp(x.clamp_min(_EXP_FLOOR))
+
+
+@functools.cache
+def _dyadic_index(C: int) -> tuple[int, ...]:
+    """Flat gather map that assembles the C x C matrix A_qk from its dyadic blocks.
+
+    The strictly lower triangle of a C x C matrix (C a power of two) is tiled exactly once by
+    the blocks "right half x left half" of every dyadic interval: for block size s in
+    1, 2, ..., C/2 and parent p in range(C // (2s)), rows p*2s + s + i by columns p*2s + j
+    (0 <= i, j < s).  Entry (r, j), r > j, belongs to level s = 2**floor(log2(r ^ j)).
+
+    :func:`_intra_chunk` stores the values as ``[0, diag (C), level 1, level 2, ...]`` with level
+    s a flattened [P, s, s] block tensor.  The returned map (length C*C, row-major) gathers the
+    matrix from that vector; index 0 is the zero slot (upper triangle).
+    """
+    offsets = {}
+    pos = 1 + C
+    s = 1
+    while s < C:
+        offsets[s] = pos
+        pos += (C // (2 * s)) * s * s
+        s *= 2
+    index = []
+    for r in range(C):
+        for j in range(C):
+            if j > r:
+                index.append(0)
+            elif j == r:
+                index.append(1 + r)
+            else:
+                s = 1 << ((r ^ j).bit_length() - 1)
+                p, i, jj = r // (2 * s), r % s, j % s
+                index.append(offsets[s] + (p * s + i) * s + jj)
+    return tuple(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _dyadic_index_tensor(C: int, device: torch.device) -> torch.Tensor:
+    # A normal tensor even when first asked for under inference_mode (autograd saves it later).
+    with torch.inference_mode(False):
+        return torch.tensor(_dyadic_index(C), device=device)
+
+
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything inside a chunk that does not depend on the incoming state.
+
+    Args:
+        q, k: [Z, C, K] queries and keys of Z chunks of C tokens.
+        alpha: [Z, C, K] per-step decays exp(g) in (0, 1].
+        beta: [Z, C] write strengths.
+
+    With G_r = g_1 + ... + g_r (within the chunk) returns ``(A_qk, T_inv, Gamma, Gamma_to_end)``::
+
+        A_qk[r, j] = sum_c q[r, c] k[j, c] exp(G[r, c] - G[j, c])   for j <= r, else 0
+        A_kk[r, j] = sum_c k[r, c] k[j, c] exp(G[r, c] - G[j, c])   for j <  r, else 0
+        T_inv = (I + Diag(beta) A_kk)^{-1}    (unit lower triangular; A_kk itself is not formed)
+        Gamma[r] = exp(G[r]),   Gamma_to_end[j] = exp(G[C] - G[j])
+
+    Overflow: the naive factorisation exp(G_r) * exp(-G_j) overflows (exp(-G_j) reaches e^320
+    at g = -5).  Instead exp(G_r - G_j), j < r, is split at a reference index m, j <= m < r,
+    as exp(G_r - G_m) * exp(G_m - G_j): two factors <= 1.  The dyadic tiling of the lower
+    triangle (see :func:`_dyadic_index`) provides such an m for every block "right half x left
+    half" of a dyadic interval (the last row of its left half), so each level s = 1, 2, ..., C/2
+    is one batched matmul of decayed rows by decayed columns (~C^2 K / 2 multiply-adds per chunk
+    over all levels).  The factors are prefix / suffix products of alpha built bottom-up over
+    the same tree: one exp per token and channel, each factor a product of at most
+    log2(C) + 1 terms, so it stays accurate to a few ulps however large the cumulative decay.
+
+    The inverse follows the same tree: inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]],
+    where at level s the block B is exactly that level's block of Diag(beta) A_kk.
+    """
+    Z, C, K = alpha.shape
+    # Without autograd the running products can be updated in place (saves a copy per level).
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, alpha, beta)))
+    pre = alpha.clone() if inplace else alpha  # at level s: inclusive prefix products in s-blocks
+    suf = torch.ones_like(alpha)  # at level s: exclusive suffix products within s-blocks
+    q_vals = [alpha.new_zeros(Z, 1), (q * k).sum(-1)]
+    inv = alpha.new_ones(Z, C, 1, 1)  # inverses of the 1 x 1 diagonal blocks
+    s = 1
+    while s < C:
+        P = C // (2 * s)
+        pre_b = pre.view(Z, P, 2, s, K)
+        suf_b = suf.view(Z, P, 2, s, K)
+        q_b = q.view(Z, P, 2, s, K)
+        k_b = k.view(Z, P, 2, s, K)
+        # rows r of the right half decayed back to m: exp(G_r - G_m) = pre_b[:, :, 1]
+        row_decay = pre_b[:, :, 1]
+        # keys j of the left half decayed forward to m: exp(G_m - G_j) = suf_b[:, :, 0]
+        cols_t = (k_b[:, :, 0] * suf_b[:, :, 0]).transpose(-1, -2)  # [Z, P, K, s]
+        blk_q = torch.matmul(q_b[:, :, 1] * row_decay, cols_t)  # [Z, P, s, s]
+        blk_k = torch.matmul(k_b[:, :, 1] * row_decay, cols_t)
+        q_vals.append(blk_q.reshape(Z, P * s * s))
+        # Inverse of the 2s x 2s diagonal blocks of I + Diag(beta) A_kk from the s x s ones.
+        off = beta.view(Z, P, 2, s, 1)[:, :, 1] * blk_k
+        inv_b = inv.view(Z, P, 2, s, s)
+        a_inv, d_inv = inv_b[:, :, 0], inv_b[:, :, 1]
+        x = torch.matmul(torch.matmul(d_inv, off), a_inv).neg_()
+        inv = torch.cat([torch.cat([a_inv, torch.zeros_like(a_inv)], dim=-1), torch.cat([x, d_inv], dim=-1)], dim=-2)
+        # Move to blocks of size 2s: the left half's suffix products take in the right half's
+        # total, the right half's prefix products the left half's total.
+        left_total, right_total = pre_b[:, :, 0, -1:], pre_b[:, :, 1, -1:]
+        if inplace:
+            suf_b[:, :, 0] *= right_total
+            pre_b[:, :, 1] *= left_total
+        else:
+            suf = torch.stack([suf_b[:, :, 0] * right_total, suf_b[:, :, 1]], dim=2).view(Z, C, K)
+            pre = torch.stack([pre_b[:, :, 0], pre_b[:, :, 1] * left_total], dim=2).view(Z, C, K)
+        s *= 2
+    A_qk = torch.cat(q_vals, dim=-1).index_select(-1, _dyadic_index_tensor(C, alpha.device)).view(Z, C, C)
+    return A_qk, inv.view(Z, C, C), pre, suf
+
+
+def _to_chunks(x: torch.Tensor, dt: torch.dtype, C: int) -> torch.Tensor:
+    """[B, T, h, ...] -> new time-major buffer [N, B, h, C, ...] in dtype dt (N = ceil(T / C)).
+
+    The tail of the last chunk is zero-filled.
+    """
+    B, T, h = x.shape[:3]
+    rest = x.shape[3:]
+    N = max(1, math.ceil(T / C))
+    out = x.new_empty(N, B, h, C, *rest, dtype=dt)
+    dims = (1, 0, 3, 2, *range(4, 4 + len(rest)))
+    out_bt = out.permute(dims)  # [B, N, C, h, ...] view
+    full = T // C
+    if full:
+        out_bt[:, :full].copy_(x[:, : full * C].reshape(B, full, C, h, *rest))
+    if full < N:
+        out_bt[:, full, : T - full * C].copy_(x[:, full * C :])
+        out_bt[:, full, T - full * C :].zero_()
+    return out
+
+
+def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, chunk_state_hook=None):
+    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math and ``chunk_state_hook``)."""
+    B, T, H, K, HV, V = check_shapes(q, k, v, g, beta, initial_state)
+    C = chunk_size
+    if C < 1 or C & (C - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {C}")
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    N = max(1, math.ceil(T / C))
+    BH = B * HV
+
+    # Time-major chunked copies [N, B*HV, C, D]: chunk n of every sequence and head side by side,
+    # so that a range of n is one contiguous block.  Padded tokens (k = 0, beta = 0, g = 0) leave
+    # the state as it is.
+    qc = expand_heads(_to_chunks(q, dt, C), HV // H, 2).view(N, BH, C, K)
+    kc = expand_heads(_to_chunks(k, dt, C), HV // H, 2).view(N, BH, C, K)
+    vc = _to_chunks(v, dt, C).view(N, BH, C, V)
+    gc = _to_chunks(g, dt, C).view(N, BH, C, K)
+    bc = _to_chunks(beta, dt, C).view(N, BH, C)
+
+    if initial_state is None:
+        state = vc.new_zeros(BH, K, V)
+    else:
+        state = initial_state.to(dt).reshape(BH, K, V)
+
+    # Stream over groups of consecutive chunks (all sequences and heads at once), sized so that a
+    # group's temporaries stay cache-sized (about _GROUP_ELEMENTS floats per [group, C, K] tensor):
+    # per-chunk work batched over the group, then the state loop, then the group's outputs.
+    group = max(1, _GROUP_ELEMENTS // (BH * C * max(K, V)))
+    real_chunks = math.ceil(T / C)  # chunks holding at least one real token (N is 1 even when T == 0)
+    outs = []
+    for n0 in range(0, N, group):
+        n1 = min(N, n0 + group)
+        q_z, k_z = qc[n0:n1].view(-1, C, K), kc[n0:n1].view(-1, C, K)
+        b_z = bc[n0:n1].view(-1, C)
+        # Intra-chunk scores and UT transform; Gamma = exp(G), Gamma_to_end = exp(G_C - G).
+        A_qk, t_inv, gamma, gamma_to_end = _intra_chunk(q_z, k_z, _decay(gc[n0:n1].view(-1, C, K)), b_z)
+        # T_beta = (I + Diag(beta) A_kk)^{-1} Diag(beta);  U = T_beta V,  W = T_beta (Gamma * K).
+        t_beta = t_inv * b_z.unsqueeze(-2)
+        U = torch.bmm(t_beta, vc[n0:n1].view(-1, C, V)).view(n1 - n0, BH, C, V)
+        # [W ; Gamma * Q]: one matmul with the entering state gives both W S and (Gamma * Q) S.
+        WQ = torch.cat([torch.bmm(t_beta, k_z * gamma), q_z * gamma], dim=-2).view(n1 - n0, BH, 2 * C, K)
+        k_dec = (k_z * gamma_to_end).view(n1 - n0, BH, C, K)  # keys decayed to the chunk end
+        gamma_end = gamma[:, -1, :].view(n1 - n0, BH, K, 1)  # decay over the whole chunk
+
+        # State passing, one chunk at a time:  D = U - W S  (= beta (v - prediction) per token),
+        # S_next = Diag(gamma_end) S + K_dec^T D; the inter-chunk output part (Gamma * Q) S on the way.
+        inter, deltas = [], []
+        for i in range(n1 - n0):
+            WQS = torch.bmm(WQ[i], state)  # [BH, 2C, V]
+            delta = U[i] - WQS[:, :C]
+            inter.append(WQS[:, C:])
+            deltas.append(delta)
+            state = torch.baddbmm(state * gamma_end[i], k_dec[i].transpose(-1, -2), delta)
+            if chunk_state_hook is not None and n0 + i < real_chunks:
+                # The next chunk's W S, (Gamma Q) S and update all start from what the hook returns,
+                # so a replaced state is honoured by the rest of this group and every later one.
+                state = _hooked_state(chunk_state_hook, n0 + i, min((n0 + i + 1) * C, T), state, (B, HV, K, V))
+        D = torch.stack(deltas).view(-1, C, V)
+
+        # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
+        outs.append(torch.baddbmm(torch.stack(inter).view(-1, C, V), A_qk, D, beta=scale, alpha=scale))
+
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N * BH, C, V]
+    o = o.view(N, B, HV, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, HV, V)[:, :T]
+    o = o.to(v.dtype).contiguous()
+    final = state.view(B, HV, K, V) if output_final_state else None
+    return o, final
+
+
+def _hooked_state(hook, n: int, end: int, state: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``hook(n, end, state)`` on the [B, HV, K, V] view of a [B*HV, K, V] state; its result (None keeps
+    the state) goes back in the state's layout and dtype."""
+    new = hook(n, end, state.view(shape))
+    if new is None:
+        return state
+    if tuple(new.shape) != shape:
+        raise ValueError(f"chunk_state_hook must return a state of shape {shape}, got {tuple(new.shape)}")
+    return new.to(state.dtype).reshape(state.shape)
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_chunk_kda():
+    """fla's Triton ``chunk_kda`` if it imports (needs triton + CUDA), else None."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # ImportError, or triton failing at import time
+        return None
+    return chunk_kda
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 32,
+    backend: str = "auto",
+    chunk_state_hook: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
+    chunk_state_read_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA: same inputs, outputs and math as :func:`kda_recurrent`, but parallel in time.
+
+    Split time into chunks of C tokens (the tail is zero-padded internally).  Within a chunk let
+    ``G_r = g_1 + ... + g_r`` (cumulative log-decay, per key channel), ``Gamma_r = exp(G_r)`` and
+    ``S_0`` the state entering the chunk.  Writing ``d_r = beta_r (v_r - (D_r S_{r-1})^T k_r)``
+    the recurrence unrolls to::
+
+        S_r = Diag(Gamma_r) S_0 + sum_{j<=r} Diag(Gamma_r / Gamma_j) k_j d_j^T
+        d_r + beta_r sum_{j<r} A_kk[r, j] d_j = beta_r v_r - beta_r S_0^T (Gamma_r * k_r)
+
+    with ``A_kk[r, j] = k_r^T Diag(exp(G_r - G_j)) k_j``.  So with the unit lower-triangular
+    ``M = I + Diag(beta) A_kk`` (the UT transform / WY representation)::
+
+        U = M^{-1} Diag(beta) V,   W = M^{-1} Diag(beta) (Gamma * K)       (per chunk, no state)
+        D = U - W S_0                                                     (the rows d_r)
+        S_C = Diag(Gamma_C) S_0 + K_dec^T D,   K_dec[j] = exp(G_C - G_j) * k_j
+        O = s ((Gamma * Q) S_0 + A_qk D),     A_qk[r, j] = q_r^T Diag(exp(G_r - G_j)) k_j, j <= r
+
+    U, W, K_dec and A_qk do not depend on the state: they are computed with batched matmuls for
+    a group of consecutive chunks at once (all sequences and heads; groups sized to stay in
+    cache), M^{-1} by a batched dyadic block inversion.  A loop over the group's chunks then
+    carries the state with two matmuls per chunk (``[W; Gamma Q] S_0`` and the state update),
+    and the group's outputs follow in one batched matmul.  No exponent is ever positive:
+    ``exp(G_r - G_j)`` is split at an intermediate index and built from products of per-step
+    decays (see :func:`_intra_chunk`), so arbitrarily strong decay (g = -5 on every step, or far
+    below) cannot overflow.  Differentiable through autograd (gradients match
+    :func:`kda_recurrent`).
+
+    Args:
+        q, k: [B, T, H, K] (L2-normalised); v: [B, T, HV, V]; g: [B, T, HV, K] log-decay (<= 0);
+        beta: [B, T, HV]; scale defaults to K**-0.5; initial_state: [B, HV, K, V] or None.
+        chunk_size: C, a power of two (torch backend only; fla always uses 64).  The default 32
+            measured about 10% faster than 64 on a 2-core CPU (benchmarks/bench_kda.py).
+        backend: "auto" (fla's Triton ``chunk_kda`` for non-fp64 CUDA tensors when it imports,
+            else torch), "torch" (always the pure-PyTorch path) or "fla" (require fla).
+        chunk_state_hook: ``hook(n, end, state)`` called in the state loop at the end of each chunk
+            n = 0 .. ceil(T / C) - 1 with ``state`` = S after tokens [0, end), end = min((n + 1) C, T),
+            [B, HV, K, V] in the compute dtype. It may return a replacement (same shape; None keeps
+            S): chunk n + 1 then starts from it, so every later output and the final state follow
+            the replaced state, while the outputs of tokens < end are unchanged (they read the state
+            entering their own chunk). Forces the torch backend (the Triton kernel cannot call back;
+            ``backend="fla"`` with a hook is an error), unless ``chunk_state_read_only``. No hook: the
+            loop is unchanged.
+        chunk_state_read_only: the hook only reads (it returns None or the state it was given). Then
+            fla's kernel still runs where it would, and the states come from
+            :func:`kda_chunk_end_states` (fp32) after it, so recording on a GPU keeps the fast path.
+
+    Returns:
+        ``(o, final_state)`` as :func:`kda_recurrent`.
+    """
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'fla', got {backend!r}")
+    K = q.shape[-1]
+    if scale is None:
+        scale = K**-0.5
+    use_fla = False
+    reads_after = chunk_state_hook is not None and chunk_state_read_only  # on the fla path: states afterwards
+    if backend == "fla":
+        if chunk_state_hook is not None and not reads_after:
+            raise ValueError("chunk_state_hook needs backend 'torch' or 'auto': fla's Triton kernel cannot call back")
+        if _fla_chunk_kda() is None:
+            raise RuntimeError("backend='fla' requested but fla.ops.kda.chunk_kda could not be imported")
+        use_fla = True
+    elif backend == "auto":
+        # fp64 stays on the torch path (reference precision; the Triton kernels target 16/32-bit)
+        free = chunk_state_hook is None or reads_after
+        use_fla = q.is_cuda and v.dtype != torch.float64 and free and _fla_chunk_kda() is not None
+    if use_fla:
+        if reads_after:
+            states, ends = kda_chunk_end_states(q, k, v, g, beta, initial_state, chunk_size)
+            for n, end in enumerate(ends):
+                state = states[:, n]
+                returned = chunk_state_hook(n, end, state)
+                if returned is not None and returned is not state:
+                    raise ValueError("a read-only chunk_state_hook returned a replacement state")
+        return _fla_chunk_kda()(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=False,
+        )
+    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, chunk_state_hook)
+
+
+def kda_chunk_end_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 32,
+) -> tuple[torch.Tensor, list[int]]:
+    """The state S at every chunk end, [B, N, HV, K, V] fp32, and the token position of each (one
+    batched :func:`kda_chunk` call): an independent reference for the states ``kda_chunk`` passes to its
+    ``chunk_state_hook`` (tests/k3core/ops/test_kda_chunk_state.py).
+
+    Within a chunk the state map is affine: S_end = A_n S_start + B_n (A_n: K x K). Running every chunk
+    independently (chunks as batch) with values [v | 0] and initial state [0 | I] gives [B_n | A_n] as
+    the final state, since value columns evolve independently. Then S_n = A_n S_{n-1} + B_n is one small
+    matmul per chunk. (Zero padding of the last chunk, k = beta = g = 0, is the identity.)
+    """
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+
+    def as_chunks(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.reshape(B * N, C, *x.shape[2:])
+
+    v_aug = torch.cat([v.float(), v.new_zeros(B, T, HV, K, dtype=torch.float32)], dim=-1)
+    eye = torch.eye(K, device=q.device).expand(B * N, HV, K, K)
+    start = torch.cat([eye.new_zeros(B * N, HV, K, V), eye], dim=-1)
+    _, end = kda_chunk(
+        as_chunks(q),
+        as_chunks(k),
+        as_chunks(v_aug),
+        as_chunks(g),
+        as_chunks(beta),
+        initial_state=start,
+        output_final_state=True,
+        chunk_size=C,
+    )
+    end = end.float().view(B, N, HV, K, V + K)
+    inject, trans = end[..., :V], end[..., V:]
+    state = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    states = []
+    for n in range(N):
+        state = torch.matmul(trans[:, n], state) + inject[:, n]
+        states.append(state)
+    return torch.stack(states, 1), [min((n + 1) * C, T) for n in range(N)]

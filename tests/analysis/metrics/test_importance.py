@@ -1,0 +1,46 @@
+"""Sub-layer importance (analysis.metrics.importance): ablation and gradient x activation on a real k3-nano."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from analysis.metrics import importance as im
+from tests.conftest import nano_model, random_ids
+
+
+def test_ablation_of_a_silent_sublayer_is_zero_and_of_a_live_one_matches_a_manual_ablation():
+    model = nano_model(1, kda_chunk_size=16)
+    ids = random_ids(24)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.weight.zero_()  # this sub-layer's output is exactly zero
+    imp = im.ablation_importance(model, ids).set_index(["layer", "sublayer"])
+    assert imp.loc[(2, "attn"), "importance"] == 0.0
+    base = imp.loc[(0, "ffn"), "base_loss"]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.zero_()  # the dense FFN of layer 0, removed by hand
+        manual = float(model(ids, labels=ids).loss)
+    assert imp.loc[(0, "ffn"), "ablated_loss"] == pytest.approx(manual, abs=1e-6)
+    assert imp.loc[(0, "ffn"), "importance"] == pytest.approx(manual - base, abs=1e-6)
+    assert not model.training
+
+
+def test_gradient_x_activation_zero_for_a_silent_sublayer_and_first_order_close_to_ablation():
+    model = nano_model(2, kda_chunk_size=16)
+    ids = random_ids(24)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.weight.zero_()
+        model.model.layers[1].self_attn.o_proj.weight.mul_(0.05)  # small output: the first-order estimate is good
+    gxa = im.gradient_x_activation_importance(model, ids).set_index(["layer", "sublayer"])
+    abl = im.ablation_importance(model, ids).set_index(["layer", "sublayer"])
+    assert gxa.loc[(2, "attn"), "importance"] == 0.0 and gxa.loc[(2, "attn"), "gxa_abs"] == 0.0
+    est, exact = gxa.loc[(1, "attn"), "taylor_ablation"], abl.loc[(1, "attn"), "importance"]
+    assert exact != 0 and est == pytest.approx(exact, rel=0.2)
+
+
+def test_importance_rejects_bad_input():
+    model = nano_model(kda_chunk_size=16)
+    with pytest.raises(ValueError, match="integer"):
+        im.ablation_importance(model, torch.zeros(1, 5))
+    with pytest.raises(ValueError, match="2 tokens"):
+        im.ablation_importance(model, torch.zeros(1, 1, dtype=torch.long))

@@ -1,0 +1,643 @@
+"""The Streamlit app, run headless with streamlit.testing's AppTest on real k3-nano checkpoints (no mocks).
+
+Every page must render without an exception; bad input (a corrupt checkpoint, NaN weights, empty text,
+a bad upload) must show an st.error element and leave the app running. Texts are cut to a few tokens
+so the whole file stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from analysis.runs import loading as runs_mod
+from analysis.runs import texts
+from analysis.views.catalogue import section_views
+from app.library import run_list
+from app.render import caching, cards
+from app.render import page as page_mod
+from app.server.settings import HOME_ENV
+from app.state import inputs
+from k3core.model import K3ForCausalLM
+
+APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
+PAGES = ("density", "attnres", "moe", "degradation", "compare", "history", "generate", "runs_library")
+SECTION_PAGES = ("density", "attnres", "moe", "degradation")
+TIMEOUT = 180  # seconds per script run: generous for a loaded CI machine; typical runs take 1-5 s
+MAX_TOKENS = 48
+
+METRICS = {
+    "history": [
+        {"step": 0, "loss": 5.6, "val_bpb": 8.0, "tokens": 0},
+        {"step": 50, "loss": 3.1, "val_bpb": 4.4, "tokens": 12800},
+        {"step": 100, "loss": 2.6, "val_bpb": 3.7, "tokens": 25600},
+    ]
+}
+
+
+def _save_nano(path: Path, seed: int, metrics: dict | None = None) -> Path:
+    torch.manual_seed(seed)
+    K3ForCausalLM.from_config("k3-nano").save_pretrained(path)
+    if metrics is not None:
+        (path / "metrics.json").write_text(json.dumps(metrics))
+    (path / "README.md").write_text(f"# nano seed {seed}\n\nA random-init k3-nano for the app tests.\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    good = _save_nano(root / "nano-a", 0, METRICS)
+    other = _save_nano(root / "nano-b", 1, METRICS)
+    corrupt = root / "corrupt"
+    corrupt.mkdir()
+    shutil.copy(good / "config.json", corrupt / "config.json")
+    (corrupt / "model.safetensors").write_bytes(b"definitely not safetensors")
+    torch.manual_seed(2)
+    model = K3ForCausalLM.from_config("k3-nano")
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    nan = model.save_pretrained(root / "nan-weights")
+    return {"good": good, "other": other, "corrupt": corrupt, "nan": Path(nan)}
+
+
+@pytest.fixture
+def app_env(monkeypatch, tmp_path):
+    """Point the app at given checkpoint folders only (no shipped samples)."""
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))  # the runs library of this test only
+
+    def use(*folders: Path) -> None:
+        monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
+        empty = tmp_path / "no-samples"
+        empty.mkdir(exist_ok=True)
+        monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
+
+    return use
+
+
+def _app(max_tokens: int = MAX_TOKENS) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = max_tokens
+    return at
+
+
+def _errors(at: AppTest) -> list[str]:
+    """The error boxes' text as shown (the app escapes messages for Markdown: drop the escapes)."""
+    return [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", e.value) for e in at.error]
+
+
+def _charts(at: AppTest) -> int:
+    return len(at.get("plotly_chart"))
+
+
+def _page(at: AppTest, name: str) -> AppTest:
+    return at.switch_page(f"app_pages/{name}.py").run()
+
+
+def test_overview_renders_by_default_and_every_page_runs(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.session_state["k3lab_cmp_section"] = "attnres"  # density (importance) is covered on its own page
+    at.run()
+    assert not at.exception, at.exception
+    assert _errors(at) == []
+    # The first preloaded run is selected and the Overview renders without any click.
+    assert at.session_state["k3lab_run"] == "nano-a"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Layers"] == "4"
+    assert metrics["Parameters"].endswith("K")
+    assert "loss (nats/token)" in metrics and metrics["loss (nats/token)"] != "n/a"
+    assert any("nano seed 0" in m.value for m in at.markdown)  # the model card
+
+    for name in PAGES:
+        _page(at, name)
+        assert not at.exception, (name, [e.value for e in at.exception])
+        assert _errors(at) == [], (name, _errors(at))
+        if name in SECTION_PAGES:
+            assert _charts(at) >= 2, name
+    # Compare defaulted to the other run; history overlays both runs' metrics.json.
+    _page(at, "compare")
+    assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-b"
+    assert len(at.dataframe) >= 1  # headline delta table
+    _page(at, "history")
+    assert _charts(at) >= 1
+
+
+def test_compare_one_run_on_two_texts(app_env, runs):
+    app_env(runs["good"])
+    at = _app()
+    at.session_state["k3lab_cmp_mode"] = "One run, two texts"
+    at.session_state["k3lab_cmp_section"] = "moe"
+    at.run()
+    _page(at, "compare")
+    assert not at.exception
+    assert _errors(at) == []
+    assert at.selectbox(key="k3lab_cmp_text_source").value == inputs.TEXT_MQAR
+    assert _charts(at) >= 2
+    assert any("**B** = MQAR:" in c.value for c in at.caption)  # labelled once, never "B: B: MQAR"
+    assert not any("B: B:" in c.value for c in at.caption)
+
+
+@pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])
+def test_bad_checkpoint_shows_error_not_exception(app_env, runs, which, message):
+    app_env(runs[which], runs["good"])
+    at = _app().run()
+    assert not at.exception
+    assert any(message in e for e in _errors(at)), _errors(at)
+    _page(at, "moe")
+    assert not at.exception
+    assert any(message in e for e in _errors(at))
+    # The app keeps running: the other run still works.
+    at.session_state["k3lab_run"] = "nano-a"
+    _page(at, "overview")
+    assert not at.exception and _errors(at) == []
+
+
+def test_empty_and_huge_text(app_env, runs):
+    app_env(runs["good"])
+    at = _app()
+    at.session_state["k3lab_text_source"] = inputs.TEXT_PASTE
+    at.run()
+    assert not at.exception
+    assert any("The text is empty" in e for e in _errors(at))
+    _page(at, "degradation")
+    assert any("The text is empty" in e for e in _errors(at))
+    assert _charts(at) == 0
+
+    at.session_state["k3lab_paste"] = "to be or not to be " * 500  # 9,500 bytes
+    at.run()
+    assert not at.exception and _errors(at) == []
+    assert any(f"first {MAX_TOKENS} of 9,500 tokens" in w.value for w in at.warning)
+    assert _charts(at) >= 2
+
+
+def test_generate_page(app_env, runs):
+    app_env(runs["good"])
+    at = _app().run()
+    _page(at, "generate")
+    at.text_area(key="k3lab_prompt").input("ROMEO:")
+    at.slider(key="k3lab_gen_tokens").set_value(12)
+    at.button[0].click().run()
+    assert not at.exception and _errors(at) == []
+    out = [c.value for c in at.code]
+    assert out and out[-1].startswith("ROMEO:")
+    assert {m.label for m in at.metric} >= {"New tokens", "Decode cache"}
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["12"]
+    # A Stop ends the script while it streams: what was kept so far (every 16 tokens) is shown as stopped, with its
+    # heading, speed, cache and download, on the next run.
+    kept = {**at.session_state["k3lab_generated"], "text": "abc", "new": 16, "asked": 200, "done": False}
+    at.session_state["k3lab_generated"] = kept
+    at.run()
+    assert any("stopped: 16 of 200 new tokens" in c.value for c in at.caption), [c.value for c in at.caption]
+    assert {m.label for m in at.metric} >= {"New tokens", "Speed", "Decode cache"}
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["16"]
+    assert any(h.value.startswith("#### Output of") for h in at.markdown)
+
+
+def test_generate_completes_at_its_defaults(app_env, runs):
+    """The default 200 new tokens redraw the live output (and its download button) every 16 tokens: each redraw must
+    have its own element id (today's code stopped after 32 tokens with StreamlitDuplicateElementId)."""
+    app_env(runs["good"])
+    at = _app().run()
+    _page(at, "generate")
+    at.button[0].click().run()
+    assert not at.exception and _errors(at) == []
+    assert [m.value for m in at.metric if m.label == "New tokens"] == ["200"]
+    assert at.session_state["k3lab_generated"]["done"] is True
+
+
+# ------------------------------------------------------------------------------------ pure helpers
+def test_discover_runs_order_dedupe_and_problems(tmp_path, runs):
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    shutil.copytree(runs["good"], samples / "nano-a")  # same name as a preloaded run: gets a suffix
+    (samples / "not-a-run").mkdir()
+    env = os.pathsep.join([str(runs["other"]), str(tmp_path / "missing"), str(runs["other"])])
+    uploaded = [run_list.RunRef("up", str(runs["good"]), "uploaded")]
+    found, problems = run_list.discover_runs(env, samples, uploaded)
+    assert [(r.label, r.origin) for r in found] == [("nano-b", "preloaded"), ("nano-a", "sample"), ("up", "uploaded")]
+    assert len(problems) == 1 and "missing" in problems[0]
+    found, _ = run_list.discover_runs(str(runs["good"]), samples)
+    assert [r.label for r in found] == ["nano-a", "nano-a (2)"]
+    # a shipped sample opened by path under a new name is listed (and linkable) under that name; under its own
+    # folder name it is not listed twice
+    by_path = [
+        run_list.RunRef("my-sample", str(samples / "nano-a"), "path"),
+        run_list.RunRef("nano-a", str(samples / "nano-a"), "path"),
+    ]
+    found, _ = run_list.discover_runs(None, samples, by_path)
+    assert [(r.label, r.origin) for r in found] == [("nano-a", "sample"), ("my-sample", "path")]
+    # A folder of runs expands to its checkpoint folders.
+    found, problems = run_list.discover_runs(str(runs["good"].parent), None)
+    assert [r.label for r in found] == ["corrupt", "nan-weights", "nano-a", "nano-b"] and not problems
+
+
+def test_text_checks_and_token_digest():
+    with pytest.raises(inputs.InputError, match="empty"):
+        inputs.check_text(inputs.TextChoice(inputs.TEXT_PASTE, 64, "  \n"))
+    with pytest.raises(inputs.InputError, match="between 2 and"):
+        inputs.check_text(inputs.TextChoice(inputs.TEXT_SHAKESPEARE, inputs.MAX_TOKENS_CAP + 1))
+    with pytest.raises(inputs.InputError, match="binary"):
+        inputs.decode_upload(b"abc\x00def", "x.txt")
+    with pytest.raises(inputs.InputError, match="not UTF-8"):
+        inputs.decode_upload(b"caf\xe9", "x.txt")
+    ids = torch.arange(5)[None]
+    digest = texts.Input("a", ids).digest
+    assert digest == texts.Input("b", ids.clone()).digest
+    assert digest != texts.Input("a", ids, targets=torch.full_like(ids, -100)).digest
+    assert digest != texts.Input("a", torch.arange(1, 6)[None]).digest
+    # Same text and length, same cache key; any change, a new key.
+    a = inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello")
+    assert a.key() == inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello").key()
+    assert a.key() != inputs.TextChoice(inputs.TEXT_PASTE, 65, "hello").key()
+    assert a.key() != inputs.TextChoice(inputs.TEXT_PASTE, 64, "hellp").key()
+
+
+def test_options_are_checked():
+    inputs.check_options({"seq_len": 4096})
+    with pytest.raises(inputs.InputError, match="unknown option"):
+        inputs.check_options({"seqlen": 4096})
+    with pytest.raises(inputs.InputError, match="seq_len"):
+        inputs.check_options({"seq_len": 10})
+
+
+def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch):
+    from analysis.output import export
+
+    monkeypatch.setattr(export, "find_chromium", lambda: None)
+    cards.static_export_status.cache_clear()
+    try:
+        app_env(runs["good"])
+        at = _app().run()
+        _page(at, "attnres")
+        assert not at.exception and _errors(at) == []
+        keys = [b.key for b in at.get("download_button")]
+        formats = {k.rsplit("-", 1)[-1] for k in keys}
+        assert formats == {"html", "csv", "json"}, keys
+        assert any("need Chromium" in c.value or "needs Chromium" in c.value for c in at.caption)
+        # The export files themselves (built on click in the browser) hold the figure's data.
+        run = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
+        loaded = caching.load(run, inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32))
+        fig, df = caching.build_view(section_views("attnres")[0], loaded)
+        assert cards.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
+        assert b"<html" in cards.figure_bytes(fig, df, "t", "html")[:500].lower()
+    finally:
+        cards.static_export_status.cache_clear()
+
+
+# ------------------------------------------------------------------------------------ one run-and-trace path
+def test_two_pickle_checkpoints_with_one_config_differ_through_the_app_path(tmp_path):
+    """Two pytorch_model.bin checkpoints (plain state dicts, same config, same size and mtime) get two
+    fingerprints, two cached runs and two outputs through the app's cached loaders."""
+    folders = []
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        model = K3ForCausalLM.from_config("k3-nano")
+        folder = tmp_path / f"bin-{seed}"
+        model.save_pretrained(folder)
+        (folder / "model.safetensors").unlink()
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, folder / "pytorch_model.bin")
+        folders.append(folder)
+    a, b = (folder / "pytorch_model.bin" for folder in folders)
+    assert (
+        a.stat().st_size == b.stat().st_size
+        and (folders[0] / "config.json").read_bytes() == (folders[1] / "config.json").read_bytes()
+    )
+    stamp = a.stat().st_mtime_ns
+    for file in (a, b):
+        os.utime(file, ns=(stamp, stamp))  # only the bytes differ
+    refs = [run_list.RunRef(f"bin-{i}", str(folder), "preloaded") for i, folder in enumerate(folders)]
+    fingerprints = [caching.run_fingerprint(ref.path) for ref in refs]
+    assert fingerprints[0] != fingerprints[1]
+    choice = inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32)
+    loaded = [caching.load(ref, choice) for ref in refs]
+    assert [item.run.fingerprint for item in loaded] == fingerprints
+    assert loaded[0].run.model is not loaded[1].run.model
+    assert loaded[0].key != loaded[1].key
+    nll = [item.ctx.trace["token_nll"] for item in loaded]
+    assert not np.allclose(nll[0], nll[1])
+    assert loaded[0].ctx.loss != loaded[1].ctx.loss
+    # the same folder again: the same cached objects, no second load or trace
+    again = caching.load(refs[0], choice)
+    assert again.run is loaded[0].run and again.ctx.trace is loaded[0].ctx.trace
+
+
+def test_loaded_context_is_the_traced_one_with_the_page_options(app_env, runs):
+    ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
+    choice = inputs.TextChoice(inputs.TEXT_MQAR, 40)
+    small = caching.load(ref, choice, options={"seq_len": 1024})
+    large = caching.load(ref, choice, options={"seq_len": 4096}, label="other label")
+    # one trace, one token tensor, shared; only the label and options differ
+    assert small.ctx.trace is large.ctx.trace and small.ctx.input_ids is large.ctx.input_ids
+    assert small.ctx.input_ids is small.tokens.input_ids
+    assert (small.ctx.options["seq_len"], large.ctx.options["seq_len"]) == (1024, 4096)
+    assert large.ctx.label == "other label" and small.ctx.label == "nano-a"
+    assert small.key != large.key
+    assert (small.run.device, small.run.dtype) == ("cpu", "float32")
+
+
+# ------------------------------------------------------------------------------------ links (query parameters)
+def test_a_link_opens_the_same_run_text_and_tokens(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"run": "nano-b", "text": "mqar", "tokens": "40", "seq": "4096"})
+    at.run()
+    assert not at.exception and _errors(at) == []
+    assert at.session_state["k3lab_run"] == "nano-b"
+    assert at.session_state["k3lab_text_source"] == inputs.TEXT_MQAR
+    assert at.session_state["k3lab_max_tokens"] == 40
+    assert at.session_state["k3lab_seq_len"] == 4096
+    assert [s.value for s in at.subheader][0] == "nano-b"
+    assert any("nano-b" in c.value and "MQAR" in c.value for c in at.caption)
+    # the app writes its state back into the URL (what a copied link holds)
+    assert {k: at.query_params[k] for k in ("run", "text", "tokens", "seq")} == {
+        "run": "nano-b",
+        "text": "mqar",
+        "tokens": "40",
+        "seq": "4096",
+    }
+
+
+def test_a_link_with_unknown_values_warns_and_falls_back(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"run": "no-such-run", "text": "poetry", "tokens": "999999", "colour": "red"})
+    at.run()
+    assert not at.exception and _errors(at) == []
+    warnings = " ".join(w.value for w in at.warning).replace("\\", "")  # the notes are Markdown-escaped
+    for shown in ("'no-such-run'", "'poetry'", "'999999'", "'colour'"):
+        assert shown in warnings, (shown, warnings)
+    assert at.session_state["k3lab_run"] == "nano-a"  # the default
+    assert at.session_state["k3lab_text_source"] == inputs.TEXT_SHAKESPEARE
+    assert at.query_params["run"] == "nano-a"
+
+
+def test_compare_choices_are_in_the_link(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"b": "nano-a", "section": "moe", "mode": "runs"})
+    at.run()
+    at.session_state["k3lab_run"] = "nano-b"
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-a"
+    assert at.radio(key="k3lab_cmp_section").value == "moe"
+    assert (at.query_params["b"], at.query_params["section"], at.query_params["mode"]) == ("nano-a", "moe", "runs")
+
+
+# ------------------------------------------------------------------------------------ the model runs only when needed
+def test_options_without_the_model_never_rerun_it(app_env, runs, monkeypatch):
+    """The sequence-length slider redraws the density figures; the forward and the importance ablations
+    run once per (run, text), the latter only when asked."""
+    from analysis.metrics import importance
+
+    calls = {"trace": 0, "importance": 0}
+    real_trace, real_importance = runs_mod.trace_run, importance.sublayer_importance
+
+    def counted_trace(*args, **kwargs):
+        calls["trace"] += 1
+        return real_trace(*args, **kwargs)
+
+    def counted_importance(*args, **kwargs):
+        calls["importance"] += 1
+        return real_importance(*args, **kwargs)
+
+    monkeypatch.setattr(runs_mod, "trace_run", counted_trace)
+    monkeypatch.setattr(page_mod, "sublayer_importance", counted_importance)
+    app_env(runs["good"])
+    at = _app(max_tokens=44)  # a token count no other test uses: nothing cached yet
+    at.run()
+    _page(at, "density")
+    assert not at.exception and _errors(at) == []
+    assert calls == {"trace": 1, "importance": 0}
+    button = next(b for b in at.button if b.label == "Measure layer importance")
+    button.click().run()
+    assert not at.exception and _errors(at) == []
+    assert calls == {"trace": 1, "importance": 1}
+    titles = lambda: [c.proto.spec for c in at.get("plotly_chart")]  # noqa: E731
+    before = titles()
+    at.select_slider(key="k3lab_seq_len").set_value(4096).run()
+    assert not at.exception and _errors(at) == []
+    assert calls == {"trace": 1, "importance": 1}
+    assert titles() != before and any("4K" in t for t in titles())
+    _page(at, "attnres")
+    _page(at, "density")
+    assert calls == {"trace": 1, "importance": 1}
+
+
+def test_model_use_lets_forwards_share_and_hooks_wait():
+    import threading
+
+    model = torch.nn.Linear(2, 2)
+    order: list[str] = []
+    inside = threading.Event()
+    release = threading.Event()
+
+    def reader(name: str) -> None:
+        with caching.model_use(model):
+            order.append(f"{name} in")
+            inside.set()
+            release.wait(5)
+            order.append(f"{name} out")
+
+    def writer() -> None:
+        with caching.model_use(model, exclusive=True):
+            order.append("hooks")
+
+    first = threading.Thread(target=reader, args=("a",))
+    first.start()
+    assert inside.wait(5)
+    with caching.model_use(model):  # a second forward does not wait for the first
+        order.append("b in")
+
+    def late_reader() -> None:
+        with caching.model_use(model):
+            order.append("c in")
+
+    hooks = threading.Thread(target=writer)
+    hooks.start()
+    hooks.join(0.2)
+    assert hooks.is_alive()  # the hook-installing job waits for the running forward
+    late = threading.Thread(target=late_reader)
+    late.start()
+    late.join(0.2)
+    assert late.is_alive()  # a new forward queues behind the waiting job (no starvation)
+    release.set()
+    for thread in (first, hooks, late):
+        thread.join(5)
+    assert order == ["a in", "b in", "a out", "hooks", "c in"]
+
+
+# ------------------------------------------------------------------------------------ download all
+def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
+    import io
+    import zipfile
+
+    from app.render import download_all
+    from k3lab import report
+
+    ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
+    choice = inputs.TextChoice(inputs.TEXT_MQAR, 32)
+    data = download_all.report_zip([ref], choice, static=False, skip_model_views=True)
+    out = tmp_path / "cli"
+    assert report.main([str(runs["good"]), "--out", str(out), "--sample", "mqar", "--max-tokens", "32",
+                        "--no-static", "--skip-model-views", "--quiet"]) == 0  # fmt: skip
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        names = sorted(zf.namelist())
+        cli = sorted(f"report/{p.relative_to(out).as_posix()}" for p in out.rglob("*") if p.is_file())
+        assert names == cli and "report/report.html" in names and "report/headline.json" in names
+        assert json.loads(zf.read("report/headline.json")) == json.loads((out / "headline.json").read_text())
+        table = next(n for n in names if n.endswith("density_allocation.csv"))
+        assert zf.read(table) == (out / table.removeprefix("report/")).read_bytes()
+
+    app_env(runs["good"])
+    at = _app(max_tokens=32)
+    at.session_state["k3lab_text_source"] = inputs.TEXT_MQAR
+    at.session_state["k3lab_all_static"] = False
+    at.session_state["k3lab_all_skip"] = True
+    at.run()
+    next(b for b in at.button if b.label == "Prepare the report zip").click().run()
+    assert not at.exception and _errors(at) == []
+    assert [b.label for b in at.get("download_button") if b.key == "k3lab_all_download"]
+
+
+def test_a_long_input_asks_before_running_the_model(app_env, runs, monkeypatch):
+
+    calls = []
+    real_trace = runs_mod.trace_run
+    monkeypatch.setattr(runs_mod, "trace_run", lambda *a, **k: calls.append(1) or real_trace(*a, **k))
+    app_env(runs["good"])
+    n = inputs.LONG_INPUT_TOKENS + 52
+    at = _app(max_tokens=n)
+    at.run()
+    _page(at, "attnres")
+    assert not at.exception and _errors(at) == []
+    assert any(f"will read {n:,} tokens" in w.value for w in at.warning), [w.value for w in at.warning]
+    assert _charts(at) == 0 and calls == []  # nothing ran yet
+    next(b for b in at.button if b.label == f"Run on {n:,} tokens").click().run()
+    assert not at.exception and _errors(at) == []
+    assert _charts(at) >= 2 and calls == [1]
+    assert any(f"· {n:,} tokens of" in c.value for c in at.caption)
+
+
+def test_two_sessions_trace_one_shared_model_at_the_same_time(runs):
+    """No global lock: two threads trace the same cached model on two texts at once, each gets its own trace."""
+    import threading
+
+    ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
+    choices = [inputs.TextChoice(inputs.TEXT_REPEAT, 38), inputs.TextChoice(inputs.TEXT_MQAR, 36)]
+    run = caching.load_run(ref)
+    expected = [runs_mod.trace_run(run, caching.make_tokens(c, run)).trace["token_nll"] for c in choices]
+    start = threading.Barrier(2)
+    results: dict[int, object] = {}
+
+    def session(i: int) -> None:
+        start.wait(5)
+        results[i] = caching.load(ref, choices[i])
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == [0, 1]
+    for i in range(2):
+        got = results[i].ctx.trace["token_nll"]
+        assert got.shape == expected[i].shape and np.allclose(got, expected[i], atol=1e-6, equal_nan=True)
+
+
+def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
+    import threading
+
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    from analysis.views.view import View
+    from app.render import prefetch
+
+    loaded = caching.load(
+        run_list.RunRef("nano-a", str(runs["good"]), "preloaded"), inputs.TextChoice(inputs.TEXT_MQAR, 34)
+    )
+    built = threading.Event()
+    calls = []
+
+    def build(ctx):
+        calls.append(ctx.label)
+        built.set()
+        return go.Figure(), pd.DataFrame({"n": [len(ctx.input_ids[0])]})
+
+    view = View("prefetch_probe", "probe", "attnres", build)
+    with prefetch.script_run():  # a page is being drawn: the background build waits
+        prefetch.prefetch([view], loaded)
+        assert not built.wait(0.3) and calls == []
+    assert built.wait(10) and calls == ["nano-a"]
+    fig, df = caching.build_view(view, loaded)  # the page then finds it in the cache
+    assert calls == ["nano-a"] and df["n"].tolist() == [34]
+    prefetch.prefetch([view], loaded)  # once per run key
+    assert calls == ["nano-a"]
+
+
+def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
+    """The Weights section on Compare: the weight views of two loaded runs side by side (summaries from the
+    models' parameters), the views that need what a loaded nano lacks said in a note."""
+    from analysis.views.catalogue import section_views
+
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.query_params.update({"b": "nano-b", "section": "weights", "mode": "runs"})
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    assert at.radio(key="k3lab_cmp_section").value == "weights"
+    assert at.query_params["section"] == "weights"
+    weights_views = section_views("weights")
+    notes = [i.value for i in at.info]
+    not_applicable = [v for v in weights_views if any(i.startswith(f"**{v.title}**") for i in notes)]
+    assert {v.key for v in not_applicable} == {"attnres_scale_bias", "weights_expert_norms"}  # AttnRes; not read
+    assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
+
+
+def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env, runs):
+    """Degradation (10 views): the first EAGER_VIEWS at once, the others behind a toggle that names them and stays
+    on for the session when the user leaves the page and comes back."""
+    app_env(runs["good"])
+    at = _app().run()
+    views = section_views("degradation")
+    assert len(views) > page_mod.LAZY_SECTION
+
+    def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it
+        notes = sum(1 for i in at.info if any(f"**{v.title}**" in i.value for v in shown))
+        return len(at.get("plotly_chart")) + notes
+
+    _page(at, "degradation")
+    assert not at.exception and _errors(at) == []
+    first = [c.proto.spec for c in at.get("plotly_chart")]
+    assert accounted(views[: page_mod.EAGER_VIEWS]) == page_mod.EAGER_VIEWS
+    toggle = at.toggle(key="k3lab_show_all_degradation_toggle")
+    assert toggle.value is False
+    assert all(v.title in toggle.help for v in views[page_mod.EAGER_VIEWS :])
+    toggle.set_value(True).run()
+    assert not at.exception and _errors(at) == []
+    every = [c.proto.spec for c in at.get("plotly_chart")]
+    assert every[: len(first)] == first and accounted(views) == len(views)
+    _page(at, "attnres")
+    _page(at, "degradation")
+    assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere
+
+
+def test_compares_default_b_is_not_a_quantised_copy_of_a():
+    samples = Path(__file__).resolve().parents[2] / "sample_checkpoints"
+    a, copy, other = (run_list.RunRef(n, str(samples / n), "sample") for n in ("k3-full", "k3-mxfp4", "plain-moe"))
+    assert run_list.quantised_copy(a, copy) and run_list.quantised_copy(copy, a)
+    assert not run_list.quantised_copy(a, other) and not run_list.quantised_copy(a, a)
+    assert run_list.default_run_b(a, [copy, other]) == other
+    assert run_list.default_run_b(a, [copy]) == copy  # nothing else: the copy is still comparable

@@ -1,0 +1,50 @@
+"""The Long context page, headless (AppTest) on a real k3-nano checkpoint: the estimate and the length chooser
+first, nothing run until asked; Run draws every trace view; the cost measurement draws its figure; no exception."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from app.library import run_list
+from app.server.settings import HOME_ENV
+from k3core.model import K3ForCausalLM
+
+APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
+TIMEOUT = 180
+
+
+@pytest.fixture
+def nano_app(monkeypatch, tmp_path) -> AppTest:
+    torch.manual_seed(0)
+    folder = K3ForCausalLM.from_config("k3-nano").save_pretrained(tmp_path / "nano-long")
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(run_list.RUNS_ENV, str(folder))
+    empty = tmp_path / "no-samples"
+    empty.mkdir()
+    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.session_state["k3lab_max_tokens"] = 48
+    at.run()
+    return at.switch_page("app_pages/long_context.py").run()
+
+
+def test_long_context_page_estimates_first_then_runs_on_request(nano_app):
+    at = nano_app
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("Estimate for 1,024 tokens" in i.value for i in at.info)
+    assert at.select_slider(key="k3lab_long_length").value == 1024
+    assert len(at.get("plotly_chart")) == 0  # nothing runs before the user asks
+    run = next(b for b in at.button if b.label.startswith("Run on"))
+    at = run.click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.get("plotly_chart")) == 4, [e.value for e in at.info]  # loss, KDA state, horizon, MLA
+    at.multiselect(key="k3lab_long_cost_lengths").set_value([256]).run()
+    cost = next(b for b in at.button if b.label.startswith("Measure one forward"))
+    at = cost.click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.get("plotly_chart")) == 5
+    assert [e.value for e in at.error] == []

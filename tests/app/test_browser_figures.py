@@ -1,0 +1,266 @@
+"""Figures a reader can trust, checked in Chromium on the drawn SVG (benchmarks/figure_check.py).
+
+Every view of the four shipped samples and every side-by-side and difference view of two Compare pairs is drawn by
+plotly.js in a local page (offline) and read back: no overlapping text, no bar/marker/line outside its axis, no
+scrolling or cut legend, one colour per series across a pair's panels, a note in every empty panel and never over
+data, at least four labelled ticks on every colour bar; dropdown states (a layer selector) are each checked. The
+probes plant each fault in a hand-made figure and see the check report it. A smaller pass goes through the app
+itself: each page of one run and every Compare section, the same check on the charts as Streamlit draws them, and
+no request leaves the server (fonts, favicon, scripts). With K3LAB_FIGURE_SHOTS=DIR the app pass saves a
+screenshot of each page and Compare section there (docs/screenshots holds the committed ones).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import plotly.graph_objects as go
+import pytest
+from plotly.subplots import make_subplots
+
+from analysis.compare.side_by_side import combine_side_by_side
+from benchmarks.bench_app import (
+    CHART,
+    CHROMIUM,
+    RENDER_TIMEOUT_MS,
+    REPO,
+    app_server,
+    settle,
+    show_the_rest,
+)
+from benchmarks.figure_check import (
+    PAIRS,
+    SAMPLES,
+    all_figures,
+    app_page_problems,
+    experiment_figures,
+    figure_problems,
+    open_check_page,
+    sample_contexts,
+)
+
+pytestmark = pytest.mark.browser
+
+if not CHROMIUM.exists():
+    pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from tests.app.library.test_browser_library import chromium
+
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def check_page(browser):
+    page = open_check_page(browser)
+    yield page
+    page.close()
+
+
+def test_every_view_and_comparison_of_the_samples_passes_the_figure_check(check_page):
+    t0 = time.perf_counter()
+    drawn = all_figures(sample_contexts())
+    t1 = time.perf_counter()
+    compared = [d for d in drawn if d.where.startswith("compare")]
+    assert len(drawn) > 200 and len(compared) > 80, len(drawn)
+    assert {d.where.split("/")[0] for d in drawn} >= set(SAMPLES) | {f"compare {a} vs {b}" for a, b in PAIRS}
+    bad = {}
+    for d in drawn:
+        problems = figure_problems(check_page, d.spec)
+        if problems:
+            bad[d.where] = list(dict.fromkeys(problems))[:6]
+    t2 = time.perf_counter()
+    print(f"\nfigure check: {len(drawn)} figures, built in {t1 - t0:.1f} s, checked in Chromium in {t2 - t1:.1f} s")
+    assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p) for where, p in bad.items())
+
+
+def test_the_experiment_pages_figures_pass_the_figure_check(check_page):
+    drawn = experiment_figures(sample_contexts())
+    assert len(drawn) >= 10 * len(SAMPLES), len(drawn)
+    bad = {d.where: problems for d in drawn if (problems := figure_problems(check_page, d.spec))}
+    assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p[:6]) for where, p in bad.items())
+
+
+# ----------------------------------------------------------------------------------------- the check catches faults
+def _problems(page, fig: go.Figure) -> list[str]:
+    return figure_problems(page, fig.to_plotly_json())
+
+
+def test_probe_overlapping_text_and_cut_text(check_page):
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    fig.add_annotation(text="first note here", xref="paper", yref="paper", x=0.5, y=1.05, showarrow=False)
+    fig.add_annotation(text="second note here", xref="paper", yref="paper", x=0.52, y=1.05, showarrow=False)
+    assert any(p.startswith("text overlap: annotation") for p in _problems(check_page, fig))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("a long subplot title " * 3, "another long subplot title"))
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1]), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1]), row=1, col=2)
+    fig.update_layout(width=500)
+    assert any("text overlap" in p for p in _problems(check_page, fig))
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    fig.add_annotation(text="far out", xref="paper", yref="paper", x=1.3, y=0.5, showarrow=False)
+    assert any(p.startswith("text cut by the figure edge") for p in _problems(check_page, fig))
+
+
+def test_probe_bars_and_markers_outside_their_axis(check_page):
+    # the issue's stacked bars: each segment below the axis top, the stack above it
+    fig = go.Figure([go.Bar(x=[0, 1], y=[100, 150], name="a"), go.Bar(x=[0, 1], y=[90, 90], name="b")])
+    fig.update_layout(barmode="stack", yaxis_range=[0, 155])
+    problems = _problems(check_page, fig)
+    assert any("point(s) of 'b' outside the axis range" in p for p in problems), problems
+    assert not any("of 'a' outside" in p for p in problems)
+    fig = go.Figure(go.Scatter(x=[0, 1, 2], y=[1, 2, 50], mode="markers", name="m"))
+    fig.update_yaxes(range=[0, 10])
+    assert any("1 point(s) of 'm' outside" in p for p in _problems(check_page, fig))
+
+
+def test_probe_scrolling_legend(check_page):
+    fig = go.Figure([go.Scatter(x=[0, 1], y=[i, i + 1], name=f"L{i // 4} H{i % 4}") for i in range(30)])
+    fig.update_layout(height=300)
+    assert any(p.startswith("legend scrolls") for p in _problems(check_page, fig))
+
+
+def test_probe_a_series_in_two_colours_across_a_pair(check_page):
+    def run(offset):  # plotly's colorway by trace index: the same series gets another colour in B
+        traces = [go.Scatter(x=[0, 1], y=[0, 1], name="other") for _ in range(offset)]
+        return go.Figure([*traces, go.Scatter(x=[0, 1], y=[1, 2], name="max |h|")])
+
+    spec = {"data": [], "layout": {"meta": {"export_width": 1600}}}
+    a, b = run(0).to_plotly_json(), run(1).to_plotly_json()
+    spec["data"] = a["data"] + [{**t, "xaxis": "x2", "yaxis": "y2"} for t in b["data"]]
+    spec["layout"].update(xaxis={"domain": [0, 0.45]}, xaxis2={"domain": [0.55, 1]}, yaxis2={"anchor": "x2"})
+    assert any("series 'max |h|' drawn in 2 colours" in p for p in figure_problems(check_page, spec))
+    # combine_side_by_side gives the series one colour (A's) in both panels
+    combined = combine_side_by_side(run(0), run(1), "A", "B")
+    assert not any("colours" in p for p in _problems(check_page, combined))
+
+
+def test_probe_empty_panel_and_note_over_data(check_page):
+    fig = make_subplots(rows=1, cols=2)
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1]), row=1, col=1)
+    fig.add_trace(go.Bar(x=[0, 1], y=[0, 0]), row=1, col=2)  # all zero: nothing drawn
+    assert any(p.startswith("empty panel") for p in _problems(check_page, fig))
+    fig = go.Figure(go.Heatmap(z=[[1, 2], [3, 4]]))
+    fig.add_annotation(text="not applicable: a note", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False)
+    assert any("over data" in p for p in _problems(check_page, fig))
+
+
+def test_probe_colour_bar_with_too_few_ticks(check_page):
+    fig = go.Figure(go.Heatmap(z=[[0.96, 0.99]], colorbar={"tickvals": [0.97, 0.98]}))
+    assert any("labelled ticks" in p for p in _problems(check_page, fig))
+
+
+# ----------------------------------------------------------------------------------------- the app itself
+APP_PAGES = (  # (url path, heading)
+    ("overview", "k3-full"),
+    ("density", "KDA"),
+    ("attnres", "AttnRes"),
+    ("moe", "LatentMoE"),
+    ("degradation", "Attention degradation"),
+    ("history", "Training history"),
+    ("weights", "Weights"),
+)
+# app.state.links.SECTIONS; not imported here: importing streamlit makes its plotly template the default one, and the
+# offline pass must draw the figures as analysis.figures.style makes them
+COMPARE_SECTIONS = ("density", "attnres", "moe", "degradation", "long_context", "weights")
+
+
+def _shot(page, folder: str | None, name: str) -> None:
+    """The whole page (the window made as tall as Streamlit's scrolling main area, at most 9000 px), shrunk to
+    800 px wide in 256 colours: small enough to commit."""
+    if not folder:
+        return
+    from PIL import Image
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tall = page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]').scrollHeight")
+    page.set_viewport_size({"width": 1280, "height": min(int(tall) + 40, 9000)})
+    settle(page)
+    image = Image.open(io.BytesIO(page.screenshot()))
+    image = image.resize((800, max(1, round(image.height * 800 / image.width))), Image.LANCZOS)
+    image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(
+        Path(folder) / f"{name}.png", optimize=True
+    )
+
+
+@pytest.mark.slow
+def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
+    from app.state.links import SECTIONS
+
+    assert set(COMPARE_SECTIONS) == set(SECTIONS)
+    shots = os.environ.get("K3LAB_FIGURE_SHOTS")
+    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
+    bad: dict[str, list[str]] = {}
+    outside: list[str] = []
+    with app_server(REPO, tmp_path, env) as (url, _log):
+        host = urlparse(url).netloc
+
+        def visit(path: str, name: str) -> None:
+            context = browser.new_context(viewport={"width": 1280, "height": 1000})
+            page = context.new_page()
+            page.on("request", lambda r: outside.append(r.url) if _outside(r.url, host) else None)
+            try:
+                page.goto(f"{url}/{path}")
+                page.wait_for_selector(CHART, timeout=RENDER_TIMEOUT_MS)
+                settle(page)
+                show_the_rest(page)
+                settle(page)
+                assert page.locator(CHART).count() >= 1, path
+                for key, problems in app_page_problems(page).items():
+                    if problems:
+                        bad[f"{name} {key}"] = list(dict.fromkeys(problems))[:6]
+                _shot(page, shots, name)
+            finally:
+                page.context.close()
+
+        query = "run=k3-full&text=mqar&tokens=64"
+        for path, _heading in APP_PAGES:
+            visit(f"{path}?{query}", path)
+        for section in COMPARE_SECTIONS:
+            visit(f"compare?{query}&b=plain-residual&mode=runs&section={section}", f"compare_{section}")
+    assert not outside, f"requests to other hosts: {sorted(set(outside))[:10]}"
+    assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p) for where, p in bad.items())
+
+
+def _outside(request_url: str, host: str) -> bool:
+    parsed = urlparse(request_url)
+    return parsed.scheme in ("http", "https", "ws", "wss") and parsed.netloc != host
+
+
+@pytest.mark.slow
+def test_long_context_page_draws_and_passes_the_figure_check(browser, tmp_path):
+    """The Long context page on the k3-full sample: the estimate first, then (after Run) every trace view and the
+    cost measurement drawn by Streamlit, no exception on the page, and the figure check on its charts."""
+    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
+    with app_server(REPO, tmp_path, env) as (url, _log):
+        page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+        try:
+            page.goto(f"{url}/long_context?run=k3-full&text=shakespeare&tokens=256")
+            run = page.get_by_role("button", name="Run on")
+            run.first.wait_for(timeout=RENDER_TIMEOUT_MS)
+            assert "Estimate for 1,024 tokens" in page.inner_text('[data-testid="stMain"]')
+            run.first.click()
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length >= 4",
+                timeout=RENDER_TIMEOUT_MS * 3,
+            )
+            page.get_by_role("button", name="Measure one forward").first.click()
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length >= 5",
+                timeout=RENDER_TIMEOUT_MS * 3,
+            )
+            settle(page)
+            assert page.locator('[data-testid="stException"]').count() == 0
+            bad = {key: problems for key, problems in app_page_problems(page).items() if problems}
+            assert set(app_page_problems(page)) >= {"fig-long_loss_by_position", "fig-long_cost_length"}
+            assert not bad, bad
+            _shot(page, os.environ.get("K3LAB_FIGURE_SHOTS"), "long_context")
+        finally:
+            page.context.close()

@@ -1,0 +1,313 @@
+"""k3core.training: a real k3-nano model trained for a few steps on CPU (one thread, short sequences)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3core import training as T
+from k3core.model import K3ForCausalLM
+from k3core.training import rundir
+from k3core.utils import files as files_mod
+from k3lab import train as train_cli
+
+TINY = dict(
+    model="k3-nano",
+    steps=8,
+    batch_size=4,
+    seq_len=32,
+    lr=1e-2,
+    warmup_steps=2,
+    eval_every=4,
+    eval_windows=4,
+    eval_batch_size=4,
+    mqar_fraction=0.25,
+    mqar_kv_pairs=4,
+    mqar_eval_examples=4,
+    log_every=1,
+    save_every=3,
+    sample_tokens=16,
+    threads=1,
+    progress=False,
+    seed=7,
+)
+
+
+def tiny(tmp: Path, name: str, **changes) -> T.TrainConfig:
+    return T.TrainConfig(**{**TINY, "out_dir": str(tmp / name), **changes})
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return K3ForCausalLM.from_pretrained(run_dir).state_dict()
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    """An uninterrupted 8-step run (validation at step 4, checkpoints at 3 and 6)."""
+    return T.train(tiny(tmp_path_factory.mktemp("ref"), "ref"))
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+def test_lr_schedule_hand_computed():
+    cfg = T.TrainConfig(lr=1e-3, warmup_steps=10, steps=110, min_lr_ratio=0.1)
+    assert T.lr_at(0, cfg) == pytest.approx(1e-4)  # (0 + 1) / 10 of the peak
+    assert T.lr_at(9, cfg) == pytest.approx(1e-3)
+    assert T.lr_at(10, cfg) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert T.lr_at(60, cfg) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # halfway: cos(pi/2) = 0
+    assert T.lr_at(110, cfg) == pytest.approx(1e-4)  # the floor lr * min_lr_ratio
+
+
+def test_parse_overrides():
+    got = T.parse_overrides(
+        [
+            "residual=plain",
+            "routed_expert_hidden_size=null",
+            "full_attn_layers=[4, 8]",
+            "num_experts=8",
+            "latent_moe_use_norm=None",
+        ]
+    )
+    assert got == {
+        "residual": "plain",
+        "routed_expert_hidden_size": None,
+        "full_attn_layers": [4, 8],
+        "num_experts": 8,
+        "latent_moe_use_norm": None,
+    }
+    with pytest.raises(T.TrainError, match="not a K3Config field"):
+        T.parse_overrides(["hidden=3"])
+    with pytest.raises(T.TrainError, match="key=value"):
+        T.parse_overrides(["residual"])
+    cfg = T.resolve_model_config("k3-nano", {"residual": "plain"})
+    assert cfg.residual == "plain" and cfg.hidden_size == 64
+    with pytest.raises(T.TrainError, match="bad --set"):
+        T.resolve_model_config("k3-nano", {"residual": "sideways"})
+
+
+def test_config_validation():
+    with pytest.raises(T.TrainError, match="steps"):
+        T.TrainConfig(steps=0)
+    with pytest.raises(T.TrainError, match="mqar_fraction"):
+        T.TrainConfig(mqar_fraction=1.5)
+    with pytest.raises(T.TrainError, match="unknown training options"):
+        T.TrainConfig.from_dict({"stpes": 3})
+
+
+# ------------------------------------------------------------------------------------------ training
+def test_loss_goes_down(reference_run):
+    m = T.load_metrics(reference_run)
+    losses = [e["loss"] for e in m["history"]["train"]]
+    assert len(losses) == 8
+    assert losses[-1] < losses[0] - 1.0, losses  # from ~ln 256 = 5.5 nats towards byte statistics
+    val = [v["val_bpb"] for v in m["history"]["val"]]
+    assert val[1] < val[0], val
+
+
+def test_interrupted_runs_resume_to_the_same_weights(tmp_path, reference_run):
+    ref = weights(reference_run)
+    ref_losses = [e["loss"] for e in T.load_metrics(reference_run)["history"]["train"]]
+
+    # 1) a planned stop after step 3, then --resume
+    cfg = tiny(tmp_path, "stopped", stop_at=3)
+    run = T.train(cfg)
+    assert T.load_metrics(run)["status"] == "stopped"
+    assert T.latest_state_dir(run).name == "step-0000003"
+    T.train({"out_dir": str(run)}, resume=True)
+    assert_same_weights(weights(run), ref)
+    assert [e["loss"] for e in T.load_metrics(run)["history"]["train"]] == ref_losses
+
+    # 2) Ctrl-C (KeyboardInterrupt) at step 5, after the checkpoint of step 3: saved at 5, resumed
+    def interrupt(step, info):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    run2 = T.train(tiny(tmp_path, "ctrl-c"), callback=interrupt)
+    metrics = T.load_metrics(run2)
+    assert metrics["status"] == "interrupted" and metrics["step"] == 5
+    assert T.latest_state_dir(run2).name == "step-0000005"
+    T.train({"out_dir": str(run2)}, resume=True)
+    assert_same_weights(weights(run2), ref)
+    final = T.load_metrics(run2)
+    assert final["status"] == "finished"
+    assert [e["step"] for e in final["history"]["val"]] == [4, 8]
+    assert final["final"]["val_loss"] == T.load_metrics(reference_run)["final"]["val_loss"]
+    assert not (run2 / T.STATE_DIR).exists()  # resume state dropped once finished
+
+
+def test_sigint_saves_and_stops_at_a_step_boundary(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+
+    def ctrl_c(step, info):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, delivered to the trainer's handler
+
+    run = T.train(tiny(tmp_path, "sigint", eval_every=0, save_every=0), callback=ctrl_c)
+    m = T.load_metrics(run)
+    assert m["status"] == "interrupted" and m["step"] == 2
+    assert T.latest_state_dir(run).name == "step-0000002"
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
+
+
+def test_resume_refuses_to_change_the_schedule(tmp_path):
+    run = T.train(tiny(tmp_path, "r", stop_at=1, eval_every=0))
+    with pytest.raises(T.TrainError, match="cannot change 'lr'"):
+        T.train({"out_dir": str(run), "lr": 1.0}, resume=True)
+    with pytest.raises(T.TrainError, match="already holds a run"):
+        T.train(tiny(tmp_path, "r"))
+    with pytest.raises(T.TrainError, match="no resume checkpoint"):
+        T.train({"out_dir": str(tmp_path / "nothing")}, resume=True)
+
+
+def test_metrics_json_has_the_promised_fields(reference_run):
+    m = T.load_metrics(reference_run)
+    assert m["format"] == "k3lab-metrics" and m["status"] == "finished" and m["step"] == 8
+    assert m["seed"] == 7 and m["code_version"] and m["torch_version"] == torch.__version__
+    assert m["params"]["total"] > m["params"]["active"] > 0
+    assert m["data"]["unigram_baseline_bpb"] == pytest.approx(4.82, abs=0.05)  # default val plays
+    assert len(m["eval"]["window_starts"]) == 4
+    train_entry = m["history"]["train"][-1]
+    assert {"step", "tokens", "wall_time", "lr", "loss", "bpb", "grad_norm", "tokens_per_s"} <= train_entry.keys()
+    assert train_entry["tokens"] == 8 * 4 * 32
+    val = m["history"]["val"]
+    assert [v["step"] for v in val] == [4, 8]
+    assert all(0 <= v["mqar_accuracy"] <= 1 and v["val_bpb"] == pytest.approx(v["val_loss"] / math.log(2)) for v in val)
+    moe = m["history"]["moe"]
+    assert [e["step"] for e in moe] == list(range(1, 9))
+    layer = moe[-1]["layers"]["1"]  # k3-nano: layer 0 dense, layers 1..3 MoE
+    assert set(moe[-1]["layers"]) == {"1", "2", "3"}
+    assert sum(layer["load"]) == 4 * 32 * 2  # every token routed to top-2 of 8 experts, one step
+    assert layer["max_vio"] >= 0 and layer["cv"] >= 0 and len(layer["bias"]) == 8
+    attn = m["history"]["attnres"]
+    assert [e["step"] for e in attn] == [4, 8] and attn[0]["mode"] == "block_attnres"
+    sites = attn[-1]["sites"]
+    assert "output" in sites and "1.attn" in sites
+    for site in sites.values():
+        assert len(site["mean_weights"]) == len(site["sources"])
+        assert sum(site["mean_weights"]) == pytest.approx(1.0, abs=1e-4)
+        assert site["query_norm"] > 0  # the pseudo-queries moved off their zero init
+    assert m["final"]["val_bpb"] == val[-1]["val_bpb"] and m["final"]["tokens_seen"] == 8 * 4 * 32
+    assert isinstance(m["sample"]["text"], str) and m["sample"]["max_new_tokens"] == 16
+    card = (reference_run / "README.md").read_text()
+    assert "unigram baseline" in card and "MQAR" in card and f"{m['params']['total']:,}" in card
+
+
+def test_recorded_validation_reproduces_from_the_checkpoint(reference_run):
+    m = T.load_metrics(reference_run)
+    model = K3ForCausalLM.from_pretrained(reference_run)
+    corpus = T.load_corpus(T.TrainConfig(**m["train_config"]))
+    loss, bpb = T.evaluate_bits_per_byte(model, corpus.val, m["eval"]["window_starts"], m["eval"]["seq_len"])
+    assert loss == pytest.approx(m["final"]["val_loss"], rel=1e-5)
+    mq = m["eval"]["mqar"]
+    acc = T.evaluate_mqar(model, mq["examples"], mq["seq_len"], mq["num_kv_pairs"], seed=mq["seed"])
+    assert acc == pytest.approx(m["final"]["mqar_accuracy"])
+
+
+def test_balancing_modes(tmp_path):
+    aux = T.load_metrics(T.train(tiny(tmp_path, "aux", steps=2, eval_every=0, overrides={"balancing": "aux_loss"})))
+    assert all(e["aux_loss"] > 0 for e in aux["history"]["train"])
+    assert all(b == 0 for b in aux["history"]["moe"][-1]["layers"]["1"]["bias"])  # biases untouched
+    sign = T.load_metrics(T.train(tiny(tmp_path, "sign", steps=2, eval_every=0)))
+    assert "aux_loss" not in sign["history"]["train"][0]
+    bias = sign["history"]["moe"][-1]["layers"]["1"]["bias"]
+    # two sign steps of u = 1e-3: every bias is -2e-3, 0 or 2e-3 (+-1e-3 after a tie), not all 0
+    assert max(abs(b) for b in bias) > 0
+    assert all(min(abs(b - u * 1e-3) for u in (-2, -1, 0, 1, 2)) < 1e-6 for b in bias)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch, reference_run):
+    run = T.train(tiny(tmp_path, "atomic", stop_at=2))
+    state = run / T.STATE_DIR
+    assert [p.name for p in state.iterdir()] == ["step-0000002"]
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+    real = files_mod.atomic_write_bytes
+
+    def disk_full(path, data):
+        if path.name == "optimizer.safetensors":
+            real(path, data[: len(data) // 2])  # half a file lands in the temporary folder...
+            raise OSError("No space left on device")  # ...then the write fails
+        real(path, data)
+
+    monkeypatch.setattr(rundir, "atomic_write_bytes", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        T.train({"out_dir": str(run), "stop_at": 4}, resume=True)
+    assert [p.name for p in state.iterdir()] == ["step-0000002"]  # the last good checkpoint is intact
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+    monkeypatch.setattr(rundir, "atomic_write_bytes", real)
+    T.train({"out_dir": str(run)}, resume=True)
+    assert_same_weights(weights(run), weights(reference_run))
+
+
+def test_no_pickle_in_the_resume_state(tmp_path):
+    run = T.train(tiny(tmp_path, "p", stop_at=1, eval_every=0))
+    files = sorted(p.name for p in T.latest_state_dir(run).iterdir())
+    assert files == ["config.json", "model.safetensors", "optimizer.safetensors", "state.json"]
+    from safetensors.torch import load_file
+
+    opt = load_file(str(T.latest_state_dir(run) / "optimizer.safetensors"))
+    assert "rng/data" in opt and "lm_head.weight/exp_avg" in opt and "lm_head.weight/exp_avg_sq" in opt
+    state = json.loads((T.latest_state_dir(run) / "state.json").read_text())
+    assert state["step"] == 1 and state["train_config"]["seed"] == 7
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def test_cli(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--resume" in out and "--set" in out and "--mqar-fraction" in out
+
+    assert train_cli.main(["k3-nano", "--set", "residual=sideways", "--out", str(tmp_path / "bad")]) == 2
+    assert "residual" in capsys.readouterr().err
+
+    out_dir = tmp_path / "cli"
+    args = [
+        "k3-nano",
+        "--set",
+        "residual=scale_bias",
+        "--steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--eval-windows",
+        "2",
+        "--mqar-eval-examples",
+        "2",
+        "--sample-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out_dir),
+    ]
+    assert train_cli.main(args + ["--stop-at", "1"]) == 0
+    assert "--resume" in capsys.readouterr().out
+    assert train_cli.main(["--resume", str(out_dir), "--threads", "1"]) == 0
+    m = T.load_metrics(out_dir)
+    assert m["status"] == "finished" and m["model_config"]["residual"] == "scale_bias"
+    assert m["history"]["attnres"][-1]["mode"] == "scale_bias"
+    assert set(m["history"]["attnres"][-1]["layers"]["0"]) == {
+        "attn_scale_mean",
+        "attn_bias_mean",
+        "mlp_scale_mean",
+        "mlp_bias_mean",
+    }
+    assert train_cli.main(["--resume", str(out_dir)]) == 2  # finished: nothing to resume
+    assert "already finished" in capsys.readouterr().err
