@@ -28,7 +28,8 @@ from typing import Any
 
 KDA_GATES = ("lower_bound", "softplus")
 KDA_OUTPUT_GATES = ("full", "low_rank")
-RESIDUAL_MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
+ATTNRES_MODES = ("block_attnres", "full_attnres")  # the residual modes that mix over depth (AttnRes)
+RESIDUAL_MODES = (*ATTNRES_MODES, "scale_bias", "plain")
 ACTIVATIONS = ("situ", "swiglu")
 BALANCING = ("sign", "quantile", "aux_loss", "none")
 
@@ -252,6 +253,11 @@ class K3Config:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def uses_attnres(self) -> bool:
+        """Whether the residual stream is an AttnRes mix over depth (block or full), not an additive one."""
+        return self.residual in ATTNRES_MODES
 
     @property
     def is_latent_moe(self) -> bool:

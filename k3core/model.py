@@ -65,7 +65,7 @@ class K3DecoderLayer(nn.Module):
             self.block_sparse_moe = LatentMoE(config, layer_idx)
         else:
             self.mlp = GatedMLP(config, D, config.scaled_width(config.intermediate_size, layer_idx))
-        if config.residual in ("block_attnres", "full_attnres"):
+        if config.uses_attnres:
             # Pseudo-query (D -> 1 linear, zero-initialised: the first mix is a uniform average) + key norm.
             self.self_attention_res_norm = RMSNorm(D, config.rms_norm_eps)
             self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
@@ -123,7 +123,7 @@ class K3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, D)
         self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
-        if config.residual in ("block_attnres", "full_attnres"):
+        if config.uses_attnres:
             self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
 
@@ -161,7 +161,7 @@ class K3Model(nn.Module):
         """The final hidden state of depth sources: the output depth mix (AttnRes; else the last source), then the
         final RMSNorm, through their hook points. ``end`` reads the stream with it; the lens reads earlier depths
         with it, so an edit of the output path (the output site's weights, final_resid, final_norm) acts on both."""
-        if self.config.residual in ("block_attnres", "full_attnres"):
+        if self.config.uses_attnres:
             mixed = depth_mix(
                 hooks, HookNames.OUTPUT_SITE, self.output_attn_res_proj, self.output_attn_res_norm, sources, names
             )

@@ -106,7 +106,7 @@ def _shared_expert_params(config: K3Config, layer: int) -> int:
 def _residual_params(config: K3Config) -> int:
     """Per-layer residual parameters: AttnRes 2 sites x (norm D + query D); scale/bias 4 D; plain 0."""
     D = config.hidden_size
-    if config.residual in ("block_attnres", "full_attnres"):
+    if config.uses_attnres:
         return 4 * D
     if config.residual == "scale_bias":
         return 4 * D
@@ -137,7 +137,7 @@ def params_by_kind(config: K3Config) -> pd.DataFrame:
         else:
             rows.append((i, "dense FFN", ffn_all))
         rows.append((i, "norms/other", 2 * D + _residual_params(config)))
-    out_mix = 2 * D if config.residual in ("block_attnres", "full_attnres") else 0
+    out_mix = 2 * D if config.uses_attnres else 0
     rows += [(L, "norms/other", D + out_mix), (L, "embedding / LM head", 0 if config.tie_word_embeddings else V * D)]
     table = [
         {"layer": i, "depth": depth_label(i, L), "kind": kind, "params": p}

@@ -53,7 +53,7 @@ def lens_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[str], t
         with hooks(read=dict.fromkeys(names, keep)):
             model(ids)
         edits = active()  # the caller's edits (intervene), None without any
-        attnres = config.residual in ("block_attnres", "full_attnres")
+        attnres = config.uses_attnres
         labels, out = [], []
         for layer, name in zip([*layers, None], names):
             stacked, sources = states[name]

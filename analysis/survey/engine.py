@@ -205,7 +205,7 @@ def attnres_sites(config: Any) -> dict[str, str]:
     """AttnRes site -> the hook point of its depth weights, in forward order (empty without AttnRes)."""
     from k3core.interp.hooks import attnres_has_attn_site
 
-    if config.residual not in ("block_attnres", "full_attnres"):
+    if not config.uses_attnres:
         return {}
     out = {}
     for i in range(config.num_hidden_layers):

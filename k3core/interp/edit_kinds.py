@@ -236,7 +236,7 @@ class AttnResEdit(_Edit):
         self.tokens = _range(self.tokens, "tokens")
 
     def hooks(self, config: Any) -> list[tuple[str, Callable]]:
-        if config.residual not in ("block_attnres", "full_attnres"):
+        if not config.uses_attnres:
             raise EditError(f"AttnRes edits need an AttnRes model; this one's residual is {config.residual!r}")
         available = hook_points(config)
         try:

@@ -201,7 +201,7 @@ def point_axes(name: str) -> tuple[str, ...]:
 
 def hook_points(config: Any) -> list[str]:
     """Every hook point a model of this config offers, in forward order."""
-    attnres = config.residual in ("block_attnres", "full_attnres")
+    attnres = config.uses_attnres
     out = [HookNames.TOKENS, HookNames.EMBED]
     for i in range(config.num_hidden_layers):
         local = ["stream"]
@@ -229,7 +229,7 @@ def hook_points(config: Any) -> list[str]:
 
 def attnres_has_attn_site(config: Any, layer: int) -> bool:
     """Whether layer ``layer``'s attention input is a depth mix (block AttnRes: not at layer 0)."""
-    return config.residual in ("block_attnres", "full_attnres") and layer > 0
+    return config.uses_attnres and layer > 0
 
 
 class HookContext:

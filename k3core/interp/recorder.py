@@ -257,7 +257,7 @@ class Recorder:
                 self._kda_hooks(table, i, config)
             if config.is_moe_layer(i) and "moe" in self.what:
                 self._moe_hooks(table, i, config)
-        if "attnres" in self.what and config.residual in ("block_attnres", "full_attnres"):
+        if "attnres" in self.what and config.uses_attnres:
             sites = [N.attnres_site(i, side) for i in range(config.num_hidden_layers) for side in ("attn", "mlp")]
             for site in [*sites, N.OUTPUT_SITE]:
                 table[N.attnres_point(site, "weights")] = self._attnres_weights

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import K3Config
+from ..config import ATTNRES_MODES, K3Config
 from ..interp.hooks import HookContext, HookNames
 from ..ops.attnres import attnres_combine, attnres_mix
 from .norm import RMSNorm
@@ -42,7 +42,7 @@ class ResidualStream:
 
     @property
     def attnres(self) -> bool:
-        return self.mode in ("block_attnres", "full_attnres")
+        return self.mode in ATTNRES_MODES
 
     def sources(self) -> tuple[list[torch.Tensor], list[str]]:
         if self.last is None:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ATTNRES_MODES
 from ..data import Corpus, unigram_cross_entropy_bits
 from ..interp.trace import Trace, TraceNames
 from .config import TrainConfig
@@ -127,7 +128,7 @@ def attnres_entry(model: torch.nn.Module, trace: Trace | None, step: int) -> dic
                 "mlp_bias_mean": float(layer.mlp_res_bias.mean()),
             }
         return {"step": step, "mode": mode, "layers": layers}
-    if mode not in ("block_attnres", "full_attnres") or trace is None:
+    if mode not in ATTNRES_MODES or trace is None:
         return None
     sites = {}
     for site, sources in trace.meta.get(TraceNames.ATTNRES_SOURCES_META, {}).items():

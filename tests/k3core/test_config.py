@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from k3core.config import ConfigError, K3Config
+from k3core.config import ATTNRES_MODES, RESIDUAL_MODES, ConfigError, K3Config
 from k3core.hf_config import config_to_hf
 from k3core.presets import from_preset
 
@@ -83,3 +85,34 @@ def test_config_module_imports_neither_presets_nor_hf_config():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == ["k3core", "k3core.config"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# a tuple literal naming both AttnRes modes, in either order: a second definition of "which modes are AttnRes"
+_ATTNRES_TUPLE = re.compile(r"""\(\s*["'](block|full)_attnres["']\s*,\s*["'](block|full)_attnres["']\s*,?\s*\)""")
+
+
+def attnres_tuples(root: Path) -> list[str]:
+    """Every file:line under the code folders that spells the AttnRes residual modes as a tuple literal."""
+    out = []
+    for folder in ("k3core", "analysis", "app", "k3lab", "tests", "benchmarks", "scripts"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if _ATTNRES_TUPLE.search(line):
+                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
+    return out
+
+
+def test_the_attnres_modes_are_defined_once():
+    """``config.uses_attnres`` / ``ATTNRES_MODES`` is the one answer to "does this residual mix over depth"."""
+    assert [hit.split(":")[0] for hit in attnres_tuples(ROOT)] == ["k3core/config.py"]
+    assert set(ATTNRES_MODES) < set(RESIDUAL_MODES)
+    for mode in RESIDUAL_MODES:
+        assert from_preset("k3-nano", residual=mode).uses_attnres == mode.endswith("_attnres")
+
+
+def test_the_attnres_check_finds_a_second_definition(tmp_path):
+    (tmp_path / "analysis").mkdir()
+    second = "('full_attnres', " + "'block_attnres')"  # split so that this file holds no such tuple itself
+    (tmp_path / "analysis" / "x.py").write_text(f"a = 1\nif cfg.residual in {second}:\n")
+    assert attnres_tuples(tmp_path) == ["analysis/x.py:2"]

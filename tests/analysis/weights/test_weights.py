@@ -100,7 +100,7 @@ def test_samples_weight_only_matches_loaded_model(run):
                 hl = LN2 / -g0
                 want = dict(zip(("p10", "median", "p90"), np.percentile(hl, [10, 50, 90])))
                 assert entry["kda_half_life"] == pytest.approx(want, rel=1e-5)
-            if cfg.residual in ("block_attnres", "full_attnres"):
+            if cfg.uses_attnres:
                 assert entry["attn_res_query_norm"] == pytest.approx(
                     layer.self_attention_res_proj.weight.double().norm().item(), rel=1e-12
                 )

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import k3core.interp.recorder as trace_mod
+from k3core.config import ATTNRES_MODES
 from k3core.interp import trace
 from k3core.interp.recorder import Recorder, record
 from k3core.interp.trace import Trace
@@ -74,7 +75,7 @@ def test_every_documented_array_appears_with_its_axes(ids, residual):
         hits = [n for n in tr.arrays if re.match(pattern, n)]
         expect = True
         if pattern.startswith("^attnres"):
-            expect = residual in ("block_attnres", "full_attnres")
+            expect = residual in ATTNRES_MODES
         elif pattern.startswith("^residual"):
             expect = residual == "scale_bias"
         assert bool(hits) == expect, (pattern, residual)
@@ -90,7 +91,7 @@ def test_every_documented_array_appears_with_its_axes(ids, residual):
             "g", "g_bins", "beta", "gate", "state_norm", "state_rank", "state_steps", "final_state"}  # fmt: skip
     if residual == "scale_bias":
         assert len(tr.names("residual.")) == 4 * cfg.num_hidden_layers
-    if residual in ("block_attnres", "full_attnres"):
+    if residual in ATTNRES_MODES:
         sites = set(tr.meta["attnres_sources"])
         assert {f"{i}.mlp" for i in range(cfg.num_hidden_layers)} | {"output"} <= sites
         for site, names in tr.meta["attnres_sources"].items():
