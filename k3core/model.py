@@ -30,6 +30,7 @@ from .bigmodel.placement import Plan, load_placed, plan_for_model
 from .checkpoints.folder import CheckpointFiles
 from .checkpoints.pretrained import build_meta_model, load_pretrained, save_pretrained
 from .config import K3Config
+from .data.batches import IGNORE_INDEX
 from .generation.cache import K3Cache
 from .generation.decode import generate as _generate
 from .interp.hooks import HookContext, HookNames, active, point
@@ -315,7 +316,7 @@ class K3ForCausalLM(nn.Module):
         cache: K3Cache | None = None,
     ) -> K3Output:
         """``labels``: Hugging Face style (same positions as input_ids, shifted here);
-        ``targets``: already aligned with input_ids (nanoGPT style). -100 is ignored in both."""
+        ``targets``: already aligned with input_ids (nanoGPT style). IGNORE_INDEX (-100) is ignored in both."""
         for name, t in (("labels", labels), ("targets", targets)):
             if t is not None and tuple(t.shape) != tuple(input_ids.shape):
                 raise ValueError(
@@ -335,18 +336,18 @@ class K3ForCausalLM(nn.Module):
         hooks = active()
         logits = point(hooks, HookNames.LOGITS, self.lm_head(hidden))
         if labels is not None:
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         if targets is not None:
             targets = targets.to(logits.device)
         loss = aux = None
         if targets is not None:
-            live = targets[targets != -100]
+            live = targets[targets != IGNORE_INDEX]
             if live.numel() and (int(live.min()) < 0 or int(live.max()) >= self.config.vocab_size):
-                raise ValueError(f"labels/targets must lie in 0..{self.config.vocab_size - 1} (or be -100)")
+                raise ValueError(f"labels/targets must lie in 0..{self.config.vocab_size - 1} (or be {IGNORE_INDEX})")
             nll = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none"
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
             ).view_as(targets)
-            valid = targets != -100
+            valid = targets != IGNORE_INDEX
             loss = nll.sum() / valid.sum().clamp_min(1)
             if hooks is not None:
                 hooks.point(HookNames.TOKEN_NLL_POINT, nll.masked_fill(~valid, float("nan")))

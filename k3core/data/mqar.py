@@ -178,7 +178,7 @@ def mix_mqar(
     The number of replaced rows is ``mqar_fraction * B`` with stochastic rounding (using
     ``generator``), so the expected MQAR share equals ``mqar_fraction`` even for small batches.
     The **last** ``k`` rows are replaced: ``x`` gets MQAR inputs, ``y`` gets MQAR targets
-    (``IGNORE_INDEX`` except at answers, so train with ``ignore_index=-100``). Returns new
+    (``IGNORE_INDEX`` except at answers, so train with ``ignore_index=IGNORE_INDEX``). Returns new
     tensors ``(x, y, k)``; the inputs are not modified. ``mqar_kwargs`` go to :func:`make_mqar`
     (``vocab_size``, ``key_range``, ``value_range``, ``num_queries``, ...).
     """

@@ -26,6 +26,7 @@ from app.render import caching, cards
 from app.render import page as page_mod
 from app.server.settings import HOME_ENV
 from app.state import inputs
+from k3core.data.batches import IGNORE_INDEX
 from k3core.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
@@ -253,7 +254,7 @@ def test_text_checks_and_token_digest():
     ids = torch.arange(5)[None]
     digest = texts.Input("a", ids).digest
     assert digest == texts.Input("b", ids.clone()).digest
-    assert digest != texts.Input("a", ids, targets=torch.full_like(ids, -100)).digest
+    assert digest != texts.Input("a", ids, targets=torch.full_like(ids, IGNORE_INDEX)).digest
     assert digest != texts.Input("a", torch.arange(1, 6)[None]).digest
     # Same text and length, same cache key; any change, a new key.
     a = inputs.TextChoice(inputs.TEXT_PASTE, 64, "hello")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import K3Config
+from k3core.data.batches import IGNORE_INDEX
 from k3core.interp import recorder as trace_mod
 from k3core.layers.residual import scale_bias_init
 from k3core.model import K3ForCausalLM
@@ -280,7 +281,7 @@ def test_labels_and_targets_agree_and_ignore_minus_100():
     ids = torch.randint(0, 256, (2, 6))
     with torch.no_grad():
         by_labels = model(ids, labels=ids)
-        targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+        targets = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX)], dim=1)
         by_targets = model(ids, targets=targets)
         nll = F.cross_entropy(by_labels.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
     torch.testing.assert_close(by_labels.loss, by_targets.loss)

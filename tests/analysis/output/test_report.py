@@ -13,6 +13,7 @@ from analysis.runs import texts
 from analysis.views.catalogue import all_views
 from analysis.weights import checkpoint_summary
 from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.data.batches import IGNORE_INDEX
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 from k3lab import inspect as insp
@@ -154,10 +155,10 @@ def test_load_run_and_samples(ckpts):
     shakespeare = texts.sample_input("shakespeare", run.config, 64)
     assert shakespeare.input_ids.shape == (1, 64) and shakespeare.text.startswith("ANTONY:")
     mqar = texts.sample_input("mqar", run.config, 64)
-    assert (mqar.targets != -100).sum() > 0
+    assert (mqar.targets != IGNORE_INDEX).sum() > 0
     ctx = runs.trace_run(run, mqar)
     nll = ctx.trace["token_nll"][0]
-    assert torch.isfinite(torch.as_tensor(nll)).sum() == (mqar.targets != -100).sum()  # loss on answers only
+    assert torch.isfinite(torch.as_tensor(nll)).sum() == (mqar.targets != IGNORE_INDEX).sum()  # loss on answers only
     with pytest.raises(ValueError, match="unknown sample"):
         texts.sample_input("nope", run.config)
     with pytest.raises(ValueError, match="vocab"):

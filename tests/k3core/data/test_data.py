@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from k3core.data import (
     unigram_cross_entropy_bits,
     windows,
 )
+from tests.conftest import nano_model
 
 # --------------------------------------------------------------------------------------------
 # Shakespeare corpus
@@ -316,3 +319,49 @@ def test_mix_mqar(shakespeare):
     # ignored targets carry no loss: uniform logits give exactly ln 256 over the answers and text targets
     loss = torch.nn.functional.cross_entropy(torch.zeros(8 * 64, 256), y2.reshape(-1))
     assert loss.item() == pytest.approx(math.log(256), rel=1e-5)
+
+
+ROOT = Path(__file__).resolve().parents[3]
+# -100 written where a target is marked or tested as "no loss": a second spelling of IGNORE_INDEX
+_IGNORE_LITERAL = re.compile(
+    r"(?:[!=]=|value=|ignore_index=|full(?:_like)?\([^()]*(?:\([^()]*\))?[^()]*,)\s*-100\b(?!\.)"
+)
+
+
+def ignore_literals(root: Path) -> list[str]:
+    """file:line of every -100 used as the ignored-target marker under the code folders."""
+    out = []
+    for folder in ("k3core", "analysis", "app", "k3lab", "tests", "benchmarks", "scripts"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if _IGNORE_LITERAL.search(line):
+                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
+    return out
+
+
+def test_ignored_targets_are_spelled_ignore_index_everywhere():
+    assert ignore_literals(ROOT) == []
+
+
+def test_the_ignore_check_finds_a_bare_minus_100(tmp_path):
+    (tmp_path / "k3core").mkdir()
+    probe = ["t = F.pad(y, (0, 1), value=" + "-100)", "m = t != " + "-100", "b = torch.full((2, 1), " + "-100)",
+             "ok = [-100, 3]", "bias = -100.0"]  # fmt: skip
+    (tmp_path / "k3core" / "x.py").write_text("\n".join(probe) + "\n")
+    assert ignore_literals(tmp_path) == ["k3core/x.py:1", "k3core/x.py:2", "k3core/x.py:3"]
+
+
+def test_the_model_loss_skips_ignore_index_targets():
+    """The mean loss with some targets set to IGNORE_INDEX is the mean of the per-token losses of the others."""
+    model = nano_model()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    targets = torch.roll(ids, -1, dims=1)
+    full = model(ids, targets=targets)
+    per_token = torch.nn.functional.cross_entropy(
+        full.logits.float().flatten(0, 1), targets.flatten(), reduction="none"
+    )
+    keep = torch.ones_like(targets, dtype=torch.bool)
+    keep[0, :5] = False
+    keep[1, -1] = False
+    masked = model(ids, targets=targets.masked_fill(~keep, IGNORE_INDEX))
+    torch.testing.assert_close(masked.loss, per_token[keep.flatten()].mean(), rtol=1e-5, atol=1e-6)
