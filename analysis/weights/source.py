@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from k3core.checkpoints.folder import CheckpointFiles
+from k3core.checkpoints.tensor_info import stored_dtype_name
 from k3core.config import K3Config
 
 
@@ -21,21 +22,6 @@ class TensorMeta:
     shape: tuple[int, ...]
     nbytes: int
     numel: int
-
-
-_TORCH_DTYPES = {
-    "torch.bfloat16": "BF16",
-    "torch.float32": "F32",
-    "torch.float16": "F16",
-    "torch.float64": "F64",
-    "torch.int64": "I64",
-    "torch.int32": "I32",
-    "torch.uint8": "U8",
-    "torch.int8": "I8",
-    "torch.bool": "BOOL",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2",
-}
 
 
 class OffloadedWeights(ValueError):
@@ -60,7 +46,7 @@ class StateDictSource:
         self.tensors = {
             k: TensorMeta(
                 k,
-                _TORCH_DTYPES.get(str(v.dtype), str(v.dtype)),
+                stored_dtype_name(v.dtype),
                 tuple(v.shape),
                 v.numel() * v.element_size(),
                 v.numel(),

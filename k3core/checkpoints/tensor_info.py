@@ -31,6 +31,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def stored_dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (the inverse of ``DTYPES``; ``str(dtype)`` for one it lacks)."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    return str(dtype)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lies: ``file`` bytes [begin, end) hold it (begin = end = -1 for pickle files).

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from safetensors.torch import save_file
 from k3core.checkpoints.folder import CheckpointFiles, folder_fingerprint
 from k3core.checkpoints.names import canonical_name, keep_fp32
 from k3core.checkpoints.safetensors_header import read_safetensors_header
-from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.checkpoints.tensor_info import DTYPES, CheckpointError, stored_dtype_name
 from k3core.presets import from_preset
 
 
@@ -152,3 +154,28 @@ def test_fingerprint_changes_with_weights_not_with_reopen(folder):
     assert folder_fingerprint(folder) == fp1
     save_file({"x": torch.ones(4)}, str(folder / "model.safetensors"))
     assert folder_fingerprint(folder) != fp1
+
+
+def test_stored_dtype_names_are_the_inverse_of_dtypes(tmp_path):
+    """Every torch dtype a safetensors file can hold is named as its header names it, by the checkpoint reader
+    and by the weights path's loaded-model source (one table, DTYPES, and its inverse)."""
+    from analysis.weights.source import StateDictSource
+
+    tensors = {name.lower(): torch.zeros(2, dtype=dtype) for name, dtype in DTYPES.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    header, _ = read_safetensors_header(tmp_path / "model.safetensors")
+    source = StateDictSource(tensors)
+    for name, dtype in DTYPES.items():
+        assert stored_dtype_name(dtype) == name == header[name.lower()]["dtype"]
+        assert source.tensors[name.lower()].dtype == name
+    assert stored_dtype_name(torch.complex64) == "torch.complex64"  # not storable: said as torch says it
+
+
+def test_no_second_table_of_torch_dtype_names():
+    """A string "torch.bfloat16" in the code is a hand-written table of dtype names beside DTYPES."""
+    root = Path(__file__).resolve().parents[3]
+    found = [f"{p.relative_to(root)}:{n}" for folder in ("k3core", "analysis", "app", "k3lab")
+             for p in sorted((root / folder).rglob("*.py"))
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"""["']torch\.(?:b?float\d*|int\d+|uint8|bool|float8_\w+)["']""", line)]  # fmt: skip
+    assert found == []
