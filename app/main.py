@@ -17,6 +17,7 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
+from analysis.figures.style import use_k3lab_template  # noqa: E402
 from app.library import run_list  # noqa: E402
 from app.library.roots import descriptor_check  # noqa: E402
 from app.render import prefetch  # noqa: E402
@@ -30,6 +31,7 @@ PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
 # A local image: a Material icon name makes the browser fetch the favicon from fonts.gstatic.com (nothing may come
 # from a public CDN).
 FAVICON = str(Path(__file__).resolve().parent / "favicon.png")
+use_k3lab_template()  # streamlit's import made its own template plotly's default (app.server.serve imports us first)
 st.set_page_config(page_title="k3lab", page_icon=FAVICON, layout="wide", initial_sidebar_state="expanded")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import streamlit  # noqa: F401 - before analysis: importing streamlit sets plotly's default template to its own
 import torch
 
 from k3core.config import K3Config

@@ -15,7 +15,16 @@ _TEMPLATE = go.layout.Template(pio.templates["plotly_white"])
 _TEMPLATE.layout.xaxis.minorloglabels = "complete"
 _TEMPLATE.layout.yaxis.minorloglabels = "complete"
 pio.templates["k3lab"] = _TEMPLATE
-pio.templates.default = "k3lab"
+
+
+def use_k3lab_template() -> None:
+    """Make the k3lab template plotly's default (again). Importing streamlit sets its own template ("streamlit",
+    placeholder colours) as the default, and a figure takes the default when it is built: so whatever imports
+    streamlit after this module (the app's pages, the test workers) calls this after that import."""
+    pio.templates.default = "k3lab"
+
+
+use_k3lab_template()
 
 FONT = "Inter, Helvetica, Arial, sans-serif"
 # Perceptually uniform, readable in greyscale print.

@@ -47,9 +47,9 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
     stems = {}
     card = cards.figure_card
 
-    def spy(fig, df, key, stem, description=""):  # the real card, its export file stem noted
+    def spy(fig, df, key, stem, description="", **options):  # the real card, its export file stem noted
         stems[key] = stem
-        return card(fig, df, key=key, stem=stem, description=description)
+        return card(fig, df, key=key, stem=stem, description=description, **options)
 
     monkeypatch.setattr(cards, "figure_card", spy)
     at = _app()

@@ -7,6 +7,7 @@ import base64
 
 import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from analysis.figures.style import apply_style
@@ -89,6 +90,8 @@ def test_screen_figure_is_a_lighter_copy_with_the_same_numbers_and_look():
 def test_log_axes_label_minor_ticks_by_their_value():
     """plotly's default writes a small "5" for 0.5 on a log axis' minor ticks: the k3lab template asks for 0.5."""
     from analysis.figures.style import apply_style
+
+    assert pio.templates.default == "k3lab", pio.templates.default  # not streamlit's, whatever was imported first
 
     fig = apply_style(go.Figure(go.Scatter(x=[1, 2], y=[0.3, 3])), "log", "x", "y")
     fig.update_yaxes(type="log")
