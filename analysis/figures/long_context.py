@@ -5,6 +5,8 @@ Every position axis is logarithmic (position bins double in width)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -97,32 +99,42 @@ def _lines(
         fig.add_trace(trace, row=row, col=1) if row is not None else fig.add_trace(trace)
 
 
-def build_kda_state_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(lc.kda_state_by_position_table, ctx)
-    choices = pk.kda_state_choices(ctx)
+def _two_panels_over_position(
+    ctx: AnalysisContext,
+    df: pd.DataFrame,
+    choices: Any,
+    x: str,
+    panels: tuple[tuple[str, str, str], tuple[str, str, str]],
+    title: str,
+    x_title: str,
+) -> tuple[go.Figure, pd.DataFrame]:
+    """Two stacked panels over position on a log x axis, one line per layer (or per picked layer/head); ``panels``:
+    (column, subplot title, hover unit) for the top and the bottom one; ``title`` takes ``{what}``."""
     layer, head = pk.picked(ctx, choices)
     df = pk.filter_picked(df, layer, head)
     focused = layer is not None or head is not None
     fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.12,
-        subplot_titles=("state norm ||S||_F", "effective rank of S"),
+        rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=tuple(p[1] for p in panels)
     )
-    _lines(fig, df, "token", "state_norm", focused, 1, True, "||S||_F")
-    _lines(fig, df, "token", "state_rank", focused, 2, False, "effective rank")
+    for row, (column, _, unit) in enumerate(panels, start=1):
+        _lines(fig, df, x, column, focused, row, row == 1, unit)
     what = pk.pick_title(choices, layer, head).lstrip(", ") if focused else "mean over heads"
-    apply_style(
-        fig,
-        f"KDA state over position, at each chunk end ({what}) — {ctx.label}",
-        None,
-        None,
-        height=560,
-    )
+    apply_style(fig, title.format(what=what) + f" — {ctx.label}", None, None, height=560)
     fig.update_xaxes(type="log")
-    fig.update_xaxes(title_text="tokens read (log scale)", row=2, col=1)
+    fig.update_xaxes(title_text=x_title, row=2, col=1)
     return fig, df
+
+
+def build_kda_state_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    return _two_panels_over_position(
+        ctx,
+        _guard(lc.kda_state_by_position_table, ctx),
+        pk.kda_state_choices(ctx),
+        "token",
+        (("state_norm", "state norm ||S||_F", "||S||_F"), ("state_rank", "effective rank of S", "effective rank")),
+        "KDA state over position, at each chunk end ({what})",
+        "tokens read (log scale)",
+    )
 
 
 def build_decay_horizon(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
@@ -163,25 +175,18 @@ def build_decay_horizon(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_mla_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(lc.mla_by_position_table, ctx)
-    choices = pk.mla_choices(ctx)
-    layer, head = pk.picked(ctx, choices)
-    df = pk.filter_picked(df, layer, head)
-    focused = layer is not None or head is not None
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.12,
-        subplot_titles=("normalised entropy H / log(i+1)", "sink mass (attention on token 0)"),
+    return _two_panels_over_position(
+        ctx,
+        _guard(lc.mla_by_position_table, ctx),
+        pk.mla_choices(ctx),
+        "position",
+        (
+            ("entropy_norm", "normalised entropy H / log(i+1)", "H / log(i+1)"),
+            ("sink_mass", "sink mass (attention on token 0)", "sink mass"),
+        ),
+        "MLA attention over position ({what})",
+        "query position (token, log scale)",
     )
-    _lines(fig, df, "position", "entropy_norm", focused, 1, True, "H / log(i+1)")
-    _lines(fig, df, "position", "sink_mass", focused, 2, False, "sink mass")
-    what = pk.pick_title(choices, layer, head).lstrip(", ") if focused else "mean over heads"
-    apply_style(fig, f"MLA attention over position ({what}) — {ctx.label}", None, None, height=560)
-    fig.update_xaxes(type="log")
-    fig.update_xaxes(title_text="query position (token, log scale)", row=2, col=1)
-    return fig, df
 
 
 def _model(ctx: AnalysisContext):
