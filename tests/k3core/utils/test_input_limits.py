@@ -89,19 +89,20 @@ def test_an_index_past_the_axis_is_an_error_not_a_silent_no_op():
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "names"),
     [
-        '{"kind": "value", "op": "scale", "value": NaN}',
-        '{"kind": "value", "op": "scale", "value": Infinity}',
-        '{"kind": "value", "op": "add", "value": [1, -Infinity]}',
-        '{"kind": "value", "op": "scale", "value": 1e999}',
-        "value.scale point=mixer_out value=nan",
-        "value.scale point=mixer_out value=inf",
-        "kda.scale_beta layer=1 value=-inf",
+        ('{"kind": "value", "op": "scale", "value": NaN}', "NaN is not a JSON value"),
+        ('{"kind": "value", "op": "scale", "value": Infinity}', "Infinity is not a JSON value"),
+        ('{"kind": "value", "op": "add", "value": [1, -Infinity]}', "-Infinity is not a JSON value"),
+        ('{"kind": "value", "op": "scale", "value": 1e999}', "1e999 is out of range"),
+        ("value.scale point=mixer_out value=nan", "must be a finite number .* got nan"),
+        ("value.scale point=mixer_out value=inf", "must be a finite number .* got inf"),
+        ("kda.scale_beta layer=1 value=-inf", "must be a finite number .* got -inf"),
     ],
 )
-def test_nan_and_infinity_as_edit_values_are_refused(text):
-    bounded(lambda: parse_edit(text), EditError, "")
+def test_nan_and_infinity_as_edit_values_are_refused(text, names):
+    """Each refusal names the value it refused (the JSON token or the parsed number)."""
+    bounded(lambda: parse_edit(text), EditError, names)
 
 
 def test_edits_nested_fifty_thousand_deep_are_a_message():
