@@ -90,6 +90,12 @@ class TokenAttribution:
             )
         elif self.method == "integrated_gradients":
             text += "; more steps may help"
+        elif self.method == "ig_frozen_routing":
+            # the routing is frozen, so the path is smooth: the adaptive panels ran out of points on a steep stretch
+            text += (
+                f". The path has a steep stretch its {self.extra.get('path_points', '?')} points did not resolve "
+                f"(the panels stop at 16x the steps): raise the steps"
+            )
         return text
 
     def table(self) -> pd.DataFrame:

@@ -218,6 +218,22 @@ def test_frozen_routing_ig_is_complete_on_the_samples_and_plain_ig_counts_its_ro
     assert plain_full.extra["routing_changes"] > 0 and "expert set changed" in plain_full.warning()
 
 
+def test_frozen_routing_ig_that_runs_out_of_points_warns_and_more_steps_fix_it():
+    """k3-full, 3 prompt tokens, 8 steps: the adaptive panels spend their 128 points and still miss g(x) - g(baseline)
+    by about 2x (a steep stretch of the path); the result must say so and tell the user to raise the steps, and 24
+    steps (384 points) then clear the warning (miss about 1%; 64 steps meet 1e-3, as the test above checks on
+    plain-moe)."""
+    full = load_run(SAMPLES / "k3-full")
+    ids = torch.tensor(full.tokenizer.encode("ROMEO: But soft"))
+    short = attr.token_attribution(full.model, ids[:3], ids[3:4], "ig_frozen_routing", n_steps=8)
+    assert max(short.delta_share()) > attr.DELTA_WARN_SHARE, short.delta_share()
+    assert short.extra["path_points"] == 16 * 8
+    warning = short.warning()
+    assert warning is not None and "raise the steps" in warning and "128 points" in warning
+    longer = attr.token_attribution(full.model, ids[:3], ids[3:4], "ig_frozen_routing", n_steps=24)
+    assert max(longer.delta_share()) <= attr.DELTA_WARN_SHARE and longer.warning() is None
+
+
 def test_own_ig_is_captums_on_a_dense_model_and_routing_changes_are_zero_there():
     """The fp32 reference for our integral: on a model without experts (nothing to freeze) it is Captum's IG."""
     model = nano_model(num_experts=0)
