@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..utils import input_limits as limits
-from .hooks import POINT_AXES, HookNames, hook_points
+from .catalogue import POINT_AXES, hook_points
+from .hooks import HookNames
 
 # A g far below the chunked kernel's floor: exp(g) is 0 in the recurrent path and ~1e-26 in the chunked one.
 RESET_G = -1.0e4

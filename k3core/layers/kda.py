@@ -20,10 +20,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
-from ..interp.hooks import HookContext, HookNames, active, point_axes
+from ..interp.hooks import HookContext, HookPoint, active, point
 from ..ops.kda import kda_chunk, kda_recurrent
 from ..ops.kda.gate import kda_decay_gate
 from .norm import RMSNorm
+
+_BTHC = ("batch", "token", "head", "channel")
+_STATE = ("batch", "head", "key", "value")
+
+# The hook points of a KDA layer, in forward order (k3core.interp.hooks; ``blocks.i.`` prefixed).
+Q = HookPoint("kda.q", _BTHC, "query after the short conv and SiLU, L2-normalised per head")
+K = HookPoint("kda.k", _BTHC, "key after the short conv and SiLU, L2-normalised per head")
+V = HookPoint("kda.v", _BTHC, "value after the short conv and SiLU")
+G = HookPoint("kda.g", _BTHC, "log decay per channel (alpha = exp(g))")
+BETA = HookPoint("kda.beta", ("batch", "token", "head"), "write strength")
+OUT = HookPoint("kda.o", _BTHC, "delta-rule output, before the gated RMSNorm")
+GATE = HookPoint("kda.gate", _BTHC, "sigmoid output gate")
+CHUNK_STATE = HookPoint(
+    "kda.chunk_state", _STATE,
+    "state at each chunk end, once per chunk (info: chunk, chunks, token, length, start, chunk_size); a write "
+    "is the state the next chunk starts from; a decoding step is one 1-token chunk",
+    on_request=True,
+)  # fmt: skip
+STATE = HookPoint("kda.state", _STATE, "final recurrent state (info: initial, chunk_size)", on_request=True)
+POINTS = (Q, K, V, G, BETA, OUT, GATE, CHUNK_STATE, STATE)
 
 
 @dataclass
@@ -136,16 +156,14 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.decay(x)
 
-        hooks = active()
-        if hooks is not None:
-            name = lambda p: HookNames.block(self.layer_idx, f"kda.{p}")  # noqa: E731
-            q, k, v = hooks.point(name("q"), q), hooks.point(name("k"), k), hooks.point(name("v"), v)
-            g, beta = hooks.point(name("g"), g), hooks.point(name("beta"), beta)
-        want_state = hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.state"))
+        ctx, i = active(), self.layer_idx
+        q, k, v = point(ctx, Q.at(i), q), point(ctx, K.at(i), k), point(ctx, V.at(i), v)
+        g, beta = point(ctx, G.at(i), g), point(ctx, BETA.at(i), beta)
+        want_state = ctx is not None and ctx.wants(STATE.at(i))
         decoding = T == 1 and cache is not None
         on_chunk = None
-        if hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.chunk_state")):
-            on_chunk = self._chunk_state_point(hooks, T, decoding, cache.seen_tokens if cache is not None else 0)
+        if ctx is not None and ctx.wants(CHUNK_STATE.at(i)):
+            on_chunk = self._chunk_state_point(ctx, T, decoding, cache.seen_tokens if cache is not None else 0)
 
         initial = cache.recurrent_state if cache is not None else None
         if decoding:
@@ -163,35 +181,30 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=cache is not None or want_state,
                 chunk_size=self.config.kda_chunk_size,
                 chunk_state_hook=on_chunk,
-                chunk_state_read_only=on_chunk is not None and not hooks.writes(name("chunk_state")),
+                chunk_state_read_only=on_chunk is not None and not ctx.writes(CHUNK_STATE.at(i)),
             )
         if want_state:
-            state = hooks.point(name("state"), state, initial=initial, chunk_size=self.config.kda_chunk_size)
+            state = point(ctx, STATE.at(i), state, initial=initial, chunk_size=self.config.kda_chunk_size)
         if cache is not None:
             cache.conv_state = torch.cat([tq, tk, tv], dim=1).detach()
             cache.recurrent_state = state.detach()
             cache.seen_tokens += T
 
-        if hooks is not None:
-            o = hooks.point(name("o"), o)
-        o = self.o_norm(o.view(B, T, H, d))
-        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, d).float()).to(o.dtype)
-        if hooks is not None:
-            gate = hooks.point(name("gate"), gate)
+        o = self.o_norm(point(ctx, OUT.at(i), o).view(B, T, H, d))
+        gate = point(ctx, GATE.at(i), torch.sigmoid(self.output_gate(x).view(B, T, H, d).float()).to(o.dtype))
         return self.o_proj((o * gate).reshape(B, T, H * d))
 
     def _chunk_state_point(self, hooks: HookContext, T: int, decoding: bool, start: int):
         """The ``kda.chunk_state`` point as a ``kda_chunk`` state hook: info gives the chunk index, the
         number of chunks, the token the state follows (``token``: tokens [0, token) of this call's
         ``length`` are in it; ``start`` tokens came before the call, from the cache) and the axes."""
-        name = HookNames.block(self.layer_idx, "kda.chunk_state")
+        name = CHUNK_STATE.at(self.layer_idx)
         size = 1 if decoding else self.config.kda_chunk_size
         chunks = -(-T // size)
 
         def on_chunk(n: int, token: int, state: torch.Tensor) -> torch.Tensor:
-            return hooks.point(
-                name, state, chunk=n, chunks=chunks, token=token, length=T, start=start, chunk_size=size,
-                axes=point_axes(name),
-            )  # fmt: skip
+            return point(
+                hooks, name, state, chunk=n, chunks=chunks, token=token, length=T, start=start, chunk_size=size
+            )
 
         return on_chunk

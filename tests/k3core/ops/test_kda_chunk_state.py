@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from k3core.generation.cache import K3Cache
+from k3core.interp.catalogue import point_axes
 from k3core.interp.edit_kinds import EditError, KDAEdit, ValueEdit
 from k3core.interp.hooks import HookNames, hooks
 from k3core.interp.interventions import edits_from_json, edits_to_json, intervene, parse_edit
@@ -149,7 +150,7 @@ def test_the_hook_point_offers_the_forward_states_with_positions_and_axes():
     infos = [info for _, info in got["chunk_state"]]
     assert [i["chunk"] for i in infos] == [0, 1, 2] and [i["token"] for i in infos] == [8, 16, 21]
     assert all(i["chunks"] == 3 and i["length"] == 21 and i["start"] == 0 and i["chunk_size"] == 8 for i in infos)
-    assert infos[0]["axes"] == ("batch", "head", "key", "value")
+    assert point_axes("blocks.1.kda.chunk_state") == ("batch", "head", "key", "value")
     q, k, v, g, beta = (got[p][0][0] for p in ("q", "k", "v", "g", "beta"))
     want, steps = kda_chunk_end_states(q, k, v, g, beta, chunk_size=8)
     assert steps == [8, 16, 21]
