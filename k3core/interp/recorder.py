@@ -361,8 +361,10 @@ class Recorder:
         scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
         table[_point("mla.q", i)] = self._hold(f"{i}.mla.q")
         table[_point("mla.k", i)] = self._hold(f"{i}.mla.k")
-        # A key mask is a hook point only when an edit writes it; then the statistics follow it.
-        table[_point("mla.key_mask", i)] = self._hold(f"{i}.mla.key_mask")
+        # A key mask is a hook point only when an edit writes it (one query block at a time); the statistics follow it.
+        table[_point("mla.key_mask", i)] = lambda v, n, info: self._held.setdefault(f"{i}.mla.key_mask", []).append(
+            (info["start"], v)
+        )
 
         def statistics(value, name, info):  # the attention output: q, k (and a mask) are complete; drop them after
             q = self._held.pop(f"{i}.mla.q", None)
@@ -372,7 +374,7 @@ class Recorder:
                 return
             n = self._limit(q.shape[2])
             q, k = q[: self.max_batch, :, :n], k[: self.max_batch, :, :n]
-            mask = None if mask is None else mask[..., :n, :n]
+            mask = None if mask is None else _rows_of(mask, n)
             window = None
             if "attn_probs" in self.what and self.attn_window[0] < n:
                 window = (self.attn_window[0], min(n, self.attn_window[1]))
@@ -430,6 +432,18 @@ class Recorder:
                     if value.is_meta:  # a layer another pipeline rank holds (k3core.distributed.pipeline)
                         continue
                     self.put(TraceNames.residual(i, side, kind), value, ("hidden",))
+
+
+def _rows_of(blocks: list[tuple[int, torch.Tensor]], n: int):
+    """``visible(start, stop)``: the rows of queries [start, stop) of a key mask held as query blocks (first query,
+    rows [..., block, S]), on the first ``n`` keys, never stacked into the whole [T, S] mask."""
+
+    def visible(start: int, stop: int) -> torch.Tensor:
+        parts = [r[..., max(start - s, 0) : stop - s, :n] for s, r in blocks if s < stop and s + r.shape[-2] > start]
+        lead = torch.broadcast_shapes(*(p.shape[:-2] for p in parts))
+        return torch.cat([p.expand(*lead, *p.shape[-2:]) for p in parts], -2)
+
+    return visible
 
 
 def attention_probabilities(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

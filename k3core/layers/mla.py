@@ -30,8 +30,10 @@ Q = HookPoint("mla.q", ("batch", "head", "token", "channel"), "query (nope + rop
 K = HookPoint("mla.k", _BHKC, "key (nope part per head, rope part shared), every cached key included")
 V = HookPoint("mla.v", _BHKC, "value, every cached key included")
 KEY_MASK = HookPoint(
-    "mla.key_mask", ("token", "key"), "bool, True = visible (offered to writers only)", on_request=True
-)
+    "mla.key_mask", ("query", "key"),
+    "bool, True = visible: the rows of one query block at a time (info: start, stop, past; offered to writers only)",
+    on_request=True,
+)  # fmt: skip
 OUT = HookPoint("mla.o", _BTHC, "attention output, before the gate")
 GATE = HookPoint("mla.gate", _BTHC, "sigmoid output gate (gated MLA)")
 POINTS = (Q, K, V, KEY_MASK, OUT, GATE)
@@ -98,11 +100,13 @@ class MultiHeadLatentAttention(nn.Module):
 
         ctx, i = active(), self.layer_idx
         q, k, v = point(ctx, Q.at(i), q), point(ctx, K.at(i), k), point(ctx, V.at(i), v)
-        mask = None
-        if ctx is not None and ctx.writes(KEY_MASK.at(i)):
-            causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            mask = point(ctx, KEY_MASK.at(i), causal)
-        attn_out = attention(q, k, v, self.scale, past=past, mask=mask)
+        rows = None
+        if ctx is not None and ctx.writes(KEY_MASK.at(i)):  # a written key mask: visible keys per query block
+
+            def rows(start: int, stop: int, causal: torch.Tensor) -> torch.Tensor:
+                return point(ctx, KEY_MASK.at(i), causal, start=start, stop=stop, past=past)
+
+        attn_out = attention(q, k, v, self.scale, past=past, mask_rows=rows)
         attn_out = point(ctx, OUT.at(i), attn_out.transpose(1, 2))  # [B, T, H, v]
         if self.config.mla_output_gate:
             gate = torch.sigmoid(self.g_proj(x).view(B, T, H, self.vdim).float()).to(attn_out.dtype)
