@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from k3core.interp.hooks import hook_points, hooks
+from k3core.interp.catalogue import hook_points
+from k3core.interp.hooks import hooks
 from k3core.interp.recorder import record
 from k3core.model import K3ForCausalLM
 

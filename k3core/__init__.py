@@ -26,7 +26,7 @@ _EXPORTS = {
     "TraceNames": "interp.trace",
     "names": "interp.trace",
     "HookNames": "interp.hooks",
-    "hook_points": "interp.hooks",
+    "hook_points": "interp.catalogue",
     "intervene": "interp.interventions",
     "parse_edit": "interp.interventions",
     "edits_from_json": "interp.interventions",

@@ -33,14 +33,31 @@ from .config import K3Config
 from .data.batches import IGNORE_INDEX
 from .generation.cache import K3Cache
 from .generation.decode import generate as _generate
-from .interp.hooks import HookContext, HookNames, active, point
+from .interp.hooks import HookContext, HookNames, HookPoint, active, point
 from .layers.ffn import GatedMLP
 from .layers.kda import KDACache, KimiDeltaAttention
 from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
-from .layers.residual import ResidualStream, depth_mix, scale_bias_init
+from .layers.residual import FINAL_STREAM, STREAM, ResidualStream, depth_mix, scale_bias_init
 from .presets import PRESETS, from_preset
+
+_BTD = ("batch", "token", "hidden")
+
+# The hook points of the decoder (k3core.interp.hooks): model-wide ones and those of every decoder layer.
+TOKENS = HookPoint("tokens", ("batch", "token"), "input ids (read only)", per_layer=False)
+EMBED = HookPoint("embed", _BTD, "embedding output", per_layer=False)
+RESID_IN = HookPoint("resid_in", _BTD, "the attention sub-layer's input (pre-norm)")
+MIXER_IN = HookPoint("mixer_in", _BTD, "KDA/MLA input (after RMSNorm)")
+MIXER_OUT = HookPoint("mixer_out", _BTD, "KDA/MLA output")
+FFN_IN = HookPoint("ffn_in", _BTD, "the FFN sub-layer's input (pre-norm)")
+FFN_OUT = HookPoint("ffn_out", _BTD, "dense FFN or MoE output")
+FINAL_RESID = HookPoint("final_resid", _BTD, "the last hidden state, before the final norm", per_layer=False)
+FINAL_NORM = HookPoint("final_norm", _BTD, "after the final RMSNorm", per_layer=False)
+LOGITS = HookPoint("logits", ("batch", "token", "vocab"), "LM head output", per_layer=False)
+TOKEN_NLL = HookPoint(
+    "token_nll", ("batch", "token"), "next-token loss (with labels; NaN where ignored; read only)", per_layer=False
+)
 
 
 @dataclass
@@ -85,18 +102,13 @@ class K3DecoderLayer(nn.Module):
 
     def attention(self, h: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
         """The attention sub-layer on its (pre-norm) input h: KDA or MLA of RMSNorm(h)."""
-        hooks = active()
-        x = self.input_layernorm(h)
-        if hooks is None:
-            return self.self_attn(x, cache)
-        x = hooks.point(HookNames.block(self.layer_idx, "mixer_in"), x)
-        return hooks.point(HookNames.block(self.layer_idx, "mixer_out"), self.self_attn(x, cache))
+        ctx, i = active(), self.layer_idx
+        x = point(ctx, MIXER_IN.at(i), self.input_layernorm(h))
+        return point(ctx, MIXER_OUT.at(i), self.self_attn(x, cache))
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """The FFN sub-layer on its (pre-norm) input h: dense FFN or LatentMoE of RMSNorm(h)."""
-        hooks = active()
-        out = self.ffn(self.post_attention_layernorm(h))
-        return out if hooks is None else hooks.point(HookNames.block(self.layer_idx, "ffn_out"), out)
+        return point(active(), FFN_OUT.at(self.layer_idx), self.ffn(self.post_attention_layernorm(h)))
 
     def forward(self, stream: ResidualStream, cache: KDACache | MLACache | None = None) -> ResidualStream:
         """One decoder layer on the residual stream (any residual mode): read the attention input from the
@@ -104,14 +116,10 @@ class K3DecoderLayer(nn.Module):
         hooks = active()
         i = self.layer_idx
         if hooks is not None:
-            stream.offer(hooks, HookNames.block(i, "stream"))
-        h = stream.read(self, "attn", hooks)
-        if hooks is not None:
-            h = hooks.point(HookNames.block(i, "resid_in"), h)
+            stream.offer(hooks, STREAM.at(i))
+        h = point(hooks, RESID_IN.at(i), stream.read(self, "attn", hooks))
         stream.write(self, "attn", self.attention(h, cache))
-        h = stream.read(self, "mlp", hooks)
-        if hooks is not None:
-            h = hooks.point(HookNames.block(i, "ffn_in"), h)
+        h = point(hooks, FFN_IN.at(i), stream.read(self, "mlp", hooks))
         stream.write(self, "mlp", self.feed_forward(h))
         return stream
 
@@ -146,16 +154,15 @@ class K3Model(nn.Module):
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         hooks = active()
-        if hooks is not None:
-            hooks.point(HookNames.TOKENS, input_ids)
-        x = point(hooks, HookNames.EMBED, self.embed_tokens(input_ids))
+        point(hooks, TOKENS.at(), input_ids)
+        x = point(hooks, EMBED.at(), self.embed_tokens(input_ids))
         return ResidualStream(self.config, x)
 
     def end(self, stream: ResidualStream) -> torch.Tensor:
         """The output depth mix and final RMSNorm of the stream leaving the last layer (a pipeline's last stage)."""
         hooks = active()
         if hooks is not None:
-            stream.offer(hooks, HookNames.FINAL_STREAM)
+            stream.offer(hooks, FINAL_STREAM.at())
         return self.read_out(*stream.sources(), hooks)
 
     def read_out(self, sources: list[torch.Tensor], names: list[str], hooks: HookContext | None) -> torch.Tensor:
@@ -168,8 +175,8 @@ class K3Model(nn.Module):
             )
         else:
             mixed = sources[-1]
-        final = point(hooks, HookNames.FINAL_RESID, mixed)
-        return point(hooks, HookNames.FINAL_NORM, self.norm(final))
+        final = point(hooks, FINAL_RESID.at(), mixed)
+        return point(hooks, FINAL_NORM.at(), self.norm(final))
 
 
 class K3ForCausalLM(nn.Module):
@@ -334,7 +341,7 @@ class K3ForCausalLM(nn.Module):
     ) -> K3Output:
         """LM head and loss on the final hidden states (``forward`` after the decoder; a pipeline's last stage)."""
         hooks = active()
-        logits = point(hooks, HookNames.LOGITS, self.lm_head(hidden))
+        logits = point(hooks, LOGITS.at(), self.lm_head(hidden))
         if labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         if targets is not None:
@@ -350,7 +357,7 @@ class K3ForCausalLM(nn.Module):
             valid = targets != IGNORE_INDEX
             loss = nll.sum() / valid.sum().clamp_min(1)
             if hooks is not None:
-                hooks.point(HookNames.TOKEN_NLL_POINT, nll.masked_fill(~valid, float("nan")))
+                point(hooks, TOKEN_NLL.at(), nll.masked_fill(~valid, float("nan")))
             if self.config.balancing == "aux_loss" and self.training:
                 parts = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
                 if parts:

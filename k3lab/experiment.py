@@ -27,7 +27,7 @@ Edits (repeat --edit) are JSON objects or the short form KIND.OP key=value ...:
   kda.pin_g layer=1 value=0                    KDA: pin_g, scale_g, scale_beta value=..., reset_state tokens=P, gate_off
   moe.ban layer=2 experts=1,5                  MoE: ban, force (experts=...), uniform, bias_off, shared_off
   mla.mask_keys layer=3 keys=0:1               MLA: mask a key range (e.g. the sink at position 0)
-Hook point names: k3core.interp.hooks.hook_points(config) lists them (see the README, Python API).
+Hook point names: k3core.interp.catalogue.hook_points(config) lists them (see the README, Python API).
 
 Writes DIR/experiment.json (edits, summary, per-token effects, top-5 prediction changes at --positions)
 and DIR/figures/loss_change.* (+ lens_base.*, lens_edited.* with --lens).

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from k3core.interp.hooks import HookNames, hooks
+from k3core.model import EMBED
 
 METHODS = ("feature_ablation", "shapley", "integrated_gradients", "ig_frozen_routing")
 IG_METHODS = ("integrated_gradients", "ig_frozen_routing")
@@ -338,7 +339,7 @@ def integrated_gradients(
         """(points [S, L, D], target log-probabilities [S, m]) at path points e' + a (e - e')."""
         a = torch.tensor(alphas, dtype=torch.float32, device=device).view(-1, 1, 1)
         point = (e_base + a * (e - e_base)).requires_grad_(grad)
-        with hooks(write={**write, HookNames.EMBED: lambda v, name, info: point.to(dtype)}):
+        with hooks(write={**write, EMBED.at(): lambda v, name, info: point.to(dtype)}):
             logits = model(ids.unsqueeze(0).expand(point.shape[0], -1)).logits.float()
         logp = torch.log_softmax(logits[:, n - 1 : n - 1 + m], -1)
         return point, logp.gather(2, targets.expand(point.shape[0], -1).unsqueeze(-1))[..., 0]
@@ -410,7 +411,7 @@ def routing_changes(
         point = e_base + a * (e - e_base)
         chosen: dict[str, torch.Tensor] = {}
         read = {p: (lambda v, name, info, into=chosen: into.__setitem__(name, v.sort(-1).values)) for p in names}
-        with hooks(read=read, write={HookNames.EMBED: lambda v, name, info, at=point: at.to(dtype)}):
+        with hooks(read=read, write={EMBED.at(): lambda v, name, info, at=point: at.to(dtype)}):
             model(ids.unsqueeze(0).expand(point.shape[0], -1))
         for name, sets in chosen.items():
             if name in previous:

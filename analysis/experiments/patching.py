@@ -35,7 +35,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from k3core.interp.hooks import HookNames, hook_points, hooks, point_axes
+from k3core.interp.catalogue import hook_points, point_axes
+from k3core.interp.hooks import HookNames, hooks
 
 SITES = ("resid", "mixer_out", "ffn_out", "depth_weights")
 #: the clean - corrupted gap below which fractions restored are ratios of noise (units of the metric)

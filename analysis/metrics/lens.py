@@ -20,7 +20,8 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
-from k3core.interp.hooks import HookNames, active, hooks
+from k3core.interp.hooks import active, hooks
+from k3core.layers.residual import FINAL_STREAM, STREAM
 
 
 def boundary_layers(config: object) -> list[int]:
@@ -41,7 +42,7 @@ def lens_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[str], t
     config = model.config
     inner = model.model
     layers = boundary_layers(config)
-    names = [HookNames.block(i, "stream") for i in layers] + [HookNames.FINAL_STREAM]
+    names = [STREAM.at(i) for i in layers] + [FINAL_STREAM.at()]
     states: dict[str, tuple[torch.Tensor, list[str]]] = {}
 
     def keep(value: torch.Tensor, name: str, info: dict) -> None:

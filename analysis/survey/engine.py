@@ -51,6 +51,7 @@ from analysis.metrics.moe import coactivation
 from analysis.metrics.routing_stats import TOKEN_CLASSES, byte_classes, cutoff_gaps, selection_margin, string_class
 from analysis.survey.aggregates import EMPTY_ID, TopK, grouped_histogram, uniform_hash
 from k3core.interp.attention_stats import blocked_attention_stats
+from k3core.interp.catalogue import POINTS, attnres_has_attn_site
 from k3core.interp.hooks import HookNames, hooks
 from k3core.utils.files import atomic_write_bytes, parse_json, read_bytes_limited
 
@@ -203,8 +204,6 @@ class Layout:
 
 def attnres_sites(config: Any) -> dict[str, str]:
     """AttnRes site -> the hook point of its depth weights, in forward order (empty without AttnRes)."""
-    from k3core.interp.hooks import attnres_has_attn_site
-
     if not config.uses_attnres:
         return {}
     out = {}
@@ -524,7 +523,7 @@ def survey_batch(run: Any, inputs: np.ndarray, targets: np.ndarray, layout: Layo
 
         return read
 
-    table[HookNames.TOKEN_NLL_POINT] = keep("token_nll")
+    table[POINTS["token_nll"].at()] = keep("token_nll")
     moes = {m.layer_idx: m for m in model.moe_layers()}
     for i in layout.moe_layers:
         for what in ("scores", "selection", "weights"):

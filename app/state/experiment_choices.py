@@ -11,7 +11,8 @@ from typing import Any
 from analysis.experiments import effects
 from analysis.runs import texts
 from app.state.inputs import options_key
-from k3core.interp.hooks import HookNames, hook_points
+from k3core.interp.catalogue import hook_points
+from k3core.interp.hooks import HookNames
 
 KINDS = {
     "moe": "MoE routing",

@@ -38,11 +38,11 @@ from ..checkpoints.names import canonical_name
 from ..checkpoints.pretrained import build_meta_model, check_headers, load_config
 from ..checkpoints.tensor_info import CheckpointError
 from ..config import K3Config
-from ..interp.hooks import HookNames, active
+from ..interp.hooks import active, point
 from ..interp.recorder import record
 from ..interp.trace import Trace, TraceNames
 from ..layers.residual import ResidualStream
-from ..model import K3ForCausalLM
+from ..model import TOKENS, K3ForCausalLM
 from ..utils.files import parse_json, read_bytes_limited
 from .rank_plan import RankPlan, model_sizes, plan_for
 
@@ -266,9 +266,7 @@ def run_stage(
             if stage.first:
                 stream = model.model.begin(ids)  # the tokens' hook point starts the recorder's forward
             else:
-                hooks = active()
-                if hooks is not None:
-                    hooks.point(HookNames.TOKENS, ids)
+                point(active(), TOKENS.at(), ids)
                 stream = recv_stream(model.config, stage, m, device)
             for i in range(stage.start, stage.stop):
                 _doing(f"running layer {i} on text {m}")

@@ -17,6 +17,8 @@ time, so memory is O(block x T) while the work stays O(T^2) like the attention i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 DEFAULT_BLOCK = 256  # [256, T] fp32 slabs: 64 MB each at 64K tokens; 128 was 20% slower
@@ -42,15 +44,16 @@ def blocked_attention_stats(
     q: torch.Tensor,
     k: torch.Tensor,
     scale: float,
-    visible: torch.Tensor | None = None,
+    visible: torch.Tensor | Callable[[int, int], torch.Tensor] | None = None,
     block: int = DEFAULT_BLOCK,
     window: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Entropy, sink mass and received attention of every query/key (formulas in the module docstring), fp32.
 
-    q, k: [B, H, T, d] (same T: prefill); visible: None (causal) or a bool mask [T, T] / broadcastable to
-    [B, H, T, T] (True = seen). Returns {"entropy": [B, H, T], "sink": [B, H, T], "received": [B, H, T]} and,
-    with ``window``, "map": [B, H, stop - start, stop - start].
+    q, k: [B, H, T, d] (same T: prefill); visible: None (causal), a bool mask [T, T] / broadcastable to
+    [B, H, T, T] (True = seen), or ``visible(start, stop)`` giving the rows of queries [start, stop) of such a
+    mask (a key mask held per query block). Returns {"entropy": [B, H, T], "sink": [B, H, T], "received":
+    [B, H, T]} and, with ``window``, "map": [B, H, stop - start, stop - start].
     """
     B, H, T, _ = q.shape
     if k.shape[:3] != (B, H, T):
@@ -59,8 +62,9 @@ def blocked_attention_stats(
     sink = torch.zeros(B, H, T, dtype=torch.float32)
     received = torch.zeros(B, H, T, dtype=torch.float64)
     out: dict[str, torch.Tensor] = {}
-    if visible is not None:
-        visible = visible.to(torch.bool).expand(B, H, T, T)
+    if isinstance(visible, torch.Tensor):
+        mask = visible
+        visible = lambda start, stop: mask[..., start:stop, :]  # noqa: E731
     if window is not None:
         w0, w1 = max(0, int(window[0])), min(T, int(window[1]))
         attn_map = torch.zeros(B, H, max(0, w1 - w0), max(0, w1 - w0), dtype=torch.float32)
@@ -76,7 +80,7 @@ def blocked_attention_stats(
                     scores[:, start:stop].masked_fill_(~lower[:n, :n], _HIDDEN)
                     empty = None
                 else:
-                    seen = visible[b, h, start:stop, :stop].to(scores.device)
+                    seen = visible(start, stop).to(torch.bool).expand(B, H, n, T)[b, h, :, :stop].to(scores.device)
                     scores.masked_fill_(~seen, _HIDDEN)
                     empty = ~seen.any(-1)  # queries that see no key: all statistics 0
                 # shifted by the row maximum, so log z and the weighted mean of the shifted scores are both

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..utils import input_limits as limits
-from .hooks import POINT_AXES, HookNames, hook_points
+from .catalogue import POINT_AXES, hook_points
+from .hooks import HookNames
 
 # A g far below the chunked kernel's floor: exp(g) is 0 in the recurrent path and ~1e-26 in the chunked one.
 RESET_G = -1.0e4
@@ -428,18 +429,18 @@ class MLAEdit(_Edit):
         if self.heads and max(self.heads) >= H:
             raise EditError(f"MLA heads are 0..{H - 1}, got {self.heads}")
 
-        def hook(mask: torch.Tensor, name: str, info: dict) -> torch.Tensor:
-            hidden = torch.zeros_like(mask)
-            hidden[:, self.keys[0] : self.keys[1]] = True
+        def hook(rows: torch.Tensor, name: str, info: dict) -> torch.Tensor:
+            """The visible keys of queries [start, stop) of the forward ([n, S]; [H, n, S] for some heads)."""
+            hidden = torch.zeros_like(rows)
+            hidden[..., self.keys[0] : self.keys[1]] = True
             if self.queries is not None:
-                rows = torch.zeros(mask.shape[0], 1, dtype=torch.bool, device=mask.device)
-                rows[self.queries[0] : self.queries[1]] = True
-                hidden &= rows
+                query = torch.arange(info["start"], info["stop"], device=rows.device)[:, None]
+                hidden &= (query >= self.queries[0]) & (query < self.queries[1])
             if self.heads is None:
-                return mask & ~hidden
-            per_head = torch.zeros(H, 1, 1, dtype=torch.bool, device=mask.device)
+                return rows & ~hidden
+            per_head = torch.zeros(H, 1, 1, dtype=torch.bool, device=rows.device)
             per_head[self.heads] = True
-            return mask & ~(hidden & per_head)  # [H, T, S]
+            return rows & ~(hidden & per_head)  # [H, n, S]
 
         return [(HookNames.block(i, "mla.key_mask"), hook) for i in layers]
 

@@ -2,8 +2,8 @@
 
     with record(model, what={"kda", "moe"}) as trace:
         model(input_ids)
-    trace["kda.0.g"]          # numpy array
-    trace.axes["kda.0.g"]     # ("batch", "token", "head", "channel")
+    trace["blocks.0.kda.g"]          # numpy array
+    trace.axes["blocks.0.kda.g"]     # ("batch", "token", "head", "channel")
     trace.save("run.trace.npz"); Trace.load("run.trace.npz")
 
 The recorder is one consumer of the model's hook points (``k3core.interp.hooks``): ``record`` adds read hooks
@@ -14,12 +14,12 @@ edited forward. What
 is recorded covers every position of the first ``max_batch`` sequences (``max_tokens`` may cut a
 contiguous prefix; None, the default, keeps the whole text). Items that are O(T) and small (a few
 numbers per token: loss, beta, gates, routing, depth weights, RMS, MLA entropy / sink / received
-attention) are kept whole; bulky per-token items (``hidden``, ``kda.i.g``, ``moe.i.latent``: a vector
+attention) are kept whole; bulky per-token items (``hidden``, ``blocks.i.kda.g``, ``blocks.i.moe.latent``: a vector
 per token) keep the first ``window`` positions and are summarised over every position by position bins
 (``position_bins``: 0, 16, 32, 64, ... T; the ``*_bins`` arrays). MLA attention statistics are computed
 here from the layer's q and k in query blocks (``k3core.interp.attention_stats``: a [block, T] slab per head,
 never T x T; the model's attention path is the same with or without recording); the full attention map
-(``mla.i.attn``, with "attn_probs") is kept only for a query window (``attn_window``, default the first
+(``blocks.i.mla.attn``, with "attn_probs") is kept only for a query window (``attn_window``, default the first
 ``max_attn_len`` positions). ``trace.meta["coverage"]`` says which positions [start, stop) each array
 covers. Whole-batch aggregates (MoE load counts) use every token. KDA state norms and ranks are read from
 the forward's own chunk-end states (hook point ``kda.chunk_state``, read only): on the torch path from its
@@ -30,7 +30,9 @@ This module is the recorder. The ``Trace`` data type, its file format and ``Trac
 ``k3core.interp.trace`` (``from k3core.interp.trace import Trace, TraceNames, names``).
 
 Array names (``i`` is a 0-based layer index; every array carries its axis names in ``trace.axes``;
-build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``names.kda_g(0)``):
+build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``names.kda_g(0)``). They are the
+hook points' names (``k3core.interp.catalogue``): an array of a point's value is named after it, a quantity
+derived from a point adds a suffix; traces of the older names (``kda.i.g``, ...) are renamed on load:
 
     tokens                   [batch, token]                     input ids
     token_nll                [batch, token]                     next-token loss (when labels are given)
@@ -42,31 +44,34 @@ build names with ``TraceNames`` (alias ``names``) rather than by hand, e.g. ``na
     hidden_bins.gram         [depth, batch, bin, hidden, hidden2]   sum of h h^T over each bin
     hidden_bins.cross_gram   [layer, batch, bin, hidden, hidden2]   sum of h_l h_(l+1)^T (depth l to l + 1)
     hidden_bins.cos_sum      [layer, batch, bin]                sum of cos(h_l, h_(l+1)) over each bin
-    kda.i.g                  [batch, token, head, channel]      log decay (alpha = exp(g)); the window
-    kda.i.g_bins             [batch, bin, head, channel]        mean log decay per position bin (every position)
-    kda.i.beta               [batch, token, head]
-    kda.i.gate               [batch, token, head]               output-gate mean over channels
-    kda.i.state_norm         [batch, step, head]                Frobenius norm of S at chunk ends (the forward's
+    blocks.i.kda.g           [batch, token, head, channel]      log decay (alpha = exp(g)); the window
+    blocks.i.kda.g.bins      [batch, bin, head, channel]        mean log decay per position bin (every position)
+    blocks.i.kda.beta        [batch, token, head]
+    blocks.i.kda.gate.mean   [batch, token, head]               output-gate mean over channels
+    blocks.i.kda.chunk_state.norm  [batch, step, head]          Frobenius norm of S at chunk ends (the forward's
                                                                 own states: hook point kda.chunk_state)
-    kda.i.state_rank         [batch, step, head]                effective rank exp(H(sigma / sum sigma)) of S there
-    kda.i.state_steps        [step]                             token position of each state_norm step
-    kda.i.final_state        [batch, head, key, value]
-    mla.i.attn               [batch, head, query, key]          only with "attn_probs"; the query window
+    blocks.i.kda.chunk_state.rank  [batch, step, head]          effective rank exp(H(sigma / sum sigma)) of S there
+    blocks.i.kda.chunk_state.token [step]                       token position of each step
+    blocks.i.kda.state       [batch, head, key, value]          the final state
+    blocks.i.mla.attn        [batch, head, query, key]          only with "attn_probs"; the query window
                                                                 (meta["attn_window"]; keys: the same range)
-    mla.i.entropy|sink|received  [batch, head, token]           per query: entropy (nats), mass on token 0;
+    blocks.i.mla.attn.entropy|sink|received  [batch, head, token]  per query: entropy (nats), mass on token 0;
                                                                 per key: attention received (sum over queries)
-    mla.i.gate               [batch, token, head]               output-gate mean (gated MLA)
-    attnres.i.attn|mlp       [batch, token, source]             depth weights; source names: meta["attnres_sources"]
-    attnres.output           [batch, token, source]
-    attnres.i.attn_query_norm|mlp_query_norm  []                 pseudo-query norms (scalars)
-    attnres.output_query_norm  []
-    residual.i.attn_scale|attn_bias|mlp_scale|mlp_bias [hidden] scale/bias residual mode
-    moe.i.scores             [batch, token, expert]             sigmoid router scores
-    moe.i.experts            [batch, token, rank]               chosen experts (by weight rank)
-    moe.i.weights            [batch, token, rank]               their routing weights
-    moe.i.latent             [batch, token, latent]             z = W_down x (LatentMoE; x itself for plain MoE); window
-    moe.i.load               [expert]                           assignments over the whole batch
-    moe.i.bias               [expert]                           selection bias e_bias
+    blocks.i.mla.gate.mean   [batch, token, head]               output-gate mean (gated MLA)
+    blocks.i.attn_res.weights  [batch, token, source]           depth weights; source names: meta["attnres_sources"]
+    blocks.i.mlp_res.weights   [batch, token, source]
+    output_res.weights         [batch, token, source]
+    blocks.i.attn_res.query_norm  []                            pseudo-query norms (scalars)
+    blocks.i.mlp_res.query_norm   []
+    output_res.query_norm         []
+    blocks.i.attn_res.scale|bias  [hidden]                      scale/bias residual mode
+    blocks.i.mlp_res.scale|bias   [hidden]
+    blocks.i.moe.scores      [batch, token, expert]             sigmoid router scores
+    blocks.i.moe.experts     [batch, token, rank]               chosen experts (by weight rank)
+    blocks.i.moe.weights     [batch, token, rank]               their routing weights
+    blocks.i.moe.latent      [batch, token, latent]             z = W_down x (LatentMoE; x itself for plain MoE); window
+    blocks.i.moe.experts.load  [expert]                         assignments over the whole batch
+    blocks.i.moe.selection_bias  [expert]                       selection bias e_bias
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ import torch
 
 from ..ops.kda import kda_recurrent
 from .attention_stats import DEFAULT_BLOCK, blocked_attention_stats, position_bins
+from .catalogue import POINTS
 from .hooks import active, hooks
 from .trace import Trace, TraceNames
 
@@ -87,6 +93,11 @@ WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "l
 WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
 
 _RECORDER = "recorder"  # the hook context's owner key of the active recorder
+
+
+def _point(local: str, layer: int | None = None) -> str:
+    """The full name of a declared hook point (KeyError for an undeclared one)."""
+    return POINTS[local].at(layer)
 
 
 def current() -> Recorder | None:
@@ -243,13 +254,13 @@ class Recorder:
     def read_hooks(self, config: Any) -> dict[str, Any]:
         """{hook point: read hook} for the items of ``self.what`` on a model of this config."""
         N = TraceNames
-        table: dict[str, Any] = {N.TOKENS: lambda v, n, info: self.start_forward(v)}
+        table: dict[str, Any] = {_point("tokens"): lambda v, n, info: self.start_forward(v)}
         if "hidden" in self.what:
             for i in range(config.num_hidden_layers):
-                table[N.block(i, "resid_in")] = lambda v, n, info: self.hidden(v)
-            table[N.FINAL_RESID] = lambda v, n, info: self.hidden(v)
+                table[_point("resid_in", i)] = lambda v, n, info: self.hidden(v)
+            table[_point("final_resid")] = lambda v, n, info: self.hidden(v)
         if "loss" in self.what:
-            table[N.TOKEN_NLL_POINT] = lambda v, n, info: self.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
+            table[_point("token_nll")] = lambda v, n, info: self.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
         for i in range(config.num_hidden_layers):
             if config.is_mla_layer(i):
                 self._mla_hooks(table, i, config)
@@ -274,22 +285,22 @@ class Recorder:
         # A recorded prefix ending inside a chunk: that chunk's first recorded tokens, to step the state
         # from the chunk start to the prefix end (fewer than a chunk of tokens, only then).
         hold = {p: self._hold_partial_chunk(i, p, config.kda_chunk_size) for p in ("q", "k", "v", "g", "beta")}
-        table.update({N.block(i, f"kda.{p}"): hold[p] for p in ("q", "k", "v")})
+        table.update({_point(f"kda.{p}", i): hold[p] for p in ("q", "k", "v")})
 
         def decay(value, name, info):
             self.put(N.kda_g(i), self.clip_window(value), ("batch", "token", "head", "channel"))
             self.put_binned_mean(N.kda_g_bins(i), value, ("batch", "bin", "head", "channel"))
 
-        table[N.block(i, "kda.g")] = [decay, hold["g"]]
-        table[N.block(i, "kda.beta")] = [
+        table[_point("kda.g", i)] = [decay, hold["g"]]
+        table[_point("kda.beta", i)] = [
             lambda v, n, info: self.put_tokens(N.kda_beta(i), v, ("batch", "token", "head")),
             hold["beta"],
         ]
-        table[N.block(i, "kda.gate")] = lambda v, n, info: self.put_tokens(
+        table[_point("kda.gate", i)] = lambda v, n, info: self.put_tokens(
             N.kda_gate(i), v.float().mean(-1), ("batch", "token", "head")
         )
-        table[N.block(i, "kda.chunk_state")] = lambda v, n, info: self._kda_chunk_state(i, v, info)
-        table[N.block(i, "kda.state")] = lambda v, n, info: self._kda_state(i, v, info)
+        table[_point("kda.chunk_state", i)] = lambda v, n, info: self._kda_chunk_state(i, v, info)
+        table[_point("kda.state", i)] = lambda v, n, info: self._kda_state(i, v, info)
 
     def _partial_chunk(self, T: int, chunk_size: int) -> tuple[int, int] | None:
         """[chunk start, prefix end) when the recorded prefix of T tokens ends inside a chunk, else None."""
@@ -342,16 +353,18 @@ class Recorder:
     def _mla_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames
         if "mla" in self.what and config.mla_output_gate:
-            table[N.block(i, "mla.gate")] = lambda v, n, info: self.put_tokens(
+            table[_point("mla.gate", i)] = lambda v, n, info: self.put_tokens(
                 N.mla_gate(i), v.float().mean(-1), ("batch", "token", "head")
             )
         if "mla" not in self.what and "attn_probs" not in self.what:
             return
         scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-        table[N.block(i, "mla.q")] = self._hold(f"{i}.mla.q")
-        table[N.block(i, "mla.k")] = self._hold(f"{i}.mla.k")
-        # A key mask is a hook point only when an edit writes it; then the statistics follow it.
-        table[N.block(i, "mla.key_mask")] = self._hold(f"{i}.mla.key_mask")
+        table[_point("mla.q", i)] = self._hold(f"{i}.mla.q")
+        table[_point("mla.k", i)] = self._hold(f"{i}.mla.k")
+        # A key mask is a hook point only when an edit writes it (one query block at a time); the statistics follow it.
+        table[_point("mla.key_mask", i)] = lambda v, n, info: self._held.setdefault(f"{i}.mla.key_mask", []).append(
+            (info["start"], v)
+        )
 
         def statistics(value, name, info):  # the attention output: q, k (and a mask) are complete; drop them after
             q = self._held.pop(f"{i}.mla.q", None)
@@ -361,7 +374,7 @@ class Recorder:
                 return
             n = self._limit(q.shape[2])
             q, k = q[: self.max_batch, :, :n], k[: self.max_batch, :, :n]
-            mask = None if mask is None else mask[..., :n, :n]
+            mask = None if mask is None else _rows_of(mask, n)
             window = None
             if "attn_probs" in self.what and self.attn_window[0] < n:
                 window = (self.attn_window[0], min(n, self.attn_window[1]))
@@ -373,26 +386,26 @@ class Recorder:
             if window is not None:
                 self.put(N.mla_attn(i), stats["map"], ("batch", "head", "query", "key"))
 
-        table[N.block(i, "mla.o")] = statistics
+        table[_point("mla.o", i)] = statistics
 
     def _moe_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames
         E = config.num_experts
-        table[N.block(i, "moe.scores")] = lambda v, n, info: self.put_tokens(
+        table[_point("moe.scores", i)] = lambda v, n, info: self.put_tokens(
             N.moe_scores(i), v, ("batch", "token", "expert")
         )
-        table[N.block(i, "moe.selection_bias")] = lambda v, n, info: self.put(N.moe_bias(i), v, ("expert",))
+        table[_point("moe.selection_bias", i)] = lambda v, n, info: self.put(N.moe_bias(i), v, ("expert",))
 
         def experts(value, name, info):
             self.put_tokens(N.moe_experts(i), value, ("batch", "token", "rank"))
             self.put(N.moe_load(i), torch.bincount(value.reshape(-1), minlength=E), ("expert",))
 
-        table[N.block(i, "moe.experts")] = experts
-        table[N.block(i, "moe.weights")] = lambda v, n, info: self.put_tokens(
+        table[_point("moe.experts", i)] = experts
+        table[_point("moe.weights", i)] = lambda v, n, info: self.put_tokens(
             N.moe_weights(i), v, ("batch", "token", "rank")
         )
         if "latent" in self.what:
-            table[N.block(i, "moe.latent")] = lambda v, n, info: self.put(
+            table[_point("moe.latent", i)] = lambda v, n, info: self.put(
                 N.moe_latent(i), self.clip_window(v), ("batch", "token", "latent")
             )
 
@@ -419,6 +432,18 @@ class Recorder:
                     if value.is_meta:  # a layer another pipeline rank holds (k3core.distributed.pipeline)
                         continue
                     self.put(TraceNames.residual(i, side, kind), value, ("hidden",))
+
+
+def _rows_of(blocks: list[tuple[int, torch.Tensor]], n: int):
+    """``visible(start, stop)``: the rows of queries [start, stop) of a key mask held as query blocks (first query,
+    rows [..., block, S]), on the first ``n`` keys, never stacked into the whole [T, S] mask."""
+
+    def visible(start: int, stop: int) -> torch.Tensor:
+        parts = [r[..., max(start - s, 0) : stop - s, :n] for s, r in blocks if s < stop and s + r.shape[-2] > start]
+        lead = torch.broadcast_shapes(*(p.shape[:-2] for p in parts))
+        return torch.cat([p.expand(*lead, *p.shape[-2:]) for p in parts], -2)
+
+    return visible
 
 
 def attention_probabilities(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
@@ -463,7 +488,7 @@ def record(
     it only the tokens and the loss are recorded.
 
     Positions: ``max_tokens`` (None: all) cuts every array to a prefix; ``window`` (None: all) bounds the bulky
-    per-token arrays (hidden, kda.i.g, moe.i.latent), which are summarised over every position by bins;
+    per-token arrays (hidden, blocks.i.kda.g, blocks.i.moe.latent), which are summarised over every position by bins;
     ``attn_window`` (default ``(0, max_attn_len)``) is the query range of the attention maps; ``attn_block``
     queries at a time go into the blocked attention statistics.
     """
@@ -495,7 +520,7 @@ def record(
 def _model_free_hooks(rec: Recorder) -> dict[str, Any]:
     """Without a model (no config): tokens, the final hidden state and the loss."""
     N = TraceNames
-    table: dict[str, Any] = {N.TOKENS: lambda v, n, info: rec.start_forward(v)}
+    table: dict[str, Any] = {_point("tokens"): lambda v, n, info: rec.start_forward(v)}
     if "loss" in rec.what:
-        table[N.TOKEN_NLL_POINT] = lambda v, n, info: rec.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
+        table[_point("token_nll")] = lambda v, n, info: rec.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
     return table

@@ -2,15 +2,17 @@
 
 ``Trace`` holds plain numpy arrays by name, the axis names of each (``trace.axes``) and a JSON-able
 ``meta``; ``Trace.save`` / ``Trace.load`` write and read one .npz file (header as JSON, no pickles;
-``TraceError`` for a missing, corrupt or foreign file). ``TraceNames`` (alias ``names``) builds every
-array name in one place. The arrays a recording holds and their axes are listed in ``k3core.interp.recorder``,
-the recorder (these are imported from here: ``from k3core.interp.trace import Trace, names``).
+``TraceError`` for a missing, corrupt or foreign file; names an older version wrote are mapped by ``RENAMED``).
+``TraceNames`` (alias ``names``) builds every array name in one place, in the hook points' namespace. The
+arrays a recording holds and their axes are listed in ``k3core.interp.recorder``, the recorder (these are
+imported from here: ``from k3core.interp.trace import Trace, names``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from ..utils.files import open_for_reading, parse_json
+from .catalogue import POINTS
 from .hooks import HookNames
 from .trace_npz import NpzLimits, TraceError, read_npz
 
@@ -27,57 +30,67 @@ MAX_HEADER_BYTES = 64 * 1024**2  # a trace's JSON header (meta + axes)
 
 
 class TraceNames(HookNames):
-    """Every trace array name, built in one place (``i`` is a 0-based layer index); the hook point
-    names of ``k3core.interp.hooks.HookNames`` are part of it (``names.block(3, "kda.g")``).
+    """Every trace array name, built in one place (``i`` is a 0-based layer index): the hook point names of the
+    declarations (``k3core.interp.catalogue``) are the one namespace. An array holding a point's value is named
+    after the point (``blocks.3.kda.g``, ``blocks.3.moe.experts``); a quantity derived from it is the point's name
+    plus a suffix (``blocks.3.kda.g.bins``, ``blocks.3.moe.experts.load``). Whole-model items (``hidden``,
+    ``position_bins``, ...) have plain names. Older traces' names are mapped on load (``RENAMED``).
 
-    AttnRes sites are ``"{i}.attn"``, ``"{i}.mlp"`` (decoder layer ``i``) and ``"output"`` (the final
-    mix); build them with ``attnres_site``. Use as ``from k3core.interp.recorder import names``.
+    AttnRes sites are ``"{i}.attn"``, ``"{i}.mlp"`` (decoder layer ``i``) and ``"output"`` (the final mix); build
+    them with ``attnres_site``.
     """
 
-    TOKENS = "tokens"
-    TOKEN_NLL = "token_nll"
+    TOKENS = POINTS["tokens"].name
+    TOKEN_NLL = POINTS["token_nll"].name
     HIDDEN = "hidden"
     HIDDEN_RMS = "hidden_rms"
     POSITION_BINS = "position_bins"
-    KDA_PREFIX = "kda."
-    MLA_PREFIX = "mla."
-    MOE_PREFIX = "moe."
-    ATTNRES_PREFIX = "attnres."
-    RESIDUAL_PREFIX = "residual."
-    QUERY_NORM_SUFFIX = "_query_norm"
-    OUTPUT_SITE = "output"
-    ATTNRES_OUTPUT = "attnres.output"
-    ATTNRES_OUTPUT_QUERY_NORM = "attnres.output_query_norm"
     #: ``trace.meta`` key: {site: [source name per position of the site's source axis]}
     ATTNRES_SOURCES_META = "attnres_sources"
 
     @staticmethod
+    def _at(point: str, i: int, suffix: str = "") -> str:
+        return POINTS[point].at(i) + (f".{suffix}" if suffix else "")
+
+    @staticmethod
     def kda_g(i: int) -> str:
-        return f"kda.{i}.g"
+        return TraceNames._at("kda.g", i)
+
+    @staticmethod
+    def kda_g_bins(i: int) -> str:
+        """Mean log decay per position bin."""
+        return TraceNames._at("kda.g", i, "bins")
 
     @staticmethod
     def kda_beta(i: int) -> str:
-        return f"kda.{i}.beta"
+        return TraceNames._at("kda.beta", i)
 
     @staticmethod
     def kda_gate(i: int) -> str:
-        return f"kda.{i}.gate"
+        """Output-gate mean over channels."""
+        return TraceNames._at("kda.gate", i, "mean")
 
     @staticmethod
     def kda_state_norm(i: int) -> str:
-        return f"kda.{i}.state_norm"
+        return TraceNames._at("kda.chunk_state", i, "norm")
+
+    @staticmethod
+    def kda_state_rank(i: int) -> str:
+        return TraceNames._at("kda.chunk_state", i, "rank")
 
     @staticmethod
     def kda_state_steps(i: int) -> str:
-        return f"kda.{i}.state_steps"
+        """The token position of each chunk-end state."""
+        return TraceNames._at("kda.chunk_state", i, "token")
 
     @staticmethod
     def kda_final_state(i: int) -> str:
-        return f"kda.{i}.final_state"
+        return TraceNames._at("kda.state", i)
 
     @staticmethod
     def mla_attn(i: int) -> str:
-        return f"mla.{i}.attn"
+        """The attention map of a query window (computed from the layer's q and k)."""
+        return f"blocks.{i}.mla.attn"
 
     @staticmethod
     def mla_stat(i: int, kind: str) -> str:
@@ -85,15 +98,12 @@ class TraceNames(HookNames):
         "received" ([batch, head, token]; ``k3core.interp.attention_stats``)."""
         if kind not in ("entropy", "sink", "received"):
             raise ValueError(f"MLA statistic must be entropy|sink|received, got {kind!r}")
-        return f"mla.{i}.{kind}"
+        return f"{TraceNames.mla_attn(i)}.{kind}"
 
     @staticmethod
-    def kda_state_rank(i: int) -> str:
-        return f"kda.{i}.state_rank"
-
-    @staticmethod
-    def kda_g_bins(i: int) -> str:
-        return f"kda.{i}.g_bins"
+    def mla_gate(i: int) -> str:
+        """Output-gate mean over channels."""
+        return TraceNames._at("mla.gate", i, "mean")
 
     @staticmethod
     def hidden_bins(kind: str) -> str:
@@ -104,56 +114,87 @@ class TraceNames(HookNames):
         return f"hidden_bins.{kind}"
 
     @staticmethod
-    def mla_gate(i: int) -> str:
-        return f"mla.{i}.gate"
-
-    @staticmethod
     def attnres(site: str) -> str:
         """Depth weights [batch, token, source] at a site ("0.attn", "0.mlp", ..., "output")."""
-        return f"attnres.{site}"
+        return HookNames.attnres_point(site, "weights")
 
     @staticmethod
     def attnres_query_norm(site: str) -> str:
-        return f"attnres.{site}_query_norm"
+        return HookNames.attnres_point(site, "query_norm")
 
     @staticmethod
     def attnres_site_of(name: str) -> str | None:
-        """The site of a depth-weight array name ("attnres.3.mlp" -> "3.mlp"); None for other names
+        """The site of a depth-weight array name ("blocks.3.mlp_res.weights" -> "3.mlp"); None for other names
         (query norms included)."""
-        if not name.startswith("attnres.") or name.endswith("_query_norm"):
-            return None
-        return name[len("attnres.") :]
+        return HookNames.site_of(name) if name.endswith("_res.weights") else None
 
     @staticmethod
     def residual(i: int, side: str, kind: str) -> str:
         """Scale/bias residual parameter of layer ``i``: side "attn"|"mlp", kind "scale"|"bias"."""
         if side not in ("attn", "mlp") or kind not in ("scale", "bias"):
             raise ValueError(f"residual side/kind must be attn|mlp and scale|bias, got {side!r}, {kind!r}")
-        return f"residual.{i}.{side}_{kind}"
+        return HookNames.attnres_point(HookNames.attnres_site(i, side), kind)
 
     @staticmethod
     def moe_scores(i: int) -> str:
-        return f"moe.{i}.scores"
+        return TraceNames._at("moe.scores", i)
 
     @staticmethod
     def moe_experts(i: int) -> str:
-        return f"moe.{i}.experts"
+        return TraceNames._at("moe.experts", i)
 
     @staticmethod
     def moe_weights(i: int) -> str:
-        return f"moe.{i}.weights"
+        return TraceNames._at("moe.weights", i)
 
     @staticmethod
     def moe_latent(i: int) -> str:
-        return f"moe.{i}.latent"
+        return TraceNames._at("moe.latent", i)
 
     @staticmethod
     def moe_load(i: int) -> str:
-        return f"moe.{i}.load"
+        """Assignments per expert over the whole batch."""
+        return TraceNames._at("moe.experts", i, "load")
 
     @staticmethod
     def moe_bias(i: int) -> str:
-        return f"moe.{i}.bias"
+        return TraceNames._at("moe.selection_bias", i)
+
+
+#: The names traces written before the hook-point namespace used (``kda.3.g``, ``attnres.3.mlp``, ...), as
+#: (pattern, replacement) pairs; ``Trace.load`` renames them, so older trace files and folders still open.
+RENAMED: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r"^kda\.(\d+)\.g$", r"blocks.\1.kda.g"),
+        (r"^kda\.(\d+)\.g_bins$", r"blocks.\1.kda.g.bins"),
+        (r"^kda\.(\d+)\.beta$", r"blocks.\1.kda.beta"),
+        (r"^kda\.(\d+)\.gate$", r"blocks.\1.kda.gate.mean"),
+        (r"^kda\.(\d+)\.state_norm$", r"blocks.\1.kda.chunk_state.norm"),
+        (r"^kda\.(\d+)\.state_rank$", r"blocks.\1.kda.chunk_state.rank"),
+        (r"^kda\.(\d+)\.state_steps$", r"blocks.\1.kda.chunk_state.token"),
+        (r"^kda\.(\d+)\.final_state$", r"blocks.\1.kda.state"),
+        (r"^mla\.(\d+)\.attn$", r"blocks.\1.mla.attn"),
+        (r"^mla\.(\d+)\.(entropy|sink|received)$", r"blocks.\1.mla.attn.\2"),
+        (r"^mla\.(\d+)\.gate$", r"blocks.\1.mla.gate.mean"),
+        (r"^attnres\.(\d+)\.(attn|mlp)$", r"blocks.\1.\2_res.weights"),
+        (r"^attnres\.(\d+)\.(attn|mlp)_query_norm$", r"blocks.\1.\2_res.query_norm"),
+        (r"^attnres\.output$", r"output_res.weights"),
+        (r"^attnres\.output_query_norm$", r"output_res.query_norm"),
+        (r"^residual\.(\d+)\.(attn|mlp)_(scale|bias)$", r"blocks.\1.\2_res.\3"),
+        (r"^moe\.(\d+)\.(scores|experts|weights|latent)$", r"blocks.\1.moe.\2"),
+        (r"^moe\.(\d+)\.load$", r"blocks.\1.moe.experts.load"),
+        (r"^moe\.(\d+)\.bias$", r"blocks.\1.moe.selection_bias"),
+    )
+)
+
+
+def current_name(name: str) -> str:
+    """A trace array name in today's namespace: an older name (``RENAMED``) mapped, any other unchanged."""
+    for pattern, replacement in RENAMED:
+        if pattern.match(name):
+            return pattern.sub(replacement, name)
+    return name
 
 
 names = TraceNames
@@ -178,11 +219,13 @@ class Trace:
         return sorted(n for n in self.arrays if n.startswith(prefix))
 
     def layer_indices(self, kind: str) -> list[int]:
-        """Layers with data of a kind ("kda", "mla", "moe", "attnres"), in depth order."""
+        """Layers with data of a kind ("kda", "mla", "moe"; "attnres": either AttnRes site): ``blocks.<i>.<kind>.*``
+        arrays, in depth order."""
+        kinds = ("attn_res", "mlp_res") if kind == "attnres" else (kind,)
         found = set()
         for name in self.arrays:
             parts = name.split(".")
-            if parts[0] == kind and len(parts) > 2 and parts[1].isdigit():
+            if len(parts) > 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in kinds:
                 found.add(int(parts[1]))
         return sorted(found)
 
@@ -254,4 +297,18 @@ class Trace:
                 or not all(isinstance(a, str) for a in names)
             ):
                 raise TraceError(f"{where}: array {name[:80]!r}: its axes {str(names)[:80]} do not fit its shape")
-        return cls(arrays=arrays, axes={k: tuple(v) for k, v in axes.items()}, meta=meta)
+        return cls._renamed(arrays, {k: tuple(v) for k, v in axes.items()}, meta)
+
+    @classmethod
+    def _renamed(cls, arrays: dict[str, np.ndarray], axes: dict[str, tuple[str, ...]], meta: dict[str, Any]) -> Trace:
+        """A loaded trace with older array names (``RENAMED``) mapped, in its arrays, axes and coverage."""
+        if not any(current_name(n) != n for n in arrays):
+            return cls(arrays=arrays, axes=axes, meta=meta)
+        coverage = meta.get("coverage")
+        if isinstance(coverage, dict):
+            meta = {**meta, "coverage": {current_name(k): v for k, v in coverage.items()}}
+        return cls(
+            arrays={current_name(k): v for k, v in arrays.items()},
+            axes={current_name(k): v for k, v in axes.items()},
+            meta=meta,
+        )

@@ -8,8 +8,8 @@ On its own (``check_card``): the config (``K3Config.from_dict``), and per text: 
 
 Against a trace (``check_trace``): its ``tokens`` array equals the card's; the axes ``token`` and ``query``
 have the card's token count, ``batch`` the tokens array's batch, ``expert`` the config's number of experts,
-``hidden`` its width, ``depth`` at most 2 x layers + 2; an array ``<kind>.<i>.<item>`` has ``i`` below the
-config's layers, and for the kinds the config places (``kda``, ``mla``, ``moe``) each item covers exactly the
+``hidden`` its width, ``depth`` at most 2 x layers + 2; an array ``blocks.<i>.<kind>.<item>`` has ``i`` below
+the config's layers, and for the kinds the config places (``kda``, ``mla``, ``moe``) each item covers exactly the
 config's layers of that kind (a card whose config says 32 layers over arrays of 8 is refused).
 """
 
@@ -82,9 +82,9 @@ def check_card(card: Mapping[str, Any], where: str) -> K3Config:
 def _layer_sets(config: K3Config) -> dict[str, set[int]]:
     layers = range(config.num_hidden_layers)
     return {
-        TraceNames.KDA_PREFIX[:-1]: {i for i in layers if not config.is_mla_layer(i)},
-        TraceNames.MLA_PREFIX[:-1]: {i for i in layers if config.is_mla_layer(i)},
-        TraceNames.MOE_PREFIX[:-1]: {i for i in layers if config.is_moe_layer(i)},
+        "kda": {i for i in layers if not config.is_mla_layer(i)},
+        "mla": {i for i in layers if config.is_mla_layer(i)},
+        "moe": {i for i in layers if config.is_moe_layer(i)},
     }
 
 
@@ -111,17 +111,17 @@ def check_trace(trace: Trace, config: K3Config, tokens: list[int], where: str) -
                                  f"{wanted[axis]:,}")  # fmt: skip
             if axis == "depth" and size > 2 * config.num_hidden_layers + 2:
                 raise TraceError(f"{where}: array {name[:80]!r}: {size:,} depths for {config.num_hidden_layers} layers")
-        parts = name.split(".")
-        if len(parts) > 2 and parts[1].isdigit():
-            layer = int(parts[1])
+        layer = TraceNames.layer_of(name)
+        if layer is not None:
             if layer >= config.num_hidden_layers:
                 raise TraceError(f"{where}: array {name[:80]!r} is of layer {layer}; the card's config has "
                                  f"{config.num_hidden_layers} layers")  # fmt: skip
-            groups[(parts[0], ".".join(parts[2:]))].add(layer)
+            kind, _, item = TraceNames.point_of(name).partition(".")
+            groups[(kind, item)].add(layer)
     placed = _layer_sets(config)
     for (kind, item), layers in sorted(groups.items()):
         if kind in placed and layers != placed[kind]:
             raise TraceError(
-                f"{where}: arrays '{kind}.<layer>.{item}' cover layers {sorted(layers)[:16]} but the card's config "
-                f"has {kind} at layers {sorted(placed[kind])[:16]}"
+                f"{where}: arrays 'blocks.<layer>.{kind}.{item}' cover layers {sorted(layers)[:16]} but the card's "
+                f"config has {kind} at layers {sorted(placed[kind])[:16]}"
             )

@@ -20,10 +20,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
-from ..interp.hooks import HookContext, HookNames, active, point_axes
+from ..interp.hooks import HookContext, HookPoint, active, point
 from ..ops.kda import kda_chunk, kda_recurrent
 from ..ops.kda.gate import kda_decay_gate
 from .norm import RMSNorm
+
+_BTHC = ("batch", "token", "head", "channel")
+_STATE = ("batch", "head", "key", "value")
+
+# The hook points of a KDA layer, in forward order (k3core.interp.hooks; ``blocks.i.`` prefixed).
+Q = HookPoint("kda.q", _BTHC, "query after the short conv and SiLU, L2-normalised per head")
+K = HookPoint("kda.k", _BTHC, "key after the short conv and SiLU, L2-normalised per head")
+V = HookPoint("kda.v", _BTHC, "value after the short conv and SiLU")
+G = HookPoint("kda.g", _BTHC, "log decay per channel (alpha = exp(g))")
+BETA = HookPoint("kda.beta", ("batch", "token", "head"), "write strength")
+OUT = HookPoint("kda.o", _BTHC, "delta-rule output, before the gated RMSNorm")
+GATE = HookPoint("kda.gate", _BTHC, "sigmoid output gate")
+CHUNK_STATE = HookPoint(
+    "kda.chunk_state", _STATE,
+    "state at each chunk end, once per chunk (info: chunk, chunks, token, length, start, chunk_size); a write "
+    "is the state the next chunk starts from; a decoding step is one 1-token chunk",
+    on_request=True,
+)  # fmt: skip
+STATE = HookPoint("kda.state", _STATE, "final recurrent state (info: initial, chunk_size)", on_request=True)
+POINTS = (Q, K, V, G, BETA, OUT, GATE, CHUNK_STATE, STATE)
 
 
 @dataclass
@@ -136,62 +156,69 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.decay(x)
 
-        hooks = active()
-        if hooks is not None:
-            name = lambda p: HookNames.block(self.layer_idx, f"kda.{p}")  # noqa: E731
-            q, k, v = hooks.point(name("q"), q), hooks.point(name("k"), k), hooks.point(name("v"), v)
-            g, beta = hooks.point(name("g"), g), hooks.point(name("beta"), beta)
-        want_state = hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.state"))
-        decoding = T == 1 and cache is not None
-        on_chunk = None
-        if hooks is not None and hooks.wants(HookNames.block(self.layer_idx, "kda.chunk_state")):
-            on_chunk = self._chunk_state_point(hooks, T, decoding, cache.seen_tokens if cache is not None else 0)
-
+        ctx, i = active(), self.layer_idx
+        q, k, v = point(ctx, Q.at(i), q), point(ctx, K.at(i), k), point(ctx, V.at(i), v)
+        g, beta = point(ctx, G.at(i), g), point(ctx, BETA.at(i), beta)
+        want_state = ctx is not None and ctx.wants(STATE.at(i))
         initial = cache.recurrent_state if cache is not None else None
-        if decoding:
+        start = cache.seen_tokens if cache is not None else 0
+        if T == 1 and cache is not None:  # a decoding step: one chunk of one token
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True)
-            if on_chunk is not None:  # a decoding step is one chunk of one token
-                state = on_chunk(0, 1, state)
-        else:
-            o, state = kda_chunk(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                initial_state=initial,
-                output_final_state=cache is not None or want_state,
-                chunk_size=self.config.kda_chunk_size,
-                chunk_state_hook=on_chunk,
-                chunk_state_read_only=on_chunk is not None and not hooks.writes(name("chunk_state")),
+            state = point(
+                ctx, CHUNK_STATE.at(i), state, chunk=0, chunks=1, token=1, length=1, start=start, chunk_size=1
             )
+        else:
+            want_final, C = cache is not None or want_state, self.config.kda_chunk_size
+            o, state = delta_rule(ctx, CHUNK_STATE.at(i), (q, k, v, g, beta), initial, want_final, start, C)
         if want_state:
-            state = hooks.point(name("state"), state, initial=initial, chunk_size=self.config.kda_chunk_size)
+            state = point(ctx, STATE.at(i), state, initial=initial, chunk_size=self.config.kda_chunk_size)
         if cache is not None:
             cache.conv_state = torch.cat([tq, tk, tv], dim=1).detach()
             cache.recurrent_state = state.detach()
             cache.seen_tokens += T
 
-        if hooks is not None:
-            o = hooks.point(name("o"), o)
-        o = self.o_norm(o.view(B, T, H, d))
-        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, d).float()).to(o.dtype)
-        if hooks is not None:
-            gate = hooks.point(name("gate"), gate)
+        o = self.o_norm(point(ctx, OUT.at(i), o).view(B, T, H, d))
+        gate = point(ctx, GATE.at(i), torch.sigmoid(self.output_gate(x).view(B, T, H, d).float()).to(o.dtype))
         return self.o_proj((o * gate).reshape(B, T, H * d))
 
-    def _chunk_state_point(self, hooks: HookContext, T: int, decoding: bool, start: int):
-        """The ``kda.chunk_state`` point as a ``kda_chunk`` state hook: info gives the chunk index, the
-        number of chunks, the token the state follows (``token``: tokens [0, token) of this call's
-        ``length`` are in it; ``start`` tokens came before the call, from the cache) and the axes."""
-        name = HookNames.block(self.layer_idx, "kda.chunk_state")
-        size = 1 if decoding else self.config.kda_chunk_size
-        chunks = -(-T // size)
 
-        def on_chunk(n: int, token: int, state: torch.Tensor) -> torch.Tensor:
-            return hooks.point(
-                name, state, chunk=n, chunks=chunks, token=token, length=T, start=start, chunk_size=size,
-                axes=point_axes(name),
-            )  # fmt: skip
+def delta_rule(
+    ctx: HookContext | None, name: str, qkvgb: tuple, initial, want_final: bool, start: int, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o, final state) of the chunked delta rule (``kda_chunk``) on a call's tokens.
 
-        return on_chunk
+    With the hook point ``name`` (a layer's ``kda.chunk_state``) hooked, the state at each chunk end passes
+    through it (info: chunk, chunks, token = the end position in this call, length, start = cached tokens
+    before, chunk_size): the op returns its chunk-end states (``output_chunk_states``), and when a write
+    replaces the state after chunk m, the op runs again on the tokens after chunk m from the replacement.
+    Outputs before the replaced state are the first run's (a state change reaches only later chunks); later
+    outputs and the final state follow the replacement."""
+    C = chunk_size
+    if ctx is None or not ctx.wants(name):
+        return kda_chunk(*qkvgb, initial_state=initial, output_final_state=want_final, chunk_size=C)
+    T = qkvgb[0].shape[1]
+    info = dict(chunks=-(-T // C), length=T, start=start, chunk_size=C)
+    outs, first, state = [], 0, initial  # first: the chunk this run starts at
+    while True:
+        part = (x[:, first * C :] for x in qkvgb)
+        o, state, ends = kda_chunk(*part, initial_state=state, output_final_state=True, chunk_size=C,
+                                   output_chunk_states=True)  # fmt: skip
+        replaced = None
+        for j in range(ends.shape[1]):
+            n, end = first + j, ends[:, j]
+            new = point(ctx, name, end, chunk=n, token=min((n + 1) * C, T), **info)
+            if new is not end:
+                if tuple(new.shape) != tuple(end.shape):
+                    raise ValueError(f"{name}: a write must keep the state's shape {tuple(end.shape)}, "
+                                     f"got {tuple(new.shape)}")  # fmt: skip
+                replaced = n, new.to(end.dtype)
+                break
+        if replaced is None:
+            outs.append(o)
+            break
+        n, state = replaced
+        outs.append(o[:, : (n + 1 - first) * C])
+        first = n + 1
+        if first * C >= T:
+            break
+    return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]), state

@@ -18,9 +18,25 @@ import torch
 from torch import nn
 
 from ..config import K3Config
-from ..interp.hooks import HookNames, active
+from ..interp.hooks import HookPoint, active, point
 from ..ops.attention import attention
 from .norm import RMSNorm
+
+_BHKC = ("batch", "head", "key", "channel")
+_BTHC = ("batch", "token", "head", "channel")
+
+# The hook points of an MLA layer, in forward order (k3core.interp.hooks; ``blocks.i.`` prefixed).
+Q = HookPoint("mla.q", ("batch", "head", "token", "channel"), "query (nope + rope parts)")
+K = HookPoint("mla.k", _BHKC, "key (nope part per head, rope part shared), every cached key included")
+V = HookPoint("mla.v", _BHKC, "value, every cached key included")
+KEY_MASK = HookPoint(
+    "mla.key_mask", ("query", "key"),
+    "bool, True = visible: the rows of one query block at a time (info: start, stop, past; offered to writers only)",
+    on_request=True,
+)  # fmt: skip
+OUT = HookPoint("mla.o", _BTHC, "attention output, before the gate")
+GATE = HookPoint("mla.gate", _BTHC, "sigmoid output gate (gated MLA)")
+POINTS = (Q, K, V, KEY_MASK, OUT, GATE)
 
 
 @dataclass
@@ -82,21 +98,17 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(B, H, S, self.rope)], dim=-1)
 
-        hooks = active()
-        mask = None
-        if hooks is not None:
-            name = lambda p: HookNames.block(self.layer_idx, f"mla.{p}")  # noqa: E731
-            q, k, v = hooks.point(name("q"), q), hooks.point(name("k"), k), hooks.point(name("v"), v)
-            if hooks.writes(name("key_mask")):
-                causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                mask = hooks.point(name("key_mask"), causal)
-        attn_out = attention(q, k, v, self.scale, past=past, mask=mask)
-        attn_out = attn_out.transpose(1, 2)  # [B, T, H, v]
-        if hooks is not None:
-            attn_out = hooks.point(name("o"), attn_out)
+        ctx, i = active(), self.layer_idx
+        q, k, v = point(ctx, Q.at(i), q), point(ctx, K.at(i), k), point(ctx, V.at(i), v)
+        rows = None
+        if ctx is not None and ctx.writes(KEY_MASK.at(i)):  # a written key mask: visible keys per query block
+
+            def rows(start: int, stop: int, causal: torch.Tensor) -> torch.Tensor:
+                return point(ctx, KEY_MASK.at(i), causal, start=start, stop=stop, past=past)
+
+        attn_out = attention(q, k, v, self.scale, past=past, mask_rows=rows)
+        attn_out = point(ctx, OUT.at(i), attn_out.transpose(1, 2))  # [B, T, H, v]
         if self.config.mla_output_gate:
             gate = torch.sigmoid(self.g_proj(x).view(B, T, H, self.vdim).float()).to(attn_out.dtype)
-            if hooks is not None:
-                gate = hooks.point(name("gate"), gate)
-            attn_out = attn_out * gate
+            attn_out = attn_out * point(ctx, GATE.at(i), gate)
         return self.o_proj(attn_out.reshape(B, T, H * self.vdim))

@@ -31,11 +31,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K3Config
-from ..interp.hooks import HookContext, HookNames, active
+from ..interp.hooks import HookPoint, active, point
 from .ffn import GatedMLP, activation
 from .norm import RMSNorm
 
 DISPATCH_BACKENDS = ("auto", "sorted_loop", "grouped_mm")
+
+_BTD = ("batch", "token", "hidden")
+
+# The hook points of an MoE layer, in forward order (k3core.interp.hooks; ``blocks.i.`` prefixed).
+SCORES = HookPoint("moe.scores", ("batch", "token", "expert"), "sigmoid router scores")
+SELECTION_BIAS = HookPoint("moe.selection_bias", ("expert",), "e_bias (steers selection only)")
+SELECTION = HookPoint("moe.selection", ("batch", "token", "expert"), "scores + e_bias, ranked by top-k")
+EXPERTS = HookPoint("moe.experts", ("batch", "token", "rank"), "chosen experts, by weight rank")
+WEIGHTS = HookPoint("moe.weights", ("batch", "token", "rank"), "their routing weights")
+LATENT = HookPoint("moe.latent", ("batch", "token", "latent"), "z = W_down x (plain MoE: x)")
+ROUTED_OUT = HookPoint("moe.routed_out", _BTD, "routed experts' output (after W_up)")
+SHARED_OUT = HookPoint("moe.shared_out", _BTD, "shared experts' output (when the layer has shared experts)")
+POINTS = (SCORES, SELECTION_BIAS, SELECTION, EXPERTS, WEIGHTS, LATENT, ROUTED_OUT, SHARED_OUT)
 
 
 def _grouped_mm_op():
@@ -250,32 +263,19 @@ class LatentMoE(nn.Module):
         self.last_scores: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
 
-    def _point(self, hooks: HookContext | None, name: str, value: torch.Tensor, shape: tuple[int, ...]):
-        """A [N, ...] routing tensor as hook point ``name`` viewed [B, T, ...] (unchanged without hooks)."""
-        if hooks is None:
-            return value
-        return hooks.point(HookNames.block(self.layer_idx, f"moe.{name}"), value.view(*shape, -1)).flatten(0, -2)
-
-    def route(
-        self, x: torch.Tensor, shape: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (scores [N, E], experts [N, k], weights [N, k]); experts sorted by weight.
-
-        ``shape``: the leading [B, T] of x, for the hook points (scores, selection bias, selection,
-        experts, weights)."""
-        hooks = active() if shape is not None else None
-        scores = self._point(hooks, "scores", self.gate(x), shape)
-        bias = self.gate.e_score_correction_bias
-        if hooks is not None:
-            bias = hooks.point(HookNames.block(self.layer_idx, "moe.selection_bias"), bias)
-        selection = self._point(hooks, "selection", scores + bias, shape)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., D] -> (scores [..., E], experts [..., k], weights [..., k]); experts sorted by weight."""
+        ctx, i = active(), self.layer_idx
+        scores = point(ctx, SCORES.at(i), self.gate(x))
+        bias = point(ctx, SELECTION_BIAS.at(i), self.gate.e_score_correction_bias)
+        selection = point(ctx, SELECTION.at(i), scores + bias)
         k = self.config.num_experts_per_token
         chosen = selection.topk(k, dim=-1).indices
-        weights = scores.gather(1, chosen)
+        weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20) * self.config.routed_scaling_factor
         weights, order = weights.sort(dim=-1, descending=True)
-        experts = self._point(hooks, "experts", chosen.gather(1, order), shape)
-        return scores, experts, self._point(hooks, "weights", weights, shape)
+        experts = point(ctx, EXPERTS.at(i), chosen.gather(-1, order))
+        return scores, experts, point(ctx, WEIGHTS.at(i), weights)
 
     def routed_experts(
         self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, dispatch: str
@@ -289,24 +289,24 @@ class LatentMoE(nn.Module):
         """x [B, T, D]. ``dispatch``: "grouped" (auto backend), "sorted_loop", "grouped_mm" or "masked"."""
         if dispatch not in ("grouped", "sorted_loop", "grouped_mm", "masked"):
             raise ValueError(f"dispatch must be 'grouped', 'sorted_loop', 'grouped_mm' or 'masked', got {dispatch!r}")
-        hooks = active()
+        ctx, i = active(), self.layer_idx
         B, T, D = x.shape
-        flat = x.reshape(-1, D)
-        scores, experts, weights = self.route(flat, (B, T))
+        scores, experts, weights = (t.flatten(0, 1) for t in self.route(x))
         if self.experts.weight_source is not None:
             self.experts.weight_source.request(experts)  # reads start now, while the latent projection runs
-        z = self._point(hooks, "latent", self.routed_expert_down_proj(flat) if self.latent else flat, (B, T))
+        z = self.routed_expert_down_proj(x) if self.latent else x
+        z = point(ctx, LATENT.at(i), z).reshape(-1, z.shape[-1])
         y = self.routed_experts(z, experts, weights, dispatch)
         if self.latent:
             if self.config.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
-        y = self._point(hooks, "routed_out", y, (B, T))
+        y = point(ctx, ROUTED_OUT.at(i), y.view(B, T, D))
         if self.config.num_shared_experts:
-            y = y + self._point(hooks, "shared_out", self.shared_experts(flat), (B, T))
+            y = y + point(ctx, SHARED_OUT.at(i), self.shared_experts(x))
         if self.training:
             self._balance_stats(scores, experts)
-        return y.view(B, T, D)
+        return y
 
     def _balance_stats(self, scores: torch.Tensor, experts: torch.Tensor) -> None:
         E = self.config.num_experts

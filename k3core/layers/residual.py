@@ -10,9 +10,32 @@ import torch
 from torch import nn
 
 from ..config import ATTNRES_MODES, K3Config
-from ..interp.hooks import HookContext, HookNames
+from ..interp.hooks import HookContext, HookNames, HookPoint, point
 from ..ops.attnres import attnres_combine, attnres_mix
 from .norm import RMSNorm
+
+_DEPTH = ("source", "batch", "token", "hidden")
+_WEIGHTS = ("batch", "token", "source")
+_BTD = ("batch", "token", "hidden")
+
+# The hook points of the residual stream (k3core.interp.hooks). The depth state is offered on request.
+STREAM = HookPoint(
+    "stream", _DEPTH, "depth state entering the layer: plain/scale_bias [h]; AttnRes its sources (info: sources)",
+    on_request=True,
+)  # fmt: skip
+FINAL_STREAM = HookPoint("final_stream", _DEPTH, "depth state before the output", per_layer=False, on_request=True)
+ATTN_RES_WEIGHTS = HookPoint("attn_res.weights", _WEIGHTS, "AttnRes depth weights at the attention input site")
+ATTN_RES_MIX = HookPoint("attn_res.mix", _BTD, "its mixed output (= resid_in)")
+MLP_RES_WEIGHTS = HookPoint("mlp_res.weights", _WEIGHTS, "AttnRes depth weights at the FFN input site")
+MLP_RES_MIX = HookPoint("mlp_res.mix", _BTD, "its mixed output (= ffn_in)")
+OUTPUT_RES_WEIGHTS = HookPoint("output_res.weights", _WEIGHTS, "the final depth mix's weights", per_layer=False)
+OUTPUT_RES_MIX = HookPoint("output_res.mix", _BTD, "its mixed output (= final_resid)", per_layer=False)
+#: (weights, mix) points of each AttnRes site side ("attn", "mlp" of a layer; "output": the model's)
+SITE_POINTS = {
+    "attn": (ATTN_RES_WEIGHTS, ATTN_RES_MIX),
+    "mlp": (MLP_RES_WEIGHTS, MLP_RES_MIX),
+    HookNames.OUTPUT_SITE: (OUTPUT_RES_WEIGHTS, OUTPUT_RES_MIX),
+}
 
 
 def scale_bias_init(config: K3Config, layer_idx: int) -> float:
@@ -55,7 +78,7 @@ class ResidualStream:
             return
         sources, names = self.sources()
         stacked = torch.stack([s.to(sources[-1].device) for s in sources])
-        new = hooks.point(name, stacked, sources=names)
+        new = point(hooks, name, stacked, sources=names)
         if new is not stacked:
             self.bank = [new[j].to(s.device) for j, s in enumerate(self.bank)]
             self.last = new[-1].to(sources[-1].device)
@@ -115,9 +138,12 @@ def depth_mix(
     stacked = torch.stack([s.to(dev) for s in sources])
     if hooks is None:
         return attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps)
+    layer, _, side = site.rpartition(".")
+    at = int(layer) if layer else None
+    weights_point, mix_point = SITE_POINTS[side]
     mixed, p = attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps, return_weights=True)
     weights = p.permute(1, 2, 0)
-    new = hooks.point(HookNames.attnres_point(site, "weights"), weights, sources=names, site=site)
+    new = point(hooks, weights_point.at(at), weights, sources=names, site=site)
     if new is not weights:
         mixed = attnres_combine(new.permute(2, 0, 1), stacked)
-    return hooks.point(HookNames.attnres_point(site, "mix"), mixed, site=site)
+    return point(hooks, mix_point.at(at), mixed, site=site)

@@ -3,7 +3,9 @@
     out[t] = sum_s softmax_s(q_t . k_s * scale over the keys t may see) v_s      (zero where t sees no key)
 
 Which keys a query sees: causal by default (query t, at absolute position ``past + t``, sees keys 0..past + t),
-or an explicit boolean ``mask`` [..., T, S] (True = visible; broadcast over batch and heads).
+or an explicit boolean ``mask`` [..., T, S] (True = visible; broadcast over batch and heads), or the causal rows
+of each query block as changed by ``mask_rows(start, stop, rows)`` (a written key mask: never more than
+[block, S] of it at once).
 
 Why this exists: PyTorch's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) and the CUDA
 flash kernel need one head dim for q, k and v; MLA's v is narrower than its q/k (32 vs 48 in the samples,
@@ -13,12 +15,14 @@ changes nothing: zero columns of v give zero output columns (sliced off); zero c
 q . k. Then:
 
 - causal with no past (prefill, training): one fused SDPA call with ``is_causal`` (O(T) memory);
-- everything else (cached decoding with a past, a written key mask): query blocks of ``block`` rows, each an
+- everything else (cached decoding with a past, a mask, ``mask_rows``): query blocks of ``block`` rows, each an
   SDPA call with its [block, S] boolean mask, so at most block x S mask and (if a backend still falls back
   to math) score entries exist at once: O(T) memory for a fixed block.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,35 +56,60 @@ def attention(
     past: int = 0,
     mask: torch.Tensor | None = None,
     block: int = QUERY_BLOCK,
+    mask_rows: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """attention_reference in O(T) memory on fused SDPA kernels; same shapes in and out, v's head dim out."""
+    """attention_reference in O(T) memory on fused SDPA kernels; same shapes in and out, v's head dim out.
+
+    ``mask_rows(start, stop, rows)``: for each query block [start, stop), the visible keys of those queries
+    ([..., stop - start, S] bool; given the causal rows [stop - start, S]); exactly ``attention`` with the
+    [T, S] mask those rows stack to, never holding it."""
     T, S = q.shape[-2], k.shape[-2]
+    if mask is not None and mask_rows is not None:
+        raise ValueError("give mask or mask_rows, not both")
     if mask is None and past + T != S:
         raise ValueError(f"causal attention needs past + T == S keys, got past={past}, T={T}, S={S}")
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     dv = v.shape[-1]
     q, k, v = _common_head_dim(q, k, v)
-    if mask is None and past == 0:
+    if mask_rows is not None:
+        out = torch.cat(
+            [
+                _masked_block(
+                    q, k, v, scale, past, mask_rows(i, stop, _causal(stop - i, S, past + i, q.device)), i, stop
+                )
+                for i, stop in ((i, min(i + block, T)) for i in range(0, T, block))
+            ],
+            -2,
+        )
+    elif mask is None and past == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     elif mask is None and T == 1:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale)  # one new token sees every key
     else:
         out = torch.cat(
-            [_masked_block(q, k, v, scale, past, mask, i, min(i + block, T)) for i in range(0, T, block)], -2
-        )
+            [_masked_block(q, k, v, scale, past, _rows(mask, i, min(i + block, T)), i, min(i + block, T))
+             for i in range(0, T, block)], -2
+        )  # fmt: skip
     return out[..., :dv] if out.shape[-1] != dv else out
 
 
-def _masked_block(q, k, v, scale, past, mask, start, stop):
-    """Queries start..stop-1 against the keys they may see (causal: only keys 0..past + stop - 1 exist for them)."""
+def _rows(mask, start, stop):
+    """The rows of queries start..stop-1 of a [..., T, S] mask (one row broadcasts), or None."""
     if mask is None:
+        return None
+    return mask[..., start:stop, :] if mask.shape[-2] != 1 else mask
+
+
+def _masked_block(q, k, v, scale, past, rows, start, stop):
+    """Queries start..stop-1 against the keys they may see: ``rows`` [..., stop - start, S] (None: causal, where
+    only keys 0..past + stop - 1 exist for them)."""
+    if rows is None:
         end = past + stop
         visible = _causal(stop - start, end, past + start, q.device)
         return F.scaled_dot_product_attention(
             q[..., start:stop, :], k[..., :end, :], v[..., :end, :], attn_mask=visible, scale=scale
         )
-    rows = mask[..., start:stop, :] if mask.shape[-2] != 1 else mask
     rows = rows.to(torch.bool)
     seen = rows.any(-1, keepdim=True)
     safe = rows | ~seen  # a row that sees no key attends everywhere, then is zeroed (not NaN)

@@ -115,7 +115,7 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     with torch.no_grad(), record(model, what="moe") as trace:
         logits = model(ids).logits
     for layer in (1, 2, 3):
-        assert list(experts[experts.layer == layer].expert) == trace[f"moe.{layer}.experts"][0, 6].tolist()
+        assert list(experts[experts.layer == layer].expert) == trace[f"blocks.{layer}.moe.experts"][0, 6].tolist()
     assert list(_table(at, "prob").token_id) == logits[0, 6].topk(5).indices.tolist()
 
 

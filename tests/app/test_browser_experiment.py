@@ -156,7 +156,7 @@ def test_a_picked_token_shows_its_experts_and_top_k_as_the_trace_has_them(server
     shown = {}
     for row in experts:
         shown.setdefault(int(row["layer"]), []).append(int(row["expert"]))
-    want = {i: trace[f"moe.{i}.experts"][0, position].tolist() for i in trace.layer_indices("moe")}
+    want = {i: trace[f"blocks.{i}.moe.experts"][0, position].tolist() for i in trace.layer_indices("moe")}
     assert shown == want
 
 

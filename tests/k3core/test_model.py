@@ -136,7 +136,7 @@ def test_fresh_model_depth_weights_are_uniform(residual):
     model = nano_model(residual=residual)
     with torch.no_grad(), trace_mod.record(model, what="attnres") as tr:
         model(torch.randint(0, 256, (1, 5)))
-    names = [n for n in tr.names("attnres.") if not n.endswith("_query_norm")]
+    names = [n for n in tr.arrays if n.endswith("_res.weights")]
     assert len(names) >= 2 * model.config.num_hidden_layers - 1
     for name in names:
         n = tr[name].shape[-1]
@@ -247,7 +247,7 @@ def test_93_layer_block_12_bank_bookkeeping():
         model(torch.randint(0, 16, (1, 2)))
     sources = tr.meta["attnres_sources"]
     assert sources["output"] == ["embedding"] + [f"block {b}" for b in range(1, 9)]
-    assert tr["attnres.output"].shape[-1] == 9
+    assert tr["output_res.weights"].shape[-1] == 9
     assert "0.attn" not in sources  # the first attention input is the embedding itself
     for i in range(1, 93):
         assert len(sources[f"{i}.attn"]) == (i + 11) // 12 + 1, i

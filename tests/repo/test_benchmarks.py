@@ -147,8 +147,8 @@ def test_trace_state_norms_match_a_recurrent_reference():
                 q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=state, output_final_state=True
             )
             want.append(state.flatten(-2).norm(dim=-1))
-    got = torch.from_numpy(trace["kda.1.state_norm"])
-    assert trace["kda.1.state_steps"].tolist() == [8, 16, 21]
+    got = torch.from_numpy(trace["blocks.1.kda.chunk_state.norm"])
+    assert trace["blocks.1.kda.chunk_state.token"].tolist() == [8, 16, 21]
     torch.testing.assert_close(got, torch.stack(want, 1), atol=1e-5, rtol=1e-5)
     # With a cache, the norms continue from the cached state.
     cache = K3Cache.for_config(cfg)
@@ -156,4 +156,6 @@ def test_trace_state_norms_match_a_recurrent_reference():
         model(ids[:, :16], cache=cache)
         with record(model, what=("kda",), max_batch=2) as trace2:
             model(ids[:, 16:], cache=cache)
-    torch.testing.assert_close(torch.from_numpy(trace2["kda.1.state_norm"])[:, -1], want[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.from_numpy(trace2["blocks.1.kda.chunk_state.norm"])[:, -1], want[-1], atol=1e-5, rtol=1e-5
+    )

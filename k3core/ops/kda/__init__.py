@@ -22,8 +22,8 @@ Entry points (import them from here):
 * :func:`kda_recurrent`: loops :func:`kda_step` over time; the reference.
 * :func:`kda_chunk`: the chunked (WY / UT-transform) algorithm in pure PyTorch, or fla's Triton
   kernel on CUDA when it is installed.
-* :func:`kda_chunk_end_states`: the state at every chunk end (a reference for ``kda_chunk``'s
-  ``chunk_state_hook``).
+* :func:`kda_chunk_end_states`: the state at every chunk end (a reference for the states
+  ``kda_chunk(output_chunk_states=True)`` returns).
 
 Where they live: ``naive.py`` (the recurrent form: ``kda_step``, ``kda_recurrent``), ``chunk.py``
 (the chunked form: ``kda_chunk``, ``kda_chunk_end_states``, fla dispatch) and ``gate.py`` (the decay gate).

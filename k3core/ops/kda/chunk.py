@@ -1,6 +1,6 @@
 """KDA's chunked form: :func:`kda_chunk` (the WY / UT-transform algorithm in pure PyTorch, or fla's
 Triton kernel on CUDA when it is installed) and :func:`kda_chunk_end_states` (the state at every chunk
-end, an independent reference for the states ``kda_chunk`` hands its ``chunk_state_hook``).
+end, an independent reference for the states ``kda_chunk(output_chunk_states=True)`` returns).
 
 Same inputs, outputs and math as :func:`k3core.ops.kda.naive.kda_recurrent`; layouts and dtype
 rules: ``k3core.ops.kda``.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -166,8 +165,8 @@ def _to_chunks(x: torch.Tensor, dt: torch.dtype, C: int) -> torch.Tensor:
     return out
 
 
-def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, chunk_state_hook=None):
-    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math and ``chunk_state_hook``)."""
+def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, output_chunk_states=False):
+    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math and ``output_chunk_states``)."""
     B, T, H, K, HV, V = check_shapes(q, k, v, g, beta, initial_state)
     C = chunk_size
     if C < 1 or C & (C - 1):
@@ -195,7 +194,7 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     # per-chunk work batched over the group, then the state loop, then the group's outputs.
     group = max(1, _GROUP_ELEMENTS // (BH * C * max(K, V)))
     real_chunks = math.ceil(T / C)  # chunks holding at least one real token (N is 1 even when T == 0)
-    outs = []
+    outs, ends = [], []
     for n0 in range(0, N, group):
         n1 = min(N, n0 + group)
         q_z, k_z = qc[n0:n1].view(-1, C, K), kc[n0:n1].view(-1, C, K)
@@ -219,10 +218,8 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
             inter.append(WQS[:, C:])
             deltas.append(delta)
             state = torch.baddbmm(state * gamma_end[i], k_dec[i].transpose(-1, -2), delta)
-            if chunk_state_hook is not None and n0 + i < real_chunks:
-                # The next chunk's W S, (Gamma Q) S and update all start from what the hook returns,
-                # so a replaced state is honoured by the rest of this group and every later one.
-                state = _hooked_state(chunk_state_hook, n0 + i, min((n0 + i + 1) * C, T), state, (B, HV, K, V))
+            if output_chunk_states and n0 + i < real_chunks:
+                ends.append(state)
         D = torch.stack(deltas).view(-1, C, V)
 
         # Outputs: O = scale * ((Gamma * Q) S_in + A_qk D).
@@ -232,18 +229,12 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     o = o.view(N, B, HV, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, HV, V)[:, :T]
     o = o.to(v.dtype).contiguous()
     final = state.view(B, HV, K, V) if output_final_state else None
+    if output_chunk_states:
+        states = torch.stack(ends, 1).view(B, HV, len(ends), K, V).transpose(1, 2) if ends else o.new_zeros(
+            B, 0, HV, K, V, dtype=dt
+        )  # fmt: skip
+        return o, final, states
     return o, final
-
-
-def _hooked_state(hook, n: int, end: int, state: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``hook(n, end, state)`` on the [B, HV, K, V] view of a [B*HV, K, V] state; its result (None keeps
-    the state) goes back in the state's layout and dtype."""
-    new = hook(n, end, state.view(shape))
-    if new is None:
-        return state
-    if tuple(new.shape) != shape:
-        raise ValueError(f"chunk_state_hook must return a state of shape {shape}, got {tuple(new.shape)}")
-    return new.to(state.dtype).reshape(state.shape)
 
 
 @functools.lru_cache(maxsize=1)
@@ -267,9 +258,8 @@ def kda_chunk(
     output_final_state: bool = False,
     chunk_size: int = 32,
     backend: str = "auto",
-    chunk_state_hook: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
-    chunk_state_read_only: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    output_chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Chunked KDA: same inputs, outputs and math as :func:`kda_recurrent`, but parallel in time.
 
     Split time into chunks of C tokens (the tail is zero-padded internally).  Within a chunk let
@@ -305,20 +295,14 @@ def kda_chunk(
             measured about 10% faster than 64 on a 2-core CPU (benchmarks/bench_kda.py).
         backend: "auto" (fla's Triton ``chunk_kda`` for non-fp64 CUDA tensors when it imports,
             else torch), "torch" (always the pure-PyTorch path) or "fla" (require fla).
-        chunk_state_hook: ``hook(n, end, state)`` called in the state loop at the end of each chunk
-            n = 0 .. ceil(T / C) - 1 with ``state`` = S after tokens [0, end), end = min((n + 1) C, T),
-            [B, HV, K, V] in the compute dtype. It may return a replacement (same shape; None keeps
-            S): chunk n + 1 then starts from it, so every later output and the final state follow
-            the replaced state, while the outputs of tokens < end are unchanged (they read the state
-            entering their own chunk). Forces the torch backend (the Triton kernel cannot call back;
-            ``backend="fla"`` with a hook is an error), unless ``chunk_state_read_only``. No hook: the
-            loop is unchanged.
-        chunk_state_read_only: the hook only reads (it returns None or the state it was given). Then
-            fla's kernel still runs where it would, and the states come from
-            :func:`kda_chunk_end_states` (fp32) after it, so recording on a GPU keeps the fast path.
+        output_chunk_states: also return the state at the end of each chunk n = 0 .. ceil(T / C) - 1,
+            S after tokens [0, min((n + 1) C, T)), as [B, N, HV, K, V]: on the torch path the state loop's
+            own states (compute dtype), on the fla path :func:`kda_chunk_end_states` after the kernel (fp32),
+            so recording on a GPU keeps the fast kernel.
 
     Returns:
-        ``(o, final_state)`` as :func:`kda_recurrent`.
+        ``(o, final_state)`` as :func:`kda_recurrent`; ``(o, final_state, chunk_states)`` with
+        ``output_chunk_states``.
     """
     if backend not in ("auto", "torch", "fla"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'fla', got {backend!r}")
@@ -326,26 +310,15 @@ def kda_chunk(
     if scale is None:
         scale = K**-0.5
     use_fla = False
-    reads_after = chunk_state_hook is not None and chunk_state_read_only  # on the fla path: states afterwards
     if backend == "fla":
-        if chunk_state_hook is not None and not reads_after:
-            raise ValueError("chunk_state_hook needs backend 'torch' or 'auto': fla's Triton kernel cannot call back")
         if _fla_chunk_kda() is None:
             raise RuntimeError("backend='fla' requested but fla.ops.kda.chunk_kda could not be imported")
         use_fla = True
     elif backend == "auto":
         # fp64 stays on the torch path (reference precision; the Triton kernels target 16/32-bit)
-        free = chunk_state_hook is None or reads_after
-        use_fla = q.is_cuda and v.dtype != torch.float64 and free and _fla_chunk_kda() is not None
+        use_fla = q.is_cuda and v.dtype != torch.float64 and _fla_chunk_kda() is not None
     if use_fla:
-        if reads_after:
-            states, ends = kda_chunk_end_states(q, k, v, g, beta, initial_state, chunk_size)
-            for n, end in enumerate(ends):
-                state = states[:, n]
-                returned = chunk_state_hook(n, end, state)
-                if returned is not None and returned is not state:
-                    raise ValueError("a read-only chunk_state_hook returned a replacement state")
-        return _fla_chunk_kda()(
+        o, final = _fla_chunk_kda()(
             q,
             k,
             v,
@@ -356,7 +329,10 @@ def kda_chunk(
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=False,
         )
-    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, chunk_state_hook)
+        if output_chunk_states:
+            return o, final, kda_chunk_end_states(q, k, v, g, beta, initial_state, chunk_size)[0]
+        return o, final
+    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, output_chunk_states)
 
 
 def kda_chunk_end_states(
@@ -369,8 +345,8 @@ def kda_chunk_end_states(
     chunk_size: int = 32,
 ) -> tuple[torch.Tensor, list[int]]:
     """The state S at every chunk end, [B, N, HV, K, V] fp32, and the token position of each (one
-    batched :func:`kda_chunk` call): an independent reference for the states ``kda_chunk`` passes to its
-    ``chunk_state_hook`` (tests/k3core/ops/test_kda_chunk_state.py).
+    batched :func:`kda_chunk` call): an independent reference for the states ``kda_chunk`` returns with
+    ``output_chunk_states`` (tests/k3core/ops/test_kda_chunk_state.py), and those states on the fla path.
 
     Within a chunk the state map is affine: S_end = A_n S_start + B_n (A_n: K x K). Running every chunk
     independently (chunks as batch) with values [v | 0] and initial state [0 | I] gives [B_n | A_n] as

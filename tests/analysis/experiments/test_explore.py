@@ -308,7 +308,10 @@ def test_per_token_effects_of_a_ban_and_prediction_changes():
     assert len(table) == 15 and np.allclose(table.base_loss, base.numpy(), atol=1e-6)
     assert np.allclose(table.loss_change, table.edited_loss - table.base_loss)
     assert table.loss_change.abs().max() > 0
-    assert exp.edited_trace["moe.2.load"][[0, 1, 2]].sum() == 0 and exp.base_trace["moe.2.load"][[0, 1, 2]].sum() > 0
+    assert (
+        exp.edited_trace["blocks.2.moe.experts.load"][[0, 1, 2]].sum() == 0
+        and exp.base_trace["blocks.2.moe.experts.load"][[0, 1, 2]].sum() > 0
+    )
     changes = effects.prediction_changes(exp.base_logits, exp.edited_logits, [3, 7], k=5)
     assert (
         len(changes) == 10 and (changes.groupby("position").base_prob.apply(lambda s: s.is_monotonic_decreasing)).all()
@@ -326,7 +329,7 @@ def test_token_detail_reads_the_trace():
     assert list(d.top_k.token_id) == logits[0, 6].topk(4).indices.tolist()
     for layer in (1, 2, 3):
         rows = d.experts[d.experts.layer == layer]
-        assert list(rows.expert) == tr[f"moe.{layer}.experts"][0, 6].tolist()
+        assert list(rows.expert) == tr[f"blocks.{layer}.moe.experts"][0, 6].tolist()
     assert set(d.depth.site) == set(tr.meta["attnres_sources"])
     assert np.allclose(d.mla.groupby("head").prob.sum(), 1.0, atol=1e-5) and d.mla.key.max() == 6
     assert set(d.kda.layer) == {0, 1, 2} and len(d.kda) == 3 * model.config.kda_num_heads

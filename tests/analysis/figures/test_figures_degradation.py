@@ -42,7 +42,7 @@ def test_real_trace_metrics_are_in_range(nano_ctx):
     assert set(ent["layer"]) == {i for i in range(4) if nano_ctx.config.is_mla_layer(i)}
     assert ((ent["entropy_norm"] >= 0) & (ent["entropy_norm"] <= 1 + 1e-9)).all()
     # rows sum to 1, so the received means weighted by their audiences (T - j) add up to T
-    attn = tr[f"mla.{int(ent['layer'].iloc[0])}.attn"]
+    attn = tr[names.mla_attn(int(ent["layer"].iloc[0]))]
     T = attn.shape[-1]
     received = at.attention_received(attn)
     np.testing.assert_allclose((received * (T - np.arange(T))).sum(-1), T, rtol=1e-5)
@@ -59,7 +59,7 @@ def test_entropy_views_come_from_the_blocked_statistics_without_maps(nano_ctx):
     they draw without the maps ("attn_probs"), with the values the maps give; without "mla" they say why."""
     model = nano_ctx.model
     ctx = trace_run(run_from_model(model), nano_ctx.input_ids, what=None, label="no-probs")
-    assert not ctx.trace.names("mla.") or all(not n.endswith(".attn") for n in ctx.trace.names("mla."))
+    assert not any(n.endswith(".mla.attn") for n in ctx.trace.arrays)
     _, table = fig_dg.build_entropy_heatmap(ctx)
     _, from_maps = fig_dg.build_entropy_heatmap(nano_ctx)
     np.testing.assert_allclose(table["entropy_norm"], from_maps["entropy_norm"], rtol=1e-5, atol=1e-6)

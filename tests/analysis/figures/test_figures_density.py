@@ -75,7 +75,7 @@ def test_kda_views_pool_heads_per_layer_when_there_are_many(nano_run, monkeypatc
     assert list(decay["layer"]) == [0, 1, 2] and list(beta["layer"]) == [0, 1, 2]
     assert len(fig.data) == 3  # one mean line per KDA layer
     pooled = km.kda_beta_stats(trace, by="layer").set_index("layer")
-    assert pooled.loc[1, "mean"] == pytest.approx(float(trace["kda.1.beta"].mean()), rel=1e-6)
+    assert pooled.loc[1, "mean"] == pytest.approx(float(trace["blocks.1.kda.beta"].mean()), rel=1e-6)
     with pytest.raises(ValueError):
         km.kda_beta_stats(trace, by="token")
 

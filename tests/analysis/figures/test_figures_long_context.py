@@ -53,7 +53,7 @@ def test_loss_by_position_by_hand(ctx):
 def test_kda_state_over_position_by_hand(ctx):
     table = lc.kda_state_by_position_table(ctx.trace)
     for i in ctx.trace.layer_indices("kda"):
-        final = ctx.trace[f"kda.{i}.final_state"][0].astype(np.float64)  # [head, d, d] after all 70 tokens
+        final = ctx.trace[f"blocks.{i}.kda.state"][0].astype(np.float64)  # [head, d, d] after all 70 tokens
         last = table[(table["layer"] == i) & (table["token"] == 70)].sort_values("head")
         assert len(last) == final.shape[0]
         np.testing.assert_allclose(last["state_norm"], np.linalg.norm(final, axis=(-2, -1)), rtol=1e-5)
@@ -63,7 +63,7 @@ def test_kda_state_over_position_by_hand(ctx):
 
 def test_decay_horizon_by_hand(ctx, whole):
     table = lc.decay_horizon_table(ctx.trace)
-    g = whole.trace["kda.0.g"][0].astype(np.float64)  # [token, head, channel], every position
+    g = whole.trace["blocks.0.kda.g"][0].astype(np.float64)  # [token, head, channel], every position
     for start, stop in ((0, 16), (64, 70)):
         gbar = g[start:stop, 1].mean(0)  # head 1
         want = np.median(np.where(gbar < 0, math.log(2) / -np.minimum(gbar, -1e-300), np.inf))
@@ -74,7 +74,7 @@ def test_decay_horizon_by_hand(ctx, whole):
 def test_mla_over_position_by_hand(ctx, whole):
     table = lc.mla_by_position_table(ctx.trace)
     layer = ctx.trace.layer_indices("mla")[0]
-    attn = whole.trace[f"mla.{layer}.attn"][0].astype(np.float64)  # [head, query, key], all 70 queries
+    attn = whole.trace[f"blocks.{layer}.mla.attn"][0].astype(np.float64)  # [head, query, key], all 70 queries
     h = 1
     ent = -(np.where(attn[h] > 0, attn[h] * np.log(np.where(attn[h] > 0, attn[h], 1)), 0)).sum(-1)
     norm = ent[1:] / np.log(np.arange(2, 71))  # queries 1..69 (query 0 has one key)
@@ -173,11 +173,11 @@ def test_an_older_trace_without_the_whole_text_arrays_still_draws(whole, tmp_pat
     old = Trace(meta={k: v for k, v in whole.trace.meta.items() if k != "coverage"})
     for name, array in whole.trace.arrays.items():
         new = name == "position_bins" or name.startswith("hidden_bins.") or name.split(".")[-1] in (
-            "entropy", "sink", "received", "state_rank", "g_bins")  # fmt: skip
+            "entropy", "sink", "received", "rank", "bins")  # fmt: skip
         if not new:
             old.add(name, array, whole.trace.axes[name])
     loaded = Trace.load(old.save(tmp_path / "old.trace.npz"))
-    assert "mla.3.entropy" not in loaded and "position_bins" not in loaded
+    assert "blocks.3.mla.attn.entropy" not in loaded and "position_bins" not in loaded
     for table in (lc.mla_by_position_table, lc.decay_horizon_table, lc.loss_by_position_table):
         a, b = table(whole.trace), table(loaded)
         np.testing.assert_allclose(a.select_dtypes("number"), b.select_dtypes("number"), rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ def first_token(T: int) -> np.ndarray:
 
 def attn_trace(per_head: list[np.ndarray], layer: int = 3) -> Trace:
     tr = Trace()
-    tr.add(f"mla.{layer}.attn", np.stack(per_head)[None], ("batch", "head", "query", "key"))
+    tr.add(f"blocks.{layer}.mla.attn", np.stack(per_head)[None], ("batch", "head", "query", "key"))
     return tr
 
 

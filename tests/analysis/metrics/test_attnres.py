@@ -44,13 +44,13 @@ def _hand_trace() -> Trace:
             },
         }
     )
-    t.add("attnres.1.attn", np.tile([0.5, 0.5], (1, 3, 1)), ("batch", "token", "source"))  # uniform
+    t.add("blocks.1.attn_res.weights", np.tile([0.5, 0.5], (1, 3, 1)), ("batch", "token", "source"))  # uniform
     out = np.zeros((1, 2, 3))
     out[0, 0] = [1.0, 0.0, 0.0]  # token 0 all on the embedding, token 1 all on the last block
     out[0, 1] = [0.0, 0.0, 1.0]
-    t.add("attnres.output", out, ("batch", "token", "source"))
-    t.add("attnres.1.attn_query_norm", np.array(0.0), ())
-    t.add("attnres.output_query_norm", np.array(2.5), ())
+    t.add("output_res.weights", out, ("batch", "token", "source"))
+    t.add("blocks.1.attn_res.query_norm", np.array(0.0), ())
+    t.add("output_res.query_norm", np.array(2.5), ())
     return t
 
 

@@ -41,8 +41,8 @@ def test_near_lower_bound_fraction():
 
 def _kda_trace(g: np.ndarray, beta: np.ndarray, lower_bound: float = -5.0, gate: str = "lower_bound") -> Trace:
     t = Trace(meta={"config": {"kda_gate": gate, "kda_gate_lower_bound": lower_bound}})
-    t.add("kda.0.g", g, ("batch", "token", "head", "channel"))
-    t.add("kda.0.beta", beta, ("batch", "token", "head"))
+    t.add("blocks.0.kda.g", g, ("batch", "token", "head", "channel"))
+    t.add("blocks.0.kda.beta", beta, ("batch", "token", "head"))
     return t
 
 

@@ -41,10 +41,10 @@ def test_skewed_load_by_hand():
 
 def _routing_trace(experts: np.ndarray, weights: np.ndarray, E: int) -> Trace:
     t = Trace(meta={"config": {"num_experts": E}})
-    t.add("moe.1.experts", experts, ("batch", "token", "rank"))
-    t.add("moe.1.weights", weights, ("batch", "token", "rank"))
-    t.add("moe.1.load", mo.load_counts(experts, E), ("expert",))
-    t.add("moe.1.bias", np.linspace(-1, 1, E), ("expert",))
+    t.add("blocks.1.moe.experts", experts, ("batch", "token", "rank"))
+    t.add("blocks.1.moe.weights", weights, ("batch", "token", "rank"))
+    t.add("blocks.1.moe.experts.load", mo.load_counts(experts, E), ("expert",))
+    t.add("blocks.1.moe.selection_bias", np.linspace(-1, 1, E), ("expert",))
     return t
 
 
@@ -113,17 +113,19 @@ def test_moe_metrics_on_a_real_trace(nano_run):
     assert (load.groupby("layer")["count"].sum() == 2 * 32 * cfg.num_experts_per_token).all()
     # whole-batch load agrees with the recorded per-token choices (max_batch = 2: all tokens recorded)
     for i in (1, 2, 3):
-        assert (mo.load_counts(trace[f"moe.{i}.experts"], cfg.num_experts) == trace[f"moe.{i}.load"]).all()
+        assert (
+            mo.load_counts(trace[f"blocks.{i}.moe.experts"], cfg.num_experts) == trace[f"blocks.{i}.moe.experts.load"]
+        ).all()
     ranks = mo.weight_by_rank(trace)
     assert np.allclose(ranks.groupby("layer")["mean_weight"].sum(), cfg.routed_scaling_factor)
     assert (ranks.groupby("layer")["mean_weight"].diff().dropna() <= 0).all()  # sorted by weight
-    C = mo.coactivation(trace["moe.1.experts"], cfg.num_experts)
+    C = mo.coactivation(trace["blocks.1.moe.experts"], cfg.num_experts)
     assert np.trace(C) == 2 * 32 * cfg.num_experts_per_token
     reuse = mo.reuse_table(trace)
     assert ((reuse["reuse"] >= 0) & (reuse["reuse"] <= 1)).all() and (reuse["chance"] == 2 / 8).all()
     df, ratio = mo.latent_pca(trace, 2)
     assert len(df) == 2 * 32 and 0 < ratio[1] <= ratio[0] <= 1
-    assert (df["top1_expert"] == trace["moe.2.experts"][..., 0].ravel()).all()
+    assert (df["top1_expert"] == trace["blocks.2.moe.experts"][..., 0].ravel()).all()
     bias = pd.DataFrame({"layer": 1, "expert": range(cfg.num_experts), "bias": np.arange(cfg.num_experts, dtype=float)})
     load = mo.expert_load(trace)
     corr = mo.bias_load_correlation(bias, load)

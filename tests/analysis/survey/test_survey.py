@@ -15,6 +15,7 @@ from analysis.runs.loading import load_run
 from analysis.runs.texts import text_tokenizer
 from analysis.survey import engine as sv
 from analysis.survey.aggregates import uniform_hash
+from k3core.interp.catalogue import POINTS
 from k3core.interp.hooks import HookNames, hooks
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
@@ -54,7 +55,7 @@ def _bin(v: float, edges) -> int:
 def _raw_reads(run, inputs, targets):
     """Every hook value the survey uses, read plainly for one sequence (batch of 1)."""
     got: dict[str, torch.Tensor] = {}
-    names = [HookNames.TOKEN_NLL_POINT]
+    names = [POINTS["token_nll"].at()]
     for i in range(run.config.num_hidden_layers):
         if run.config.is_moe_layer(i):
             names += [HookNames.block(i, f"moe.{p}") for p in ("scores", "selection", "experts", "weights", "latent")]

@@ -1,64 +1,112 @@
-"""Hook points (k3core.interp.hooks): every documented point fires with its axes, writes replace values, an empty
-context changes nothing, and the layers hold computation only."""
+"""Hook points (k3core.interp.hooks, declared in the modules that produce them, collected by
+k3core.interp.catalogue): every declared point fires with its axes and nothing undeclared fires, the docs table is
+the declarations', the module docstring's example runs, writes replace values, an empty context changes nothing,
+and the layers hold computation only."""
 
 from __future__ import annotations
 
 import ast
-import re
+import doctest
 from pathlib import Path
 
 import pytest
 import torch
 
+from k3core.interp import catalogue
 from k3core.interp import hooks as hooks_mod
-from k3core.interp.hooks import POINT_AXES, HookNames, hook_points, hooks
+from k3core.interp.catalogue import hook_points
+from k3core.interp.hooks import HookContext, HookNames, hooks
 from tests.conftest import nano_model, random_ids
 
+ROOT = Path(__file__).resolve().parents[3]
 RESIDUALS = ["block_attnres", "full_attnres", "scale_bias", "plain"]
 
 
-def _fired(model, ids):
-    """{point: [shape per call]} of one forward that reads every point (and writes the key masks as they are,
-    the only point offered to writers only)."""
+def _fired(model, ids, monkeypatch):
+    """({point: [shape per call]} of the declared points, every name the model passed through ``point``) of one
+    forward that reads every declared point and writes each as it is (so the points offered on request, the key
+    mask to writers only, are produced)."""
     seen: dict[str, list[tuple[int, ...]]] = {}
+    passed: set[str] = set()
+    run = HookContext.run
+
+    def spy(self, name, value, info):
+        passed.add(name)
+        return run(self, name, value, info)
 
     def look(value, name, info):
         seen.setdefault(name, []).append(tuple(value.shape))
 
+    monkeypatch.setattr(HookContext, "run", spy)
     points = hook_points(model.config)
-    masks = {n: (lambda v, name, info: v) for n in points if n.endswith("mla.key_mask")}
-    with torch.no_grad(), hooks(read=dict.fromkeys(points, look), write=masks):
+    with torch.no_grad(), hooks(read=dict.fromkeys(points, look), write=dict.fromkeys(points, lambda v, n, i: None)):
         model(ids, labels=ids)
-    return seen
+    return seen, passed
 
 
-@pytest.mark.parametrize("residual", RESIDUALS)
-def test_every_listed_point_fires_once_with_its_axes(residual):
-    model = nano_model(residual=residual)
+CONFIGS = [
+    *({"residual": r} for r in RESIDUALS),
+    {"mla_output_gate": False, "num_shared_experts": 0},  # the points a layer has only with a gate / shared experts
+]
+
+
+@pytest.mark.parametrize("overrides", CONFIGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_every_declared_point_fires_once_with_its_axes_and_nothing_undeclared_fires(overrides, monkeypatch):
+    model = nano_model(**overrides)
     ids = random_ids(11, 2)
-    seen = _fired(model, ids)
+    seen, passed = _fired(model, ids, monkeypatch)
     points = hook_points(model.config)
-    assert set(seen) == set(points)
+    assert set(seen) == set(points)  # every declared point of this model fired
+    assert passed == set(points)  # and the model passed no name that is not declared
     chunks = -(-11 // model.config.kda_chunk_size)  # 2: the chunk-end state fires once per chunk
     assert chunks == 2
-    assert all(len(seen[n]) == (chunks if n.endswith("kda.chunk_state") else 1) for n in points)
+    blocks = -(-11 // 1024)  # the key mask: once per query block
+    for n in points:
+        want = chunks if n.endswith("kda.chunk_state") else blocks if n.endswith("mla.key_mask") else 1
+        assert len(seen[n]) == want, n
     for name, shapes in seen.items():
-        axes = hooks_mod.point_axes(name)
+        axes = catalogue.point_axes(name)
         assert len(shapes[0]) == len(axes), (name, axes, shapes)
         if axes[:3] == ("batch", "token", "hidden"):
             assert shapes[0] == (2, 11, 64), name
-    sources = seen["final_stream"][0][0]
-    assert sources == {"plain": 1, "scale_bias": 1, "full_attnres": 9, "block_attnres": 3}[residual]
+    if "residual" in overrides:
+        sources = seen["final_stream"][0][0]
+        assert sources == {"plain": 1, "scale_bias": 1, "full_attnres": 9, "block_attnres": 3}[overrides["residual"]]
 
 
-def test_module_docstring_lists_every_point_kind():
-    documented = set()
-    for line in hooks_mod.__doc__.splitlines():
-        m = re.match(r"^ {4}([a-z_][\w.|]*)\s+\[", line)
-        if m:
-            head, _, last = m.group(1).replace("blocks.i.", "").rpartition(".")
-            documented |= {f"{head}.{alt}" if head else alt for alt in last.split("|")}
-    assert documented == set(POINT_AXES)
+def test_every_declared_point_is_offered_by_some_model():
+    """A declaration no configuration uses is dead: every one is in hook_points of one of the configs above."""
+    offered = set()
+    for overrides in CONFIGS:
+        offered |= {HookNames.point_of(n) for n in hook_points(nano_model(**overrides).config)}
+    assert offered == set(catalogue.POINTS)
+
+
+def test_a_point_nobody_declared_is_caught(monkeypatch):
+    """The check above sees a name the model passes without declaring it."""
+    model = nano_model()
+    real = model.model.layers[0].feed_forward
+
+    def feed_forward(h):
+        return hooks_mod.point(hooks_mod.active(), "blocks.0.undeclared", real(h))
+
+    monkeypatch.setattr(model.model.layers[0], "feed_forward", feed_forward)
+    _, passed = _fired(model, random_ids(5, 1), monkeypatch)
+    assert passed - set(hook_points(model.config)) == {"blocks.0.undeclared"}
+
+
+def test_the_docs_table_is_the_declarations():
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    begin, end = "<!-- hook points: begin -->", "<!-- hook points: end -->"
+    assert begin in text and end in text, "docs/ARCHITECTURE.md has no generated hook point table"
+    table = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert table == catalogue.points_table(), "regenerate with k3core.interp.catalogue.points_table()"
+    assert "`blocks.i.kda.chunk_state`" in table and "`logits`" in table
+
+
+def test_the_module_docstring_example_runs():
+    result = doctest.testmod(hooks_mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 5 and result.failed == 0
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)

@@ -95,13 +95,16 @@ def test_a_banned_expert_gets_no_token_and_equals_a_router_that_never_offers_it(
     ids = random_ids(30, 2)
     with torch.no_grad(), record(model, what="moe", max_batch=2) as tr:
         model(ids)
-    layer, busiest = 2, int(np.argmax(tr["moe.2.load"]))
-    assert tr["moe.2.load"][busiest] > 0
+    layer, busiest = 2, int(np.argmax(tr["blocks.2.moe.experts.load"]))
+    assert tr["blocks.2.moe.experts.load"][busiest] > 0
     edit = MoEEdit("ban", layer=layer, experts=[busiest])
     with torch.no_grad(), intervene(model, [edit]), record(model, what="moe", max_batch=2) as tr2:
         edited = model(ids).logits
-    assert tr2["moe.2.load"][busiest] == 0 and tr2["moe.2.load"].sum() == tr["moe.2.load"].sum()
-    assert (tr2["moe.2.experts"] != busiest).all()
+    assert (
+        tr2["blocks.2.moe.experts.load"][busiest] == 0
+        and tr2["blocks.2.moe.experts.load"].sum() == tr["blocks.2.moe.experts.load"].sum()
+    )
+    assert (tr2["blocks.2.moe.experts"] != busiest).all()
     never = copy.deepcopy(model)
     never.model.layers[layer].block_sparse_moe.gate.e_score_correction_bias[busiest] = float("-inf")
     with torch.no_grad():
@@ -168,7 +171,7 @@ def test_masking_mla_key_0_equals_a_hand_softmax():
     torch.testing.assert_close(got[parts["o"]], want.transpose(1, 2), rtol=1e-5, atol=1e-6)
     with torch.no_grad(), intervene(model, [MLAEdit(layer=3, keys=(0, 1))]), record(model, what="attn_probs") as tr:
         model(ids)
-    probs = tr["mla.3.attn"]
+    probs = tr["blocks.3.mla.attn"]
     assert np.all(probs[..., 0] == 0) and np.allclose(probs[:, :, 1:].sum(-1), 1.0)
 
 

@@ -38,7 +38,8 @@ def documented_arrays() -> list[tuple[str, tuple[str, ...]]]:
 def test_docstring_lists_the_arrays():
     names = [p for p, _ in documented_arrays()]
     assert len(names) == 40  # 28 before the whole-text summaries (issue 24)
-    assert r"^kda\.\d+\.g$" in names and r"^residual\.\d+\.mlp_bias$" in names and r"^attnres\.output$" in names
+    assert r"^blocks\.\d+\.kda\.g$" in names and r"^blocks\.\d+\.mlp_res\.bias$" in names
+    assert r"^output_res\.weights$" in names
 
 
 B, T = 3, 9
@@ -74,9 +75,9 @@ def test_every_documented_array_appears_with_its_axes(ids, residual):
     for pattern, axes in documented_arrays():
         hits = [n for n in tr.arrays if re.match(pattern, n)]
         expect = True
-        if pattern.startswith("^attnres"):
+        if re.search(r"_res\\\.(weights|query_norm)", pattern):
             expect = residual in ATTNRES_MODES
-        elif pattern.startswith("^residual"):
+        elif re.search(r"_res\\\.(scale|bias)", pattern):
             expect = residual == "scale_bias"
         assert bool(hits) == expect, (pattern, residual)
         for n in hits:
@@ -87,15 +88,19 @@ def test_every_documented_array_appears_with_its_axes(ids, residual):
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     assert tr.layer_indices("kda") == kda and tr.layer_indices("mla") == mla and tr.layer_indices("moe") == moe
     for i in kda:
-        assert {n.split(".")[2] for n in tr.names(f"kda.{i}.")} == {
-            "g", "g_bins", "beta", "gate", "state_norm", "state_rank", "state_steps", "final_state"}  # fmt: skip
+        assert {n.removeprefix(f"blocks.{i}.kda.") for n in tr.names(f"blocks.{i}.kda.")} == {
+            "g", "g.bins", "beta", "gate.mean", "chunk_state.norm", "chunk_state.rank", "chunk_state.token",
+            "state"}  # fmt: skip
     if residual == "scale_bias":
-        assert len(tr.names("residual.")) == 4 * cfg.num_hidden_layers
+        assert (
+            len([n for n in tr.names("blocks.") if n.endswith(("_res.scale", "_res.bias"))])
+            == 4 * cfg.num_hidden_layers
+        )
     if residual in ATTNRES_MODES:
         sites = set(tr.meta["attnres_sources"])
         assert {f"{i}.mlp" for i in range(cfg.num_hidden_layers)} | {"output"} <= sites
         for site, names in tr.meta["attnres_sources"].items():
-            assert tr[f"attnres.{site}"].shape[-1] == len(names)
+            assert tr[trace.TraceNames.attnres(site)].shape[-1] == len(names)
 
 
 def test_arrays_are_bounded(block_trace, ids):
@@ -118,28 +123,28 @@ def test_recorded_values_mean_what_they_say(block_trace, ids):
     cfg = model.config
     k, E = cfg.num_experts_per_token, cfg.num_experts
     for i in tr.layer_indices("moe"):
-        assert tr[f"moe.{i}.load"].sum() == B * T * k  # whole batch, not the clipped prefix
-        w = tr[f"moe.{i}.weights"]
+        assert tr[f"blocks.{i}.moe.experts.load"].sum() == B * T * k  # whole batch, not the clipped prefix
+        w = tr[f"blocks.{i}.moe.weights"]
         np.testing.assert_allclose(w.sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
         assert (np.diff(w, axis=-1) <= 0).all()  # sorted by weight rank
-        assert ((tr[f"moe.{i}.experts"] >= 0) & (tr[f"moe.{i}.experts"] < E)).all()
-        s = tr[f"moe.{i}.scores"]
+        assert ((tr[f"blocks.{i}.moe.experts"] >= 0) & (tr[f"blocks.{i}.moe.experts"] < E)).all()
+        s = tr[f"blocks.{i}.moe.scores"]
         assert ((s > 0) & (s < 1)).all() and s.shape[-1] == E
-        assert tr[f"moe.{i}.latent"].shape[-1] == cfg.routed_expert_hidden_size
+        assert tr[f"blocks.{i}.moe.latent"].shape[-1] == cfg.routed_expert_hidden_size
     # kda.0.g is the decay of layer 0 on its (recorded) input
     layer0 = model.model.layers[0]
     with torch.no_grad():
         g0 = layer0.self_attn.decay(layer0.input_layernorm(torch.from_numpy(tr["hidden"][0])))
-    np.testing.assert_allclose(tr["kda.0.g"], g0.numpy(), rtol=1e-5, atol=1e-6)
-    beta = tr["kda.1.beta"]
+    np.testing.assert_allclose(tr["blocks.0.kda.g"], g0.numpy(), rtol=1e-5, atol=1e-6)
+    beta = tr["blocks.1.kda.beta"]
     assert ((beta > 0) & (beta < 1)).all()
-    np.testing.assert_array_equal(tr["kda.0.state_steps"], [MAX_TOKENS])
-    assert tr["kda.0.final_state"].shape == (MAX_BATCH, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)
-    probs = tr["mla.3.attn"]
+    np.testing.assert_array_equal(tr["blocks.0.kda.chunk_state.token"], [MAX_TOKENS])
+    assert tr["blocks.0.kda.state"].shape == (MAX_BATCH, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)
+    probs = tr["blocks.3.mla.attn"]
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.triu(probs, 1) == 0)  # causal
-    for name in tr.names("attnres."):
-        if not name.endswith("_query_norm"):
+    for name in tr.arrays:
+        if name.endswith("_res.weights"):
             np.testing.assert_allclose(tr[name].sum(-1), 1.0, rtol=1e-5)
     # token_nll: per-token loss of the recorded prefix; the last position has no next token (NaN)
     nll = F.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:], reduction="none")
@@ -208,7 +213,7 @@ def test_recording_off_leaves_no_trace(ids):
         model(ids)
     assert trace_mod.current() is None
     snapshot = {k: v.copy() for k, v in tr.arrays.items()}
-    assert set(snapshot) == {"tokens", "position_bins"} | {n for n in snapshot if n.startswith("moe.")}
+    assert set(snapshot) == {"tokens", "position_bins"} | {n for n in snapshot if ".moe." in n}
     with torch.no_grad():
         model(ids[:, :4])
     assert tr.arrays.keys() == snapshot.keys()
@@ -240,14 +245,15 @@ def test_the_last_forward_wins(ids):
     with torch.no_grad(), record(model, what=("hidden", "kda")) as tr:
         model(ids)
         model(ids[:1, :3])
-    assert tr["tokens"].shape == (1, 3) and tr["hidden"].shape[2] == 3 and tr["kda.0.g"].shape[1] == 3
+    assert tr["tokens"].shape == (1, 3) and tr["hidden"].shape[2] == 3 and tr["blocks.0.kda.g"].shape[1] == 3
 
 
 def test_what_selects_items(ids):
     model = nano_model()
     with torch.no_grad(), record(model, what="kda") as tr:
         model(ids, labels=ids)
-    assert {n.split(".")[0] for n in tr.arrays} == {"tokens", "position_bins", "kda"}
+    assert {n.split(".")[0] for n in tr.arrays} == {"tokens", "position_bins", "blocks"}
+    assert {n.split(".")[2] for n in tr.arrays if n.startswith("blocks.")} == {"kda"}
 
 
 @pytest.mark.parametrize("residual", ["block_attnres", "full_attnres", "scale_bias", "plain"])
@@ -273,7 +279,14 @@ def test_tracing_off_never_calls_recorder_code(monkeypatch, ids, residual):
 def test_every_trace_name_builder_matches_a_documented_array():
     """TraceNames builds exactly the names the docstring documents, and covers every documented one."""
     N = trace.TraceNames
-    built = [N.TOKENS, N.TOKEN_NLL, N.HIDDEN, N.HIDDEN_RMS, N.ATTNRES_OUTPUT, N.ATTNRES_OUTPUT_QUERY_NORM]
+    built = [
+        N.TOKENS,
+        N.TOKEN_NLL,
+        N.HIDDEN,
+        N.HIDDEN_RMS,
+        N.attnres(N.OUTPUT_SITE),
+        N.attnres_query_norm(N.OUTPUT_SITE),
+    ]
     moments = ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum")
     built += [N.POSITION_BINS] + [N.hidden_bins(k) for k in moments]
     built += [N.mla_stat(3, k) for k in ("entropy", "sink", "received")] + [N.kda_state_rank(3), N.kda_g_bins(3)]
@@ -284,16 +297,18 @@ def test_every_trace_name_builder_matches_a_documented_array():
         site = N.attnres_site(3, side)
         built += [N.attnres(site), N.attnres_query_norm(site)]
         built += [N.residual(3, side, kind) for kind in ("scale", "bias")]
-    assert N.attnres(N.OUTPUT_SITE) == N.ATTNRES_OUTPUT == "attnres.output"
-    assert N.attnres_query_norm(N.OUTPUT_SITE) == N.ATTNRES_OUTPUT_QUERY_NORM
-    assert N.kda_g(12) == "kda.12.g" and N.moe_load(0) == "moe.0.load"
-    assert N.residual(1, "mlp", "bias") == "residual.1.mlp_bias"
+    assert N.attnres(N.OUTPUT_SITE) == "output_res.weights"
+    assert N.attnres_query_norm(N.OUTPUT_SITE) == "output_res.query_norm"
+    assert N.kda_g(12) == "blocks.12.kda.g" and N.moe_load(0) == "blocks.0.moe.experts.load"
+    assert N.residual(1, "mlp", "bias") == "blocks.1.mlp_res.bias"
     patterns = [p for p, _ in documented_arrays()]
     assert len(set(built)) == len(built) == len(patterns)
     for name in built:
         assert sum(bool(re.match(p, name)) for p in patterns) == 1, name
-    assert N.attnres_site_of("attnres.3.mlp") == "3.mlp" and N.attnres_site_of("attnres.output") == "output"
-    assert N.attnres_site_of("attnres.3.mlp_query_norm") is None and N.attnres_site_of("kda.3.g") is None
+    assert (
+        N.attnres_site_of("blocks.3.mlp_res.weights") == "3.mlp" and N.attnres_site_of("output_res.weights") == "output"
+    )
+    assert N.attnres_site_of("blocks.3.mlp_res.query_norm") is None and N.attnres_site_of("blocks.3.kda.g") is None
     with pytest.raises(ValueError, match="attn"):
         N.attnres_site(0, "ffn")
     with pytest.raises(ValueError, match="scale"):
@@ -336,5 +351,5 @@ def test_two_threads_record_their_own_models_at_the_same_time(ids):
         assert alone.arrays.keys() == tr.arrays.keys(), key
         for name in alone.arrays:
             np.testing.assert_allclose(tr[name], alone[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
-    assert any(n.startswith("attnres.") for n in traces["block"].arrays)
-    assert not any(n.startswith("attnres.") for n in traces["plain"].arrays)
+    assert any(n.endswith("_res.weights") for n in traces["block"].arrays)
+    assert not any(n.endswith("_res.weights") for n in traces["plain"].arrays)

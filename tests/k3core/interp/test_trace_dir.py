@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from analysis.runs import loading as runs_mod
 from analysis.runs import texts as texts_mod
@@ -237,8 +238,31 @@ def test_trace_of_an_edited_forward_lists_its_edits(tmp_path):
     assert base.card["edits"] is None
     [listed] = edited.card["edits"]
     assert listed["kind"] == "attnres" and listed["site"] == "1.attn"
-    weights = edited.trace(0)["attnres.1.attn"]
+    weights = edited.trace(0)["blocks.1.attn_res.weights"]
     np.testing.assert_allclose(weights, 1.0 / weights.shape[-1], rtol=1e-6)  # the edit is in the trace
-    assert not np.allclose(base.trace(0)["attnres.1.attn"], weights)
+    assert not np.allclose(base.trace(0)["blocks.1.attn_res.weights"], weights)
     assert k3lab([*args, "--edit", "moe.ban layer=99 experts=1", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+OLD_NAMES = Path(__file__).resolve().parent / "data" / "old_names_trace"
+
+
+def test_a_trace_folder_of_the_older_names_opens_in_the_hook_namespace():
+    """data/old_names_trace was written by `write_run_traces` before trace arrays took the hook points' names
+    (``kda.0.g``, ``attnres.1.attn``, ``moe.1.load``, ...; k3-full, what = kda, mla, attnres, moe, loss). It opens
+    through the renaming table, and every array equals today's recording of the same tokens under its new name."""
+    folder = read_trace_dir(OLD_NAMES)
+    old = folder.trace(0)
+    assert not any(n.startswith(("kda.", "mla.", "moe.", "attnres.", "residual.")) for n in old.arrays)
+    renamed = {"blocks.0.kda.g", "blocks.3.mla.attn.entropy", "blocks.1.attn_res.weights", "output_res.weights",
+               "blocks.1.moe.experts.load", "blocks.1.moe.selection_bias", "blocks.0.kda.chunk_state.norm"}  # fmt: skip
+    assert renamed <= set(old.arrays)
+    assert set(old.meta["coverage"]) <= set(old.arrays) and "blocks.0.kda.g" in old.meta["coverage"]
+    run = runs_mod.load_run(SAMPLE)
+    tokens = folder.card["texts"][0]["tokens"]
+    now = runs_mod.trace_run(run, torch.tensor([tokens]), what=old.meta["what"]).trace
+    assert set(now.arrays) == set(old.arrays) and now.axes == old.axes
+    for name, array in now.arrays.items():
+        assert np.array_equal(array, old[name], equal_nan=True), name
+    assert now.meta["coverage"] == old.meta["coverage"]

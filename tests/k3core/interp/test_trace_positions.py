@@ -91,20 +91,24 @@ def traces():
 def test_recorded_statistics_equal_the_recorded_map_and_cover_every_position(traces):
     _, full, part = traces
     for layer in at.statistic_layers(full):
-        attn = full[f"mla.{layer}.attn"].astype(np.float64)  # the whole map (70 <= max_attn_len)
-        np.testing.assert_allclose(full[f"mla.{layer}.entropy"], at.causal_row_entropy(attn), rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(full[f"mla.{layer}.sink"], attn[..., 0], rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(at.mean_received(full[f"mla.{layer}.received"]), at.attention_received(attn),
-                                   rtol=RTOL, atol=ATOL)  # fmt: skip
+        attn = full[f"blocks.{layer}.mla.attn"].astype(np.float64)  # the whole map (70 <= max_attn_len)
+        np.testing.assert_allclose(
+            full[f"blocks.{layer}.mla.attn.entropy"], at.causal_row_entropy(attn), rtol=RTOL, atol=ATOL
+        )
+        np.testing.assert_allclose(full[f"blocks.{layer}.mla.attn.sink"], attn[..., 0], rtol=RTOL, atol=ATOL)
+        received = full[f"blocks.{layer}.mla.attn.received"]
+        np.testing.assert_allclose(at.mean_received(received), at.attention_received(attn), rtol=RTOL, atol=ATOL)
         # the windowed trace: statistics over all 70 positions, the map only for queries 30..49 (keys 30..49)
-        assert part[f"mla.{layer}.entropy"].shape[-1] == 70
-        np.testing.assert_allclose(part[f"mla.{layer}.entropy"], full[f"mla.{layer}.entropy"], rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(part[f"mla.{layer}.attn"], attn[:, :, 30:50, 30:50], rtol=RTOL, atol=ATOL)
-        assert part.meta["coverage"][f"mla.{layer}.attn"] == [30, 50]
-        assert part.meta["coverage"][f"mla.{layer}.entropy"] == [0, 70]
+        assert part[f"blocks.{layer}.mla.attn.entropy"].shape[-1] == 70
+        np.testing.assert_allclose(
+            part[f"blocks.{layer}.mla.attn.entropy"], full[f"blocks.{layer}.mla.attn.entropy"], rtol=RTOL, atol=ATOL
+        )
+        np.testing.assert_allclose(part[f"blocks.{layer}.mla.attn"], attn[:, :, 30:50, 30:50], rtol=RTOL, atol=ATOL)
+        assert part.meta["coverage"][f"blocks.{layer}.mla.attn"] == [30, 50]
+        assert part.meta["coverage"][f"blocks.{layer}.mla.attn.entropy"] == [0, 70]
     assert part.meta["attn_window"] == [30, 50]
     assert part["hidden"].shape[2] == 20 and part.meta["coverage"]["hidden"] == [0, 20]
-    assert part.meta["coverage"]["hidden_rms"] == [0, 70] and part.meta["coverage"]["kda.0.g"] == [0, 20]
+    assert part.meta["coverage"]["hidden_rms"] == [0, 70] and part.meta["coverage"]["blocks.0.kda.g"] == [0, 20]
     np.testing.assert_array_equal(part["position_bins"], [0, 16, 32, 64, 70])
     # the tables read the statistics: same values from either trace
     for table in (at.attention_entropy_table, at.attention_sink_table, at.entropy_by_position_table):
@@ -135,13 +139,13 @@ def test_whole_text_hidden_state_tables_from_moments_equal_the_direct_ones(trace
 def test_kda_state_rank_and_binned_decay(traces):
     _, full, part = traces
     for i in full.layer_indices("kda"):
-        final = full[f"kda.{i}.final_state"].astype(np.float64)  # the state after all 70 tokens
-        last = full[f"kda.{i}.state_rank"][:, -1]  # [batch, head] at the last step (token 70)
-        assert full[f"kda.{i}.state_steps"][-1] == 70
+        final = full[f"blocks.{i}.kda.state"].astype(np.float64)  # the state after all 70 tokens
+        last = full[f"blocks.{i}.kda.chunk_state.rank"][:, -1]  # [batch, head] at the last step (token 70)
+        assert full[f"blocks.{i}.kda.chunk_state.token"][-1] == 70
         want = [[hs.effective_rank(final[b, h], center=False) for h in range(final.shape[1])] for b in range(2)]
         np.testing.assert_allclose(last, want, rtol=1e-4)
-        g = full[f"kda.{i}.g"].astype(np.float64)
-        np.testing.assert_allclose(part[f"kda.{i}.g_bins"][:, 3], g[:, 64:70].mean(1), rtol=1e-5, atol=1e-6)
+        g = full[f"blocks.{i}.kda.g"].astype(np.float64)
+        np.testing.assert_allclose(part[f"blocks.{i}.kda.g.bins"][:, 3], g[:, 64:70].mean(1), rtol=1e-5, atol=1e-6)
     ranks = km.kda_state_rank(full)
     assert len(ranks) > 0
 
@@ -177,7 +181,7 @@ _MEMORY_PROBE = textwrap.dedent(
     done.set()
     sampler.join()
     peak = peak[0]
-    covered = trace.meta["coverage"].get("mla.3.entropy", [0, 0])[1]
+    covered = trace.meta["coverage"].get("blocks.3.mla.attn.entropy", [0, 0])[1]
     print(json.dumps({"growth_kb": peak - before, "covered": covered}))
     """
 )

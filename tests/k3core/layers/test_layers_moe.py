@@ -152,8 +152,8 @@ def test_aux_loss_is_the_switch_formula_in_training_mode_only():
     E, k = model.config.num_experts, model.config.num_experts_per_token
     expected = []
     for i in tr.layer_indices("moe"):
-        scores = torch.from_numpy(tr[f"moe.{i}.scores"]).reshape(-1, E).double()
-        f = torch.from_numpy(tr[f"moe.{i}.load"]).double() / (scores.shape[0] * k)
+        scores = torch.from_numpy(tr[f"blocks.{i}.moe.scores"]).reshape(-1, E).double()
+        f = torch.from_numpy(tr[f"blocks.{i}.moe.experts.load"]).double() / (scores.shape[0] * k)
         P = (scores / scores.sum(-1, keepdim=True)).mean(0)
         expected.append(E * (f * P).sum())
     assert out.aux_loss.requires_grad

@@ -1,5 +1,6 @@
-"""The KDA state at chunk ends as a hook point: ``kda_chunk(chunk_state_hook=)`` reads and replaces the state
-in the forward's own state loop, ``blocks.i.kda.chunk_state`` offers it, ``record()`` takes its state norms from
+"""The KDA state at chunk ends as a hook point: ``kda_chunk(output_chunk_states=True)`` returns the states of the
+forward's own state loop, the layer's ``delta_rule`` passes them through ``blocks.i.kda.chunk_state`` (a write: the
+op runs on from the replaced state), ``record()`` takes its state norms from
 it and ``KDAEdit`` reset_chunk_state / scale_chunk_state edit it. Each checked against an independent
 computation (``kda_recurrent`` step by step, ``kda_chunk_end_states``' batched affine maps)."""
 
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 from k3core.generation.cache import K3Cache
+from k3core.interp.catalogue import point_axes
 from k3core.interp.edit_kinds import EditError, KDAEdit, ValueEdit
 from k3core.interp.hooks import HookNames, hooks
 from k3core.interp.interventions import edits_from_json, edits_to_json, intervene, parse_edit
 from k3core.interp.recorder import record
 from k3core.interp.trace import names
+from k3core.layers.kda import delta_rule
 from k3core.model import K3ForCausalLM
 from k3core.ops.kda import chunk as kda_ops
 from k3core.ops.kda import kda_chunk, kda_chunk_end_states, kda_recurrent
@@ -57,25 +60,28 @@ def _recurrent_states(q, k, v, g, beta, initial=None):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_read_states_equal_the_recurrence_at_chunk_ends(small_groups, dtype, tol):
+def test_chunk_states_equal_the_recurrence_at_chunk_ends(small_groups, dtype, tol):
     q, k, v, g, beta = _inputs(dtype)
     initial = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(1), dtype=dtype)
-    seen = []
-    o, final = kda_chunk(
-        q, k, v, g, beta, initial_state=initial, output_final_state=True, chunk_size=C,
-        chunk_state_hook=lambda n, end, state: seen.append((n, end, state.clone())),
-    )  # fmt: skip
-    assert [(n, end) for n, end, _ in seen] == [(0, 8), (1, 16), (2, 24), (3, 32), (4, 37)]
+    o, final, states = kda_chunk(
+        q, k, v, g, beta, initial_state=initial, output_final_state=True, chunk_size=C, output_chunk_states=True
+    )
+    assert states.shape == (2, 5, 4, 8, 6) and states.dtype == dtype
     per_token = _recurrent_states(*(x.double() for x in (q, k, v, g, beta)), initial.double())
     batched, steps = kda_chunk_end_states(q, k, v, g, beta, initial, chunk_size=C)
-    assert steps == [end for _, end, _ in seen]
-    for j, (_, end, state) in enumerate(seen):
-        assert state.shape == (2, 4, 8, 6) and state.dtype == dtype
-        torch.testing.assert_close(state.double(), per_token[:, end - 1], rtol=tol, atol=tol)
-        torch.testing.assert_close(state.float(), batched[:, j], rtol=2e-5, atol=2e-5)
-    assert torch.equal(seen[-1][2], final)
+    assert steps == [8, 16, 24, 32, 37]
+    for j, end in enumerate(steps):
+        torch.testing.assert_close(states[:, j].double(), per_token[:, end - 1], rtol=tol, atol=tol)
+        torch.testing.assert_close(states[:, j].float(), batched[:, j], rtol=2e-5, atol=2e-5)
+    assert torch.equal(states[:, -1], final)
     plain_o, plain_final = kda_chunk(q, k, v, g, beta, initial_state=initial, output_final_state=True, chunk_size=C)
-    assert torch.equal(o, plain_o) and torch.equal(final, plain_final)  # reading changes nothing
+    assert torch.equal(o, plain_o) and torch.equal(final, plain_final)  # returning the states changes nothing
+
+
+def _hooked_delta_rule(qkvgb, hook, initial=None):
+    """The KDA layer's delta rule with a write hook on its chunk-state point (``k3core.layers.kda.delta_rule``)."""
+    with hooks(write={"chunk_state": hook}) as ctx:
+        return delta_rule(ctx, "chunk_state", qkvgb, initial, True, 0, C)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
@@ -84,12 +90,14 @@ def test_a_replaced_state_is_what_the_following_chunks_start_from(small_groups, 
     q, k, v, g, beta = _inputs(dtype)
     replacement = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(2), dtype=dtype)
     plain_o, _ = kda_chunk(q, k, v, g, beta, chunk_size=C)
-    o, final = kda_chunk(
-        q, k, v, g, beta, output_final_state=True, chunk_size=C,
-        chunk_state_hook=lambda i, end, state: replacement if i == n else None,
-    )  # fmt: skip
+    o, final = _hooked_delta_rule(
+        (q, k, v, g, beta), lambda state, name, info: replacement if info["chunk"] == n else None
+    )
     end = min((n + 1) * C, q.shape[1])
     assert torch.equal(o[:, :end], plain_o[:, :end])  # tokens up to the chunk end read their own chunk's state
+    if n == 4:
+        assert torch.equal(final, replacement)
+        return
     after = slice(end, None)
     want_o, want_final = kda_recurrent(
         q[:, after], k[:, after], v[:, after], g[:, after], beta[:, after], initial_state=replacement,
@@ -102,13 +110,11 @@ def test_a_replaced_state_is_what_the_following_chunks_start_from(small_groups, 
 def test_identity_write_is_bitwise_and_gradients_follow_a_scaled_state(small_groups):
     q, k, v, g, beta = _inputs(torch.float64, T=29, requires_grad=True)
     plain_o, plain_s = kda_chunk(q, k, v, g, beta, output_final_state=True, chunk_size=C)
-    same_o, same_s = kda_chunk(
-        q, k, v, g, beta, output_final_state=True, chunk_size=C, chunk_state_hook=lambda n, end, s: s
-    )
+    same_o, same_s = _hooked_delta_rule((q, k, v, g, beta), lambda s, name, info: s)
     assert torch.equal(plain_o, same_o) and torch.equal(plain_s, same_s)
 
     weights = torch.randn(plain_o.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    o, _ = kda_chunk(q, k, v, g, beta, chunk_size=C, chunk_state_hook=lambda n, end, s: s * 0.5 if n == 1 else s)
+    o, _ = _hooked_delta_rule((q, k, v, g, beta), lambda s, name, info: s * 0.5 if info["chunk"] == 1 else s)
     got = torch.autograd.grad((o * weights).sum(), (q, k, v, g, beta))
     # independent: the recurrence up to token 16, the state halved, the recurrence on from it
     head = [x[:, :16] for x in (q, k, v, g, beta)]
@@ -120,14 +126,15 @@ def test_identity_write_is_bitwise_and_gradients_follow_a_scaled_state(small_gro
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_bad_hooks_and_backends_get_clear_errors():
+def test_a_write_of_the_wrong_shape_gets_a_clear_error_and_no_token_has_no_chunk_end():
     q, k, v, g, beta = _inputs(torch.float32, T=9)
-    with pytest.raises(ValueError, match=r"shape \(2, 4, 8, 6\)"):
-        kda_chunk(q, k, v, g, beta, chunk_size=C, chunk_state_hook=lambda n, end, s: s[0])
-    with pytest.raises(ValueError, match="cannot call back"):
-        kda_chunk(q, k, v, g, beta, backend="fla", chunk_state_hook=lambda n, end, s: None)
+    with pytest.raises(ValueError, match=r"chunk_state: a write must keep the state's shape \(2, 4, 8, 6\)"):
+        _hooked_delta_rule((q, k, v, g, beta), lambda s, name, info: s[0])
     calls = []
-    kda_chunk(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], chunk_state_hook=lambda *a: calls.append(a))
+    empty = [x[:, :0] for x in (q, k, v, g, beta)]
+    _, _, states = kda_chunk(*empty, output_chunk_states=True)
+    assert states.shape == (2, 0, 4, 8, 6)
+    _hooked_delta_rule(empty, lambda *a: calls.append(a))
     assert calls == []  # no token, no chunk end
 
 
@@ -149,7 +156,7 @@ def test_the_hook_point_offers_the_forward_states_with_positions_and_axes():
     infos = [info for _, info in got["chunk_state"]]
     assert [i["chunk"] for i in infos] == [0, 1, 2] and [i["token"] for i in infos] == [8, 16, 21]
     assert all(i["chunks"] == 3 and i["length"] == 21 and i["start"] == 0 and i["chunk_size"] == 8 for i in infos)
-    assert infos[0]["axes"] == ("batch", "head", "key", "value")
+    assert point_axes("blocks.1.kda.chunk_state") == ("batch", "head", "key", "value")
     q, k, v, g, beta = (got[p][0][0] for p in ("q", "k", "v", "g", "beta"))
     want, steps = kda_chunk_end_states(q, k, v, g, beta, chunk_size=8)
     assert steps == [8, 16, 21]
@@ -253,10 +260,10 @@ def test_recorded_state_norms_equal_the_batched_recomputation_on_the_samples(sam
             np.testing.assert_allclose(trace[names.kda_state_norm(i)], norms.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_read_only_hook_keeps_the_fla_kernel_and_reads_the_same_states(monkeypatch):
-    """Where fla's Triton kernel runs (CUDA), a read-only hook (record()) does not force the torch path: the
-    states come from kda_chunk_end_states after the kernel. fla is stood in for by the torch path here (no
-    GPU in CI), counted, with fla's signature."""
+def test_chunk_states_keep_the_fla_kernel(monkeypatch):
+    """Where fla's Triton kernel runs (CUDA), asking for the chunk states (record(), or a layer whose chunk-state
+    point is hooked) does not force the torch path: the states come from kda_chunk_end_states after the kernel. fla
+    is stood in for by the torch path here (no GPU in CI), counted, with fla's signature."""
     calls = []
 
     def fake_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
@@ -266,22 +273,12 @@ def test_read_only_hook_keeps_the_fla_kernel_and_reads_the_same_states(monkeypat
     monkeypatch.setattr(kda_ops, "_fla_chunk_kda", lambda: fake_fla)
     q, k, v, g, beta = _inputs(torch.float64)
     initial = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    looped, read = [], []
-    o_torch, _ = kda_chunk(
-        q, k, v, g, beta, initial_state=initial, chunk_size=C, backend="torch",
-        chunk_state_hook=lambda n, end, s: looped.append((n, end, s.clone())),
-    )  # fmt: skip
-    o_fla, _ = kda_chunk(
-        q, k, v, g, beta, initial_state=initial, chunk_size=C, backend="fla",
-        chunk_state_hook=lambda n, end, s: read.append((n, end, s.clone())), chunk_state_read_only=True,
-    )  # fmt: skip
+    o_torch, _, looped = kda_chunk(
+        q, k, v, g, beta, initial_state=initial, chunk_size=C, backend="torch", output_chunk_states=True
+    )
+    o_fla, _, read = kda_chunk(
+        q, k, v, g, beta, initial_state=initial, chunk_size=C, backend="fla", output_chunk_states=True
+    )
     assert calls == [1]
     assert torch.equal(o_fla, o_torch)
-    assert [(n, end) for n, end, _ in read] == [(n, end) for n, end, _ in looped]
-    for (_, _, a), (_, _, b) in zip(read, looped):  # kda_chunk_end_states computes in fp32
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5)
-    with pytest.raises(ValueError, match="read-only chunk_state_hook returned a replacement"):
-        kda_chunk(q, k, v, g, beta, chunk_size=C, backend="fla", chunk_state_read_only=True,
-                  chunk_state_hook=lambda n, end, s: torch.zeros_like(s))  # fmt: skip
-    with pytest.raises(ValueError, match="fla's Triton kernel cannot call back"):
-        kda_chunk(q, k, v, g, beta, chunk_size=C, backend="fla", chunk_state_hook=lambda n, end, s: None)
+    torch.testing.assert_close(read.double(), looped, rtol=0, atol=2e-5)  # kda_chunk_end_states computes in fp32

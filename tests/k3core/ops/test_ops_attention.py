@@ -16,8 +16,11 @@ from k3core.ops.attention import attention, attention_reference
 DIMS = [(48, 32), (32, 32), (16, 24)]
 
 
-def _todays_path(q, k, v, scale, past=0, mask=None):
+def _todays_path(q, k, v, scale, past=0, mask=None, mask_rows=None):
+    """The op as it was: SDPA, with a whole [T, S] mask (a written key mask: every query's rows at once)."""
     T, S = q.shape[-2], k.shape[-2]
+    if mask_rows is not None:
+        mask = mask_rows(0, T, torch.ones(T, S, dtype=torch.bool).tril(diagonal=past))
     if mask is None and past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if mask is None:
@@ -174,3 +177,50 @@ def test_mla_layer_equals_todays_path(monkeypatch, v_head_dim, per_head_mask):
     torch.testing.assert_close(new["decode"], new["prefill"][:, -3:], rtol=0, atol=1e-5)  # cache = full forward
     for tag in ("prefill", "decode", "masked"):
         torch.testing.assert_close(new[tag], old[tag], rtol=0, atol=1e-6, msg=tag)
+
+
+@pytest.mark.parametrize("past", [0, 5])
+def test_mask_rows_per_query_block_equal_the_whole_mask_bitwise(past):
+    """A written key mask given block by block (``mask_rows``, what the MLA layer's key-mask point produces) is
+    exactly attention with the [T, S] mask those rows stack to (the path a whole mask took before), and the rows
+    function sees only one block of queries at a time."""
+    from k3core.interp.edit_kinds import MLAEdit
+    from k3core.presets import from_preset
+
+    gen = torch.Generator().manual_seed(4)
+    B, H, T, S = 2, 4, 21, 21 + past
+    q, k = torch.randn(B, H, T, 24, generator=gen), torch.randn(B, H, S, 24, generator=gen)
+    v = torch.randn(B, H, S, 16, generator=gen)
+    config = from_preset("k3-nano", num_attention_heads=H)
+    for edit in (MLAEdit(keys=(0, 3)), MLAEdit(keys=(2, 9), queries=(6, 17), heads=[1, 3])):
+        (_, hook), *_ = edit.hooks(config)
+        causal = torch.ones(T, S, dtype=torch.bool).tril(diagonal=past)
+        whole = hook(causal, "key_mask", {"start": 0, "stop": T, "past": past})  # the old form: every row at once
+        calls = []
+
+        def rows(start, stop, causal_rows, hook=hook, calls=calls):
+            calls.append((start, stop))
+            return hook(causal_rows, "key_mask", {"start": start, "stop": stop, "past": past})
+
+        got = attention(q, k, v, 0.3, past=past, mask_rows=rows, block=8)
+        assert calls == [(0, 8), (8, 16), (16, 21)]
+        assert torch.equal(got, attention(q, k, v, 0.3, past=past, mask=whole, block=8))
+        torch.testing.assert_close(got, attention_reference(q, k, v, 0.3, mask=whole), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        attention(q, k, v, 0.3, past=past, mask=whole, mask_rows=rows)
+
+
+def test_a_written_key_mask_is_never_handed_over_whole():
+    """At T > QUERY_BLOCK the layer's key-mask point sees one query block of rows at a time."""
+    from k3core.interp.hooks import HookNames, hooks
+    from k3core.ops.attention import QUERY_BLOCK
+    from tests.conftest import nano_model, random_ids
+
+    model = nano_model()
+    layer = next(i for i in range(model.config.num_hidden_layers) if model.config.is_mla_layer(i))
+    T = QUERY_BLOCK + 40
+    shapes = []
+    with torch.no_grad(), hooks(write={HookNames.block(layer, "mla.key_mask"): lambda v, n, info: shapes.append(
+        (info["start"], info["stop"], tuple(v.shape)))}):  # fmt: skip
+        model(random_ids(T, 1))
+    assert shapes == [(0, QUERY_BLOCK, (QUERY_BLOCK, T)), (QUERY_BLOCK, T, (40, T))]
