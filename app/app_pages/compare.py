@@ -11,7 +11,7 @@ from analysis.compare.two_runs import distinct_labels
 from analysis.views.catalogue import section_views
 from app import pages
 from app.library import run_list
-from app.render import cards, page
+from app.render import cards, compare_experiment, page
 from app.render.errors import md_escape
 from app.state import links
 from app.state.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
@@ -92,6 +92,9 @@ st.caption(  # labels and sources name files and texts: shown as text, never as 
 st.markdown("#### Headline numbers")
 cards.headline_delta(a, b)
 
+if section == "experiment":  # the same experiment on A and B, estimated, run on request
+    compare_experiment.section(a, b, st.session_state.get(EDITS) or [], mode == EDITED)
+    st.stop()
 views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
