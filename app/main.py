@@ -18,6 +18,7 @@ if _ROOT not in sys.path:
 import streamlit as st  # noqa: E402
 
 from analysis.figures.style import use_k3lab_template  # noqa: E402
+from app import pages  # noqa: E402
 from app.library import run_list  # noqa: E402
 from app.library.roots import descriptor_check  # noqa: E402
 from app.render import prefetch  # noqa: E402
@@ -35,46 +36,33 @@ use_k3lab_template()  # streamlit's import made its own template plotly's defaul
 st.set_page_config(page_title="k3lab", page_icon=FAVICON, layout="wide", initial_sidebar_state="expanded")
 
 
-def _page(name: str, title: str, icon: str, default: bool = False, url_path: str | None = None, hidden: bool = False):
+def _st_page(entry: pages.Page, default: bool = False, url_path: str | None = None, hidden: bool = False):
     # url_path per page: a link to /moe opens that page
     return st.Page(
-        str(PAGES_DIR / f"{name}.py"),
-        title=title,
-        icon=icon,
+        str(PAGES_DIR / f"{entry.name}.py"),
+        title=entry.title,
+        icon=entry.icon,
         default=default,
-        url_path=url_path or name,
+        url_path=url_path or entry.url_path,
         visibility="hidden" if hidden else "visible",
     )
 
 
-PAGES = {
-    "Model": [
-        # The default page is served at "/" (its own path, "home", is only reserved); the hidden twin
-        # makes a link to /overview open the Overview too, instead of Streamlit's "Page not found".
-        _page("overview", "Overview", ":material/home:", default=True, url_path="home"),
-        _page("overview", "Overview", ":material/home:", hidden=True),
-        _page("weights", "Weights", ":material/scale:"),
-    ],
-    "Mechanisms": [
-        _page("density", "KDA & density", ":material/memory:"),
-        _page("attnres", "AttnRes", ":material/layers:"),
-        _page("moe", "LatentMoE", ":material/hub:"),
-        _page("degradation", "Degradation", ":material/monitor_heart:"),
-        _page("long_context", "Long context", ":material/straighten:"),
-    ],
-    "Runs": [
-        _page("compare", "Compare", ":material/compare:"),
-        _page("history", "Training history", ":material/show_chart:"),
-    ],
-    "Tools": [
-        _page("experiment", "Experiment", ":material/science:"),
-        _page("survey", "Survey", ":material/query_stats:"),
-        _page("generate", "Generate", ":material/edit_note:"),
-        _page("runs_library", "Runs library", ":material/folder_open:", url_path="upload"),
-    ],
-}
+def _navigation() -> dict[str, list]:
+    """The sidebar from the page registry (app.pages). The default page is served at "/" (its own path, "home",
+    is only reserved); its hidden twin makes a link to /overview open it too, instead of "Page not found"."""
+    out: dict[str, list] = {}
+    for group, entries in pages.sidebar_groups().items():
+        out[group] = []
+        for entry in entries:
+            if entry == pages.DEFAULT:
+                out[group] += [_st_page(entry, default=True, url_path="home"), _st_page(entry, hidden=True)]
+            else:
+                out[group].append(_st_page(entry))
+    return out
 
-navigation = st.navigation(PAGES)
+
+navigation = st.navigation(_navigation())
 # Every checkpoint file this script run opens is checked on its descriptor: a regular file with one link,
 # inside the folders the app may read (a link or hard link swapped in after a check is refused at open).
 with prefetch.script_run(), checked_opens(descriptor_check(run_list.readable_folders)):

@@ -33,6 +33,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from app import pages
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -46,11 +48,7 @@ CHROMIUM_ARGS = [
 CHART = '[data-testid="stPlotlyChart"] .js-plotly-plot'  # a drawn plotly figure, not the loading skeleton
 EXCEPTION = '[data-testid="stException"]'
 RENDER_TIMEOUT_MS = 180_000
-SWITCH_PAGES = (
-    ("AttnRes", "attnres", "AttnRes"),
-    ("Degradation", "degradation", "Attention degradation"),
-    ("LatentMoE", "moe", "LatentMoE"),
-)
+SWITCH_PAGES = tuple(pages.page(name) for name in ("attnres", "degradation", "moe"))
 
 
 def free_port() -> int:
@@ -153,13 +151,13 @@ def open_page(browser, url: str, timeout_ms: int = RENDER_TIMEOUT_MS):
     return page, seconds
 
 
-def switch_page(page, link: str, url_path: str, heading: str, timeout_ms: int = RENDER_TIMEOUT_MS) -> float:
-    """Click a sidebar page link; seconds until that page's heading is shown, its script run is over and every
-    chart on it is drawn (DONE_JS)."""
+def switch_page(page, entry: pages.Page, timeout_ms: int = RENDER_TIMEOUT_MS) -> float:
+    """Click a registered page's sidebar link (``app.pages``); seconds until its heading is shown, its script run is
+    over and every chart on it is drawn (DONE_JS)."""
     start = time.perf_counter()
-    page.get_by_role("link", name=link, exact=True).click()
-    page.wait_for_url(f"**/{url_path}*", timeout=timeout_ms)
-    page.get_by_role("heading", name=heading).first.wait_for(timeout=timeout_ms)
+    page.get_by_role("link", name=entry.title, exact=True).click()
+    page.wait_for_url(f"**/{entry.url_path}*", timeout=timeout_ms)
+    page.get_by_role("heading", name=entry.title).first.wait_for(timeout=timeout_ms)
     page.wait_for_selector(CHART, timeout=timeout_ms)
     settle(page, timeout_ms)
     return time.perf_counter() - start
@@ -189,14 +187,14 @@ def measure(url: str, pw) -> dict[str, float | None]:
         page, cold = open_page(browser, url)
         times = {"cold open to first chart": cold}
         for visit in ("first visit", "again"):
-            for link, path, heading in SWITCH_PAGES:
-                times[f"switch to {link} ({visit})"] = switch_page(page, link, path, heading)
+            for entry in SWITCH_PAGES:
+                times[f"switch to {entry.title} ({visit})"] = switch_page(page, entry)
         # Degradation's other figures, on request, then the page again with all of them shown
-        link, path, heading = SWITCH_PAGES[1]
-        switch_page(page, link, path, heading)
-        times[f"{link}: the other figures, on request"] = shown = show_the_rest(page)
-        switch_page(page, *SWITCH_PAGES[0])
-        times[f"switch to {link} (again, all shown)"] = switch_page(page, link, path, heading) if shown else None
+        entry = SWITCH_PAGES[1]
+        switch_page(page, entry)
+        times[f"{entry.title}: the other figures, on request"] = shown = show_the_rest(page)
+        switch_page(page, SWITCH_PAGES[0])
+        times[f"switch to {entry.title} (again, all shown)"] = switch_page(page, entry) if shown else None
         return times
     finally:
         browser.close()

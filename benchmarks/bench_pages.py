@@ -16,32 +16,22 @@ import sys
 import time
 from pathlib import Path
 
+from app import pages
 from benchmarks.bench_app import CHART, CHROMIUM, CHROMIUM_ARGS, EXCEPTION, REPO, app_server, settle
 
-#: (sidebar link, url path, heading) of every page, in sidebar order (app/main.py)
-PAGES = (
-    ("Weights", "weights", "Weights"),
-    ("KDA & density", "density", "KDA & layer density"),
-    ("AttnRes", "attnres", "AttnRes"),
-    ("LatentMoE", "moe", "LatentMoE"),
-    ("Degradation", "degradation", "Attention degradation"),
-    ("Compare", "compare", "Compare"),
-    ("Training history", "history", "Training history"),
-    ("Experiment", "experiment", "Experiment"),
-    ("Generate", "generate", "Generate"),
-    ("Runs library", "upload", "Runs library"),
-    ("Overview", "", "k3lab"),  # the default page, served at "/"
-)
+#: every page, in sidebar order (app.pages), the default page last (it is served at "/")
+PAGES = (*pages.PAGES[1:], pages.DEFAULT)
 COLD_TARGET_S, AGAIN_TARGET_S = 5.0, 0.5
 
 
-def visit(page, link: str, url_path: str, heading: str, timeout_ms: int = 180_000) -> float:
-    """Click a sidebar link; seconds until the heading is shown and the page is settled (charts drawn, run over)."""
+def visit(page, entry: pages.Page, timeout_ms: int = 180_000) -> float:
+    """Click a page's sidebar link; seconds until its heading is shown and the page is settled (charts drawn, run
+    over)."""
     start = time.perf_counter()
-    page.get_by_role("link", name=link, exact=True).first.click()
-    if url_path:
-        page.wait_for_url(f"**/{url_path}*", timeout=timeout_ms)
-    page.get_by_role("heading", name=heading).first.wait_for(timeout=timeout_ms)
+    page.get_by_role("link", name=entry.title, exact=True).first.click()
+    if entry != pages.DEFAULT:  # the default page is served at "/"
+        page.wait_for_url(f"**/{entry.url_path}*", timeout=timeout_ms)
+    page.get_by_role("heading", name=entry.title).first.wait_for(timeout=timeout_ms)
     settle(page, timeout_ms)
     return time.perf_counter() - start
 
@@ -57,14 +47,15 @@ def walk(url: str, pw, shots: Path | None = None) -> dict[str, float]:
         times = {"cold open to first chart": time.perf_counter() - start}
         settle(page)
         for visit_name in ("first", "again"):
-            for link, path, heading in PAGES:
-                times[f"{link} ({visit_name})"] = visit(page, link, path, heading)
+            for entry in PAGES:
+                link, path = entry.title, entry.url_path
+                times[f"{link} ({visit_name})"] = visit(page, entry)
                 print(f"{link} ({visit_name}) {times[f'{link} ({visit_name})']:.2f} s", file=sys.stderr, flush=True)
                 errors = page.locator(EXCEPTION).count()
                 if errors:
                     times[f"{link} ({visit_name}) EXCEPTIONS"] = float(errors)
                 if shots is not None and visit_name == "again":
-                    page.screenshot(path=str(shots / f"{path or 'overview'}.png"), full_page=True)
+                    page.screenshot(path=str(shots / f"{path}.png"), full_page=True)
         return times
     finally:
         browser.close()

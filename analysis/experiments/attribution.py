@@ -53,6 +53,37 @@ class AttributionError(ValueError):
     """Inputs or options attribution cannot use."""
 
 
+def attribution_forwards(
+    method: str, prompt_tokens: int, targets: int, steps: int = 64, samples: int = 8, moe: bool = False
+) -> tuple[int, int]:
+    """(fewest, most) sequences one attribution runs through the model, a backward counted as two forwards (a batch
+    of k rows counts k), for n prompt and m target tokens:
+
+    - feature_ablation: n + 1 (each prompt token replaced, and the input; every target read from one forward);
+    - shapley: samples * n + 1;
+    - integrated_gradients: m (3 steps + 2) + 2, plus steps + 1 on an MoE model (its routing changes on the path);
+    - ig_frozen_routing: 3 steps + m + 2, up to 16 times that (the worst panels halved until the integral
+      converges, at most 16 steps points);
+    - "layers" (layer attribution): 3 steps + 5.
+
+    tests/analysis/experiments/test_attribution_cost.py counts them on a real model."""
+    n, m = int(prompt_tokens), int(targets)
+    if method == "feature_ablation":
+        cost = n + 1
+    elif method == "shapley":
+        cost = samples * n + 1
+    elif method == "integrated_gradients":
+        cost = m * (3 * steps + 2) + 2 + (steps + 1 if moe else 0)
+    elif method == "ig_frozen_routing":
+        low = 3 * steps + m + 2
+        return low, 16 * low
+    elif method == "layers":
+        cost = 3 * steps + 5
+    else:
+        raise AttributionError(f"unknown method {method!r}; methods: {', '.join((*METHODS, 'layers'))}")
+    return cost, cost
+
+
 @dataclass
 class TokenAttribution:
     method: str

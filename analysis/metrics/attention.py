@@ -47,19 +47,6 @@ def causal_row_entropy(attn: np.ndarray) -> np.ndarray:
     return entropy(_check_attention(attn), axis=-1)
 
 
-def causal_normalised_entropy(attn: np.ndarray) -> np.ndarray:
-    """Row entropy normalised by its causal maximum, ``H_i / log(i + 1)``; row 0 (one key) is NaN.
-
-    1 means uniform attention over the visible keys ``0..i``, 0 means all mass on one key.
-    """
-    ent = causal_row_entropy(attn)
-    n_keys = np.arange(1, ent.shape[-1] + 1, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = ent / np.log(n_keys)
-    out[..., 0] = np.nan
-    return out
-
-
 def attention_received(attn: np.ndarray) -> np.ndarray:
     """Mean attention each key receives from the queries that can see it: ``s_j = sum_{i>=j} A_ij / (T - j)``.
 
@@ -109,8 +96,11 @@ def attention_statistics(trace: Trace, layer: int) -> dict[str, np.ndarray]:
     }
 
 
-def normalised_entropy(entropy: np.ndarray) -> np.ndarray:
-    """``H_i / log(i + 1)`` over the last axis (query position i from 0); position 0 (one key) is NaN."""
+def causal_normalised_entropy(entropy: np.ndarray) -> np.ndarray:
+    """Row entropies normalised by their causal maximum, ``H_i / log(i + 1)`` over the last axis (query position i
+    from 0: i + 1 visible keys); 1 means uniform over the keys ``0..i``, 0 all mass on one key. Position 0 (one key)
+    is NaN. The one normalisation of causal rows, for traces' recorded entropies and a map's rows
+    (``causal_row_entropy``) alike."""
     n_keys = np.arange(1, entropy.shape[-1] + 1, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.asarray(entropy, dtype=np.float64) / np.log(n_keys)
@@ -158,7 +148,7 @@ def attention_entropy_table(trace: Trace) -> pd.DataFrame:
     rows = []
     for layer in _require_attention(trace):
         full = attention_statistics(trace, layer)["entropy"]  # [batch, head, query]
-        ent, norm = full[..., 1:], normalised_entropy(full)[..., 1:]
+        ent, norm = full[..., 1:], causal_normalised_entropy(full)[..., 1:]
         for h in range(full.shape[1]):
             rows.append(
                 {
@@ -179,7 +169,7 @@ def entropy_by_position_table(trace: Trace) -> pd.DataFrame:
     """
     frames = []
     for layer in _require_attention(trace):
-        norm = normalised_entropy(attention_statistics(trace, layer)["entropy"]).mean(0)  # [head, query]
+        norm = causal_normalised_entropy(attention_statistics(trace, layer)["entropy"]).mean(0)  # [head, query]
         H, T = norm.shape
         frames.append(
             pd.DataFrame(

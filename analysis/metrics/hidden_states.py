@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.metrics.entropy import entropy
 from analysis.metrics.tidy import tidy
 from analysis.runs.missing_data import MissingTraceData
 from k3core.interp.trace import Trace, names
@@ -63,7 +64,7 @@ def effective_rank(x: np.ndarray, center: bool = True) -> float:
     if total <= _EPS * max(1.0, np.abs(x).max(initial=0.0)):
         return 0.0
     p = sigma[sigma > 0] / total
-    return float(np.exp(-(p * np.log(p)).sum()))
+    return float(np.exp(entropy(p)))
 
 
 def token_uniformity(x: np.ndarray) -> float:
@@ -144,7 +145,7 @@ def effective_rank_from_moments(n: float, s: np.ndarray, gram: np.ndarray) -> fl
     if total <= _EPS * max(1.0, float(np.sqrt(abs(np.trace(gram))))):
         return 0.0
     p = sigma[sigma > 0] / total
-    return float(np.exp(-(p * np.log(p)).sum()))
+    return float(np.exp(entropy(p)))
 
 
 def token_uniformity_from_moments(n: float, unit_sum: np.ndarray) -> float:

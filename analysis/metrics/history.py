@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.metrics.entropy import normalised_entropy
+
 RECORD_KEYS = ("history", "steps", "log", "train", "records", "train_log")
 EVAL_KEYS = ("eval", "evals", "val", "validation", "eval_history")
 ALIASES = {
@@ -223,8 +225,7 @@ def _mix_summary(weights: list, sources: list) -> dict[str, float]:
     if p.size == 0 or not np.isfinite(p).all():
         return {}
     idx = list(sources).index("embedding") if "embedding" in (sources or []) else 0
-    nz = p[p > 0]
-    ent = float(-(nz * np.log(nz)).sum() / math.log(p.size)) if p.size > 1 else float("nan")
+    ent = float(normalised_entropy(p))  # one source: 0, as every depth-mix entropy (analysis.metrics.entropy)
     return {"embedding_weight": float(p[idx]), "max_weight": float(p.max()), "mix_entropy": ent}
 
 

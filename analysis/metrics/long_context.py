@@ -161,7 +161,7 @@ def mla_by_position_table(trace: Trace) -> pd.DataFrame:
         T = stats["entropy"].shape[-1]
         edges = bin_edges(trace, T)
         edges = edges[edges <= T]
-        ent = bin_means(at.normalised_entropy(stats["entropy"]), edges).mean(0)  # [head, bin]
+        ent = bin_means(at.causal_normalised_entropy(stats["entropy"]), edges).mean(0)  # [head, bin]
         sink = bin_means(stats["sink"], edges).mean(0)
         H, B = ent.shape
         frame = bin_frame(edges).loc[np.tile(np.arange(B), H)].reset_index(drop=True)

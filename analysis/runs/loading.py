@@ -22,6 +22,7 @@ import torch
 from analysis.runs.context import AnalysisContext
 from analysis.runs.texts import REPEAT_START, Input
 from k3core.checkpoints.folder import folder_fingerprint
+from k3core.checkpoints.tensor_info import DTYPES as STORED
 from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.config import K3Config
 from k3core.interp.trace_folder import TraceDir, is_trace_dir, read_trace_dir, trace_dir_fingerprint
@@ -36,7 +37,9 @@ if TYPE_CHECKING:  # imported where a run is loaded (load_run), not when this mo
 METRICS_NAME = "metrics.json"
 MAX_METRICS_BYTES = 64 * 1024**2
 CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: the dtypes a run computes in, by the names the app, the CLI and links use ("float32"): a choice of the one table of
+#: torch dtypes, k3core.checkpoints.tensor_info.DTYPES
+DTYPES: dict[str, torch.dtype] = {str(STORED[k]).removeprefix("torch."): STORED[k] for k in ("F32", "BF16", "F16")}
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from analysis.metrics.attention import normalised_entropy
+from analysis.metrics.attention import causal_normalised_entropy
 from analysis.metrics.expert_cache import (
     POLICIES,
     OnlineLRU,
@@ -303,10 +303,10 @@ def mla_block_stats(
     """Per query block of causal attention ``A = softmax(q k^T * scale)`` (q [B, H, T, d], k [B, H, T, d]): yields
     (first query index, normalised row entropy ``H_i / log(i + 1)`` [B, H, block] (NaN at i = 0), first-key mass
     ``A_i0`` [B, H, block]). The statistics are the recorder's own (``blocked_attention_stats``: [block, T] scores
-    at a time), normalised by ``analysis.metrics.attention.normalised_entropy``: one definition for traces and
+    at a time), normalised by ``analysis.metrics.attention.causal_normalised_entropy``: one definition for traces and
     surveys."""
     stats = blocked_attention_stats(q, k, scale, block=block)
-    norm = normalised_entropy(stats["entropy"].double().numpy())
+    norm = causal_normalised_entropy(stats["entropy"].double().numpy())
     sink = stats["sink"].double().numpy()
     T = q.shape[-2]
     for start in range(0, T, block):

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from analysis.weights.layout import COMPONENTS, layer_of, layer_structure, num_layers_of, params_by_depth, tensor_kind
+from analysis.weights.layout import COMPONENTS, layer_structure, num_layers_of, params_by_depth, tensor_kind
 from k3core.checkpoints.folder import CheckpointFiles
-from k3core.checkpoints.names import counts_as_parameter
+from k3core.checkpoints.names import counts_as_parameter, layer_of
 from k3core.config import K3Config
 
 if TYPE_CHECKING:  # k3core.model imports torch: loaded only where a model is built

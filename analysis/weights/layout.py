@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from k3core.checkpoints.names import counts_as_parameter
+from k3core.checkpoints.names import counts_as_parameter, layer_of
 from k3core.config import K3Config
 
 EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
@@ -55,15 +55,6 @@ def numel(meta: Any) -> int:
     """Element count of a tensor meta: its ``numel``, else the product of its ``shape``."""
     n = getattr(meta, "numel", None)
     return int(n) if n is not None else math.prod(meta.shape)  # Python ints: 250K names in a second, no overflow
-
-
-def layer_of(name: str) -> tuple[int | None, str]:
-    """(decoder layer index, name inside the layer) for ``model.layers.i.<rest>``; (None, name) otherwise."""
-    # str methods, not a regex: this runs for every tensor name (250k for Kimi K3), several times
-    if not name.startswith("model.layers."):
-        return None, name
-    idx, _, rest = name[13:].partition(".")
-    return (int(idx), rest) if idx.isdigit() and rest else (None, name)
 
 
 def num_layers_of(names: Iterable[str], config: K3Config | None = None) -> int:

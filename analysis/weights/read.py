@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .layout import EXPERT_RE, expert_tensor_names, layer_of, layer_structure, small_tensor_names
+from k3core.checkpoints.names import layer_of
+
+from .layout import EXPERT_RE, expert_tensor_names, layer_structure, small_tensor_names
 from .source import StateDictSource, open_source
 from .summary import WeightSummary, summarize_values
 

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from .layout import EXPERT_RE, layer_of
+from k3core.checkpoints.names import layer_of
+
+from .layout import EXPERT_RE
 
 
 def _layer_expert_table(values: Mapping[str, np.ndarray], num_layers: int, tensor: str, column: str) -> pd.DataFrame:

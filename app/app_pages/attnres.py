@@ -4,7 +4,6 @@ from app.render import page
 
 page.section_page(
     "attnres",
-    "AttnRes",
     "Attention over depth instead of a plain residual: which earlier blocks each sub-layer reads from, how "
     "peaked those depth weights are, the learned scale/bias of the scale-bias residual, and how the hidden "
     "state's RMS grows with depth.",

@@ -9,30 +9,34 @@ import streamlit as st
 
 from analysis.compare.two_runs import distinct_labels
 from analysis.views.catalogue import section_views
+from app import pages
 from app.library import run_list
-from app.render import cards, page
+from app.render import cards, compare_experiment, page
 from app.render.errors import md_escape
 from app.state import links
 from app.state.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
-from app.state.links import EDITED, EDITS, SECTIONS, TWO_RUNS, TWO_TEXTS
+from app.state.links import EDITED, EDITS, TWO_RUNS, TWO_TEXTS
 from app.state.sidebar import text_choice
 
 inputs = page.inputs_or_stop()
 page.page_header(
-    "Compare",
+    "compare",
     "Any view for two runs side by side on shared axes and colour ranges, the difference A - B where "
     "the two tables align, and the headline numbers with their delta. Run A and text A are the sidebar's.",
 )
 
 mode = st.radio(
-    "Compare", (TWO_RUNS, TWO_TEXTS, EDITED), horizontal=True, key="k3lab_cmp_mode", label_visibility="collapsed"
+    "Comparing", (TWO_RUNS, TWO_TEXTS, EDITED), horizontal=True, key="k3lab_cmp_mode", label_visibility="collapsed"
 )
 run_a = inputs.run
 label_b = source_b = None
 if mode == TWO_RUNS:
     others = [r for r in inputs.runs if r.label != run_a.label]
     if not others:
-        st.info("Only one run is available: add another on the **Runs library** page, or compare one run on two texts.")
+        st.info(
+            f"Only one run is available: add another on the {pages.page('runs_library').mention}, or compare one run "
+            "on two texts."
+        )
         st.stop()
     c1, c2 = st.columns(2)
     c1.text_input("Run A (sidebar)", value=run_a.label, disabled=True, key="k3lab_cmp_a")
@@ -44,7 +48,7 @@ if mode == TWO_RUNS:
 elif mode == EDITED:
     edits = st.session_state.get(EDITS) or []
     if not edits:
-        st.info("No edits yet: build them on the **Experiment** page, then come back.")
+        st.info(f"No edits yet: build them on the {pages.page('experiment').mention}, then come back.")
         st.stop()
     st.caption("B = the sidebar's run and text with these edits: " + "; ".join(json.dumps(e) for e in edits))
     links.write_edits(edits)
@@ -65,7 +69,8 @@ else:
         )
     source_b = choice_b.source
 
-section = st.radio("Views", list(SECTIONS), format_func=SECTIONS.get, horizontal=True, key="k3lab_cmp_section")
+sections = pages.compare_sections()
+section = st.radio("Views", list(sections), format_func=sections.get, horizontal=True, key="k3lab_cmp_section")
 links.write_compare(mode, label_b, source_b, section, choice_b.recorded if mode == TWO_TEXTS else None)
 
 if mode == TWO_RUNS:
@@ -87,12 +92,17 @@ st.caption(  # labels and sources name files and texts: shown as text, never as 
 st.markdown("#### Headline numbers")
 cards.headline_delta(a, b)
 
+if section == "experiment":  # the same experiment on A and B, estimated, run on request
+    compare_experiment.section(a, b, st.session_state.get(EDITS) or [], mode == EDITED)
+    st.stop()
 views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
 for view in views:
     if view.needs_model and view.section == "long_context":  # reruns the model at other lengths: not a trace view
-        st.caption(f"**{view.title}**: measured per run on the Long context page (it runs the model again).")
+        st.caption(
+            f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
+        )
         continue
     if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
         continue

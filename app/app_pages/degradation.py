@@ -4,7 +4,6 @@ from app.render import page
 
 page.section_page(
     "degradation",
-    "Attention degradation",
     "Warning signs of a degrading stack: attention entropy collapse and sinks (MLA layers), rank collapse and "
     "token uniformity of the hidden states, layer redundancy (Block Influence, CKA), massive activations, and "
     "for KDA layers their state-based counterparts.",

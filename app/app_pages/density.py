@@ -1,10 +1,9 @@
-"""KDA & layer density: allocated (params, FLOPs, cache bytes by depth) against measured importance."""
+"""KDA & density: allocated (params, FLOPs, cache bytes by depth) against measured importance."""
 
 from app.render import page
 
 page.section_page(
     "density",
-    "KDA & layer density",
     "Where parameters, FLOPs and cache memory go by depth (slide the sequence length in the sidebar: KDA's "
     "state stays flat, MLA's latent cache grows linearly), against how much each layer measurably matters "
     "(ablation, gradient x activation) and the KDA decay horizons.",

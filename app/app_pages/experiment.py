@@ -15,6 +15,7 @@ from analysis.figures import experiment as fx
 from analysis.metrics.token_detail import token_detail
 from analysis.output.export import csv_with_provenance, provenance
 from analysis.runs import job_memory
+from app import pages
 from app.render import caching, cards, page
 from app.render.errors import plain
 from app.server import job_budget
@@ -26,7 +27,7 @@ from k3core.interp.interventions import compile_edits, edit_from_dict
 
 inputs = page.inputs_or_stop()
 page.page_header(
-    "Experiment",
+    "experiment",
     "Ask causal questions: edit the forward pass (ban an expert, flatten a depth mix, pin a KDA decay, mask "
     "MLA keys, zero any activation) and see what changes per token; patch activations from a clean into a "
     "corrupted input; attribute a continuation to the prompt's tokens with Captum; inspect one token.",
@@ -238,7 +239,9 @@ def _experiment() -> None:
         changes = effects.prediction_changes(base_logits, edited_logits, chosen, 5, label)
         st.dataframe(changes, hide_index=True, key="k3lab_exp_changes")
     query = {**st.query_params.to_dict(), "mode": "edited", "section": "moe"}
-    st.markdown(f"[Every diagnostics view, baseline vs edited, on the Compare page](/compare?{urlencode(query)})")
+    compare = pages.page("compare")
+    link = compare.link(urlencode(query))
+    st.markdown(f"[Every diagnostics view, baseline vs edited, on the {compare.title} page]({link})")
 
 
 def _patching() -> None:

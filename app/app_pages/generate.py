@@ -15,7 +15,7 @@ from k3core.generation.cache import K3Cache
 inputs = page.inputs_or_stop()
 run = inputs.run
 page.page_header(
-    "Generate",
+    "generate",
     "Sample text from the chosen run. The prompt is read in one forward pass; then each new token "
     "reads and extends the decode cache: KDA layers keep a fixed-size state, MLA layers one latent per token.",
 )
@@ -67,7 +67,7 @@ with st.form("k3lab_generate"):
     temperature = c[1].slider("Temperature (0 = greedy)", 0.0, 2.0, 0.8, 0.05, key="k3lab_gen_temp")
     top_k = c[2].number_input("Top-k (0 = off)", 0, int(model.config.vocab_size), 0, key="k3lab_gen_topk")
     seed = c[3].number_input("Seed", 0, 2**31 - 1, 0, key="k3lab_gen_seed")
-    go = st.form_submit_button("Generate", type="primary")
+    go = st.form_submit_button("Generate text", type="primary")
 
 if go:
     if not prompt:

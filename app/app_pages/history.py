@@ -8,7 +8,7 @@ from app.render import caching, page
 
 inputs = page.inputs_or_stop()
 page.page_header(
-    "Training history",
+    "history",
     "Loss, validation bits/byte, MQAR accuracy, MoE balance and AttnRes summaries logged "
     "during training (each run's metrics.json). Overlay other runs to compare how they trained.",
 )

@@ -94,7 +94,7 @@ def _measure(title: str, key: str, compute, done_caption: str) -> None:
 
 inputs = page.inputs_or_stop()
 page.page_header(
-    "Long context",
+    "long_context",
     "How the run behaves far into one long text: loss by position against its short-context loss, KDA state "
     "norm and rank and the decay horizon used, MLA entropy and sink mass over position, recall by distance, and "
     "seconds and memory per token against length. Every diagnostic covers every position.",

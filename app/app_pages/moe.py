@@ -4,7 +4,6 @@ from app.render import page
 
 page.section_page(
     "moe",
-    "LatentMoE",
     "Routed experts working in a narrower latent width: how evenly tokens spread over experts (MaxVio, CV, "
     "entropy, dead experts), the weight of each routing rank, which experts fire together, the latent "
     "vectors coloured by expert, and the selection biases.",

@@ -18,7 +18,7 @@ LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per l
 inputs = page.inputs_or_stop()
 run = inputs.run
 page.page_header(
-    "k3lab",
+    "overview",
     "See inside a Kimi K3-style model: KDA linear attention and layer density, AttnRes depth mixing, "
     "LatentMoE routing and attention degradation. Pick a run and a text in the sidebar; every page follows them.",
 )

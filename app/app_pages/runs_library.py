@@ -17,7 +17,7 @@ from app.state.inputs import current_inputs
 from k3core.distributed import rank_plan
 
 page.page_header(
-    "Runs library",
+    "runs_library",
     "Add your own runs: upload a checkpoint (config.json + model.safetensors, or shards with "
     "model.safetensors.index.json; optionally metrics.json, README.md and tokenizer files), a whole folder or a "
     "zip of it; open a folder on the server by path (the way to bring a checkpoint of any size); or create a fresh "

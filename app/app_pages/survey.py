@@ -19,7 +19,7 @@ from app.server import survey_jobs
 
 inputs = page.inputs_or_stop()
 page.page_header(
-    "Survey",
+    "survey",
     "Statistics over every token of a corpus, kept as bounded aggregates: MoE load with its interval, balance, "
     "margins, an expert atlas (click a mark of the load map to open the expert's card) and what an expert cache "
     "would hit (LRU, LFU, Belady). A survey is saved as it runs; Stop keeps what is done and Start continues.",

@@ -28,7 +28,7 @@ def weights_or_stop(ref, experts: bool = False, progress=None) -> caching.Loaded
 inputs = page.inputs_or_stop()
 ref = inputs.run
 page.page_header(
-    "Weights",
+    "weights",
     "What the checkpoint learned, read straight from its small tensors without building the model: KDA resting "
     "decay (half-life per layer and head), AttnRes pseudo-query norms, residual scale/bias, router selection "
     "biases and norms, norm weights, and parameters by depth from the headers. Any size: a 5 TB checkpoint "

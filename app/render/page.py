@@ -19,6 +19,7 @@ from analysis.runs.loading import Run
 from analysis.runs.texts import Input
 from analysis.views.catalogue import all_views, section_views
 from analysis.views.view import View
+from app import pages
 from app.library import memory_fit, run_messages
 from app.library.run_list import RunRef
 from app.render import caching, cards
@@ -36,7 +37,6 @@ from app.state.inputs import (
     current_inputs,
     options_key,
 )
-from app.state.links import SECTIONS
 from k3core.checkpoints.pretrained import load_config
 from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
@@ -48,8 +48,9 @@ EAGER_VIEWS = 4
 IMPORTANCE = "sublayer_importance"  # the AnalysisContext.once key of analysis.figures.density's importance
 
 
-def page_header(title: str, intro: str) -> None:
-    st.title(title)
+def page_header(name: str, intro: str) -> None:
+    """The page's heading (its registered title, ``app.pages``) and its introduction."""
+    st.title(pages.page(name).title)
     st.caption(intro)
 
 
@@ -57,7 +58,7 @@ def inputs_or_stop() -> Inputs:
     """The sidebar inputs; stops the page with a message when there is no run to show."""
     inputs = current_inputs()
     if inputs is None or inputs.run is None:
-        st.info("No run selected. Add a checkpoint on the **Runs library** page.")
+        st.info(f"No run selected. Add a checkpoint on the {pages.page('runs_library').mention}.")
         st.stop()
     return inputs
 
@@ -343,17 +344,17 @@ def importance_card(view: View, loaded: Loaded) -> None:
 
 def prefetch_sections(loaded: Loaded) -> None:
     """Build the other mechanism pages' figures for this run and text in the background (app.render.prefetch)."""
-    prefetch([v for v in all_views() if v.section in SECTIONS], loaded)
+    prefetch([v for v in all_views() if v.section in pages.COMPARE_SECTIONS], loaded)
 
 
-def section_page(section: str, title: str, intro: str) -> None:
-    """A mechanism page: every View of one section for the sidebar's run and text."""
+def section_page(name: str, intro: str) -> None:
+    """A mechanism page: every View of its registered section (``app.pages``) for the sidebar's run and text."""
     inputs = inputs_or_stop()
-    page_header(title, intro)
+    page_header(name, intro)
     loaded = load_or_stop(inputs)
     show_input_notes(loaded)
     run_line(loaded)
-    render_section(section, loaded)
+    render_section(pages.page(name).section, loaded)
     prefetch_sections(loaded)
 
 

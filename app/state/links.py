@@ -8,7 +8,7 @@ query parameters, written on every run and read on a session's first run:
     device   cpu | cuda                          dtype    float32 | bfloat16 | float16
     attn     0: do not record MLA attention      mode     compare: runs | texts
     b        compare: run B label                text_b   compare: text B (as ``text``)
-    section  compare: density | attnres | moe | degradation | long_context | weights
+    section  compare: one of app.pages.COMPARE_SECTIONS (density, attnres, ..., experiment)
     edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interp.interventions)
     pick     layer / head picks of per-layer views: ``VIEW:L3H1,VIEW2:L5`` (analysis.views.picks; app.state.pickers)
     text_index    a trace folder's recorded text (0, 1, ...; instead of ``text``)
@@ -27,6 +27,7 @@ from typing import Any
 import streamlit as st
 
 from analysis.runs import loading
+from app import pages
 from app.render.errors import md_escape
 from app.state import inputs as inp
 
@@ -38,14 +39,6 @@ TEXT_SLUGS = {
     "upload": inp.TEXT_UPLOAD,
 }
 SLUG_OF_TEXT = {v: k for k, v in TEXT_SLUGS.items()}
-SECTIONS = {
-    "density": "KDA & density",
-    "attnres": "AttnRes",
-    "moe": "LatentMoE",
-    "degradation": "Degradation",
-    "long_context": "Long context",
-    "weights": "Weights",
-}
 TWO_RUNS, TWO_TEXTS, EDITED = "Two runs, same text", "One run, two texts", "Baseline vs edited"
 MODES = {"runs": TWO_RUNS, "texts": TWO_TEXTS, "edited": EDITED}
 EDITS = "k3lab_edits"  # session key: the experiment's edits, as a list of edit dicts
@@ -145,7 +138,7 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
         if param in params:
             put(key, _int(param, params[param], 0, MAX_TEXT_INDEX, notes))
     if "section" in params:
-        put("k3lab_cmp_section", _choice("section", params["section"], list(SECTIONS), notes))
+        put("k3lab_cmp_section", _choice("section", params["section"], list(pages.COMPARE_SECTIONS), notes))
     if "edits" in params:
         from k3core.interp.edit_kinds import EditError
         from k3core.interp.interventions import edits_from_json

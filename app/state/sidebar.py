@@ -12,6 +12,7 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.output.format import format_tokens
+from app import pages
 from app.library import run_list
 from app.library.run_list import RunRef
 from app.render import caching
@@ -69,7 +70,8 @@ def sidebar() -> Inputs:
             run = by_label.get(chosen)
         else:
             st.warning(
-                "No checkpoints found. Add one on the **Runs library** page, or start the app with `k3lab app PATH`."
+                f"No checkpoints found. Add one on the {pages.page('runs_library').mention}, or start the app with "
+                "`k3lab app PATH`."
             )
         for problem in problems:
             st.warning(problem)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoints.folder import CheckpointFiles
+from ..checkpoints.names import LAYER_PREFIX, layer_of
 from ..checkpoints.tensor_info import CheckpointError
 from ..layers.kda import KimiDeltaAttention
 from .expert_store import (
@@ -42,16 +43,17 @@ from .expert_store import (
 )
 
 EXPERT_RE = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-_LAYER_MODULE_RE = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp|block_sparse_moe))\.")
+STREAMED_MODULES = ("self_attn", "mlp", "block_sparse_moe")  # a layer's parts that stream
 EMBED, LM_HEAD = "model.embed_tokens", "lm_head"
 
 
 def streamed_module_of(name: str) -> str | None:
     """The module a (non-expert) tensor streams with: a layer's self_attn / mlp / block_sparse_moe, the
     embedding or the LM head; None for the small tensors that always stay (norms, AttnRes queries)."""
-    m = _LAYER_MODULE_RE.match(name)
-    if m:
-        return m.group(1)
+    layer, rest = layer_of(name)
+    module = rest.partition(".")[0] if layer is not None else None
+    if module in STREAMED_MODULES and "." in rest:
+        return f"{LAYER_PREFIX}{layer}.{module}"
     for module in (EMBED, LM_HEAD):
         if name.startswith(module + "."):
             return module

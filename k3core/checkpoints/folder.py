@@ -42,7 +42,7 @@ from ..utils.files import open_for_reading, parse_json, read_bytes_limited
 from .names import canonical_name
 from .pickle_weights import read_pickle_weights_only
 from .safetensors_header import MAX_HEADER_BYTES, is_hole, read_safetensors_header, read_span
-from .tensor_info import DTYPES, CheckpointError, TensorInfo
+from .tensor_info import DTYPES, CheckpointError, TensorInfo, stored_dtype_name
 
 __all__ = [
     "CONFIG_NAME",
@@ -69,8 +69,6 @@ PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenizer.model")
 MAX_CONFIG_BYTES = 16 * 1024**2  # config.json (Kimi K3's: 5 KB)
 MAX_INDEX_BYTES = 256 * 1024**2  # the shard index (one line per tensor name)
-
-_TORCH_TO_ST = {v: k for k, v in DTYPES.items()}
 
 
 def read_quantization_config(folder: Path) -> dict | None:
@@ -189,7 +187,7 @@ class CheckpointFiles:
             if file.suffix in PICKLE_SUFFIXES:
                 entries = {}
                 for raw, tensor in read_pickle_weights_only(file).items():
-                    dtype = _TORCH_TO_ST.get(tensor.dtype, str(tensor.dtype))
+                    dtype = stored_dtype_name(tensor.dtype)
                     entries[raw] = (dtype, tuple(tensor.shape), -1, -1)
                     pickled[raw] = tensor
             else:

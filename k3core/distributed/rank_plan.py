@@ -12,15 +12,13 @@ small as it can be (a binary search over the cap, each cap checked greedily); ``
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..checkpoints.names import keep_fp32
+from ..checkpoints.names import keep_fp32, layer_of
 
-LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 FIRST_NAMES = ("model.embed_tokens.",)  # on the first rank; every other non-layer tensor goes on the last
 
 
@@ -80,9 +78,9 @@ def layer_bytes(sizes: dict[str, int], num_layers: int) -> tuple[list[int], int,
     """(bytes per decoder layer, bytes on the first rank only, bytes on the last rank only)."""
     per_layer, first, last = [0] * num_layers, 0, 0
     for name, nbytes in sizes.items():
-        m = LAYER_RE.match(name)
-        if m and int(m.group(1)) < num_layers:
-            per_layer[int(m.group(1))] += nbytes
+        layer = layer_of(name)[0]
+        if layer is not None and layer < num_layers:
+            per_layer[layer] += nbytes
         elif name.startswith(FIRST_NAMES):
             first += nbytes
         else:

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import pytest
 
+from app import pages
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
@@ -39,6 +40,7 @@ if not CHROMIUM.exists():
     pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
 
+MOE, ATTNRES = pages.page("moe"), pages.page("attnres")
 SAMPLE = "k3-full"  # the first shipped sample: the default run
 OTHER = "plain-moe"
 ERROR = '[data-testid="stAlertContentError"]'
@@ -88,17 +90,15 @@ def test_cold_open_page_switches_and_export(server, browser, tmp_path):
         _keep(shot)
 
         times = {"cold open to first chart": cold}
-        times["switch to LatentMoE (first visit)"] = switch_page(page, "LatentMoE", "moe", "LatentMoE")
+        times["switch to LatentMoE (first visit)"] = switch_page(page, MOE)
         _no_errors(page, log)
         assert page.locator(CHART).count() >= 3
         shot = tmp_path / "k3lab_moe.png"
         page.screenshot(path=str(shot), full_page=True)
         _keep(shot)
-        times["switch to AttnRes (first visit)"] = switch_page(page, "AttnRes", "attnres", "AttnRes")
-        times["switch to Degradation (first visit)"] = switch_page(
-            page, "Degradation", "degradation", "Attention degradation"
-        )
-        times["switch to LatentMoE (again)"] = switch_page(page, "LatentMoE", "moe", "LatentMoE")
+        times["switch to AttnRes (first visit)"] = switch_page(page, ATTNRES)
+        times["switch to Degradation (first visit)"] = switch_page(page, pages.page("degradation"))
+        times["switch to LatentMoE (again)"] = switch_page(page, MOE)
         _no_errors(page, log)
         print(f"\nbrowser timings on {SAMPLE} (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores):")
         for name, seconds in times.items():
@@ -124,7 +124,7 @@ def test_a_copied_link_reopens_the_same_view_in_a_fresh_browser(server, browser)
     page, _ = open_page(browser, f"{url}/moe?run={OTHER}&text=mqar&tokens=64")
     try:
         _no_errors(page, log)
-        assert page.get_by_role("heading", name="LatentMoE").count() == 1
+        assert page.get_by_role("heading", name=MOE.title).count() == 1
         assert f"{OTHER} · 64 tokens of MQAR" in _body(page)
         link = page.url
     finally:
@@ -140,7 +140,7 @@ def test_a_copied_link_reopens_the_same_view_in_a_fresh_browser(server, browser)
     fresh, _ = open_page(browser, link)  # a new context: no cookies, no session state
     try:
         _no_errors(fresh, log)
-        assert fresh.get_by_role("heading", name="LatentMoE").count() == 1
+        assert fresh.get_by_role("heading", name=MOE.title).count() == 1
         assert f"{OTHER} · 64 tokens of MQAR" in _body(fresh)
     finally:
         fresh.context.close()
@@ -160,7 +160,7 @@ def test_deep_links_and_unknown_values(server, browser):
     try:
         settle(page)
         _no_errors(page, log)
-        assert page.get_by_role("heading", name="AttnRes").count() == 1
+        assert page.get_by_role("heading", name=ATTNRES.title).count() == 1
         warning = page.locator('[data-testid="stAlertContentWarning"]').all_inner_texts()
         assert any("'no-such-run'" in w for w in warning), warning
         assert f"{SAMPLE} · 64 tokens" in _body(page)  # fell back to the default run
@@ -308,7 +308,7 @@ def test_compare_figures_hold_both_runs_numbers_on_shared_ranges(server, browser
     page, _ = open_page(browser, f"{url}/compare?run={SAMPLE}&b={OTHER}&mode=runs&section={section}&{query}")
     try:
         _no_errors(page, log)
-        assert page.get_by_role("heading", name="Compare").count() == 1
+        assert page.get_by_role("heading", name=pages.page("compare").title).count() == 1
         body = _body(page)
         assert f"A = {SAMPLE}: 64 tokens of MQAR" in body and f"B = {OTHER}: 64 tokens of MQAR" in body, body[:500]
         compared = _figures(page)

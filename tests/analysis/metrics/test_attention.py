@@ -31,7 +31,7 @@ def attn_trace(per_head: list[np.ndarray], layer: int = 3) -> Trace:
 
 
 def test_uniform_causal_attention_has_normalised_entropy_one():
-    norm = at.causal_normalised_entropy(uniform_causal(6))
+    norm = at.causal_normalised_entropy(at.causal_row_entropy(uniform_causal(6)))
     assert math.isnan(norm[0])  # one key: undefined, skipped
     np.testing.assert_allclose(norm[1:], 1.0, atol=1e-12)
     np.testing.assert_allclose(at.causal_row_entropy(uniform_causal(4)), np.log([1, 2, 3, 4]), atol=1e-12)
@@ -50,7 +50,7 @@ def test_one_hot_attention_has_entropy_zero_and_table_skips_row_zero():
 def test_hand_computed_row_entropy():
     a = np.array([[1.0, 0, 0], [0.5, 0.5, 0], [0.25, 0.25, 0.5]])
     expected = -(0.25 * np.log(0.25) * 2 + 0.5 * np.log(0.5)) / np.log(3)
-    assert at.causal_normalised_entropy(a)[2] == pytest.approx(expected)
+    assert at.causal_normalised_entropy(at.causal_row_entropy(a))[2] == pytest.approx(expected)
 
 
 def test_all_attention_on_first_token_is_a_full_sink():

@@ -83,7 +83,7 @@ def test_entropy_by_position_pick_is_that_heads_row_entropy(ctx):
     choices = pk.mla_choices(ctx)
     layer, head = _last(choices, "layer"), _last(choices, "head")
     fig, table = _build("degradation_entropy_position", ctx, layer=layer, head=head)
-    expected = at.causal_normalised_entropy(ctx.trace[names.mla_attn(layer)]).mean(0)[head, 1:]
+    expected = at.causal_normalised_entropy(at.causal_row_entropy(ctx.trace[names.mla_attn(layer)])).mean(0)[head, 1:]
     assert len(fig.data) == 1 and fig.data[0].name == f"MLA layer {layer} head {head}"
     np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=np.float64), expected, rtol=1e-6)
     fig, _ = _build("degradation_entropy_position", ctx, head=head)  # head h in every MLA layer
@@ -178,7 +178,7 @@ def test_compare_uses_one_pick_for_both_runs(ctx):
     for run, c in (("nano", ctx), ("other", other)):
         rows = table[table["run"] == run]
         assert set(rows["layer"]) == {layer} and set(rows["head"]) == {head}
-        expected = at.causal_normalised_entropy(c.trace[names.mla_attn(layer)]).mean(0)[head, 1:]
+        expected = at.causal_normalised_entropy(at.causal_row_entropy(c.trace[names.mla_attn(layer)])).mean(0)[head, 1:]
         np.testing.assert_allclose(rows["entropy_norm"], expected, rtol=1e-6)
     assert len(fig.data) == 2
     assert fig.layout.title.text.startswith(f"Entropy by query position, MLA layer {layer}, head {head}: nano vs other")

@@ -33,7 +33,7 @@ def test_report_layer_and_head(ckpts, tmp_path, capsys):  # noqa: F811
     printed = capsys.readouterr().out
     figures = out / "figures"
     table = read_csv_with_provenance(figures / f"degradation_entropy_position_L{mla}H1.csv")[0]
-    expected = at.causal_normalised_entropy(trace[names.mla_attn(mla)]).mean(0)[1, 1:]
+    expected = at.causal_normalised_entropy(at.causal_row_entropy(trace[names.mla_attn(mla)])).mean(0)[1, 1:]
     assert set(table["layer"]) == {mla} and set(table["head"]) == {1}
     np.testing.assert_allclose(table["entropy_norm"], expected, rtol=1e-6)
     sink = read_csv_with_provenance(figures / f"degradation_sink_L{mla}H1.csv")[0]

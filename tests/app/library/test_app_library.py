@@ -13,6 +13,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
+from app import pages
 from app.library import home as library_home
 from app.library import memory_fit, run_list, run_messages
 from app.library.store import RunsLibrary
@@ -231,5 +232,5 @@ def test_overview_of_a_run_too_big_for_memory_says_so_and_loads_nothing(env, run
     assert not at.exception
     [error] = _errors(at)
     assert error.startswith("**nano-good** needs 826.5 KiB in float32 but cpu has 97.7 KiB free")
-    assert "**Weights** page" in error
+    assert pages.page("weights").mention in error
     assert loads == []  # the page stopped before loading

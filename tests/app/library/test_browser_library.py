@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app import pages
 from benchmarks.bench_app import (
     CHROMIUM,
     CHROMIUM_ARGS,
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.browser
 if not CHROMIUM.exists():
     pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+LIBRARY = pages.page("runs_library")
 START_TIMEOUT_S = 120
 DROPZONE = '[data-testid="stFileUploaderDropzoneInput"]'
 
@@ -82,7 +84,7 @@ def chromium():
 def open_library_page(page, url: str) -> None:
     """Go to the Runs library page and wait until it is drawn."""
     page.goto(f"{url}/upload")
-    page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
+    page.get_by_role("heading", name=LIBRARY.title, exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
     settle(page)
 
 
@@ -122,7 +124,7 @@ def test_upload_survives_reload_and_restart(tmp_path):
             assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
 
             page.reload()  # a browser reload: a new session, same server
-            page.get_by_role("heading", name="Runs library", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
+            page.get_by_role("heading", name=LIBRARY.title, exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
             _wait_text(page, "persisted · uploaded")
             settle(page)
             assert str(home) not in page.locator("body").inner_text()  # no server paths of the library
