@@ -251,7 +251,8 @@ OLD_NAMES = Path(__file__).resolve().parent / "data" / "old_names_trace"
 def test_a_trace_folder_of_the_older_names_opens_in_the_hook_namespace():
     """data/old_names_trace was written by `write_run_traces` before trace arrays took the hook points' names
     (``kda.0.g``, ``attnres.1.attn``, ``moe.1.load``, ...; k3-full, what = kda, mla, attnres, moe, loss). It opens
-    through the renaming table, and every array equals today's recording of the same tokens under its new name."""
+    through the renaming table, and every array equals today's recording of the same tokens under its new name (fp32:
+    rtol 1e-5, atol 1e-6, as the engine's fused fast paths may round differently from the code that wrote it)."""
     folder = read_trace_dir(OLD_NAMES)
     old = folder.trace(0)
     assert not any(n.startswith(("kda.", "mla.", "moe.", "attnres.", "residual.")) for n in old.arrays)
@@ -263,6 +264,6 @@ def test_a_trace_folder_of_the_older_names_opens_in_the_hook_namespace():
     tokens = folder.card["texts"][0]["tokens"]
     now = runs_mod.trace_run(run, torch.tensor([tokens]), what=old.meta["what"]).trace
     assert set(now.arrays) == set(old.arrays) and now.axes == old.axes
-    for name, array in now.arrays.items():
-        assert np.array_equal(array, old[name], equal_nan=True), name
+    for name, array in now.arrays.items():  # names exact; values to fp32 rounding
+        np.testing.assert_allclose(array, old[name], rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=name)
     assert now.meta["coverage"] == old.meta["coverage"]
