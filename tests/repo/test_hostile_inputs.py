@@ -51,8 +51,9 @@ REPO = Path(__file__).resolve().parents[2]
 # ----------------------------------------------------------------------------------------- measuring
 def bounded(fn, error: type[BaseException], match: str) -> str:
     """Call ``fn``, which must raise ``error`` (message matching ``match``) within LIMIT_S seconds and LIMIT_BYTES
-    of extra memory (``match`` is required and must not be empty: an empty pattern matches every message). RSS sampled every 2 ms and the process's high-water mark around a timed call, then
-    tracemalloc's peak around a second call (Python allocations the sampler may miss). Returns the message."""
+    of extra memory (``match`` is required and must not be empty: an empty pattern matches every message). RSS
+    sampled every 2 ms and the process's high-water mark around a timed call, then tracemalloc's peak around a
+    second call (Python allocations the sampler may miss). Returns the message."""
     assert match, "bounded() needs the message it expects: an empty pattern matches every message"
     proc = psutil.Process()
     base = proc.memory_info().rss
