@@ -102,7 +102,9 @@ def offer_stream(hooks: HookContext | None, name: str, stream: DepthStream) -> D
     return replace(stream, bank=bank, last=new[-1].to(sources[-1].device))
 
 
-def read_input(config: K3Config, layer: nn.Module, side: str, stream: DepthStream, hooks: HookContext | None):
+def read_input(
+    config: K3Config, layer: nn.Module, side: str, stream: DepthStream, hooks: HookContext | None
+) -> torch.Tensor:
     """The input of a decoder layer's sub-layer ("attn" or "mlp"): the stream itself, or its AttnRes depth mix
     at that site (the model's output: ``K3Model.read_out``)."""
     if config.residual not in ATTNRES_MODES:
