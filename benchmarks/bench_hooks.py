@@ -47,7 +47,11 @@ def reference_k3core(ref: str = "main") -> tuple[object, object] | str:
     (folder / "k3core").rename(folder / "k3core_ref")
     sys.path.insert(0, str(folder))
     try:
-        return importlib.import_module("k3core_ref.model"), importlib.import_module("k3core_ref.trace")
+        model_mod = importlib.import_module("k3core_ref.model")
+        try:  # the recorder's module: k3core.interp.recorder since the subsystem layout, k3core.trace before
+            return model_mod, importlib.import_module("k3core_ref.interp.recorder")
+        except ModuleNotFoundError:
+            return model_mod, importlib.import_module("k3core_ref.trace")
     finally:
         sys.path.remove(str(folder))
 

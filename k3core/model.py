@@ -6,7 +6,7 @@
 The residual stream is one of four modes (``config.residual``):
 
 - ``block_attnres`` (K3): each sub-layer input is a softmax mix over depth of a bank of completed
-  block sums plus the running partial sum P (arXiv 2603.15031); see ``ResidualStream``.
+  block sums plus the running partial sum P (arXiv 2603.15031); see ``k3core.layers.residual.DepthStream``.
 - ``full_attnres``: the mix runs over the embedding and every earlier sub-layer output.
 - ``scale_bias``: h = h + scale_l * f(RMSNorm(h)) + bias_l with learned per-channel scale and bias.
 - ``plain``: pre-norm residual h = h + f(RMSNorm(h)).
@@ -20,27 +20,36 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bigmodel.placement import Plan, load_placed, plan_for_model
-from .checkpoints.folder import CheckpointFiles
-from .checkpoints.pretrained import build_meta_model, load_pretrained, save_pretrained
 from .config import K3Config
 from .data.batches import IGNORE_INDEX
 from .generation.cache import K3Cache
-from .generation.decode import generate as _generate
 from .interp.hooks import HookContext, HookNames, HookPoint, active, point
 from .layers.ffn import GatedMLP
 from .layers.kda import KDACache, KimiDeltaAttention
 from .layers.mla import MLACache, MultiHeadLatentAttention
 from .layers.moe import LatentMoE
 from .layers.norm import RMSNorm
-from .layers.residual import FINAL_STREAM, STREAM, ResidualStream, depth_mix, scale_bias_init
+from .layers.residual import (
+    FINAL_STREAM,
+    STREAM,
+    DepthStream,
+    Source,
+    add_output,
+    depth_mix,
+    offer_stream,
+    read_input,
+    scale_bias_init,
+)
 from .presets import PRESETS, from_preset
+
+if TYPE_CHECKING:
+    from .bigmodel.placement import Plan
 
 _BTD = ("batch", "token", "hidden")
 
@@ -110,18 +119,15 @@ class K3DecoderLayer(nn.Module):
         """The FFN sub-layer on its (pre-norm) input h: dense FFN or LatentMoE of RMSNorm(h)."""
         return point(active(), FFN_OUT.at(self.layer_idx), self.ffn(self.post_attention_layernorm(h)))
 
-    def forward(self, stream: ResidualStream, cache: KDACache | MLACache | None = None) -> ResidualStream:
-        """One decoder layer on the residual stream (any residual mode): read the attention input from the
-        stream, add the attention output, read the FFN input, add the FFN output."""
-        hooks = active()
-        i = self.layer_idx
-        if hooks is not None:
-            stream.offer(hooks, STREAM.at(i))
-        h = point(hooks, RESID_IN.at(i), stream.read(self, "attn", hooks))
-        stream.write(self, "attn", self.attention(h, cache))
-        h = point(hooks, FFN_IN.at(i), stream.read(self, "mlp", hooks))
-        stream.write(self, "mlp", self.feed_forward(h))
-        return stream
+    def forward(self, stream: DepthStream, cache: KDACache | MLACache | None = None) -> DepthStream:
+        """One pre-norm decoder layer, h = h + attention(norm(h)); h = h + ffn(norm(h)), on the residual stream of
+        any mode: each sub-layer's input is read from the stream (AttnRes: a depth mix) and its output added."""
+        ctx, i, config = active(), self.layer_idx, self.config
+        stream = offer_stream(ctx, STREAM.at(i), stream)
+        h = point(ctx, RESID_IN.at(i), read_input(config, self, "attn", stream, ctx))
+        stream = add_output(config, self, "attn", stream, self.attention(h, cache))
+        h = point(ctx, FFN_IN.at(i), read_input(config, self, "mlp", stream, ctx))
+        return add_output(config, self, "mlp", stream, self.feed_forward(h))
 
 
 class K3Model(nn.Module):
@@ -143,7 +149,7 @@ class K3Model(nn.Module):
             stream = layer(stream, None if cache is None else cache.layers[i])
         return self.end(stream)
 
-    def begin(self, input_ids: torch.Tensor) -> ResidualStream:
+    def begin(self, input_ids: torch.Tensor) -> DepthStream:
         """The stream entering layer 0: the checked token ids embedded (a pipeline's first stage runs this)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -155,17 +161,14 @@ class K3Model(nn.Module):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         hooks = active()
         point(hooks, TOKENS.at(), input_ids)
-        x = point(hooks, EMBED.at(), self.embed_tokens(input_ids))
-        return ResidualStream(self.config, x)
+        return DepthStream.start(point(hooks, EMBED.at(), self.embed_tokens(input_ids)))
 
-    def end(self, stream: ResidualStream) -> torch.Tensor:
+    def end(self, stream: DepthStream) -> torch.Tensor:
         """The output depth mix and final RMSNorm of the stream leaving the last layer (a pipeline's last stage)."""
         hooks = active()
-        if hooks is not None:
-            stream.offer(hooks, FINAL_STREAM.at())
-        return self.read_out(*stream.sources(), hooks)
+        return self.read_out(*offer_stream(hooks, FINAL_STREAM.at(), stream).sources(), hooks)
 
-    def read_out(self, sources: list[torch.Tensor], names: list[str], hooks: HookContext | None) -> torch.Tensor:
+    def read_out(self, sources: list[torch.Tensor], names: list[Source], hooks: HookContext | None) -> torch.Tensor:
         """The final hidden state of depth sources: the output depth mix (AttnRes; else the last source), then the
         final RMSNorm, through their hook points. ``end`` reads the stream with it; the lens reads earlier depths
         with it, so an edit of the output path (the output site's weights, final_resid, final_norm) acts on both."""
@@ -264,11 +267,14 @@ class K3ForCausalLM(nn.Module):
         dense parts resident when they fit, else read module by module; nothing copied anywhere
         (``k3core.bigmodel.streamed_run.load_streamed``; the plan is ``model.streaming.plan``). Raises
         CheckpointError."""
+        # The loading stack is imported when a checkpoint is loaded, not with the model.
         if stream:
             from .bigmodel.streamed_run import load_streamed
 
             return load_streamed(path, cls, device=device, dtype=dtype, max_memory=max_memory or "8GB")
         if str(device) == "auto" or max_memory is not None:
+            from .bigmodel.placement import load_placed
+
             return load_placed(
                 path,
                 cls,
@@ -278,6 +284,8 @@ class K3ForCausalLM(nn.Module):
                 offload_folder=offload_folder,
                 progress=progress,
             )
+        from .checkpoints.pretrained import load_pretrained
+
         return load_pretrained(path, cls, device=device, dtype=dtype, progress=progress)
 
     @classmethod
@@ -290,6 +298,10 @@ class K3ForCausalLM(nn.Module):
     ) -> Plan:
         """Where ``from_pretrained(path, device, dtype)`` would put each layer and the bytes per device,
         computed on the meta device before anything is loaded (a checkpoint folder, a config or a preset)."""
+        from .bigmodel.placement import plan_for_model
+        from .checkpoints.folder import CheckpointFiles
+        from .checkpoints.pretrained import build_meta_model
+
         files = None
         if isinstance(path_or_config, K3Config):
             config = path_or_config
@@ -309,6 +321,8 @@ class K3ForCausalLM(nn.Module):
     ) -> Path:
         """config.json + safetensors (sharded above ``max_shard_bytes``); Kimi-Linear-type configs in
         transformers' format unless ``config_format="k3lab"``."""
+        from .checkpoints.pretrained import save_pretrained
+
         return save_pretrained(self, path, max_shard_bytes=max_shard_bytes, config_format=config_format)
 
     # -------------------------------------------------------------- forward
@@ -379,4 +393,6 @@ class K3ForCausalLM(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs: Any) -> torch.Tensor:
         """Hugging Face style shortcut for :func:`k3core.generation.decode.generate` (same arguments)."""
-        return _generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+        from .generation.decode import generate
+
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
+from k3core.interp.catalogue import source_label
 from k3core.interp.hooks import active, hooks
 from k3core.layers.residual import FINAL_STREAM, STREAM
 
@@ -60,7 +61,7 @@ def lens_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[str], t
             stacked, sources = states[name]
             h = inner.read_out(list(stacked), sources, edits)
             if attnres:
-                label = f"{sources[-1]} ({len(sources)} sources)"
+                label = f"{source_label(sources[-1])} ({len(sources)} sources)"
             else:
                 done = config.num_hidden_layers if layer is None else layer  # layers already applied
                 label = "embedding" if done == 0 else f"after layer {done - 1}" + (" (final)" if layer is None else "")

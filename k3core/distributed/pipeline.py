@@ -4,7 +4,7 @@ Rank r holds the contiguous decoder layers ``k3core.distributed.rank_plan.split_
 0; the output depth mix, final norm and LM head on the last rank) and reads only those tensors from the checkpoint
 (``load_stage``). Each text is one micro-batch: rank 0 embeds it and runs its layers, then hands the residual
 state on (``send_stream``): under AttnRes that is every completed block representation plus the partial block
-sum (``ResidualStream.bank`` + ``last``, with their source names), not one hidden vector; rank 0 goes on with
+sum (``DepthStream.bank`` + ``last``, with their sources), not one hidden vector; rank 0 goes on with
 the next text while rank 1 works on the first. Each rank records its own layers' trace items with the ordinary
 recorder (``k3core.interp.recorder.record``); ``gather_traces`` sends the parts to rank 0 and ``merge_traces`` joins
 them into the trace one process would have recorded.
@@ -41,7 +41,7 @@ from ..config import K3Config
 from ..interp.hooks import active, point
 from ..interp.recorder import record
 from ..interp.trace import Trace, TraceNames
-from ..layers.residual import ResidualStream
+from ..layers.residual import DepthStream, Source
 from ..model import TOKENS, K3ForCausalLM
 from ..utils.files import parse_json, read_bytes_limited
 from .rank_plan import RankPlan, model_sizes, plan_for
@@ -206,14 +206,14 @@ def _recv_bytes(src: int, stage: Stage, device: torch.device, what: str) -> byte
     return payload.cpu().numpy().tobytes()
 
 
-def send_stream(stream: ResidualStream, stage: Stage, text: int) -> list:
+def send_stream(stream: DepthStream, stage: Stage, text: int) -> list:
     """Hand the residual state on to the next rank (non-blocking; keep the returned handles until done)."""
     sources, names = stream.sources()
     stacked = torch.stack(sources).contiguous()
     device = _comm_device(stacked.device)
     header = {
-        "bank_names": stream.bank_names,
-        "last_name": stream.last_name,
+        "bank_names": [list(s) for s in stream.bank_names],
+        "last_name": None if stream.last_name is None else list(stream.last_name),
         "has_last": stream.last is not None,
         "shape": list(stacked.shape),
         "dtype": str(stacked.dtype).removeprefix("torch."),
@@ -225,7 +225,7 @@ def send_stream(stream: ResidualStream, stage: Stage, text: int) -> list:
     return [*handles, dist.isend(tensor, stage.rank + 1), tensor]
 
 
-def recv_stream(config: K3Config, stage: Stage, text: int, device: torch.device) -> ResidualStream:
+def recv_stream(config: K3Config, stage: Stage, text: int, device: torch.device) -> DepthStream:
     """The residual state of text ``text`` from the previous rank."""
     src = stage.rank - 1
     what = f"the residual state of text {text} (entering layer {stage.start})"
@@ -237,13 +237,14 @@ def recv_stream(config: K3Config, stage: Stage, text: int, device: torch.device)
     stacked = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]), device=comm)
     _wait(dist.irecv(stacked, src), stage, src, what)
     stacked = stacked.to(device)
-    stream = ResidualStream(config, None)
     n_bank = len(header["bank_names"])
-    stream.bank = list(stacked[:n_bank].unbind(0))
-    stream.bank_names = list(header["bank_names"])
-    stream.last = stacked[n_bank] if header["has_last"] else None
-    stream.last_name = header["last_name"]
-    return stream
+    last = header["last_name"]
+    return DepthStream(
+        tuple(stacked[:n_bank].unbind(0)),
+        tuple(Source(*s) for s in header["bank_names"]),
+        stacked[n_bank] if header["has_last"] else None,
+        None if last is None else Source(*last),
+    )
 
 
 # --------------------------------------------------------------------------------------------- the forward

@@ -90,6 +90,16 @@ def hook_points(config: Any) -> list[str]:
     return out
 
 
+def source_label(source: residual.Source) -> str:
+    """How a depth source is named for people, in traces (``meta["attnres_sources"]``) and in edits: "embedding",
+    "block 2" ("block 2 (partial)" while the block is open), "L3.attn", "L3.ffn"."""
+    if source.kind == "embedding":
+        return "embedding"
+    if source.kind == "block":
+        return f"block {source.index}" + (" (partial)" if source.partial else "")
+    return f"L{source.index}.{source.kind}"
+
+
 def points_table() -> str:
     """The hook point table of docs/ARCHITECTURE.md (markdown), from the declarations."""
     rows = ["| hook point | axes | meaning |", "|---|---|---|"]

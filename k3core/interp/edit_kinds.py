@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..utils import input_limits as limits
-from .catalogue import POINT_AXES, hook_points
+from .catalogue import POINT_AXES, hook_points, source_label
 from .hooks import HookNames
 
 # A g far below the chunked kernel's floor: exp(g) is 0 in the recurrent path and ~1e-26 in the chunked one.
@@ -273,7 +273,7 @@ class AttnResEdit(_Edit):
             new = torch.full_like(value, 1.0 / n)
         else:
             picked = torch.zeros(n, dtype=torch.bool, device=value.device)
-            picked[self._indices(list(info["sources"]))] = True
+            picked[self._indices([source_label(s) for s in info["sources"]])] = True
             if self.mode == "one_hot":
                 new = picked.to(value.dtype).expand_as(value).clone()
             else:

@@ -85,7 +85,7 @@ import torch
 
 from ..ops.kda import kda_recurrent
 from .attention_stats import DEFAULT_BLOCK, blocked_attention_stats, position_bins
-from .catalogue import POINTS
+from .catalogue import POINTS, source_label
 from .hooks import active, hooks
 from .trace import Trace, TraceNames
 
@@ -412,7 +412,9 @@ class Recorder:
     def _attnres_weights(self, value: torch.Tensor, name: str, info: dict) -> None:
         site = info["site"]
         self.put_tokens(TraceNames.attnres(site), value, ("batch", "token", "source"))
-        self.trace.meta.setdefault(TraceNames.ATTNRES_SOURCES_META, {})[site] = list(info["sources"])
+        self.trace.meta.setdefault(TraceNames.ATTNRES_SOURCES_META, {})[site] = [
+            source_label(s) for s in info["sources"]
+        ]
         if self.model is not None:
             inner = self.model.model
             owner = inner if site == TraceNames.OUTPUT_SITE else inner.layers[int(site.split(".")[0])]

@@ -194,7 +194,13 @@ class KimiDeltaAttention(nn.Module):
 
 
 def delta_rule(
-    ctx: HookContext | None, name: str, qkvgb: tuple, initial, want_final: bool, start: int, chunk_size: int
+    ctx: HookContext | None,
+    name: str,
+    qkvgb: tuple[torch.Tensor, ...],
+    initial: torch.Tensor | None,
+    want_final: bool,
+    start: int,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o, final state) of the chunked delta rule (``kda_chunk``) on a call's tokens.
 

@@ -1,10 +1,14 @@
 """The residual stream between layers: plain, scale/bias, and AttnRes (attention over depth, block or full).
 
-``ResidualStream`` holds the depth sources so far and says how a sub-layer reads and adds to them;
-``depth_mix`` is the AttnRes mix of one site (its depth weights and output are hook points).
+``DepthStream`` holds the depth sources so far (immutable; ``Source`` says what each holds, as data);
+``read_input`` and ``add_output`` are how a sub-layer reads and adds to it; ``depth_mix`` is the AttnRes mix of
+one site (its depth weights and output are hook points).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -44,84 +48,101 @@ def scale_bias_init(config: K3Config, layer_idx: int) -> float:
     return 1.0 - 0.1 * depth
 
 
-class ResidualStream:
-    """What flows from layer to layer: the depth sources so far, and how a sub-layer reads and adds to them.
+class Source(NamedTuple):
+    """What one depth source holds, as data (its label for people: ``k3core.interp.catalogue.source_label``):
+    ``kind`` "embedding", "block" (block AttnRes: block ``index`` from 1, ``partial`` while the block is open) or
+    the output of sub-layer "attn" / "ffn" of layer ``index`` (full AttnRes)."""
 
-    - plain / scale_bias: one source h; read h; write h + f (scale_bias: h + scale * f + bias).
-    - block_attnres: completed block sums (the bank, starting with the embedding) + the running partial
-      sum P of the current block; read = the site's softmax mix over bank + [P] (layer 0's attention reads
+    kind: str
+    index: int = 0
+    partial: bool = False
+
+
+EMBEDDING = Source("embedding")
+
+
+@dataclass(frozen=True)
+class DepthStream:
+    """What flows from layer to layer (immutable: adding a sub-layer's output makes a new one).
+
+    - plain / scale_bias: one source h (``last``); read h; add h + f (scale_bias: h + scale * f + bias).
+    - block_attnres: completed block sums (``bank``, starting with the embedding) + the running partial sum P of
+      the current block (``last``); read = the site's softmax mix over bank + [P] (layer 0's attention reads
       P = x directly); each block's first attention output starts a new P.
     - full_attnres: the embedding and every sub-layer output; read = the site's mix over all of them.
     """
 
-    def __init__(self, config: K3Config, x: torch.Tensor):
-        self.mode = config.residual
-        self.block_size = config.attn_res_block_size
-        self.num_layers = config.num_hidden_layers
-        self.bank: list[torch.Tensor] = []  # block: completed blocks; full: every source but the last
-        self.bank_names: list[str] = []
-        self.last: torch.Tensor | None = x  # additive: h; block: partial P; full: the newest source
-        self.last_name = "embedding"
+    bank: tuple[torch.Tensor, ...]
+    bank_names: tuple[Source, ...]
+    last: torch.Tensor | None  # additive: h; block: partial P (None when a block has just been closed); full: newest
+    last_name: Source | None
 
-    @property
-    def attnres(self) -> bool:
-        return self.mode in ATTNRES_MODES
+    @classmethod
+    def start(cls, x: torch.Tensor) -> DepthStream:
+        """The stream entering layer 0: the embedding."""
+        return cls((), (), x, EMBEDDING)
 
-    def sources(self) -> tuple[list[torch.Tensor], list[str]]:
+    def sources(self) -> tuple[list[torch.Tensor], list[Source]]:
         if self.last is None:
             return list(self.bank), list(self.bank_names)
-        return self.bank + [self.last], self.bank_names + [self.last_name]
+        return [*self.bank, self.last], [*self.bank_names, self.last_name]
 
-    def offer(self, hooks: HookContext, name: str) -> None:
-        """The depth state as one hook point [source, batch, token, hidden] (built only when asked for)."""
-        if not hooks.wants(name):
-            return
-        sources, names = self.sources()
-        stacked = torch.stack([s.to(sources[-1].device) for s in sources])
-        new = point(hooks, name, stacked, sources=names)
-        if new is not stacked:
-            self.bank = [new[j].to(s.device) for j, s in enumerate(self.bank)]
-            self.last = new[-1].to(sources[-1].device)
 
-    def read(self, layer: nn.Module, side: str, hooks: HookContext | None) -> torch.Tensor:
-        """The input of a sub-layer ("attn" or "mlp" of a decoder layer; the model's output: ``K3Model.read_out``)."""
-        if not self.attnres:
-            return self.last
-        if side == "attn":
-            if not self.bank:  # the first layer reads the embedding itself
-                return self.last
-            site = HookNames.attnres_site(layer.layer_idx, "attn")
-            proj, norm = layer.self_attention_res_proj, layer.self_attention_res_norm
-        else:
-            site = HookNames.attnres_site(layer.layer_idx, "mlp")
-            proj, norm = layer.mlp_res_proj, layer.mlp_res_norm
-        sources, names = self.sources()
-        return depth_mix(hooks, site, proj, norm, sources, names)
+def offer_stream(hooks: HookContext | None, name: str, stream: DepthStream) -> DepthStream:
+    """The depth state as one hook point [source, batch, token, hidden] (built only when asked for); a write
+    replaces every source."""
+    if hooks is None or not hooks.wants(name):
+        return stream
+    sources, names = stream.sources()
+    stacked = torch.stack([s.to(sources[-1].device) for s in sources])
+    new = point(hooks, name, stacked, sources=names)
+    if new is stacked:
+        return stream
+    bank = tuple(new[j].to(s.device) for j, s in enumerate(stream.bank))
+    return replace(stream, bank=bank, last=new[-1].to(sources[-1].device))
 
-    def write(self, layer: nn.Module, side: str, out: torch.Tensor) -> None:
-        """Add a sub-layer's output ("attn" or "mlp") to the stream."""
-        i = layer.layer_idx
-        if self.mode == "plain":
-            self.last = self.last.to(out.device) + out
-        elif self.mode == "scale_bias":
-            scale, bias = (
-                (layer.self_attention_res_scale, layer.self_attention_res_bias)
-                if side == "attn"
-                else (layer.mlp_res_scale, layer.mlp_res_bias)
-            )
-            self.last = self.last.to(out.device) + out * scale + bias
-        elif self.mode == "full_attnres":
-            self.bank.append(self.last)
-            self.bank_names.append(self.last_name)
-            self.last, self.last_name = out, f"L{i}.{'attn' if side == 'attn' else 'ffn'}"
-        else:
-            if side == "attn" and i % self.block_size == 0:  # a new block starts
-                self.bank.append(self.last)
-                self.bank_names.append(self.last_name)
-                self.last, self.last_name = None, f"block {i // self.block_size + 1} (partial)"
-            self.last = out if self.last is None else self.last.to(out.device) + out
-            if side == "mlp" and ((i + 1) % self.block_size == 0 or i + 1 == self.num_layers):
-                self.last_name = self.last_name.replace(" (partial)", "")
+
+def read_input(
+    config: K3Config, layer: nn.Module, side: str, stream: DepthStream, hooks: HookContext | None
+) -> torch.Tensor:
+    """The input of a decoder layer's sub-layer ("attn" or "mlp"): the stream itself, or its AttnRes depth mix
+    at that site (the model's output: ``K3Model.read_out``)."""
+    if config.residual not in ATTNRES_MODES:
+        return stream.last
+    if side == "attn":
+        if not stream.bank:  # the first layer reads the embedding itself
+            return stream.last
+        proj, norm = layer.self_attention_res_proj, layer.self_attention_res_norm
+    else:
+        proj, norm = layer.mlp_res_proj, layer.mlp_res_norm
+    sources, names = stream.sources()
+    return depth_mix(hooks, HookNames.attnres_site(layer.layer_idx, side), proj, norm, sources, names)
+
+
+def add_output(config: K3Config, layer: nn.Module, side: str, stream: DepthStream, out: torch.Tensor) -> DepthStream:
+    """The stream with a sub-layer's output ("attn" or "mlp" of decoder layer ``layer``) added."""
+    i, mode = layer.layer_idx, config.residual
+    if mode == "plain":
+        return replace(stream, last=stream.last.to(out.device) + out)
+    if mode == "scale_bias":
+        scale, bias = (
+            (layer.self_attention_res_scale, layer.self_attention_res_bias)
+            if side == "attn"
+            else (layer.mlp_res_scale, layer.mlp_res_bias)
+        )
+        return replace(stream, last=stream.last.to(out.device) + out * scale + bias)
+    if mode == "full_attnres":
+        kind = "attn" if side == "attn" else "ffn"
+        return DepthStream((*stream.bank, stream.last), (*stream.bank_names, stream.last_name), out, Source(kind, i))
+    block = config.attn_res_block_size
+    bank, names, last, name = stream.bank, stream.bank_names, stream.last, stream.last_name
+    if side == "attn" and i % block == 0:  # a new block starts
+        bank, names = (*bank, last), (*names, name)
+        last, name = None, Source("block", i // block + 1, partial=True)
+    last = out if last is None else last.to(out.device) + out
+    if side == "mlp" and ((i + 1) % block == 0 or i + 1 == config.num_hidden_layers):
+        name = name._replace(partial=False)
+    return DepthStream(bank, names, last, name)
 
 
 def depth_mix(
@@ -130,7 +151,7 @@ def depth_mix(
     proj: nn.Linear,
     norm: RMSNorm,
     sources: list[torch.Tensor],
-    names: list[str],
+    names: list[Source],
 ) -> torch.Tensor:
     """AttnRes mix of ``sources`` at ``site``; its depth weights and output are hook points."""
     # Layers may sit on different devices (device="auto"): the mix runs where its pseudo-query is.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -352,3 +353,42 @@ def test_decoder_layer_accessors():
     with torch.no_grad():
         torch.testing.assert_close(layers[1].attention(h), layers[1].self_attn(layers[1].input_layernorm(h)))
         torch.testing.assert_close(layers[1].feed_forward(h), layers[1].ffn(layers[1].post_attention_layernorm(h)))
+
+
+def test_importing_the_model_leaves_the_loading_stack_unimported():
+    """k3core.model builds and runs models; checkpoint reading, placement, streaming and decoding load on use."""
+    import subprocess
+    import sys
+
+    code = "import sys, k3core.model; print(sorted(m for m in sys.modules if m.startswith('k3core.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = eval(out)  # noqa: S307 - our own printed list
+    assert "k3core.model" in loaded and "k3core.layers.residual" in loaded
+    heavy = ("k3core.checkpoints", "k3core.bigmodel", "k3core.generation.decode", "k3core.distributed")
+    assert [m for m in loaded if m.startswith(heavy)] == []
+
+
+@pytest.mark.parametrize("residual", ["block_attnres", "full_attnres"])
+def test_depth_sources_are_data_and_their_labels_are_made_outside_the_model(residual):
+    """The stream hands hooks structured sources (kind, index, partial); the labels traces and edits use are
+    k3core.interp.catalogue.source_label's, and the model's own code writes none."""
+    from k3core.interp.catalogue import source_label
+    from k3core.interp.hooks import hooks
+    from k3core.layers.residual import Source
+
+    model = nano_model(residual=residual)
+    seen = {}
+    with torch.no_grad(), hooks(read={"final_stream": lambda v, n, info: seen.setdefault("s", info["sources"])}):
+        model(torch.randint(0, 256, (1, 5)))
+    sources = seen["s"]
+    assert all(isinstance(s, Source) for s in sources)
+    if residual == "block_attnres":  # 4 layers, blocks of 2
+        assert sources == [Source("embedding"), Source("block", 1), Source("block", 2)]
+        assert source_label(Source("block", 2, partial=True)) == "block 2 (partial)"
+    else:
+        assert sources[0] == Source("embedding") and sources[-1] == Source("ffn", 3)
+        assert [source_label(s) for s in sources[1:3]] == ["L0.attn", "L0.ffn"]
+    root = Path(__file__).resolve().parents[2] / "k3core"
+    for path in [root / "model.py", *(root / "layers").glob("*.py")]:
+        text = path.read_text()
+        assert "(partial)" not in text and 'f"L{' not in text and 'f"block ' not in text, path
