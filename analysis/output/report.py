@@ -304,7 +304,14 @@ def write_report(
             "text_index": chosen.extra.get("recorded_index"),
         },
         "checkpoints": [
-            {"label": lab, "path": str(r.path), "fingerprint": r.fingerprint, "device": r.device, "dtype": r.dtype}
+            # the folder's name, not its path: the report is shared, the machine's layout is not its business
+            {
+                "label": lab,
+                "folder": Path(str(r.path)).name,
+                "fingerprint": r.fingerprint,
+                "device": r.device,
+                "dtype": r.dtype,
+            }
             for r, lab in zip(runs, labels)
         ],
     }

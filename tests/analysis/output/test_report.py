@@ -75,6 +75,11 @@ def test_single_run_report(ckpts, tmp_path, capsys):
     assert "wrote" in printed.out
     # the checkpoint's absolute path on the machine that wrote it stays out of a shared page (its name is shown)
     assert str(ckpts[0].resolve()) not in page and str(ckpts[0]) not in page and ckpts[0].name in page
+    for written in out.rglob("*"):  # nor in any other file of the folder (the app's "Download all" zips it)
+        if written.is_file():
+            data = written.read_bytes()
+            assert str(ckpts[0].resolve()).encode() not in data and str(ckpts[0]).encode() not in data, written
+    assert headline["checkpoints"][0]["folder"] == ckpts[0].name
 
 
 def test_two_run_comparison_report(ckpts, tmp_path):

@@ -6,8 +6,7 @@ import pandas as pd
 
 from analysis.experiments import attribution as attr
 from analysis.figures.experiment import layer_attribution_figure, mla_attention_figure
-
-from .conftest import nano_model, random_ids
+from tests.conftest import nano_model, random_ids
 
 
 def test_layer_attribution_bars_stand_in_depth_order():
