@@ -50,3 +50,31 @@ def test_attnres_mix_bf16_sources_keep_their_dtype_with_fp32_weights():
     mixed, p = attnres_mix(torch.randn(8), sources, torch.ones(8), return_weights=True)
     assert mixed.dtype == torch.bfloat16 and p.dtype == torch.float32
     torch.testing.assert_close(p.sum(0), torch.ones(2))
+
+
+def test_attnres_mix_gradients_equal_autograd_of_the_formula():
+    """The mix's hand-written backward (sources, pseudo-query, norm weight; through both the mix and the
+    returned weights) against autograd of the formula written out in fp64."""
+    gen = torch.Generator().manual_seed(5)
+    sources = (torch.randn(4, 2, 3, 16, generator=gen) * 2).requires_grad_()
+    query = torch.randn(16, generator=gen).requires_grad_()
+    norm_w = (torch.rand(16, generator=gen) + 0.5).requires_grad_()
+    g_mix, g_p = torch.randn(2, 3, 16, generator=gen), torch.randn(4, 2, 3, generator=gen)
+    mixed, p = attnres_mix(query, sources, norm_w, eps=1e-5, return_weights=True)
+    got = torch.autograd.grad((mixed * g_mix).sum() + (p * g_p).sum(), (sources, query, norm_w))
+
+    leaves = [t.detach().double().requires_grad_() for t in (sources, query, norm_w)]
+    v, q, nw = leaves
+    logits = (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) * (q * nw)).sum(-1)
+    ref_p = torch.softmax(logits, 0)
+    ref_mix = (ref_p.unsqueeze(-1) * v).sum(0)
+    want = torch.autograd.grad(
+        (ref_mix * g_mix.double()).sum() + (ref_p * g_p.double()).sum(), leaves, retain_graph=True
+    )
+    for name, a, b in zip(("sources", "query", "norm_weight"), got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5, msg=name)
+    # only the mix used (the model's path without hooks): the weights' gradient is absent
+    grads = torch.autograd.grad((attnres_mix(query, sources, norm_w) * g_mix).sum(), (sources, query))
+    want = torch.autograd.grad((ref_mix * g_mix.double()).sum(), leaves[:2])
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
