@@ -25,7 +25,7 @@ in) and the library home may be opened; symlinks are resolved before that check.
 
 def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The streamlit command line and environment for parsed ``k3lab app`` arguments."""
-    from app.server.settings import HOME_ENV, JOB_MEMORY_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, home_dir
+    from app.server.settings import HOME_ENV, JOB_MEMORY_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, STREAMLIT_OPTIONS, home_dir
 
     env = dict(os.environ if environ is None else environ)
     if args.runs:
@@ -44,6 +44,7 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
            "--client.toolbarMode", "viewer",
            # Tracebacks (with server paths) reach the browser only with --debug; users get the page's message.
            "--client.showErrorDetails", "full" if args.debug else "none"]  # fmt: skip
+    cmd += [arg for key, value in STREAMLIT_OPTIONS.items() for arg in (f"--{key}", str(value).lower())]
     if args.headless:
         cmd += ["--server.headless", "true"]
     return cmd, env

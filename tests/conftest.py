@@ -8,6 +8,7 @@ import pytest
 import streamlit  # noqa: F401 - before analysis: importing streamlit sets plotly's default template to its own
 import torch
 
+from app.server.settings import STREAMLIT_OPTIONS
 from k3core.config import K3Config
 from k3core.interp.recorder import record
 from k3core.interp.trace import Trace
@@ -17,6 +18,8 @@ from k3core.presets import from_preset
 # The tests run tiny models on a small shared CPU: with several threads per process every small op pays for
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.
 torch.set_num_threads(int(os.environ.get("K3LAB_TEST_THREADS", "1")))
+for _key, _value in STREAMLIT_OPTIONS.items():  # AppTest runs the app as `k3lab app` serves it
+    streamlit.config.set_option(_key, _value)
 
 # `./k3lab.sh test` runs the suite on two pytest-xdist workers with --dist loadfile: each test module goes to one
 # worker as a whole, so its module-scoped fixtures (app servers, checkpoints, replicas) are built once. The modules

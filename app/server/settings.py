@@ -22,6 +22,11 @@ JOB_MEMORY_ENV = "K3LAB_JOB_MEMORY"
 JOB_MEMORY_SHARE = 0.5  # of the machine's memory, when --job-memory is not given
 DEFAULT_MAX_UPLOAD_MB = 4096
 DEFAULT_HOST = "127.0.0.1"
+#: Streamlit options the app always runs with: ``k3lab app`` passes them to the server, tests/conftest.py sets them
+#: for AppTest. Magic off: every page writes explicitly, and magic ast.parse()s each page script, which CPython 3.11
+#: cannot do in two threads at once ("SystemError: AST constructor recursion depth mismatch"; AppTest sessions in
+#: threads each compile their own copy, as the six-session budget test does).
+STREAMLIT_OPTIONS = {"runner.magicEnabled": False}
 
 
 def home_dir(env: Mapping[str, str] | None = None) -> Path:

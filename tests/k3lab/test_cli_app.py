@@ -25,6 +25,11 @@ def test_app_listens_on_localhost_by_default(tmp_path, monkeypatch):
     assert env[HOME_ENV] == str((tmp_path / ".k3lab").resolve())  # ~/.k3lab of the HOME given
     assert env[ROOTS_ENV] == str(tmp_path.resolve())  # the folder the app is started in
     assert "--server.headless" not in cmd
+    # Streamlit's magic off, as in the tests' AppTests (app.server.settings.STREAMLIT_OPTIONS)
+    assert _option(cmd, "--runner.magicEnabled") == "false"
+    import streamlit
+
+    assert streamlit.config.get_option("runner.magicEnabled") is False
 
 
 def test_tracebacks_reach_the_browser_only_with_debug():
