@@ -13,6 +13,7 @@ import pytest
 from k3core.config import ATTNRES_MODES, RESIDUAL_MODES, ConfigError, K3Config
 from k3core.hf_config import config_to_hf
 from k3core.presets import from_preset
+from tests.repo.scan import CODE_FOLDERS, matching_lines
 
 
 def test_scaled_width_rounds_to_multiples_of_8():
@@ -94,13 +95,7 @@ _ATTNRES_TUPLE = re.compile(r"""\(\s*["'](block|full)_attnres["']\s*,\s*["'](blo
 
 def attnres_tuples(root: Path) -> list[str]:
     """Every file:line under the code folders that spells the AttnRes residual modes as a tuple literal."""
-    out = []
-    for folder in ("k3core", "analysis", "app", "k3lab", "tests", "benchmarks", "scripts"):
-        for path in sorted((root / folder).rglob("*.py")):
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if _ATTNRES_TUPLE.search(line):
-                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
-    return out
+    return matching_lines(root, CODE_FOLDERS, _ATTNRES_TUPLE)
 
 
 def test_the_attnres_modes_are_defined_once():

@@ -92,7 +92,6 @@ def test_the_copy_task_marks_where_its_second_half_starts_in_the_per_token_views
     from analysis.runs.texts import sample_input
     from analysis.views.catalogue import all_views
 
-
     run = run_from_model(nano_model())
     repeat = trace_run(run, sample_input("repeat", run.config, 32), label="copy")
     plain = trace_run(run, sample_input("shakespeare", run.config, 32), label="plain")

@@ -13,6 +13,7 @@ import pytest
 from analysis.metrics import attention as at
 from analysis.metrics.entropy import entropy, normalised_entropy
 from analysis.metrics.history import attnres_history_table
+from tests.repo.scan import matching_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 # p * log p (an entropy), or a division by a log other than log 2 (bits): a normalised entropy written again
@@ -22,13 +23,7 @@ HOMES = {"analysis/metrics/entropy.py", "analysis/metrics/attention.py"}  # entr
 
 def entropy_formulas(root: Path) -> list[str]:
     """file:line of every entropy or normalisation formula under analysis/ and app/."""
-    out = []
-    for folder in ("analysis", "app"):
-        for path in sorted((root / folder).rglob("*.py")):
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if _FORMULA.search(line):
-                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
-    return out
+    return matching_lines(root, ("analysis", "app"), _FORMULA)
 
 
 def test_entropy_and_its_normalisations_are_written_once():

@@ -9,6 +9,7 @@ from pathlib import Path
 from k3core.bigmodel.streamed_run import streamed_module_of
 from k3core.checkpoints.names import layer_of
 from k3core.distributed.rank_plan import layer_bytes
+from tests.repo.scan import matching_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 HOME = "k3core/checkpoints/names.py"
@@ -17,13 +18,7 @@ _PARSER = re.compile(r"""layers\\\\?\.\(?\\\\?d|startswith\(\s*["']model\.layers
 
 
 def layer_name_parsers(root: Path) -> list[str]:
-    out = []
-    for folder in ("k3core", "analysis", "app", "k3lab"):
-        for path in sorted((root / folder).rglob("*.py")):
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if _PARSER.search(line):
-                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
-    return out
+    return matching_lines(root, ("k3core", "analysis", "app", "k3lab"), _PARSER)
 
 
 def test_layer_names_are_parsed_once():

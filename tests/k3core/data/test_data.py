@@ -28,6 +28,7 @@ from k3core.data import (
     windows,
 )
 from tests.conftest import nano_model
+from tests.repo.scan import CODE_FOLDERS, matching_lines
 
 # --------------------------------------------------------------------------------------------
 # Shakespeare corpus
@@ -330,13 +331,7 @@ _IGNORE_LITERAL = re.compile(
 
 def ignore_literals(root: Path) -> list[str]:
     """file:line of every -100 used as the ignored-target marker under the code folders."""
-    out = []
-    for folder in ("k3core", "analysis", "app", "k3lab", "tests", "benchmarks", "scripts"):
-        for path in sorted((root / folder).rglob("*.py")):
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if _IGNORE_LITERAL.search(line):
-                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
-    return out
+    return matching_lines(root, CODE_FOLDERS, _IGNORE_LITERAL)
 
 
 def test_ignored_targets_are_spelled_ignore_index_everywhere():

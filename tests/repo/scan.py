@@ -1,0 +1,22 @@
+"""The one scan behind the "defined once" tests: every line of the project's Python that matches a pattern."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+#: the folders that hold the project's code (a concept written once must not be written again in any of them)
+CODE_FOLDERS = ("k3core", "analysis", "app", "k3lab", "tests", "benchmarks", "scripts")
+
+
+def matching_lines(root: Path, folders: Iterable[str], pattern: re.Pattern[str]) -> list[str]:
+    """``path:line`` (path relative to ``root``, sorted by path) of every line of ``folders/**/*.py`` that
+    ``pattern`` finds."""
+    out = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if pattern.search(line):
+                    out.append(f"{path.relative_to(root).as_posix()}:{n}")
+    return out
