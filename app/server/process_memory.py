@@ -5,18 +5,21 @@ allocated: every session's script thread has its own), so the process's resident
 reached in each of them. Two causes, two remedies:
 
 - the free top of a thread's heap is given back on ``free()`` only above the trim threshold, which glibc raises to
-  twice the largest freed mmapped block (up to 64 MiB: a whole thread heap), and ``malloc_trim`` never trims it:
+  twice the largest freed mmapped block (up to 64 MiB: a whole thread heap), and ``malloc_trim`` does not shrink a
+  thread heap's top (glibc 2.36: a trim after the sessions below gave back 0-13 MB of the excess):
   ``limit_heap_retention`` fixes the threshold at ``TRIM_THRESHOLD`` (and the mmap threshold at glibc's own ceiling,
-  ``MMAP_THRESHOLD``, which fixing the other would otherwise pin at 128 KiB). Measured on a server with a 400 MiB
-  budget after two 1,536-token traces (one kept, 65 MB): +119 MB resident without, +73 MB with;
-- free blocks inside a heap go back with ``malloc_trim(0)`` (``release_freed_memory``): when a job ends
-  (``app.server.job_budget``) and when a result the server no longer keeps is freed (``release_when_freed``: a
-  session or a background build may hold it after it was dropped); 11 ms on the k3-full sample.
+  ``MMAP_THRESHOLD``, which fixing the other would otherwise pin at 128 KiB). Measured on a real server with a
+  335 MiB budget after six sessions, two of them tracing 2,048 tokens (one trace kept, 70 MB): +114 and +133 MiB
+  resident once idle without it, +83 and +84 MiB with it (``tests/app/test_job_budget.py``);
+- free blocks inside a heap go back with ``malloc_trim(0)`` (``release_freed_memory``; 11 ms on the k3-full
+  sample): when a job ends (``app.server.job_budget``), and shortly after a result is made (the temporaries of its
+  build) or a result the server no longer keeps is freed (``release_soon``, ``release_when_freed``: a session or a
+  background build may hold it after it was dropped).
 
 Giving every block of 128 KiB or more its own mapping instead (``MALLOC_MMAP_THRESHOLD_=131072``) doubled a
 1,536-token trace's time (0.38 -> 0.75 s); these thresholds left it unchanged within the machine's noise (0.35-0.69 s
-against 0.42-0.77 s over four alternating runs). No-ops where the C library has neither call (macOS, musl). No
-Streamlit here.
+against 0.42-0.77 s over four alternating runs). ``app.server.serve`` (what ``k3lab app`` runs) sets the thresholds.
+No-ops where the C library has neither call (macOS, musl). No Streamlit here.
 """
 
 from __future__ import annotations
