@@ -39,7 +39,7 @@ class _Pending:
 class KeptResults:
     """An LRU of results under ``capacity`` bytes; thread safe. ``kept_bytes`` is the sum of the kept results'
     measured bytes; ``peak_kept_bytes`` the most it has been; ``evicted`` and ``not_kept`` count the results dropped
-    to make room and the ones too large to keep (tests and the log read them)."""
+    to make room and the ones too large to keep (tests read them)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(int(capacity), 0)
@@ -50,10 +50,6 @@ class KeptResults:
         self._entries: OrderedDict[Hashable, _Kept] = OrderedDict()
         self._pending: dict[Hashable, _Pending] = {}
         self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:

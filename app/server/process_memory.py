@@ -8,30 +8,32 @@ reached in each of them. Two causes, two remedies:
   twice the largest freed mmapped block (up to 64 MiB: a whole thread heap), and ``malloc_trim`` does not shrink a
   thread heap's top (glibc 2.36: a trim after the sessions below gave back 0-13 MB of the excess):
   ``limit_heap_retention`` fixes the threshold at ``TRIM_THRESHOLD`` (and the mmap threshold at glibc's own ceiling,
-  ``MMAP_THRESHOLD``, which fixing the other would otherwise pin at 128 KiB). Measured on a real server with a
-  335 MiB budget after six sessions, two of them tracing 2,048 tokens (one trace kept, 70 MB): +114 and +133 MiB
-  resident once idle without it, +83 and +84 MiB with it (``tests/app/test_job_budget.py``);
+  ``MMAP_THRESHOLD``, which fixing the other would otherwise pin at 128 KiB), and allows one heap per core instead of
+  glibc's eight (each may keep up to the threshold; a server after the sessions below had 12). Measured on a real
+  server with a 335 MiB budget after six sessions, two of them tracing 2,048 tokens (one trace kept, 70 MB): +114 and
+  +133 MiB resident once idle without it, +78 to +79 MiB with it (``tests/app/test_job_budget.py``);
 - free blocks inside a heap go back with ``malloc_trim(0)`` (``release_freed_memory``; 11 ms on the k3-full
   sample): when a job ends (``app.server.job_budget``), and shortly after a result is made (the temporaries of its
   build) or a result the server no longer keeps is freed (``release_soon``, ``release_when_freed``: a session or a
   background build may hold it after it was dropped).
 
 Giving every block of 128 KiB or more its own mapping instead (``MALLOC_MMAP_THRESHOLD_=131072``) doubled a
-1,536-token trace's time (0.38 -> 0.75 s); these thresholds left it unchanged within the machine's noise (0.35-0.69 s
-against 0.42-0.77 s over four alternating runs). ``app.server.serve`` (what ``k3lab app`` runs) sets the thresholds.
-No-ops where the C library has neither call (macOS, musl). No Streamlit here.
+1,536-token trace's time (0.38 -> 0.75 s); these settings left it within the machine's noise (the fastest of five
+traces in five alternating runs: 0.32-0.41 s with them, 0.33-0.44 s without). ``app.server.serve`` (what
+``k3lab app`` runs) makes them. No-ops where the C library has neither call (macOS, musl). No Streamlit here.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
 TRIM_THRESHOLD = 4 * 1024**2  # a heap's free top above this goes back to the system on free()
 MMAP_THRESHOLD = 32 * 1024**2  # blocks this large get their own mapping (glibc's ceiling for its dynamic threshold)
 _TRIM: Callable[[int], int] | None = None
@@ -56,13 +58,16 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def limit_heap_retention() -> bool:
-    """Fix glibc's trim and mmap thresholds (``TRIM_THRESHOLD``, ``MMAP_THRESHOLD``) for this process, before its
+    """Fix glibc's trim and mmap thresholds (``TRIM_THRESHOLD``, ``MMAP_THRESHOLD``) and its heaps to one per core
+    (glibc's default: eight per core, each keeping up to the threshold of free top) for this process, before its
     sessions start; False where the C library has no ``mallopt``."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    heaps = os.cpu_count() or 1
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_ARENA_MAX, heaps))
+    return all([bool(mallopt(param, value)) for param, value in settings])  # a list: every setting is made
 
 
 def release_freed_memory() -> bool:
