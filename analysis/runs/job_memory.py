@@ -2,9 +2,9 @@
 before they run (what ``app.server.job_budget`` admits against its budget), and the bytes a finished job's result
 holds, measured (what the server's kept results count, ``app.server.kept_results``).
 
-Estimates, in bytes, fp32, on top of the loaded weights;
-calibrated on the k3-full sample (hidden 128, 8 layers, 2 MLA) and conservative: a forward of 1,024 / 4,096 tokens
-measured +77 / +717 MB of RSS against 87 / 955 MB estimated (benchmarks/ has no timing of these; they are sizes).
+Estimates, in bytes, fp32, on top of the loaded weights; calibrated on the k3-full sample (hidden 128, 8 layers, 2 MLA)
+and conservative: a forward of 1,024 / 4,096 tokens measured +77 / +717 MB of RSS against 87 / 955 MB estimated
+(benchmarks/ has no timing of these; they are sizes).
 
     forward:      4 T (64 d + 4 V + 4 E)   (per-token activations of width d, vocabulary V, E experts; the MLA
                   prefill runs SDPA's fused kernel, O(T): k3core.ops.attention)
