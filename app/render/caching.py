@@ -4,13 +4,16 @@
     (fingerprint, device, dtype) --analysis.runs.loading.load_run--> Run          st.cache_resource
     (text choice, vocab) --analysis.runs.texts.sample_input/text_input--> Input   st.cache_resource
     (trace folder, text index) --analysis.runs.loading.recorded_input--> Input     st.cache_resource
-    (run, tokens, trace items) --analysis.runs.loading.trace_run--> AnalysisContext  st.cache_resource
-    (view, run key) --view.build(ctx)--> (figure, table)                   st.cache_resource
+    (run, tokens, trace items) --analysis.runs.loading.trace_run--> AnalysisContext  kept results
+    (view, run key) --view.build(ctx)--> (figure, table)                   kept results
 
-``st.cache_resource`` hands back the same object on every rerun (no pickling), so the models, traces
-and figures are shared read-only by every session. The page's label and view options are applied with
-``AnalysisContext.with_options`` (the trace is not copied), and a view's cache key holds them, so
-changing an option that needs no model (the sequence-length slider) never runs the model again.
+``st.cache_resource`` and the kept results hand back the same object on every rerun (no pickling), so the models,
+traces and figures are shared read-only by every session. What the jobs leave behind (the traced contexts, the
+figures and comparisons built on them) is kept in ``app.server.kept_results``: an LRU bounded by the bytes the
+results hold, a share of the server's job memory budget (``app.server.job_budget``), instead of a count of entries
+of unbounded size. The page's label and view options are applied with ``AnalysisContext.with_options`` (the trace
+is not copied), and a view's cache key holds them, so changing an option that needs no model (the sequence-length
+slider) never runs the model again.
 
 The recorder is per call (``k3core.interp.recorder`` keeps it in a context variable), so sessions run models at
 the same time. Only work that installs hooks on a shared model (the importance ablations) needs it to
@@ -309,34 +312,55 @@ def trace_items(record_attn: bool) -> tuple[str, ...]:
 _TRACED: dict[tuple, tuple[float, int]] = {}  # trace key -> (tokens per second of its forward, its tokens)
 
 
-@st.cache_resource(show_spinner="Running the model on the text and recording its trace...", max_entries=12)
+TRACE_SPINNER = "Running the model on the text and recording its trace..."
+
+
 def _cached_trace(
     fingerprint: str,
     device: str,
     dtype: str,
     digest: str,
     what: tuple[str, ...],
-    _run: Run,
-    _tokens: Input,
+    run: Run,
+    tokens: Input,
     edits: str = "",
     recorded: int | None = None,
 ) -> AnalysisContext:
+    """The traced context of (run, tokens, trace items, edits), kept among the server's finished results
+    (``app.server.kept_results``: by bytes, it grows with what is computed on it) and made once however many sessions
+    ask at once."""
+    key = ("trace", fingerprint, device, dtype, digest, what, edits, recorded)
+
+    def make() -> AnalysisContext:
+        return _run_trace(fingerprint, device, dtype, digest, what, run, tokens, edits)
+
+    kept = job_budget.budget().kept
+    return kept.get(key, make, job_memory.context_bytes, grows=True, holder=lambda ctx: ctx.trace)
+
+
+def _run_trace(
+    fingerprint: str, device: str, dtype: str, digest: str, what: tuple[str, ...], run: Run, tokens: Input, edits: str
+) -> AnalysisContext:
     from k3core.interp.interventions import edits_from_json
 
-    start = time.perf_counter()
-    if _run.model is None:  # a trace folder: its trace is read, within the trace file limits (k3core.interp.trace_npz)
-        job = contextlib.nullcontext()
+    if run.model is None:  # a trace folder: its trace is read, within the trace file limits (k3core.interp.trace_npz)
+        job, notice = contextlib.nullcontext(), None
     else:
         attention = MAX_ATTN_LEN if "attn_probs" in what else None
-        need = job_memory.trace_peak_bytes(_run.config, _tokens.n, attention)
-        job = job_budget.budget().admit(need, f"Recording the trace of {_tokens.n:,} tokens")
-    with job, model_use(_run.model) if _run.model is not None else contextlib.nullcontext():
-        ctx = runs.trace_run(
-            _run, _tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
-        )
+        need = job_memory.trace_peak_bytes(run.config, tokens.n, attention)
+        notice = st.empty()  # says why the page waits while the job is queued for memory
+        job = job_budget.budget().admit(need, f"Recording the trace of {tokens.n:,} tokens", notice.info)
+    with job:
+        if notice is not None:
+            notice.empty()
+        start = time.perf_counter()
+        with st.spinner(TRACE_SPINNER), model_use(run.model) if run.model is not None else contextlib.nullcontext():
+            ctx = runs.trace_run(
+                run, tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
+            )
     if not edits:
-        speed = _tokens.n / max(time.perf_counter() - start, 1e-9)
-        _TRACED[(fingerprint, device, dtype, digest, what)] = (speed, _tokens.n)
+        speed = tokens.n / max(time.perf_counter() - start, 1e-9)
+        _TRACED[(fingerprint, device, dtype, digest, what)] = (speed, tokens.n)
     return ctx
 
 
@@ -462,13 +486,19 @@ def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
 
 
 # ----------------------------------------------------------------------------------------- views
-@st.cache_resource(show_spinner=False, max_entries=512)
-def _cached_view(view_key: str, key: tuple, _build, _ctx) -> tuple:
-    try:
-        fig, df = _build(_ctx)
-    except NotApplicable as exc:  # cached too: "does not apply" is an answer, not a failure
-        return None, None, exc
-    return fig, df, None
+def _cached_view(view_key: str, key: tuple, build, ctx) -> tuple:
+    """(figure, table, None) of a view on a context, or (None, None, why it does not apply), kept among the server's
+    finished results. The reason is kept as text, not as the exception: a raised exception's traceback holds the
+    frames of the build, whose locals hold the context and its trace."""
+
+    def make() -> tuple:
+        try:
+            fig, df = build(ctx)
+        except NotApplicable as exc:  # kept too: "does not apply" is an answer, not a failure
+            return None, None, str(exc)
+        return fig, df, None
+
+    return job_budget.budget().kept.get(("view", view_key, key), make, job_memory.held_bytes)
 
 
 def build_view(view, loaded: Loaded):
@@ -479,7 +509,7 @@ def build_view(view, loaded: Loaded):
     else:
         fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
     if na is not None:
-        raise na
+        raise NotApplicable(na)
     return fig, df
 
 
@@ -508,26 +538,32 @@ def cached_build(view, *loadeds: Loaded):
     return replace(view, build=build)
 
 
-@st.cache_resource(show_spinner=False, max_entries=256)
-def _cached_both(view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> list:
+def _cached_both(view, a: Loaded, b: Loaded) -> list:
     """analysis.compare.two_runs.build_both: each run's figure (or its NotApplicable), asked of the figure cache once
-    for both comparisons, side by side and difference (as ``analysis.output.report`` builds them)."""
+    for both comparisons, side by side and difference (as ``analysis.output.report`` builds them); kept among the
+    server's finished results."""
     from analysis.compare import two_runs as compare
 
-    return compare.build_both(cached_build(_view, _a, _b), _a.ctx, _b.ctx)
+    def make() -> list:  # a NotApplicable as a fresh one, never raised: no traceback keeps a context alive
+        built = compare.build_both(cached_build(view, a, b), a.ctx, b.ctx)
+        return [NotApplicable(str(r)) if isinstance(r, NotApplicable) else r for r in built]
+
+    return job_budget.budget().kept.get(("both", view.key, a.key, b.key), make, job_memory.held_bytes)
 
 
-@st.cache_resource(show_spinner=False, max_entries=256)
-def _cached_pair(kind: str, view_key: str, key_a: tuple, key_b: tuple, _view, _a: Loaded, _b: Loaded) -> tuple:
+def _cached_pair(kind: str, view, a: Loaded, b: Loaded) -> tuple:
     from analysis.compare import two_runs as compare
 
-    fn = compare.side_by_side if kind == "side" else compare.difference_view
-    built = None if _view.compare.overlay else _cached_both(view_key, key_a, key_b, _view, _a, _b)
-    try:
-        fig, df = fn(cached_build(_view, _a, _b), _a.ctx, _b.ctx, built=built)
-    except NotApplicable as exc:
-        return None, None, exc
-    return fig, df, None
+    def make() -> tuple:
+        fn = compare.side_by_side if kind == "side" else compare.difference_view
+        built = None if view.compare.overlay else _cached_both(view, a, b)
+        try:
+            fig, df = fn(cached_build(view, a, b), a.ctx, b.ctx, built=built)
+        except NotApplicable as exc:
+            return None, None, str(exc)
+        return fig, df, None
+
+    return job_budget.budget().kept.get(("pair", kind, view.key, a.key, b.key), make, job_memory.held_bytes)
 
 
 def compare_view(kind: str, view, a: Loaded, b: Loaded):
@@ -535,7 +571,7 @@ def compare_view(kind: str, view, a: Loaded, b: Loaded):
     NotApplicable."""
     if kind not in ("side", "diff"):
         raise InputError(f"unknown comparison {kind!r}")
-    fig, df, na = _cached_pair(kind, view.key, a.key, b.key, view, a, b)
+    fig, df, na = _cached_pair(kind, view, a, b)
     if na is not None:
-        raise na
+        raise NotApplicable(na)
     return fig, df

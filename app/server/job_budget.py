@@ -1,11 +1,15 @@
-"""The server's memory budget for long jobs (trace, experiment, patching, attribution): each job states its
-estimated peak (``analysis.runs.job_memory``) and is admitted while the sum of the admitted jobs' estimates fits the
-budget; otherwise it waits its turn (at most ``wait_s``, the page saying so) and is then refused with a message.
-A job larger than the whole budget is refused at once. Browsing (cached figures, pages) takes no budget, so it
-stays responsive while jobs run. One budget per server process (every session shares it).
+"""The server's memory budget for long jobs (trace, experiment, patching, attribution) and what they leave behind.
 
-The budget: ``k3lab app --job-memory SIZE`` (``K3LAB_JOB_MEMORY``, e.g. "6GB"), default half of the machine's
-memory (``app.server.settings.job_memory_bytes``). No Streamlit here.
+The budget (``k3lab app --job-memory SIZE``, ``K3LAB_JOB_MEMORY``, e.g. "6GB"; default half of the machine's memory,
+``app.server.settings.job_memory_bytes``) is split: ``KEPT_SHARE`` of it keeps finished results for the next visit
+(``app.server.kept_results``: traces, contexts and figures, an LRU by measured bytes), the rest runs jobs. Each job
+states its estimated peak (``analysis.runs.job_memory``) and is admitted while the sum of the admitted jobs'
+estimates fits the running share; otherwise it waits its turn (at most ``wait_s``, the page saying so) and is then
+refused with a message. A job larger than the whole running share is refused at once. When a job ends, the memory
+it freed is given back to the system (``app.server.process_memory``). So the server's memory for jobs and their
+results stays within the budget; the loaded models are outside it (each is checked against the device's free memory
+before it loads, ``app.library.memory_fit``, and a model too large runs from its files within the sidebar's memory
+budget, ``--max-memory``). One budget per server process (every session shares it). No Streamlit here.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from analysis.output.format import format_bytes
+from app.server.kept_results import KeptResults
+from app.server.process_memory import release_freed_memory
 from app.server.settings import job_memory_bytes
 
 DEFAULT_WAIT_S = 120.0
+KEPT_SHARE = 0.25  # of the budget, for finished results; the rest for running jobs
 
 
 class JobRefused(RuntimeError):
@@ -26,10 +33,13 @@ class JobRefused(RuntimeError):
 
 
 class JobBudget:
-    """Admission of jobs by estimated peak memory against ``total_bytes``; thread safe."""
+    """Admission of jobs by estimated peak memory against ``jobs_bytes``, the running share of ``total_bytes``; the
+    rest (``kept``) keeps finished results. Thread safe."""
 
-    def __init__(self, total_bytes: int, wait_s: float = DEFAULT_WAIT_S) -> None:
+    def __init__(self, total_bytes: int, wait_s: float = DEFAULT_WAIT_S, kept_share: float = KEPT_SHARE) -> None:
         self.total_bytes = int(total_bytes)
+        self.kept = KeptResults(int(self.total_bytes * kept_share))
+        self.jobs_bytes = self.total_bytes - self.kept.capacity
         self.wait_s = float(wait_s)
         self.admitted_bytes = 0
         self.peak_admitted_bytes = 0  # the most ever admitted at once (tests and the log read it)
@@ -40,17 +50,19 @@ class JobBudget:
     @contextmanager
     def admit(self, nbytes: int, what: str, waiting: Callable[[str], None] | None = None) -> Iterator[None]:
         """Run the block once ``nbytes`` fit beside the jobs already admitted; JobRefused when it never fits
-        (over the whole budget) or did not within ``wait_s``. ``waiting(message)`` is told once when it queues."""
+        (over the whole running share) or did not within ``wait_s``. ``waiting(message)`` is told once when it
+        queues. The memory the block freed is given back to the system when it ends."""
         nbytes = max(int(nbytes), 0)
-        if nbytes > self.total_bytes:
+        if nbytes > self.jobs_bytes:
             raise JobRefused(
-                f"{what} needs about {format_bytes(nbytes)} of memory, more than this server's budget for jobs "
-                f"({format_bytes(self.total_bytes)}; `k3lab app --job-memory SIZE` sets it): use fewer tokens"
+                f"{what} needs about {format_bytes(nbytes)} of memory, more than this server runs jobs in "
+                f"({format_bytes(self.jobs_bytes)} of its {format_bytes(self.total_bytes)} job memory, the rest keeps "
+                "finished results; `k3lab app --job-memory SIZE` sets it): use fewer tokens"
             )
         deadline = time.monotonic() + self.wait_s
         with self._cond:
             told = False
-            while self.admitted_bytes + nbytes > self.total_bytes:
+            while self.admitted_bytes + nbytes > self.jobs_bytes:
                 if not told and waiting is not None:
                     waiting(self._busy(what, nbytes))
                     told = True
@@ -66,6 +78,7 @@ class JobBudget:
         try:
             yield
         finally:
+            release_freed_memory()  # the job's working memory, freed by now (its result is kept or used)
             with self._cond:
                 self.admitted_bytes -= nbytes
                 self.running.pop(ticket, None)
@@ -74,7 +87,7 @@ class JobBudget:
     def _busy(self, what: str, nbytes: int) -> str:
         return (
             f"{what} (about {format_bytes(nbytes)}) waits for memory: {len(self.running)} job(s) running use "
-            f"{format_bytes(self.admitted_bytes)} of this server's {format_bytes(self.total_bytes)} for jobs"
+            f"{format_bytes(self.admitted_bytes)} of the {format_bytes(self.jobs_bytes)} this server runs jobs in"
         )
 
 

@@ -3,8 +3,9 @@
 ``streamlit run app/main.py`` imports torch, plotly, pandas and k3lab only when the first browser
 session runs the script: about 4 s on a 2-core machine, all of it in front of the first user's first
 chart. Here the server process imports them (and builds one model on the meta device, which pulls in
-the rest of what a checkpoint load needs) before it starts listening, so a session starts warm. The
-arguments after ``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
+the rest of what a checkpoint load needs) before it starts listening, so a session starts warm, and its
+malloc gives freed memory back (``app.server.process_memory.limit_heap_retention``). The arguments after
+``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     from streamlit.web import cli
 
     preload()
+    from app.server.process_memory import limit_heap_retention
+
+    limit_heap_retention()
     args = list(sys.argv[1:] if argv is None else argv)
     sys.argv = ["streamlit", "run", str(MAIN), *args]
     return cli.main()

@@ -5,8 +5,9 @@
   default: the folder the app was started in;
 - ``K3LAB_MAX_UPLOAD_MB`` (``--max-upload-mb N``): the per-file upload limit, default 4096 MB (``k3lab app``
   passes the same number to Streamlit's ``server.maxUploadSize``);
-- ``K3LAB_JOB_MEMORY`` (``--job-memory SIZE``): the memory long jobs may use at once (``app.server.job_budget``),
-  default half of the machine's memory.
+- ``K3LAB_JOB_MEMORY`` (``--job-memory SIZE``): the memory long jobs and the results they leave may use
+  (``app.server.job_budget``: three quarters run jobs, a quarter keeps results), default half of the machine's
+  memory.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def machine_memory_bytes() -> int:
 
 
 def job_memory_bytes(env: Mapping[str, str] | None = None) -> int:
-    """The long jobs' memory budget: $K3LAB_JOB_MEMORY ("6GB", "512MiB") when readable, else JOB_MEMORY_SHARE of
-    the machine's memory (4 GiB where that is unknown)."""
+    """The memory budget of the long jobs and their kept results: $K3LAB_JOB_MEMORY ("6GB", "512MiB") when readable,
+    else JOB_MEMORY_SHARE of the machine's memory (4 GiB where that is unknown)."""
     from k3core.utils.units import parse_bytes
 
     env = os.environ if env is None else env
