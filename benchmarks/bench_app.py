@@ -92,10 +92,11 @@ def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: fl
     )
     env.update(env_extra)
     log = workdir / f"streamlit-{port}.log"
-    serve = preload and (repo / "app" / "serve.py").is_file()
+    # app/server/serve.py since the subsystem layout, app/serve.py in older checkouts (--before)
+    serve = next((m for m in ("app.server.serve", "app.serve") if (repo / f"{m.replace('.', '/')}.py").is_file()), None)
     start = (
-        [sys.executable, "-m", "app.server.serve"]
-        if serve
+        [sys.executable, "-m", serve]
+        if preload and serve
         else [sys.executable, "-m", "streamlit", "run", "app/main.py"]
     )
     cmd = [
@@ -105,6 +106,7 @@ def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: fl
         "--server.address", "127.0.0.1",
         "--server.fileWatcherType", "none",
         "--browser.gatherUsageStats", "false",
+        "--runner.magicEnabled", "false",  # as k3lab app serves it (app.server.settings.STREAMLIT_OPTIONS)
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)

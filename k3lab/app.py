@@ -94,8 +94,10 @@ def app_parser() -> argparse.ArgumentParser:
         "--job-memory",
         type=_job_memory,
         metavar="SIZE",
-        help="memory the server's long jobs (trace, experiment, patching, attribution) may use at once, e.g. 6GB "
-        "(default: half of this machine's memory); a job that does not fit waits, one over it is refused",
+        help="memory for the server's long jobs (trace, experiment, patching, attribution), e.g. 6GB (default: half "
+        "of this machine's memory): three quarters run jobs at once (one that does not fit waits, one over it is "
+        "refused), a quarter keeps their results for the next visit (oldest dropped first); loaded models are "
+        "outside it",
     )
     parser.add_argument("--headless", action="store_true", help="do not try to open a browser")
     parser.add_argument(
