@@ -62,7 +62,9 @@ def _navigation() -> dict[str, list]:
     return out
 
 
-navigation = st.navigation(_navigation())
+# expanded: with more than twelve pages Streamlit shows ten and hides the rest behind "View N more" (Survey, Generate
+# and the Runs library were hidden)
+navigation = st.navigation(_navigation(), expanded=True)
 # Every checkpoint file this script run opens is checked on its descriptor: a regular file with one link,
 # inside the folders the app may read (a link or hard link swapped in after a check is refused at open).
 with prefetch.script_run(), checked_opens(descriptor_check(run_list.readable_folders)):
