@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -71,6 +72,24 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
             pass
         time.sleep(0.2)  # poll interval, not a synchronisation sleep
     raise TimeoutError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def served_group(cmd: list[str], env: dict[str, str], log: Path, port: int, timeout: float, cwd: Path = REPO):
+    """Run a server command in its own process group (``k3lab app`` runs streamlit as a child: both must stop), wait
+    until its health endpoint answers; yields the process; stops the whole group after (SIGTERM, then SIGKILL)."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", proc, log, timeout)
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
 
 
 @contextmanager

@@ -5,9 +5,7 @@ long jobs, stays within its budget while every page answers."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -28,7 +26,7 @@ from app.server import job_budget
 from app.server.job_budget import KEPT_SHARE, JobBudget, JobRefused
 from app.server.settings import HOME_ENV, JOB_MEMORY_ENV, ROOTS_ENV, job_memory_bytes, machine_memory_bytes
 from app.state.inputs import MAX_ATTN_LEN
-from benchmarks.bench_app import free_port, wait_healthy
+from benchmarks.bench_app import free_port, served_group
 from k3core.interp.recorder import record
 from k3lab.app import app_command, app_parser
 
@@ -216,19 +214,8 @@ def _real_server(tmp_path: Path, budget: int):
                STREAMLIT_BROWSER_GATHER_USAGE_STATS="false", STREAMLIT_SERVER_FILE_WATCHER_TYPE="none",
                OMP_NUM_THREADS=env.get("K3LAB_TEST_THREADS", "1"))  # fmt: skip
     env.pop(run_list.RUNS_ENV, None)  # the shipped samples, k3-full first
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", proc, log, 120)
+    with served_group(cmd, env, tmp_path / "server.log", port, 120) as proc:
         yield port, proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
 
 
 def _visit(port: int, page: str, query: str = "") -> list:

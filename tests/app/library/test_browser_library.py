@@ -8,8 +8,6 @@ page content, never fixed sleeps. Skips like tests/app/test_browser.py without C
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +23,8 @@ from benchmarks.bench_app import (
     RENDER_TIMEOUT_MS,
     REPO,
     free_port,
+    served_group,
     settle,
-    wait_healthy,
 )
 from k3core.model import K3ForCausalLM
 
@@ -55,19 +53,8 @@ def _k3lab_app(home: Path, preload: Path, log: Path, extra: tuple[str, ...] = ()
     )
     cmd = [sys.executable, "-m", "k3lab.cli", "app", "--headless", "--port", str(port), "--home", str(home)]
     cmd += [*extra, str(preload)]
-    with open(log, "ab") as out:
-        # Own process group: `k3lab app` runs streamlit as a child, and both must stop at the end.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", proc, log, START_TIMEOUT_S)
+    with served_group(cmd, env, log, port, START_TIMEOUT_S):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
 
 
 @contextmanager
