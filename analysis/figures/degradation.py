@@ -73,7 +73,9 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
     if low >= NEAR_UNIFORM:
         # colours stretched over 0.96-0.99 would make noise look like contrast: a fixed NEAR_UNIFORM..1 scale, and
         # the sentence that every head is near uniform
-        fig.update_traces(zmin=NEAR_UNIFORM, zmax=1.0)
+        # three ticks: plotly's own put one per 0.01 and stacked the labels on a two-row map's short colour bar
+        ticks = [NEAR_UNIFORM, (NEAR_UNIFORM + 1.0) / 2, 1.0]
+        fig.update_traces(zmin=NEAR_UNIFORM, zmax=1.0, colorbar={"tickvals": ticks, "tickformat": ".2f"})
         fig.add_annotation(
             text=f"every head is near uniform: H / log(i+1) >= {low:.3f} everywhere (1 = uniform; colours "
             f"{NEAR_UNIFORM:g}..1)",

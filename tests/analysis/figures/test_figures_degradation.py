@@ -137,3 +137,6 @@ def test_redundancy_axes_share_zero_ratio_has_its_own_axis_and_uniform_entropy_i
     fig, df = fig_dg.build_entropy_heatmap(nano_ctx)
     said = any("near uniform" in (a.text or "") for a in fig.layout.annotations)
     assert said == (df["entropy_norm"].min() >= fig_dg.NEAR_UNIFORM)
+    assert said  # the untrained nano's heads are near uniform: the branch below runs
+    # three colour-bar ticks over NEAR_UNIFORM..1 (plotly's own stacked a label per 0.01 on a short bar)
+    assert list(fig.data[0].colorbar.tickvals) == pytest.approx([fig_dg.NEAR_UNIFORM, (fig_dg.NEAR_UNIFORM + 1) / 2, 1])
