@@ -11,11 +11,22 @@ the long-context runs are left out, they are covered by their own tests); for k3
 timings blanked). tests/analysis/output/test_figure_baseline.py recomputes the digests and names every view, report
 file and trace array that differs. A deliberate change of figures (or a rename of trace items: only keys, never
 values) is recorded again with this script.
+
+Why fingerprints and not one sha256 of the bytes: float32 results differ in their last bits between CPUs (torch's
+kernels take other SIMD paths on AVX2 than on AVX-512), so a byte digest recorded on one machine failed on the next
+one with the same code. Each item is therefore split into its *skeleton* (the text with every number and every
+plotly base64 array replaced by ``#``, or an array's dtype and shape), digested exactly, and its numbers, of which
+only a fingerprint is kept: the count, the L1 norm and three fixed +-1 projections (``fingerprint``). Two items
+match when the skeletons are equal and every fingerprint sum agrees within ``RTOL`` (1e-4) of the L1 norm: a change
+of any text, label, layout, shape or count is caught exactly, a change of values once it moves them by more than
+1e-4 of their L1 norm (float32 rounding between CPUs moves them by about 1e-7); integer and boolean arrays (MoE
+selections and loads) must be equal exactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import io
 import json
@@ -34,8 +45,68 @@ FULL = "k3-full"  # the sample whose report is digested too
 VOLATILE = re.compile(rb"generated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d|timings \(s\):[^<]*|fingerprint\W+[0-9a-f]{16,64}")
 
 
+#: a fingerprint sum may move by this share of the numbers' L1 norm (float32 rounding between CPUs is ~1e-6)
+RTOL = 1e-4
+PROJECTIONS = 3
+# a number as JSON, CSV and HTML write it, standing alone (not part of a word, a name such as blocks.3.kda or a
+# colour such as #1e5dcc); and plotly's typed arrays {"dtype": "f8", "bdata": "<base64>"}
+NUMBER = re.compile(rb"(?<![\w#.])-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?(?![\w.])")
+TYPED_ARRAY = re.compile(rb'"dtype":"(\w+)","bdata":"([^"]*)"')
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint(skeleton: bytes, numbers, exact: bool = False) -> dict:
+    """{"skeleton": sha256, "n": count, "l1": sum |x|, "proj": [sum w_k x], "nonfinite": sha256 of where x is not
+    finite or over 1e100, and those values} of float64 numbers x, with w_k = +-1 drawn from a fixed seed per k.
+    ``exact``: integers, whose values are digested as they are (``"values"``)."""
+    import numpy as np
+
+    x = np.asarray(numbers, dtype=np.float64).ravel()
+    out: dict = {"skeleton": _sha(skeleton), "n": int(x.size)}
+    if exact:
+        out["values"] = _sha(x.tobytes())
+        return out
+    # inf, nan and numbers too large to sum (constants in the plotly.js that report.html carries): digested exactly
+    finite = np.abs(x) < 1e100
+    out["nonfinite"] = _sha(np.packbits(~finite).tobytes() + x[~finite].tobytes())
+    x = np.where(finite, x, 0.0)
+    out["l1"] = float(np.abs(x).sum())
+    out["proj"] = [float(np.random.default_rng(k).choice([-1.0, 1.0], x.size) @ x) for k in range(PROJECTIONS)]
+    return out
+
+
+def text_fingerprint(data: bytes) -> dict:
+    """The fingerprint of a text file or figure JSON: plotly's base64 arrays decoded, then every number in the text."""
+    import numpy as np
+
+    parts = []
+
+    def typed(match: re.Match) -> bytes:
+        raw = base64.b64decode(match.group(2).replace(rb"\u002f", b"/").replace(rb"\u002b", b"+"))
+        parts.append(np.frombuffer(raw, dtype=np.dtype(match.group(1).decode())).astype(np.float64))
+        return b'"dtype":"' + match.group(1) + b'","bdata":#'
+
+    text = TYPED_ARRAY.sub(typed, data)
+    parts.append(np.array([float(m) for m in NUMBER.findall(text)], dtype=np.float64))
+    return fingerprint(NUMBER.sub(b"#", text), np.concatenate(parts) if parts else [])
+
+
+def same(a, b) -> bool:
+    """Two fingerprints (or "n/a: reason" strings) describe the same item: equal skeletons, counts and exact parts,
+    and every sum within RTOL of the L1 norm."""
+    if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
+        return a == b
+    if {k: v for k, v in a.items() if k not in ("l1", "proj")} != {
+        k: v for k, v in b.items() if k not in ("l1", "proj")
+    }:
+        return False
+    if "l1" not in a:
+        return True
+    tol = RTOL * max(a["l1"], b["l1"]) + 1e-30
+    return abs(a["l1"] - b["l1"]) <= tol and all(abs(p - q) <= tol for p, q in zip(a["proj"], b["proj"], strict=True))
 
 
 def sample_names() -> list[str]:
@@ -58,7 +129,8 @@ def sample_digests(name: str) -> dict[str, dict[str, str]]:
     trace = {}
     for key in sorted(ctx.trace.arrays):
         arr = np.ascontiguousarray(ctx.trace[key])
-        trace[key] = _sha(f"{arr.dtype.str}{arr.shape}".encode() + arr.tobytes())
+        exact = arr.dtype.kind in "biu"
+        trace[key] = fingerprint(f"{arr.dtype.str}{arr.shape}".encode(), arr, exact=exact)
     views = {}
     for view in all_views():
         if view.needs_model:
@@ -68,7 +140,7 @@ def sample_digests(name: str) -> dict[str, dict[str, str]]:
         except NotApplicable as exc:
             views[view.key] = f"n/a: {exc}"
             continue
-        views[view.key] = _sha(fig.to_json().encode() + b"\0" + df.to_csv(index=False).encode())
+        views[view.key] = text_fingerprint(fig.to_json().encode() + b"\0" + df.to_csv(index=False).encode())
     return {"trace": trace, "views": views}
 
 
@@ -83,7 +155,9 @@ def report_digests() -> dict[str, str]:
             [SAMPLES / FULL], out, sample="shakespeare", max_tokens=TOKENS, static=False, skip_model_views=True
         )
         return {
-            p.relative_to(out).as_posix(): _sha(VOLATILE.sub(b"", p.read_bytes()).replace(str(REPO).encode(), b"REPO"))
+            p.relative_to(out).as_posix(): text_fingerprint(
+                VOLATILE.sub(b"", p.read_bytes()).replace(str(REPO).encode(), b"REPO")
+            )
             for p in sorted(out.rglob("*"))
             if p.is_file()
         }
@@ -113,16 +187,17 @@ def differences(expected: dict, actual: dict) -> list[str]:
             continue
         for key in sorted(set(want["views"]) | set(got["views"])):
             a, b = want["views"].get(key), got["views"].get(key)
-            if a != b:
+            if not same(a, b):
                 out.append(f"{name}: view {key}: {'missing' if b is None else 'new' if a is None else 'differs'}")
-        by_digest = {v: k for k, v in want["trace"].items()}
+        gone = [k for k in want["trace"] if k not in got["trace"]]
         for key in sorted(set(want["trace"]) | set(got["trace"])):
             a, b = want["trace"].get(key), got["trace"].get(key)
-            if a == b:
+            if a is not None and b is not None and same(a, b):
                 continue
-            if a is None and b in by_digest and by_digest[b] not in got["trace"]:
-                out.append(f"{name}: trace array {by_digest[b]} renamed to {key} (same values)")
-            elif b is None and a in set(got["trace"].values()):
+            was = next((k for k in gone if same(want["trace"][k], b)), None) if a is None else None
+            if was is not None:
+                out.append(f"{name}: trace array {was} renamed to {key} (same values)")
+            elif b is None and any(same(a, v) for k, v in got["trace"].items() if k not in want["trace"]):
                 continue  # the other end of a rename, reported above
             else:
                 what = "missing" if b is None else "new" if a is None else "differs"
@@ -130,7 +205,7 @@ def differences(expected: dict, actual: dict) -> list[str]:
     if "report" in actual:
         want, got = expected.get("report", {}), actual["report"]
         for key in sorted(set(want) | set(got)):
-            if want.get(key) != got.get(key):
+            if not same(want.get(key), got.get(key)):
                 what = "missing" if key not in got else "new" if key not in want else "differs"
                 out.append(f"{FULL} report: {key}: {what}")
     return out

@@ -2,7 +2,9 @@
 
 - decay alpha = exp(g) per token, head and key channel; the memory as a half-life ``ln 2 / (-g)`` tokens
   (``half_life``: the one definition of KDA memory, also used for the resting decay of ``analysis.weights``;
-  inf when alpha = 1); per channel the geometric-mean decay ``alpha_eff = exp(mean_t g)`` and its half-life;
+  inf when alpha = 1); beside it the reference's memory horizon ``1 / (1 - alpha)`` tokens (``memory_horizon``:
+  the mean lifetime of a write, docs/K3_REFERENCE.md), about 1.44 half-lives for slow decays; per channel the
+  geometric-mean decay ``alpha_eff = exp(mean_t g)``, its half-life and its horizon;
 - the share of decays near the gate's lower bound (``g < 0.9 * lower_bound``);
 - the delta-rule write strength beta;
 - the state S: its Frobenius norm ``||S||_F`` at chunk ends over time, and the effective rank
@@ -38,6 +40,20 @@ def half_life(g: np.ndarray) -> np.ndarray:
         return np.where(g < 0, LN2 / np.where(g < 0, -g, 1.0), np.inf)
 
 
+def memory_horizon(g: np.ndarray) -> np.ndarray:
+    """The reference's memory horizon 1 / (1 - alpha) tokens with alpha = exp(g): the expected lifetime
+    sum_n alpha^n of a write (n = 0, 1, ...), computed as -1 / expm1(g) so slow decays keep their digits.
+
+    g = 0 (alpha = 1, no forgetting) gives inf; g > 0 is not a decay and raises. For small -g it is about
+    1 / (-g) = half_life / ln 2.
+    """
+    g = np.asarray(g, dtype=np.float64)
+    if np.any(g > 0):
+        raise ValueError("log decay g must be <= 0 (alpha = exp(g) <= 1)")
+    with np.errstate(divide="ignore"):
+        return np.where(g < 0, -1.0 / np.expm1(np.where(g < 0, g, -1.0)), np.inf)
+
+
 def half_life_quantiles(g: np.ndarray, qs: Iterable[float]) -> np.ndarray:
     """Quantiles of the half-life ln 2 / (-g) over all entries of g.
 
@@ -63,8 +79,8 @@ def kda_channel_decay(trace: Trace) -> pd.DataFrame:
     """Per KDA layer, head and key channel: mean log decay over tokens and batch, and what it implies.
 
     alpha_eff = exp(mean_t g) (a run of n tokens decays by exp(n mean g), so this is the per-token
-    geometric-mean decay); half_life = ln 2 / (-mean_t g) tokens (inf when alpha_eff = 1).
-    Columns: layer, head, channel, g_mean, alpha, half_life.
+    geometric-mean decay); half_life = ln 2 / (-mean_t g) tokens and horizon = 1 / (1 - alpha_eff) tokens (both inf
+    when alpha_eff = 1). Columns: layer, head, channel, g_mean, alpha, half_life, horizon.
     """
     frames = []
     for i in _kda_layers(trace):
@@ -80,13 +96,14 @@ def kda_channel_decay(trace: Trace) -> pd.DataFrame:
                     g_mean=g_mean.ravel(),
                     alpha=np.exp(g_mean).ravel(),
                     half_life=half_life(np.minimum(g_mean, 0)).ravel(),
+                    horizon=memory_horizon(np.minimum(g_mean, 0)).ravel(),
                 )
             )
         )
     return (
         pd.concat(frames, ignore_index=True)
         if frames
-        else pd.DataFrame(columns=["layer", "head", "channel", "g_mean", "alpha", "half_life"])
+        else pd.DataFrame(columns=["layer", "head", "channel", "g_mean", "alpha", "half_life", "horizon"])
     )
 
 

@@ -58,6 +58,8 @@ def test_kda_decay_stats_on_a_hand_trace():
     assert stats.loc[0, "frac_near_lb"] == 0.0 and stats.loc[1, "frac_near_lb"] == 1.0
     chan = km.kda_channel_decay(t)
     assert np.allclose(chan[chan["head"] == 0]["half_life"], 1.0)
+    assert np.allclose(chan[chan["head"] == 0]["horizon"], 2.0)  # 1 / (1 - 0.5)
+    assert np.allclose(chan[chan["head"] == 1]["horizon"], 1 / (1 - np.exp(-4.8)))
     beta = km.kda_beta_stats(t)
     assert np.allclose(beta["mean"], 0.25) and np.allclose(beta["std"], 0.0)
     softplus = km.kda_decay_stats(_kda_trace(g, np.full((1, 2, 2), 0.25), gate="softplus"))
@@ -87,3 +89,15 @@ def test_kda_state_rank_hand_case():
     np.testing.assert_allclose(df["effective_rank"], [d, 1.0])  # identity: d equal singular values; outer: rank 1
     np.testing.assert_allclose(df["frobenius"], [2.0, np.sqrt(d * (1 + 4 + 9 + 16))])
     assert km.kda_state_rank(Trace()).empty and km.kda_state_norms(Trace()).empty
+
+
+def test_memory_horizon_is_the_mean_lifetime_of_a_write():
+    """1 / (1 - alpha) = sum_n alpha^n, checked against the partial sum; slow decays keep their digits (expm1)."""
+    g = np.array([-2.0, -0.1, -1e-9, 0.0])
+    horizon = km.memory_horizon(g)
+    alpha = np.exp(g[:2])
+    assert np.allclose(horizon[:2], (alpha[:, None] ** np.arange(2000)).sum(1), rtol=1e-9)
+    assert horizon[2] == pytest.approx(1e9, rel=1e-8)  # 1 / (1 - exp(g)) in float64 is off by up to 1e-7 relative here
+    assert np.isinf(horizon[3])
+    with pytest.raises(ValueError, match="g must be <= 0"):
+        km.memory_horizon(np.array([0.1]))

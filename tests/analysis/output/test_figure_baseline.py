@@ -30,11 +30,11 @@ def test_the_five_samples_draw_what_the_baseline_recorded(recorded):
 def test_the_comparison_names_what_differs(recorded):
     changed = copy.deepcopy(recorded)
     full = changed["samples"]["k3-full"]
-    view = next(k for k, v in full["views"].items() if not v.startswith("n/a"))
-    full["views"][view] = "0" * 64
+    view = next(k for k, v in full["views"].items() if isinstance(v, dict) and v["l1"] > 0)
+    full["views"][view]["proj"][0] += 2e-4 * full["views"][view]["l1"]  # values moved by 2 RTOL
     first, second = sorted(full["trace"])[:2]
     full["trace"]["renamed.item"] = full["trace"].pop(first)  # a key renamed, its values kept
-    full["trace"][second] = "1" * 64
+    full["trace"][second] = {**full["trace"][second], "skeleton": "1" * 64}  # another dtype or shape
     del changed["report"]["headline.json"]
     assert sorted(baseline.differences(recorded, changed)) == sorted(
         [
@@ -44,3 +44,29 @@ def test_the_comparison_names_what_differs(recorded):
             "k3-full report: headline.json: missing",
         ]
     )
+
+
+def test_a_figure_matches_across_float_rounding_but_not_across_a_change():
+    """The fingerprint of a real figure's JSON: values moved by float32 rounding (1e-7 relative, as another CPU's
+    kernels move them) still match; the same figure with values scaled by 1e-3, one label changed or one value
+    more in a trace does not."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((12, 40))
+
+    def fp(values, title="entropy"):
+        fig = go.Figure(go.Heatmap(z=values), layout=dict(title=title))
+        return baseline.text_fingerprint(fig.to_json().encode())
+
+    reference = fp(z)
+    assert baseline.same(reference, fp(z * (1 + 1e-7 * rng.standard_normal(z.shape))))
+    assert not baseline.same(reference, fp(z * (1 + 1e-3)))
+    assert not baseline.same(reference, fp(z, title="entropy (bits)"))
+    assert not baseline.same(reference, fp(np.vstack([z, z[:1]])))
+    text = b"layer,loss\n0,2.4512345\n1,2.5\n"
+    assert baseline.same(
+        baseline.text_fingerprint(text), baseline.text_fingerprint(text.replace(b"2.4512345", b"2.4512346"))
+    )
+    assert not baseline.same(baseline.text_fingerprint(text), baseline.text_fingerprint(text.replace(b"2.45", b"2.55")))
