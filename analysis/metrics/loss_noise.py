@@ -26,6 +26,9 @@ from analysis.runs.context import AnalysisContext
 from k3core.interp.trace import names
 
 DEFAULT_WINDOW = 32  # tokens per window: a few sentences of bytes; 256 tokens give 8 windows
+# Short texts get shorter windows, down to MIN_WINDOW_TOKENS, so that a CI has MIN_WINDOWS windows where it can
+MIN_WINDOWS = 8
+MIN_WINDOW_TOKENS = 4
 # The sample runs' seed-to-seed spread: differences under this are "within one seed's noise" (their README).
 SEED_NOISE_BPB = 0.05
 _LN2 = math.log(2)
@@ -113,12 +116,22 @@ def loss_difference(nll_a: np.ndarray, nll_b: np.ndarray, paired: bool, window: 
     return LossNoise(delta, t975(df) * se, int(ma.size + mb.size), window, False)
 
 
-def headline_noise(a: AnalysisContext, b: AnalysisContext, window: int = DEFAULT_WINDOW) -> LossNoise | None:
-    """``loss_difference`` of two traced contexts' per-token losses, paired when both scored the same tokens;
-    None when either trace has no per-token loss."""
+def choose_window(scored_tokens: int) -> int:
+    """``DEFAULT_WINDOW`` tokens, shorter for a text of fewer than ``MIN_WINDOWS`` such windows (at least
+    ``MIN_WINDOW_TOKENS``: shorter windows would hide the correlation of neighbouring tokens' losses)."""
+    return min(DEFAULT_WINDOW, max(scored_tokens // MIN_WINDOWS, MIN_WINDOW_TOKENS))
+
+
+def headline_noise(a: AnalysisContext, b: AnalysisContext, window: int | None = None) -> LossNoise | None:
+    """``loss_difference`` of two traced contexts' per-token losses, paired when both scored the same tokens,
+    over windows of ``window`` tokens (default ``choose_window`` of the shorter run's scored tokens per
+    sequence); None when either trace has no per-token loss."""
     na, nb = a.trace.get(names.TOKEN_NLL), b.trace.get(names.TOKEN_NLL)
     if na is None or nb is None:
         return None
+    if window is None:
+        scored = [int(np.isfinite(np.atleast_2d(np.asarray(x, dtype=np.float64))).sum(axis=-1).min()) for x in (na, nb)]
+        window = choose_window(min(scored))
     ta, tb = a.trace.get(names.TOKENS), b.trace.get(names.TOKENS)
     same_text = ta is not None and tb is not None and np.shape(ta) == np.shape(tb) and np.array_equal(ta, tb)
     paired = same_text and np.array_equal(np.isfinite(na), np.isfinite(nb))

@@ -123,6 +123,10 @@ def test_overview_renders_by_default(app_env, runs):
     _page(at, "compare")
     assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-b"
     assert len(at.dataframe) >= 1  # headline delta table
+    # its noise floor: a paired CI over the shared text, and the seed noise of two separately trained runs
+    notes = [m.value for m in (*at.info, *at.caption) if "95% CI" in m.value]
+    assert len(notes) == 1 and "paired" in notes[0] and "0.05 bits/byte" in notes[0], notes
+    assert "± (95% CI)" in at.dataframe[0].value.columns
     _page(at, "history")
     assert _charts(at) >= 1
 
@@ -140,6 +144,9 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     assert _charts(at) >= 2
     assert any("**B** = MQAR:" in c.value for c in at.caption)  # labelled once, never "B: B: MQAR"
     assert not any("B: B:" in c.value for c in at.caption)
+    # MQAR scores its 6 answers only: too few for windows, and said so; one run on two texts has no seed noise
+    notes = [m.value for m in (*at.info, *at.caption) if m.value.startswith("A - B =")]
+    assert len(notes) == 1 and "too few tokens" in notes[0] and "seed" not in notes[0], notes
 
 
 @pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])

@@ -91,12 +91,13 @@ def test_headline_noise_of_real_traces_and_the_table_columns():
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(0))
     a, b = _ctx(0, ids, "A"), _ctx(1, ids, "B")
     noise = ln.headline_noise(a, b)
-    assert noise.paired and noise.n_windows == 2  # 95 scored tokens: 2 windows of ~48
+    assert ln.choose_window(95) == 11 and ln.choose_window(10_000) == 32 and ln.choose_window(3) == 4
+    assert noise.paired and noise.window == 11 and noise.n_windows == 8  # 95 scored tokens: 8 windows of ~12
     ha, hb = hl.headline_numbers(a), hl.headline_numbers(b)
     assert noise.delta == pytest.approx(ha["loss"] - hb["loss"], abs=1e-6)  # fp32 means  # the headline delta itself
     d = np.asarray(a.trace[names.TOKEN_NLL], np.float64) - np.asarray(b.trace[names.TOKEN_NLL], np.float64)
-    m = [part.mean() for part in np.array_split(d[np.isfinite(d)], 2)]
-    assert noise.half_width == pytest.approx(12.706 * np.std(m, ddof=1) / math.sqrt(2))
+    m = [part.mean() for part in np.array_split(d[np.isfinite(d)], 8)]
+    assert noise.half_width == pytest.approx(2.365 * np.std(m, ddof=1) / math.sqrt(8))  # t_{0.975, 7}
     table = hl.headline_table(ha, hb, noise=noise).set_index("metric")
     assert table.loc["bits_per_byte", "ci95"] == pytest.approx(noise.half_width / math.log(2))
     assert table.loc["loss", "ci95"] == pytest.approx(noise.half_width)
