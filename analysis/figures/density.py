@@ -94,7 +94,7 @@ def build_allocation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         shared_xaxes=True,
         vertical_spacing=0.06,
         subplot_titles=(
-            "active parameters per token (all parameters: the Weights page, parameters by depth)",
+            "active parameters per token (all parameters: the view Parameters by depth and kind)",
             f"FLOPs per token at T = {format_tokens(T)} (prefill average)",
             f"decode cache per sequence at T = {format_tokens(T)}",
         ),

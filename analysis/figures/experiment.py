@@ -236,7 +236,7 @@ def _spec(ctx, name: str, what: str) -> dict:
     _needs_model(ctx)
     spec = ctx.options.get(name)
     if not spec:
-        raise NotApplicable(f"no {what} chosen: it is set on the Experiment page (the report has no default)")
+        raise NotApplicable(f"no {what} chosen (the view option {name!r} is unset; there is no default)")
     return spec
 
 
@@ -390,7 +390,7 @@ def _lens_view(ctx):
 
 
 def _views():
-    no_diff = Comparison(no_difference="an experiment's result is compared on its own page (baseline vs edited)")
+    no_diff = Comparison(no_difference="an experiment's result is already a comparison, baseline against edited")
     return [
         View(
             "experiment_loss_change",

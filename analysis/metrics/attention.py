@@ -127,8 +127,8 @@ def _require_attention(trace: Trace) -> list[int]:
             why = "the model has no MLA layer"
         else:
             why = (
-                "attention statistics were not recorded: record with 'mla' (the default) or, for the maps, tick "
-                "'Record MLA attention probabilities' in the sidebar (in Python: trace_run(..., what='all'))"
+                "attention statistics were not recorded: record with 'mla' (the default) or, for the maps, record "
+                "the MLA attention probabilities too (trace_run(..., what='all'))"
             )
         raise MissingTraceData(f"no MLA attention statistics in this trace: {why}")
     return found

@@ -22,6 +22,7 @@ from analysis.metrics import hidden_states as hs
 from analysis.metrics import kda_memory as km
 from analysis.metrics import moe as mo
 from analysis.metrics.history import final_numbers
+from analysis.metrics.loss_noise import LossNoise
 from analysis.runs.context import AnalysisContext
 from analysis.runs.missing_data import MissingTraceData
 from k3core.interp.trace import Trace, names
@@ -167,8 +168,16 @@ def headline_numbers(ctx: AnalysisContext) -> dict[str, Any]:
     return out
 
 
-def headline_table(a: AnalysisContext | dict, b: AnalysisContext | dict) -> pd.DataFrame:
-    """Headline numbers of two runs with delta = A - B. Columns: metric, description, a, b, delta.
+# the rows whose delta ``analysis.metrics.loss_noise`` gives a CI for, and each one's unit per nat
+_LOSS_ROWS = {"loss": 1.0, "bits_per_token": 1 / math.log(2), "bits_per_byte": 1 / math.log(2)}
+
+
+def headline_table(
+    a: AnalysisContext | dict, b: AnalysisContext | dict, noise: LossNoise | None = None
+) -> pd.DataFrame:
+    """Headline numbers of two runs with delta = A - B. Columns: metric, description, a, b, delta; with ``noise``
+    (``analysis.metrics.loss_noise.headline_noise``) also ``ci95`` (the 95% CI half-width of the delta, in the row's
+    unit: loss, bits/token, bits/byte; NaN for other rows) and ``within_noise`` (the CI contains 0; None elsewhere).
 
     Accepts contexts or already computed ``headline_numbers`` dicts; ``df.attrs`` holds the labels."""
     ha = a if isinstance(a, dict) else headline_numbers(a)
@@ -176,7 +185,12 @@ def headline_table(a: AnalysisContext | dict, b: AnalysisContext | dict) -> pd.D
     rows = []
     for key in [k for k in ha if k != "label"] + [k for k in hb if k not in ha and k != "label"]:
         va, vb = _num(ha.get(key)), _num(hb.get(key))
-        rows.append({"metric": key, "description": HEADLINE_LABELS.get(key, key), "a": va, "b": vb, "delta": va - vb})
+        row = {"metric": key, "description": HEADLINE_LABELS.get(key, key), "a": va, "b": vb, "delta": va - vb}
+        if noise is not None:
+            scale = _LOSS_ROWS.get(key) if math.isfinite(va - vb) else None
+            row["ci95"] = noise.half_width * scale if scale else _NAN
+            row["within_noise"] = noise.within_noise if scale else None
+        rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs.update(label_a=str(ha.get("label", "A")), label_b=str(hb.get("label", "B")), keys=["metric"])
     return df

@@ -90,7 +90,7 @@ st.caption(  # labels and sources name files and texts: shown as text, never as 
 )
 
 st.markdown("#### Headline numbers")
-cards.headline_delta(a, b)
+cards.headline_delta(a, b, separate_training=mode == TWO_RUNS and not run_list.quantised_copy(run_a, run_b))
 
 if section == "experiment":  # the same experiment on A and B, estimated, run on request
     compare_experiment.section(a, b, st.session_state.get(EDITS) or [], mode == EDITED)

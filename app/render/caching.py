@@ -575,3 +575,15 @@ def compare_view(kind: str, view, a: Loaded, b: Loaded):
     if na is not None:
         raise NotApplicable(na)
     return fig, df
+
+
+def _clear_kept(_: object) -> None:
+    job_budget.budget().kept.clear()
+
+
+@st.cache_resource(show_spinner=False, on_release=_clear_kept)
+def kept_results_follow_clear_cache() -> bool:
+    """Ties the kept results to Streamlit's "Clear cache" (the app menu, or C): that clears every ``st.cache_resource``
+    (``st.cache_resource.clear()``) and releases this one's entry, whose release clears the kept results, which no
+    Streamlit cache holds. Called on every script run (app/main.py), so that each clear finds it registered again."""
+    return True

@@ -20,6 +20,7 @@ import streamlit as st
 
 from analysis.figures.style import screen_figure
 from analysis.metrics.headline import HEADLINE_LABELS, headline_help, headline_table
+from analysis.metrics.loss_noise import headline_noise, noise_statement
 from analysis.output.export import export_figure, provenance, static_export_available
 from analysis.output.format import format_number
 from analysis.views.picks import pick_text
@@ -237,17 +238,34 @@ def headline_metrics(loaded: Loaded) -> None:
         table_downloads(table, f"{slug(loaded.ctx.label)}_headline", "k3lab_head")
 
 
-def headline_delta(a: Loaded, b: Loaded) -> None:
-    """analysis.metrics.headline.headline_table of two runs (A, B, delta = A - B) with CSV/JSON export."""
+def headline_delta(a: Loaded, b: Loaded, separate_training: bool = False) -> None:
+    """analysis.metrics.headline.headline_table of two runs (A, B, delta = A - B) with CSV/JSON export, and the
+    loss delta's noise floor (analysis.metrics.loss_noise); ``separate_training``: two trained checkpoints, whose
+    seed noise the note adds."""
     try:
-        table = headline_table(caching.headline(a), caching.headline(b))
+        noise = headline_noise(a.ctx, b.ctx)
+        table = headline_table(caching.headline(a), caching.headline(b), noise=noise)
     except Exception as exc:  # noqa: BLE001
         log.exception("headline table failed")
         st.error(f"Headline numbers could not be compared: {type(exc).__name__}: {exc}")
         return
+    if noise is not None:  # first, so that no delta below is read without it
+        statement = noise_statement(noise, a.ctx.config.vocab_size == 256, separate_training)
+        (st.info if noise.within_noise else st.caption)(statement)
     # printed as the Overview prints them (missing: "n/a"), the exported table keeps the numbers
-    shown = table.assign(**{c: [format_number(v) for v in table[c]] for c in ("a", "b", "delta")})
-    shown = shown.rename(columns={"a": f"A: {a.ctx.label}", "b": f"B: {b.ctx.label}", "delta": "A - B"})
+    numeric = [c for c in ("a", "b", "delta", "ci95") if c in table]
+    shown = table.assign(**{c: [format_number(v) for v in table[c]] for c in numeric})
+    if "within_noise" in shown:
+        shown["within_noise"] = [{True: "yes", False: "no"}.get(v, "") for v in shown["within_noise"]]
+    shown = shown.rename(
+        columns={
+            "a": f"A: {a.ctx.label}",
+            "b": f"B: {b.ctx.label}",
+            "delta": "A - B",
+            "ci95": "± (95% CI)",
+            "within_noise": "within noise",
+        }
+    )
     st.dataframe(shown.drop(columns=["metric"]), hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
     table_downloads(table, f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_headline", "k3lab_cmp_head")
 

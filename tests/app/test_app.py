@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from streamlit.runtime import caching as st_caching
 from streamlit.testing.v1 import AppTest
 
 from analysis.runs import loading as runs_mod
@@ -25,6 +26,7 @@ from app import pages
 from app.library import run_list
 from app.render import caching, cards
 from app.render import page as page_mod
+from app.server import job_budget
 from app.server.settings import HOME_ENV
 from app.state import inputs
 from k3core.data.batches import IGNORE_INDEX
@@ -123,8 +125,27 @@ def test_overview_renders_by_default(app_env, runs):
     _page(at, "compare")
     assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-b"
     assert len(at.dataframe) >= 1  # headline delta table
+    # its noise floor: a paired CI over the shared text, and the seed noise of two separately trained runs
+    notes = [m.value for m in (*at.info, *at.caption) if "95% CI" in m.value]
+    assert len(notes) == 1 and "paired" in notes[0] and "0.05 bits/byte" in notes[0], notes
+    assert "± (95% CI)" in at.dataframe[0].value.columns
     _page(at, "history")
     assert _charts(at) >= 1
+
+
+def test_clear_cache_clears_the_kept_results(app_env, runs):
+    """Streamlit's "Clear cache" (the menu, or C) runs cache_resource.clear() (AppSession._handle_clear_cache_request):
+    the traced contexts and figures in app.server.kept_results, which no Streamlit cache holds, go with it."""
+    app_env(runs["good"])
+    at = _app().run()
+    assert not at.exception, at.exception
+    kept = job_budget.budget().kept
+    for _ in range(2):  # twice: the next script run ties the kept results to the next clear again
+        assert kept.kept_bytes > 0  # the Overview's trace and figures
+        st_caching.cache_resource.clear()
+        assert kept.kept_bytes == 0
+        at.run()
+        assert not at.exception, at.exception
 
 
 def test_compare_one_run_on_two_texts(app_env, runs):
@@ -140,6 +161,9 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     assert _charts(at) >= 2
     assert any("**B** = MQAR:" in c.value for c in at.caption)  # labelled once, never "B: B: MQAR"
     assert not any("B: B:" in c.value for c in at.caption)
+    # MQAR scores its 6 answers only: too few for windows, and said so; one run on two texts has no seed noise
+    notes = [m.value for m in (*at.info, *at.caption) if m.value.startswith("A - B =")]
+    assert len(notes) == 1 and "too few tokens" in notes[0] and "seed" not in notes[0], notes
 
 
 @pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])

@@ -53,7 +53,7 @@ def test_the_experiment_views_build_on_the_samples_and_equal_the_analysis_functi
     for name, ctx in sample_contexts(("k3-full", "plain-residual"), tokens=24).items():
         # without an experiment's inputs (the report, a Compare section) the views say why, they do not guess one
         for key in ("experiment_loss_change", "experiment_patching", "experiment_attribution"):
-            with pytest.raises(NotApplicable, match="Experiment page"):
+            with pytest.raises(NotApplicable, match=r"no .+ chosen \(the view option '\w+' is unset"):
                 views[key].build(ctx)
         model, ids = ctx.model, ctx.input_ids[:1]
         edits = [{"kind": "value", "point": "mixer_out", "op": "scale", "layers": [0], "value": 0.5}]
