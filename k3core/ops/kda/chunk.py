@@ -234,6 +234,33 @@ def _chunk_loop(qc, kc, vc, gc, bc, state, scale, C, output_chunk_states, real_c
     return o, state, ends, None
 
 
+@functools.lru_cache(maxsize=16)
+def _dyadic_levels_index(C: int, device: torch.device) -> torch.Tensor:
+    """Flat gather map from a row-major C x C matrix to its strictly lower dyadic blocks, level by level.
+
+    The inverse of :func:`_dyadic_index` on the strictly lower triangle: level s = 1, 2, ..., C/2 as a
+    contiguous [P, s, s] block tensor (P = C / 2s; rows p*2s + s + i, columns p*2s + j), concatenated.
+    """
+    index = []
+    s = 1
+    while s < C:
+        for p in range(C // (2 * s)):
+            for i in range(s):
+                for j in range(s):
+                    index.append((p * 2 * s + s + i) * C + p * 2 * s + j)
+        s *= 2
+    with torch.inference_mode(False):
+        return torch.tensor(index, device=device)
+
+
+def _block_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for [..., m, s] x [..., s, n]; for s <= 2 as broadcast products (a batched matmul of
+    thousands of 2 x 1 or 4 x 2 matrices is slower than one elementwise pass)."""
+    if a.shape[-1] <= 2:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return torch.matmul(a, b)
+
+
 def _dyadic_grad(
     q: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor, dA_qk: torch.Tensor, dA_kk: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -246,30 +273,28 @@ def _dyadic_grad(
 
     The gradient w.r.t. G follows from these (``q dq_row + k dk_row - k dk_col``; the caller does it),
     so the decay factors need no backward.  Same dyadic tiling and split decays as the forward
-    (no positive exponent), both scores in one matmul per side and level.
+    (no positive exponent); both scores' blocks are gathered once, level by level.
     """
     Z, C, K = alpha.shape
     pre, suf = alpha.clone(), torch.ones_like(alpha)
     dq_row, dk_row, dk_col = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(k)
+    qk = torch.stack([q, k], dim=1)  # [Z, 2, C, K]
+    blocks = torch.stack([dA_qk, dA_kk], dim=1).view(Z, 2, C * C).index_select(-1, _dyadic_levels_index(C, q.device))
+    pos = 0
     s = 1
     while s < C:
         P = C // (2 * s)
+        g_b = blocks[..., pos : pos + P * s * s].view(Z, 2, P, s, s)  # [score, block, row i, column j]
+        pos += P * s * s
         pre_b, suf_b = pre.view(Z, P, 2, s, K), suf.view(Z, P, 2, s, K)
         row_decay = pre_b[:, :, 1]
         col_decay = suf_b[:, :, 0]
-        cols = k.view(Z, P, 2, s, K)[:, :, 0] * col_decay  # [Z, P, s, K]
-        # this level's blocks: rows p*2s + s + i, columns p*2s + j
-        g_qk = dA_qk.view(Z, P, 2, s, P, 2, s).diagonal(dim1=1, dim2=4).movedim(-1, 1)[:, :, 1, :, 0]
-        g_kk = dA_kk.view(Z, P, 2, s, P, 2, s).diagonal(dim1=1, dim2=4).movedim(-1, 1)[:, :, 1, :, 0]
-        g_both = torch.cat([g_qk, g_kk], dim=-2)  # [Z, P, 2s, s]
-        rows = torch.matmul(g_both, cols)  # [Z, P, 2s, K]
-        dq_row.view(Z, P, 2, s, K)[:, :, 1] += rows[:, :, :s] * row_decay
-        dk_row.view(Z, P, 2, s, K)[:, :, 1] += rows[:, :, s:] * row_decay
-        rq = q.view(Z, P, 2, s, K)[:, :, 1] * row_decay
-        rk = k.view(Z, P, 2, s, K)[:, :, 1] * row_decay
-        dk_col.view(Z, P, 2, s, K)[:, :, 0] += (
-            torch.matmul(g_both.transpose(-1, -2), torch.cat([rq, rk], dim=-2)) * col_decay
-        )
+        cols = (k.view(Z, P, 2, s, K)[:, :, 0] * col_decay).unsqueeze(1)  # [Z, 1, P, s, K]
+        rows = _block_matmul(g_b, cols) * row_decay.unsqueeze(1)  # [Z, 2, P, s, K]
+        dq_row.view(Z, P, 2, s, K)[:, :, 1] += rows[:, 0]
+        dk_row.view(Z, P, 2, s, K)[:, :, 1] += rows[:, 1]
+        r_side = qk.view(Z, 2, P, 2, s, K)[:, :, :, 1] * row_decay.unsqueeze(1)  # [Z, 2, P, s, K]
+        dk_col.view(Z, P, 2, s, K)[:, :, 0] += _block_matmul(g_b.transpose(-1, -2), r_side).sum(1) * col_decay
         left_total, right_total = pre_b[:, :, 0, -1:], pre_b[:, :, 1, -1:]
         suf_b[:, :, 0] *= right_total
         pre_b[:, :, 1] *= left_total
@@ -336,15 +361,15 @@ class _KDAChunkFn(torch.autograd.Function):
         dW = torch.bmm(dD, S.transpose(-1, -2)).neg_()
         dk_dec = torch.bmm(D, dS_out.transpose(-1, -2))
         dgamma_end = (S * dS_out).sum(-1)  # [Z, K]
-        # U = T (beta V), W = T (beta Gamma K)
+        # U = T (beta V), W = T (beta Gamma K):  with Y = [V, Gamma K] and dX = T^T [dD, dW],
+        # d(beta Y) = dX and T^T dT = dX (beta Y)^T, so dM = -T^T dT T^T = -dX (beta Y)^T T^T.
+        Y = torch.cat([v, gk], dim=-1)
+        bY = Y * b.unsqueeze(-1)
         dX = torch.bmm(t_inv.transpose(-1, -2), torch.cat([dD, dW], dim=-1))
-        dXv, dXk = dX[..., :V], dX[..., V:]
-        dv = dXv * b.unsqueeze(-1)
-        dgk = dXk * b.unsqueeze(-1)
-        db = (v * dXv).sum(-1) + (gk * dXk).sum(-1)
-        dT = torch.bmm(dD, (v * b.unsqueeze(-1)).transpose(-1, -2)) + torch.bmm(dW, (gk * b.unsqueeze(-1)).transpose(-1, -2))
-        t_inv_t = t_inv.transpose(-1, -2)
-        dM = torch.bmm(torch.bmm(t_inv_t, dT), t_inv_t).neg_().tril_(-1)
+        dY = dX * b.unsqueeze(-1)
+        dv, dgk = dY[..., :V], dY[..., V:]
+        db = (Y * dX).sum(-1)
+        dM = torch.bmm(torch.bmm(dX, bY.transpose(-1, -2)), t_inv.transpose(-1, -2)).neg_().tril_(-1)
         db += (dM * A_kk).sum(-1)
         dA_kk = dM * b.unsqueeze(-1)
 
