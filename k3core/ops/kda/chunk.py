@@ -502,8 +502,9 @@ def kda_chunk(
     and the group's outputs follow in one batched matmul.  No exponent is ever positive:
     ``exp(G_r - G_j)`` is split at an intermediate index and built from products of per-step
     decays (see :func:`_intra_chunk`), so arbitrarily strong decay (g = -5 on every step, or far
-    below) cannot overflow.  Differentiable through autograd (gradients match
-    :func:`kda_recurrent`).
+    below) cannot overflow.  Differentiable (gradients match :func:`kda_recurrent`): on the torch
+    path with a hand-written chunked backward (:class:`_KDAChunkFn`), through autograd when
+    ``output_chunk_states`` is asked for.
 
     Args:
         q, k: [B, T, H, K] (L2-normalised); v: [B, T, HV, V]; g: [B, T, HV, K] log-decay (<= 0);
