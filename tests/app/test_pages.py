@@ -12,6 +12,7 @@ from streamlit.testing.v1 import AppTest
 from analysis.views.catalogue import all_views, section_views
 from app import pages
 from tests.app.test_app import APP, MAX_TOKENS, TIMEOUT, _charts, _errors, app_env, runs  # noqa: F401 - fixtures
+from tests.repo.scan import docstring_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where pages are named: the app, the command line, the tests of the app and the benchmarks. (analysis/ never imports
@@ -19,16 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("app", "k3lab", "tests/app", "benchmarks")
 REGISTRY = "app/pages.py"
 DRAWN_AT_OPEN = ("weights", "density", "attnres", "moe", "degradation")  # pages whose figures need no click
-
-
-def _docstrings(tree: ast.AST) -> set[int]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                out.add(id(first.value))
-    return out
 
 
 def title_copies(root: Path, titles: list[str], folders=SCANNED, registry: str = REGISTRY) -> list[str]:
@@ -41,7 +32,7 @@ def title_copies(root: Path, titles: list[str], folders=SCANNED, registry: str =
             if rel == registry or "__pycache__" in rel:
                 continue
             tree = ast.parse(path.read_text(encoding="utf-8"))
-            skip = _docstrings(tree)
+            skip = docstring_nodes(tree)
             for node in ast.walk(tree):
                 if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
                     continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,4 +20,16 @@ def matching_lines(root: Path, folders: Iterable[str], pattern: re.Pattern[str])
             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if pattern.search(line):
                     out.append(f"{path.relative_to(root).as_posix()}:{n}")
+    return out
+
+
+def docstring_nodes(tree: ast.AST) -> set[int]:
+    """ids of the module, class and function docstring nodes of ``tree``: prose for developers, which the scans of
+    messages and titles skip."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
     return out

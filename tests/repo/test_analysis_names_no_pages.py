@@ -9,19 +9,9 @@ import re
 from pathlib import Path
 
 from app import pages
+from tests.repo.scan import docstring_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _docstrings(tree: ast.AST) -> set[int]:
-    """ids of the module, class and function docstring nodes (prose for developers, not messages)."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                out.add(id(first.value))
-    return out
 
 
 def app_ui_mentions(folder: Path) -> list[str]:
@@ -32,7 +22,7 @@ def app_ui_mentions(folder: Path) -> list[str]:
     out = []
     for path in sorted(folder.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _docstrings(tree)
+        skip = docstring_nodes(tree)
         found = sorted(
             (node.lineno, node.value)
             for node in ast.walk(tree)
