@@ -98,18 +98,12 @@ if section == "experiment":  # the same experiment on A and B, estimated, run on
 views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
-
-
-def draw(view) -> None:
+for view in views:
     if view.needs_model and view.section == "long_context":  # reruns the model at other lengths: not a trace view
         st.caption(
             f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
         )
-        return
+        continue
     if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
-        return
+        continue
     cards.render_comparison(view, a, b)
-
-
-# each comparison is two charts (side by side, A - B): one view fewer at once than a page of single views
-page.draw_lazily(f"cmp_{section}", views, draw, eager=page.EAGER_VIEWS - 1)

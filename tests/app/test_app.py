@@ -616,8 +616,6 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     at.run()
     _page(at, "compare")
     assert not at.exception and _errors(at) == []
-    at.toggle(key="k3lab_show_all_cmp_weights_toggle").set_value(True).run()  # the views past the first, on request
-    assert not at.exception and _errors(at) == []
     assert at.radio(key="k3lab_cmp_section").value == "weights"
     assert at.query_params["section"] == "weights"
     weights_views = section_views("weights")
@@ -628,12 +626,12 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
 
 
 def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env, runs):
-    """Degradation (9 views): the first EAGER_VIEWS at once, the others behind a toggle that names them and stays
+    """Degradation (10 views): the first EAGER_VIEWS at once, the others behind a toggle that names them and stays
     on for the session when the user leaves the page and comes back."""
     app_env(runs["good"])
     at = _app().run()
     views = section_views("degradation")
-    assert len(views) > page_mod.EAGER_VIEWS + page_mod.LAZY_SLACK
+    assert len(views) > page_mod.LAZY_SECTION
 
     def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it
         notes = sum(1 for i in at.info if any(f"**{v.title}**" in i.value for v in shown))
