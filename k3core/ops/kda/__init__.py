@@ -26,7 +26,8 @@ Entry points (import them from here):
   ``kda_chunk(output_chunk_states=True)`` returns).
 
 Where they live: ``naive.py`` (the recurrent form: ``kda_step``, ``kda_recurrent``), ``chunk.py``
-(the chunked form: ``kda_chunk``, ``kda_chunk_end_states``, fla dispatch) and ``gate.py`` (the decay gate).
+(the chunked form: ``kda_chunk``, ``kda_chunk_end_states``, fla dispatch, the chunk backward), ``intra_chunk.py``
+(inside one chunk: the dyadic scores and the UT inverse, forward and backward) and ``gate.py`` (the decay gate).
 
 All arithmetic is done in fp32 (fp64 if any input is fp64); outputs are cast to ``v.dtype`` and
 final states are returned in the compute dtype.

@@ -401,9 +401,9 @@ def test_chunk_autograd_after_inference_mode():
 @pytest.mark.parametrize("C", [1, 2, 8, 64])
 def test_dyadic_tiling_covers_lower_triangle_once(C):
     """Every entry of the C x C lower triangle is read from exactly one stored slot."""
-    from k3core.ops.kda.chunk import _dyadic_index
+    from k3core.ops.kda.intra_chunk import dyadic_index
 
-    index = torch.tensor(_dyadic_index(C)).view(C, C)
+    index = torch.tensor(dyadic_index(C)).view(C, C)
     upper = torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1)
     assert (index[upper] == 0).all()
     lower = index[~upper]
