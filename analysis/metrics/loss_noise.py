@@ -152,9 +152,10 @@ def noise_statement(noise: LossNoise, byte_vocab: bool, separate_training: bool)
             + ("within the noise of the text evaluated." if noise.within_noise else "outside the noise of this text.")
         )
     if separate_training:
-        seed = "within" if abs(d) < SEED_NOISE_BPB else "beyond"
         text += (
             f" The interval covers the text only: separately trained runs also differ by their seed, about "
-            f"{SEED_NOISE_BPB} bits/byte for the sample runs (one seed each); this difference is {seed} that."
+            f"{SEED_NOISE_BPB} bits/byte for the sample runs (one seed each)"
         )
+        # the seed noise is in bits/byte: a difference in bits/token of another vocabulary is not compared with it
+        text += f"; this difference is {'within' if abs(d) < SEED_NOISE_BPB else 'beyond'} that." if byte_vocab else "."
     return text

@@ -29,6 +29,8 @@ from k3core.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
 SECTION = "attnres"  # a section drawn whole (no lazy half) without the importance button
+# called on every script run to tie the kept results to "Clear cache" (app/main.py): bookkeeping, not figure work
+NOT_COUNTED = {"kept_results_follow_clear_cache"}
 
 
 class Entries:
@@ -41,7 +43,7 @@ class Entries:
         self._inside = threading.local()
         for module in (runs_mod, texts_mod, caching):
             for name, fn in list(vars(module).items()):
-                if self._counted(module, fn):
+                if self._counted(module, fn) and name not in NOT_COUNTED:
                     monkeypatch.setattr(module, name, self._wrap(module, name, fn))
 
     @staticmethod

@@ -79,6 +79,9 @@ def test_statement_says_the_interval_the_flag_and_the_seed_noise():
     big = ln.LossNoise(delta=0.2 * math.log(2), half_width=0.01, n_windows=8, window=32, paired=True)
     text = ln.noise_statement(big, byte_vocab=False, separate_training=False)
     assert "bits/token" in text and "outside the noise" in text and "seed" not in text
+    # a token vocabulary's bits/token are not compared with the bits/byte seed noise
+    text = ln.noise_statement(big, byte_vocab=False, separate_training=True)
+    assert f"{ln.SEED_NOISE_BPB} bits/byte" in text and "that." not in text
 
 
 def _ctx(seed: int, ids: torch.Tensor, label: str):
