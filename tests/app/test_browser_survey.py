@@ -94,19 +94,27 @@ def _click_a_load_mark_opens_its_card(page, tmp_path) -> None:
     """Clicking a layer x expert mark of the load map opens the atlas card of exactly that layer and expert."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    mark = page.evaluate_handle(_OTHER_MARK_JS).as_element()
-    assert mark is not None
     # Under load a click can land while plotly is still binding its handlers after a redraw, and no selection event
-    # is sent (seen once in a full-suite run; never alone): click again, at most three times, until the card says so.
+    # is sent (seen in full-suite runs; never alone): click again, at most three times, until the card says so.
+    # Each try starts from an idle page and a mark found again (a rerun redraws the map, and an old handle points at
+    # a mark that is gone), and waits for the rerun the click started to end before it looks for the card (a loaded
+    # machine took longer than the 30 s the card was once given).
     for attempt in range(3):
+        page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=120_000)
+        settle(page)
+        mark = page.evaluate_handle(_OTHER_MARK_JS).as_element()
+        assert mark is not None
         layer, expert = _click_a_load_mark(page, mark)
         card = page.get_by_text(f"Atlas card of layer {layer} expert {expert} (selected on the load map)")
         try:
-            card.wait_for(timeout=30_000)
-            break
+            card.wait_for(timeout=15_000)  # the rerun has begun by then, or the click was lost
         except PlaywrightTimeout:
-            if attempt == 2:
-                raise
+            pass
+        page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=120_000)
+        if card.is_visible():
+            break
+        if attempt == 2:
+            card.wait_for(timeout=1_000)  # raises, naming the card that never showed
     settle(page)
     page.wait_for_function(
         "t => Array.from(document.querySelectorAll('.gtitle')).some(e => e.textContent.startsWith(t))",
