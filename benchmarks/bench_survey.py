@@ -25,16 +25,18 @@ RSS_LIMIT = 1.5e9
 CHILD = """
 import json, resource, sys, time, torch
 from analysis.survey import engine as sv
+from analysis.survey.plan import corpus_ids, make_plan, sample_corpus_text
+from analysis.survey.state import state_size_bytes
 from analysis.runs.loading import load_run
 from analysis.runs.texts import text_tokenizer
 run = load_run(sys.argv[1]); torch.set_num_threads(1)
-ids = sv.corpus_ids(sv.sample_corpus_text("shakespeare"), text_tokenizer(run.config, run.tokenizer), int(sys.argv[2]))
-plan = sv.make_plan(ids, "shakespeare", run.fingerprint, sv.default_seq_len(run), batch_size=8)
+ids = corpus_ids(sample_corpus_text("shakespeare"), text_tokenizer(run.config, run.tokenizer), int(sys.argv[2]))
+plan = make_plan(ids, "shakespeare", run.fingerprint, sv.default_seq_len(run), batch_size=8)
 start = time.perf_counter()
 state = sv.run_survey(run, ids, plan, sys.argv[3], save_every=64)
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps(dict(tokens=plan.tokens, seconds=seconds, peak_rss=peak, state_bytes=sv.state_size_bytes(state))))
+print(json.dumps(dict(tokens=plan.tokens, seconds=seconds, peak_rss=peak, state_bytes=state_size_bytes(state))))
 """
 
 

@@ -16,7 +16,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from analysis.survey.engine import SURVEY_SAMPLES
+    from analysis.survey.plan import SURVEY_SAMPLES
 
     p = argparse.ArgumentParser(
         prog="k3lab survey",
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from analysis.runs.loading import load_run
     from analysis.runs.texts import text_tokenizer
     from analysis.survey import engine as sv
+    from analysis.survey.plan import SurveyError, corpus_ids, make_plan, sample_corpus_text
     from k3core.checkpoints.tensor_info import CheckpointError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                     parts.append(fh.read())
             text, corpus = "\n".join(parts), " + ".join(os.path.basename(n) for n in args.text)
         else:
-            text, corpus = sv.sample_corpus_text(args.sample), args.sample
+            text, corpus = sample_corpus_text(args.sample), args.sample
         if args.tokens is not None and args.tokens < 2:
             raise ValueError("--tokens must be at least 2")
-        ids = sv.corpus_ids(text, tokenizer, args.tokens)
+        ids = corpus_ids(text, tokenizer, args.tokens)
         seq_len = args.seq_len or sv.default_seq_len(run)
-        plan = sv.make_plan(
+        plan = make_plan(
             ids,
             corpus,
             run.fingerprint,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    except (sv.SurveyError, OSError) as exc:
+    except (SurveyError, OSError) as exc:
         print(f"k3lab survey: {exc}", file=sys.stderr)
         return 2
     print(f"k3lab survey: wrote {args.out}")
@@ -151,16 +152,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args) -> int:
-    from analysis.survey import engine as sv
+    from analysis.survey.folder import read_survey
+    from analysis.survey.plan import SurveyError
     from analysis.survey.tables import export_tables, summary_text
 
     try:
-        survey = sv.read_survey(args.report)
+        survey = read_survey(args.report)
         print(summary_text(survey))
         if args.export:
             written = export_tables(survey, args.export)
             print(f"k3lab survey: wrote {len(written)} files into {args.export}")
-    except (sv.SurveyError, OSError) as exc:
+    except (SurveyError, OSError) as exc:
         print(f"k3lab survey: {exc}", file=sys.stderr)
         return 2
     return 0

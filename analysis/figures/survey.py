@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from analysis.figures.style import RUN_COLORS, apply_style
 from analysis.runs.context import AnalysisContext
 from analysis.survey import tables as st
-from analysis.survey.engine import Survey
+from analysis.survey.folder import Survey
 from analysis.views.view import NotApplicable, View
 
 POLICY_COLORS = {"lru": RUN_COLORS[0], "lfu": RUN_COLORS[1], "belady": RUN_COLORS[2]}

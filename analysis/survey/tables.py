@@ -1,4 +1,4 @@
-"""Tidy tables of a survey folder (``analysis.survey.engine.read_survey``): what its figures, report and exports show.
+"""Tidy tables of a survey folder (``analysis.survey.folder.read_survey``): what its figures, report and exports show.
 
 Each function takes a ``Survey`` and returns a pandas DataFrame with one row per (layer, expert / head / site ...,
 value); ``export_tables`` writes every one as CSV and JSON; ``summary_text`` is the plain-text report.
@@ -15,7 +15,7 @@ import pandas as pd
 from analysis.metrics.expert_cache import POLICIES, hit_rate
 from analysis.metrics.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation, wilson_interval
 from analysis.survey.aggregates import EMPTY_ID
-from analysis.survey.engine import Survey
+from analysis.survey.folder import Survey
 from k3core.training.load_stats import moe_load_stats
 
 

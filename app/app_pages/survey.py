@@ -12,6 +12,8 @@ from analysis.figures.style import screen_figure
 from analysis.runs.texts import text_tokenizer
 from analysis.survey import engine as sv
 from analysis.survey import tables
+from analysis.survey.folder import is_survey_dir, read_survey
+from analysis.survey.plan import SURVEY_SAMPLES, SurveyError, corpus_ids, make_plan, sample_corpus_text
 from analysis.views.view import NotApplicable
 from app.render import page
 from app.render.cards import PLOTLY_CONFIG
@@ -27,9 +29,7 @@ page.page_header(
 
 run = page.run_or_stop(inputs, needs_weights=True)
 c1, c2, c3, c4 = st.columns(4)
-corpus = c1.selectbox(
-    "Corpus", tuple(sv.SURVEY_SAMPLES), help="; ".join(f"{k}: {v}" for k, v in sv.SURVEY_SAMPLES.items())
-)
+corpus = c1.selectbox("Corpus", tuple(SURVEY_SAMPLES), help="; ".join(f"{k}: {v}" for k, v in SURVEY_SAMPLES.items()))
 tokens = int(c2.number_input("Corpus tokens", min_value=512, max_value=50_000_000, value=50_000, step=10_000))
 seq_len = int(c3.number_input("Sequence length", min_value=8, max_value=65536, value=sv.default_seq_len(run)))
 batch = int(c4.number_input("Sequences per forward", min_value=1, max_value=256, value=8))
@@ -37,12 +37,12 @@ batch = int(c4.number_input("Sequences per forward", min_value=1, max_value=256,
 
 @st.cache_data(show_spinner="Reading the corpus…", max_entries=8)
 def _ids(name: str, n: int, vocab: int, tokenizer_name: str):
-    return sv.corpus_ids(sv.sample_corpus_text(name), text_tokenizer(run.config, run.tokenizer), n)
+    return corpus_ids(sample_corpus_text(name), text_tokenizer(run.config, run.tokenizer), n)
 
 
 try:
     ids = _ids(corpus, tokens, run.config.vocab_size, getattr(run.tokenizer, "name", "bytes"))
-    plan = sv.make_plan(ids, corpus, run.fingerprint, seq_len, batch)
+    plan = make_plan(ids, corpus, run.fingerprint, seq_len, batch)
 except ValueError as exc:
     st.error(str(exc))
     st.stop()
@@ -61,7 +61,7 @@ st.markdown(
 )
 job = survey_jobs.job_of(folder)
 b1, b2, _ = st.columns([1, 1, 6])
-if b1.button("Start" if not sv.is_survey_dir(folder) else "Continue", disabled=bool(job and job.running)):
+if b1.button("Start" if not is_survey_dir(folder) else "Continue", disabled=bool(job and job.running)):
     job = survey_jobs.start(run, ids, plan, folder)
 if b2.button("Stop", disabled=not (job and job.running)):
     job.stop.set()
@@ -83,12 +83,12 @@ def _results(folder, job) -> None:
                 job.done / max(job.total, 1),
                 text=f"{job.done:,} of {job.total:,} forwards" + (f", about {eta:,.0f} s left" if eta else ""),
             )
-    if not sv.is_survey_dir(folder):
+    if not is_survey_dir(folder):
         st.info("No results yet: press Start.")
         return
     try:
-        survey = sv.read_survey(folder)
-    except sv.SurveyError as exc:
+        survey = read_survey(folder)
+    except SurveyError as exc:
         st.error(str(exc))
         return
     st.caption(tables.summary_text(survey).splitlines()[0])
@@ -138,7 +138,7 @@ def _results(folder, job) -> None:
     if others:
         other = st.selectbox("Compare with", [None, *others], format_func=lambda p: "—" if p is None else p.name)
         if other is not None:
-            _chart(fs.compare_surveys(survey, sv.read_survey(other), folder.name, other.name)[0], "k3lab_survey_cmp")
+            _chart(fs.compare_surveys(survey, read_survey(other), folder.name, other.name)[0], "k3lab_survey_cmp")
     d1, d2, d3 = st.columns(3)
     d1.download_button("Experts (CSV)", tables.expert_table(survey).to_csv(index=False), f"{slug}-experts.csv")
     d2.download_button("Atlas (CSV)", tables.atlas_table(survey).to_csv(index=False), f"{slug}-atlas.csv")

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from analysis.survey import engine as sv
+from analysis.survey.folder import CARD_NAME, is_survey_dir
+from analysis.survey.plan import SurveyPlan
 from app.server.settings import home_dir
 
 
@@ -49,8 +51,8 @@ def survey_folders() -> list[Path]:
     root = surveys_dir()
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if sv.is_survey_dir(p)]
-    return sorted(found, key=lambda p: (p / sv.CARD_NAME).stat().st_mtime, reverse=True)
+    found = [p for p in root.iterdir() if is_survey_dir(p)]
+    return sorted(found, key=lambda p: (p / CARD_NAME).stat().st_mtime, reverse=True)
 
 
 def job_of(folder: Path) -> SurveyJob | None:
@@ -58,7 +60,7 @@ def job_of(folder: Path) -> SurveyJob | None:
         return _JOBS.get(str(folder))
 
 
-def start(run: Any, ids: Any, plan: sv.SurveyPlan, folder: Path, save_every: int = 4) -> SurveyJob:
+def start(run: Any, ids: Any, plan: SurveyPlan, folder: Path, save_every: int = 4) -> SurveyJob:
     """Start (or continue) the survey of ``folder`` in a thread; a job already running there is returned as is."""
     with _LOCK:
         job = _JOBS.get(str(folder))

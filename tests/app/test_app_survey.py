@@ -10,7 +10,8 @@ from streamlit.testing.v1 import AppTest
 
 from analysis.runs.loading import load_run
 from analysis.runs.texts import text_tokenizer
-from analysis.survey import engine as sv
+from analysis.survey.folder import is_survey_dir, read_survey
+from analysis.survey.plan import corpus_ids, make_plan, sample_corpus_text
 from app.library import run_list
 from app.server import survey_jobs
 from app.server.settings import HOME_ENV
@@ -44,15 +45,15 @@ def test_cost_first_then_results_of_a_saved_survey(home):
     assert any(i.label == "Corpus tokens" for i in at.number_input)
     assert not at.get("plotly_chart")  # nothing has run yet
     run = load_run(SAMPLE)
-    ids = sv.corpus_ids(sv.sample_corpus_text("shakespeare"), text_tokenizer(run.config, None), 50_000)
-    plan = sv.make_plan(ids, "shakespeare", run.fingerprint, 256, 8)
+    ids = corpus_ids(sample_corpus_text("shakespeare"), text_tokenizer(run.config, None), 50_000)
+    plan = make_plan(ids, "shakespeare", run.fingerprint, 256, 8)
     folder = survey_jobs.surveys_dir() / f"k3-full-shakespeare-{plan.tokens}-256"
     job = survey_jobs.start(run, ids, plan, folder, save_every=1)
-    while not sv.is_survey_dir(folder):  # the first batch saved (the job keeps running)
+    while not is_survey_dir(folder):  # the first batch saved (the job keeps running)
         job.thread.join(0.2)
     job.stop.set()
     job.thread.join()
-    assert job.finished and not job.error and 0 < len(sv.read_survey(folder).state.done) < plan.batches
+    assert job.finished and not job.error and 0 < len(read_survey(folder).state.done) < plan.batches
     at = _page()
     assert not at.exception and not at.error, [e.value for e in at.error]
     assert len(at.get("plotly_chart")) >= 6

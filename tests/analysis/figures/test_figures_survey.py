@@ -12,6 +12,8 @@ from analysis.figures import survey as fs
 from analysis.runs.loading import load_run
 from analysis.runs.texts import text_tokenizer
 from analysis.survey import engine as sv
+from analysis.survey.folder import read_survey
+from analysis.survey.plan import corpus_ids, make_plan, sample_corpus_text
 from analysis.views.view import NotApplicable
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
@@ -22,12 +24,12 @@ def surveys(tmp_path_factory):
     run = load_run(SAMPLE)
     tok = text_tokenizer(run.config, run.tokenizer)
     out = {}
-    for name, text in (("a", sv.sample_corpus_text("shakespeare-val")[:1500]), ("b", "1, 2, 3; (4) [5]! " * 60)):
-        ids = sv.corpus_ids(text, tok, 200)
-        plan = sv.make_plan(ids, name, run.fingerprint, 32, batch_size=2, top_contexts=3, reservoir=2)
+    for name, text in (("a", sample_corpus_text("shakespeare-val")[:1500]), ("b", "1, 2, 3; (4) [5]! " * 60)):
+        ids = corpus_ids(text, tok, 200)
+        plan = make_plan(ids, name, run.fingerprint, 32, batch_size=2, top_contexts=3, reservoir=2)
         folder = tmp_path_factory.mktemp(name) / "s"
         sv.run_survey(run, ids, plan, folder)
-        out[name] = sv.read_survey(folder)
+        out[name] = read_survey(folder)
     return out
 
 

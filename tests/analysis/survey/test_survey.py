@@ -15,6 +15,9 @@ from analysis.runs.loading import load_run
 from analysis.runs.texts import text_tokenizer
 from analysis.survey import engine as sv
 from analysis.survey.aggregates import uniform_hash
+from analysis.survey.folder import CARD_NAME, STATE_NAME, read_survey
+from analysis.survey.plan import SurveyError, attnres_sites, batch_ids, corpus_ids, make_plan
+from analysis.survey.state import SurveyState
 from k3core.interp.catalogue import POINTS
 from k3core.interp.hooks import HookNames, hooks
 
@@ -33,8 +36,8 @@ def run():
 
 @pytest.fixture(scope="module")
 def corpus(run):
-    ids = sv.corpus_ids(TEXT, text_tokenizer(run.config, run.tokenizer))
-    plan = sv.make_plan(
+    ids = corpus_ids(TEXT, text_tokenizer(run.config, run.tokenizer))
+    plan = make_plan(
         ids, "romeo", run.fingerprint, T, batch_size=1, top_contexts=3, reservoir=2, context_before=4, context_after=2
     )
     return ids, plan
@@ -45,7 +48,7 @@ def surveyed(run, corpus, tmp_path_factory):
     ids, plan = corpus
     out = tmp_path_factory.mktemp("survey") / "s"
     sv.run_survey(run, ids, plan, out)
-    return sv.read_survey(out)
+    return read_survey(out)
 
 
 def _bin(v: float, edges) -> int:
@@ -63,7 +66,7 @@ def _raw_reads(run, inputs, targets):
             names += [HookNames.block(i, "mla.q"), HookNames.block(i, "mla.k")]
         else:
             names += [HookNames.block(i, "kda.g"), HookNames.block(i, "kda.beta")]
-    names += list(sv.attnres_sites(run.config).values())
+    names += list(attnres_sites(run.config).values())
     table = {n: (lambda v, name, info: got.__setitem__(name, v.detach().clone())) for n in names}
     with torch.no_grad(), hooks(read=table):
         run.model(torch.as_tensor(inputs), targets=torch.as_tensor(targets))
@@ -161,7 +164,7 @@ def test_every_statistic_equals_a_brute_force_computation(run, corpus, surveyed)
                         want[f"mla.{i}.entropy_by_position"][h, row] += norm
                     want[f"mla.{i}.sink_by_position"][h, row] += pr[0]
             want[f"mla.{i}.rows"] += 1
-        for site, point in sv.attnres_sites(run.config).items():
+        for site, point in attnres_sites(run.config).items():
             w = r[point][0].double().numpy()
             want[f"attnres.{site}.sum"] += w.sum(0)
             want[f"attnres.{site}.sumsq"] += (w * w).sum(0)
@@ -209,17 +212,17 @@ def test_interrupted_survey_continues_to_the_same_state(run, corpus, surveyed, t
     out = tmp_path / "s"
     with pytest.raises(sv.SurveyStopped):
         sv.run_survey(run, ids, plan, out, progress=lambda done, total: done < 2, save_every=1)
-    half = sv.read_survey(out)
+    half = read_survey(out)
     assert not half.complete and half.state.done == {0, 1}
     sv.run_survey(run, ids, plan, out)
-    again = sv.read_survey(out)
+    again = read_survey(out)
     assert again.complete
     for name, a in surveyed.state.sums.items():
         np.testing.assert_array_equal(again.state.sums[name], a, err_msg=name)
     for name, t in surveyed.state.tops.items():
         assert (again.state.tops[name].id == t.id).all() and (again.state.tops[name].payload == t.payload).all()
-    other = sv.make_plan(ids, "romeo", run.fingerprint, T + 1, batch_size=1)
-    with pytest.raises(sv.SurveyError, match="another plan"):
+    other = make_plan(ids, "romeo", run.fingerprint, T + 1, batch_size=1)
+    with pytest.raises(SurveyError, match="another plan"):
         sv.run_survey(run, ids, other, out)
 
 
@@ -228,19 +231,19 @@ def test_merging_split_states_equals_the_whole(run, corpus, surveyed):
     layout = surveyed.layout
     parts = []
     for rank in range(2):
-        st = sv.SurveyState(layout, plan)
+        st = SurveyState(layout, plan)
         for b in range(rank, plan.batches, 2):
-            inputs, targets, _ = sv.batch_ids(ids, plan, b)
+            inputs, targets, _ = batch_ids(ids, plan, b)
             st.add_batch(b, inputs, sv.survey_batch(run, inputs, targets, layout))
         parts.append(sv.state_from_bytes(sv.state_bytes(st), layout, plan))
-    merged = sv.SurveyState(layout, plan).merge(parts[1]).merge(parts[0])
+    merged = SurveyState(layout, plan).merge(parts[1]).merge(parts[0])
     for name, a in surveyed.state.sums.items():
         np.testing.assert_allclose(merged.sums[name], a, rtol=1e-12, err_msg=name)
         if a.dtype.kind == "i":
             np.testing.assert_array_equal(merged.sums[name], a, err_msg=name)
     for name, t in surveyed.state.tops.items():
         assert (merged.tops[name].id == t.id).all(), name
-    with pytest.raises(sv.SurveyError, match="both states"):
+    with pytest.raises(SurveyError, match="both states"):
         merged.merge(parts[0])
 
 
@@ -249,39 +252,39 @@ def test_hostile_survey_folders_are_refused(surveyed, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(surveyed.path, bad)
-    card = json.loads((bad / sv.CARD_NAME).read_text())
+    card = json.loads((bad / CARD_NAME).read_text())
     card["arrays"]["tokens"] = ["int64", [2]]
-    (bad / sv.CARD_NAME).write_text(json.dumps(card))
-    with pytest.raises(sv.SurveyError, match="do not match"):
-        sv.read_survey(bad)
+    (bad / CARD_NAME).write_text(json.dumps(card))
+    with pytest.raises(SurveyError, match="do not match"):
+        read_survey(bad)
     card["arrays"]["tokens"] = ["int64", [1]]
     card["layout"]["num_experts"] = 60_000  # within the count bound, but its state would be terabytes
-    (bad / sv.CARD_NAME).write_text(json.dumps(card))
-    with pytest.raises(sv.SurveyError, match="out of range"):
-        sv.read_survey(bad)
+    (bad / CARD_NAME).write_text(json.dumps(card))
+    with pytest.raises(SurveyError, match="out of range"):
+        read_survey(bad)
     card["layout"]["num_experts"] = 10**9
-    (bad / sv.CARD_NAME).write_text(json.dumps(card))
-    with pytest.raises(sv.SurveyError, match="out of range"):
-        sv.read_survey(bad)
-    shutil.copy(surveyed.path / sv.CARD_NAME, bad / sv.CARD_NAME)
-    np.savez(bad / sv.STATE_NAME, tokens=np.array([object()], dtype=object))
-    with pytest.raises(sv.SurveyError):
-        sv.read_survey(bad)
-    (bad / sv.STATE_NAME).write_bytes(b"not a zip")
-    with pytest.raises(sv.SurveyError, match="not readable"):
-        sv.read_survey(bad)
-    with pytest.raises(sv.SurveyError, match="not a survey folder"):
-        sv.read_survey(tmp_path / "missing")
+    (bad / CARD_NAME).write_text(json.dumps(card))
+    with pytest.raises(SurveyError, match="out of range"):
+        read_survey(bad)
+    shutil.copy(surveyed.path / CARD_NAME, bad / CARD_NAME)
+    np.savez(bad / STATE_NAME, tokens=np.array([object()], dtype=object))
+    with pytest.raises(SurveyError):
+        read_survey(bad)
+    (bad / STATE_NAME).write_bytes(b"not a zip")
+    with pytest.raises(SurveyError, match="not readable"):
+        read_survey(bad)
+    with pytest.raises(SurveyError, match="not a survey folder"):
+        read_survey(tmp_path / "missing")
 
 
 def test_a_streamed_runs_observed_hits_equal_its_lru_simulation(corpus, tmp_path):
     ids, _ = corpus
-    plan = sv.make_plan(ids[:49], "romeo", "x", 4, batch_size=1)  # 4 tokens a forward: 2..8 experts per layer
+    plan = make_plan(ids[:49], "romeo", "x", 4, batch_size=1)  # 4 tokens a forward: 2..8 experts per layer
     streamed = load_run(SAMPLE, max_memory="560MB")
     store = streamed.model.streaming.store
     store.budget = 40 * 30720  # 40 of the 56 experts: hits and misses both happen
     sv.run_survey(streamed, ids, plan, tmp_path / "s")
-    check = sv.read_survey(tmp_path / "s").card["run"]["streamed"]
+    check = read_survey(tmp_path / "s").card["run"]["streamed"]
     assert check["capacity_experts"] == 40 and check["accesses"] > 7 * 2 * plan.sequences
     assert 0 < check["observed_hits"] == check["simulated_lru_hits"] < check["accesses"]
     assert check["observed_hits"] <= store.stats.hits  # the store also served the layout's 2-token probe forward

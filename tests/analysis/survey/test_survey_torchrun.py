@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.survey import engine as sv
+from analysis.survey.folder import Survey, read_survey
+from analysis.survey.plan import sample_corpus_text
 from k3lab.survey import main as survey_main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -24,16 +25,16 @@ ARGS = ["--tokens", "400", "--seq-len", "32", "--batch-size", "2", "--top-contex
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(sv.sample_corpus_text("shakespeare-val")[:2000], encoding="utf-8")
+    path.write_text(sample_corpus_text("shakespeare-val")[:2000], encoding="utf-8")
     return path
 
 
 @pytest.fixture(scope="module")
-def single(corpus_file, tmp_path_factory) -> sv.Survey:
+def single(corpus_file, tmp_path_factory) -> Survey:
     out = tmp_path_factory.mktemp("one") / "s"
     assert survey_main([str(SAMPLE), "--text", str(corpus_file), "--out", str(out), "--threads", "1", "--no-progress",
                         *ARGS]) == 0  # fmt: skip
-    return sv.read_survey(out)
+    return read_survey(out)
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -44,7 +45,7 @@ def test_torchrun_survey_equals_one_process(single, corpus_file, tmp_path, nproc
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = sv.read_survey(out)
+    got = read_survey(out)
     assert got.complete and got.card["run"]["world_size"] == nproc
     assert single.plan.batches == 6  # 400 tokens -> 12 sequences of 32 -> 6 batches: ranks get 3/3 or 2/2/2
     for name, a in single.state.sums.items():
