@@ -1,8 +1,8 @@
 """Attention statistics over every position, from q and k in query blocks (never a T x T matrix).
 
-The recorder (``k3core.interp.recorder``) calls ``blocked_attention_stats`` on an MLA layer's q and k; it does not use
-the layer's own attention (which may be a fused kernel that never forms probabilities). For query ``i`` and the keys
-``j`` it sees (causal ``j <= i``, or a written key mask), with scores ``s_ij = q_i . k_j * scale``:
+The recorder (``k3core.interp.layer_reads``) calls ``blocked_attention_stats`` on an MLA layer's q and k; it does not
+use the layer's own attention (which may be a fused kernel that never forms probabilities). For query ``i`` and the
+keys ``j`` it sees (causal ``j <= i``, or a written key mask), with scores ``s_ij = q_i . k_j * scale``:
 
     p_ij          = w_ij / z_i,  w_ij = exp(s'_ij),  s'_ij = s_ij - max_j s_ij,  z_i = sum_j w_ij
     entropy_i     = -sum_j p_ij log p_ij = log z_i - sum_j w_ij s'_ij / z_i  (nats; 0 for a query seeing no key)
@@ -13,6 +13,8 @@ computed per (sequence, head) over blocks of ``block`` queries: one [block, keys
 time, so memory is O(block x T) while the work stays O(T^2) like the attention itself. A query window
 (``window=(start, stop)``) also returns that diagonal block of the probability map, ``p_ij`` for
 ``start <= i, j < stop`` (rows normalised over all visible keys, so they sum to 1 only when ``start == 0``).
+``attention_probabilities`` is the fp32 reference: the whole [T, S] probability matrix, which the tests compare the
+blocked statistics against.
 """
 
 from __future__ import annotations
@@ -104,3 +106,11 @@ def blocked_attention_stats(
     if window is not None:
         out["map"] = attn_map
     return out
+
+
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) over the visible keys, in fp32: q [..., T, d], k [..., S, d], visible [T, S]
+    (True = seen). A query that sees no key gets all zeros."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return probs.nan_to_num(0.0)

@@ -48,6 +48,11 @@ POINT_AXES: dict[str, tuple[str, ...]] = {p.name: p.axes for p in ALL_POINTS}
 ON_REQUEST: tuple[str, ...] = tuple(p.name for p in ALL_POINTS if p.on_request)
 
 
+def point_name(local: str, layer: int | None = None) -> str:
+    """The full name of a declared hook point (KeyError for an undeclared one)."""
+    return POINTS[local].at(layer)
+
+
 def point_axes(name: str) -> tuple[str, ...]:
     """Axis names of a hook point's value (a full or local name)."""
     return POINT_AXES[HookNames.point_of(name)]

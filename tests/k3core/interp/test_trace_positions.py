@@ -19,8 +19,8 @@ import torch
 from analysis.metrics import attention as at
 from analysis.metrics import hidden_states as hs
 from analysis.metrics import kda_memory as km
-from k3core.interp.attention_stats import blocked_attention_stats, position_bins
-from k3core.interp.recorder import attention_probabilities, record
+from k3core.interp.attention_stats import attention_probabilities, blocked_attention_stats, position_bins
+from k3core.interp.recorder import record
 from tests.conftest import nano_model
 
 RTOL, ATOL = 1e-5, 1e-6
