@@ -307,6 +307,8 @@ def attribute_main(argv: list[str]) -> int:
     import torch
 
     from analysis.experiments import attribution as attr
+    from analysis.experiments.attribution_inputs import AttributionError
+    from analysis.experiments.layer_attribution import layer_attribution
     from analysis.figures.experiment import attribution_figure, layer_attribution_figure
     from analysis.runs import texts
     from k3core.checkpoints.tensor_info import CheckpointError
@@ -324,8 +326,8 @@ def attribute_main(argv: list[str]) -> int:
             )
             for m in methods
         ]
-        layers = attr.layer_attribution(run.model, x, y, n_steps=args.steps) if args.layers else None
-    except (attr.AttributionError, CheckpointError, ValueError, OSError) as exc:
+        layers = layer_attribution(run.model, x, y, n_steps=args.steps) if args.layers else None
+    except (AttributionError, CheckpointError, ValueError, OSError) as exc:
         print(f"k3lab attribute: {exc}", file=sys.stderr)
         return 2
     figures = [(attribution_figure(r), r.table(), f"attribution_{r.method}") for r in results]

@@ -23,12 +23,8 @@ Token attribution, per output token x input token, for a target continuation y_1
 Baseline: every input token replaced by ``baseline_token`` (default 0), stated in the result. Shapley sampling
 draws its permutations from a generator seeded with ``seed``: the same call gives the same values.
 
-Layer attribution (``layer_attribution``): Captum ``IntegratedGradients`` on one multiplier per element of
-every sub-layer output (the KDA / MLA mixer outputs, dense FFN outputs, routed-expert and shared-expert
-outputs, hook points of ``k3core.interp.hooks``), from all multipliers 0 (every sub-layer output removed) to 1
-(the model as it is), for f = sum_j log p(y_j | x, y_<j). Each output's attribution, summed over its
-elements, says how much of f flows through it; grouped by mixer type (KDA vs MLA) and FFN kind (dense,
-routed, shared). Completeness again: the sum over everything = f(model) - f(no sub-layers) + delta.
+The ``ig_frozen_routing`` integral and ``routing_changes`` are in ``analysis.experiments.integrated_gradients``; layer
+attribution (which kinds of layer carry the continuation) in ``analysis.experiments.layer_attribution``.
 """
 
 from __future__ import annotations
@@ -40,17 +36,13 @@ import pandas as pd
 import torch
 from torch import nn
 
-from k3core.interp.hooks import HookNames, hooks
-from k3core.model import EMBED
+from analysis.experiments.attribution_inputs import AttributionError, check_ids
+from analysis.experiments.integrated_gradients import integrated_gradients, routing_changes
 
 METHODS = ("feature_ablation", "shapley", "integrated_gradients", "ig_frozen_routing")
 IG_METHODS = ("integrated_gradients", "ig_frozen_routing")
 #: |delta| above this share of |f(x) - f(baseline)| is reported as a failed integral (the result warns)
 DELTA_WARN_SHARE = 0.05
-
-
-class AttributionError(ValueError):
-    """Inputs or options attribution cannot use."""
 
 
 def attribution_forwards(
@@ -194,16 +186,6 @@ def _labels(tokenizer: Any) -> Any:
     return lambda ids: [str(i) for i in ids]
 
 
-def _check(input_ids: torch.Tensor, target_ids: torch.Tensor, vocab: int, baseline_token: int) -> None:
-    for name, ids in (("input", input_ids), ("target", target_ids)):
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise AttributionError(f"{name} ids must be a non-empty 1-d tensor, got shape {tuple(ids.shape)}")
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise AttributionError(f"{name} ids must lie in 0..{vocab - 1}")
-    if not 0 <= baseline_token < vocab:
-        raise AttributionError(f"baseline token must lie in 0..{vocab - 1}, got {baseline_token}")
-
-
 @torch.no_grad()
 def target_log_probs(model: nn.Module, input_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """log p(y_j | x, y_<j) for every target token, [m] (one forward of x + y)."""
@@ -237,7 +219,7 @@ def token_attribution(
     if method not in METHODS:
         raise AttributionError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
     input_ids, target_ids = input_ids.reshape(-1).cpu(), target_ids.reshape(-1).cpu()
-    _check(input_ids, target_ids, model.config.vocab_size, baseline_token)
+    check_ids(input_ids, target_ids, model.config.vocab_size, baseline_token)
     label = _labels(tokenizer)
     tok = _KnownIdsTokenizer(label)
     wrapped = _CaptumModel(model)
@@ -287,242 +269,3 @@ def token_attribution(
         difference=difference,
         extra=extra,
     )
-
-
-def _moe_points(config: Any, name: str) -> list[str]:
-    return [HookNames.block(i, f"moe.{name}") for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-
-
-def _embedded_path(
-    model: nn.Module, ids: torch.Tensor, n: int, baseline_token: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e, e'): the embedding of x + y [L, D], and of the baseline (input positions 0..n-1 replaced by the baseline
-    token; the target tokens keep theirs, so they get no attribution)."""
-    base_ids = ids.clone()
-    base_ids[:n] = baseline_token
-    with torch.no_grad():
-        embed = model.model.embed_tokens
-        return embed(ids.unsqueeze(0))[0].float(), embed(base_ids.unsqueeze(0))[0].float()
-
-
-def _input_routing(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every MoE layer's chosen experts [1, L, k] on the input (a causal model: a prefix routes as the whole)."""
-    chosen: dict[str, torch.Tensor] = {}
-    names = _moe_points(model.config, "experts")
-    with torch.no_grad(), hooks(read={p: (lambda v, name, info: chosen.__setitem__(name, v.clone())) for p in names}):
-        model(ids.unsqueeze(0))
-    return chosen
-
-
-def _frozen_selection(chosen: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write hooks on moe.selection that make top-k pick the recorded experts at every position, batch expanded
-    (1 on the recorded set, 0 elsewhere: the gate weights are still read from the scores of that set)."""
-
-    def hook_for(experts: torch.Tensor) -> Any:
-        def hook(value: torch.Tensor, name: str, info: dict) -> torch.Tensor:
-            picks = experts.to(value.device).expand(value.shape[0], -1, -1)
-            return torch.zeros_like(value).scatter(-1, picks, 1.0)
-
-        return hook
-
-    return {name.replace("moe.experts", "moe.selection"): hook_for(e) for name, e in chosen.items()}
-
-
-#: Gauss-Legendre nodes per panel of the adaptive IG path
-PANEL_NODES = 4
-
-
-def integrated_gradients(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    target_ids: torch.Tensor,
-    baseline_token: int = 0,
-    n_steps: int = 64,
-    freeze_routing: bool = True,
-    max_steps: int | None = None,
-    rtol: float = 1e-4,
-) -> tuple[torch.Tensor, list[float], int]:
-    """(attr [m, n], g(x) - g(baseline) per target, path points used) of IG on the embeddings of the input tokens:
-
-        attr[j, i] = sum_d (e_i - e'_i)_d * sum_k w_k d g_j / d e_i (e' + a_k (e - e'))
-
-    for g_j = log p(y_j | x, y_<j) of one forward over x + y, with every MoE layer's top-k experts held at the ones x
-    chose when ``freeze_routing`` (then g is smooth). The nodes (a_k, w_k): Gauss-Legendre, PANEL_NODES per panel of
-    [0, 1], starting from n_steps / PANEL_NODES equal panels. Each panel [a, b] checks itself (its attributions must
-    sum to g(b) - g(a): the path of a trained model has narrow steep stretches, where an embedding passes near the
-    origin of an RMSNorm); the worst panels are halved until sum_panels |that miss| <= rtol |g(x) - g(baseline)|
-    or ``max_steps`` points (default 16 n_steps) are spent. The reported delta then says what is left."""
-    import numpy as np
-
-    if n_steps < 1:
-        raise AttributionError(f"n_steps must be at least 1, got {n_steps}")
-    max_steps = 16 * n_steps if max_steps is None else max_steps
-    device = next(model.parameters()).device
-    ids = torch.cat([input_ids, target_ids]).to(device)
-    n, m = input_ids.numel(), target_ids.numel()
-    e, e_base = _embedded_path(model, ids, n, baseline_token)
-    nodes, weights = np.polynomial.legendre.leggauss(PANEL_NODES)
-    write = _frozen_selection(_input_routing(model, ids)) if freeze_routing else {}
-    targets = target_ids.to(device)
-    dtype = model.model.embed_tokens.weight.dtype
-
-    def g(alphas: list[float], grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(points [S, L, D], target log-probabilities [S, m]) at path points e' + a (e - e')."""
-        a = torch.tensor(alphas, dtype=torch.float32, device=device).view(-1, 1, 1)
-        point = (e_base + a * (e - e_base)).requires_grad_(grad)
-        with hooks(write={**write, EMBED.at(): lambda v, name, info: point.to(dtype)}):
-            logits = model(ids.unsqueeze(0).expand(point.shape[0], -1)).logits.float()
-        logp = torch.log_softmax(logits[:, n - 1 : n - 1 + m], -1)
-        return point, logp.gather(2, targets.expand(point.shape[0], -1).unsqueeze(-1))[..., 0]
-
-    ends: dict[float, torch.Tensor] = {}
-
-    def value_at(alphas: list[float]) -> None:
-        todo = sorted({a for a in alphas if a not in ends})
-        with torch.no_grad():
-            for start in range(0, len(todo), 16):
-                _, out = g(todo[start : start + 16])
-                ends.update(zip(todo[start : start + 16], out))
-
-    def panel_attributions(panels: list[tuple[float, float]]) -> list[torch.Tensor]:
-        """Each panel's attributions [m, L] (16 points per forward: bounded memory)."""
-        out = []
-        for start in range(0, len(panels), 16 // PANEL_NODES):
-            group = panels[start : start + 16 // PANEL_NODES]
-            alphas = [lo + (hi - lo) * (x + 1) / 2 for lo, hi in group for x in nodes]
-            w = torch.tensor([(hi - lo) * wk / 2 for lo, hi in group for wk in weights], device=device)
-            point, logp = g(alphas, grad=True)
-            grads = torch.stack(
-                [torch.autograd.grad((logp[:, j] * w).sum(), point, retain_graph=j + 1 < m)[0] for j in range(m)]
-            )  # [m, S, L, D]: the weighted gradient at each node
-            per_node = (grads * (e - e_base)).sum(-1).detach()  # [m, S, L]
-            out += list(per_node.view(m, len(group), PANEL_NODES, -1).sum(2).unbind(1))
-        return out
-
-    count = max(1, round(n_steps / PANEL_NODES))
-    panels = [(k / count, (k + 1) / count) for k in range(count)]
-    attrs = dict(zip(panels, panel_attributions(panels)))
-    used = PANEL_NODES * count
-    value_at([0.0, 1.0] + [a for p in panels for a in p])
-    difference = (ends[1.0] - ends[0.0]).abs().clamp_min(1e-12)
-    while True:
-        miss = {p: (attrs[p].sum(-1) - (ends[p[1]] - ends[p[0]])).abs() / difference for p in attrs}
-        if float(sum(miss.values()).max()) <= rtol or used + 2 * PANEL_NODES > max_steps:
-            break
-        worst = sorted(miss, key=lambda p: float(miss[p].max()), reverse=True)
-        worst = worst[: max(1, min(8 // PANEL_NODES, (max_steps - used) // (2 * PANEL_NODES)))]  # 16 new points
-        halves = [h for lo, hi in worst for h in ((lo, (lo + hi) / 2), ((lo + hi) / 2, hi))]
-        for p in worst:
-            del attrs[p]
-        attrs.update(zip(halves, panel_attributions(halves)))
-        used += PANEL_NODES * len(halves)
-        value_at([a for p in halves for a in p])
-    matrix = torch.stack(list(attrs.values())).sum(0)[:, :n].cpu()
-    return matrix, (ends[1.0] - ends[0.0]).tolist(), used
-
-
-@torch.no_grad()
-def routing_changes(
-    model: nn.Module, input_ids: torch.Tensor, target_ids: torch.Tensor, baseline_token: int = 0, n_steps: int = 64
-) -> int:
-    """How many (MoE layer, position) top-k expert sets differ between neighbouring points of the straight path
-    e' + a (e - e'), a = 0, 1/n_steps, ..., 1 (each is a jump plain IG cannot integrate); 0 on a dense model."""
-    names = _moe_points(model.config, "experts")
-    if not names:
-        return 0
-    device = next(model.parameters()).device
-    ids = torch.cat([input_ids, target_ids]).to(device)
-    e, e_base = _embedded_path(model, ids, input_ids.numel(), baseline_token)
-    dtype = model.model.embed_tokens.weight.dtype
-    previous: dict[str, torch.Tensor] = {}
-    changes = 0
-    alphas = torch.linspace(0, 1, n_steps + 1, device=device)
-    for start in range(0, n_steps + 1, 16):
-        a = alphas[start : start + 16].view(-1, 1, 1)
-        point = e_base + a * (e - e_base)
-        chosen: dict[str, torch.Tensor] = {}
-        read = {p: (lambda v, name, info, into=chosen: into.__setitem__(name, v.sort(-1).values)) for p in names}
-        with hooks(read=read, write={EMBED.at(): lambda v, name, info, at=point: at.to(dtype)}):
-            model(ids.unsqueeze(0).expand(point.shape[0], -1))
-        for name, sets in chosen.items():
-            if name in previous:
-                sets = torch.cat([previous[name], sets])
-            changes += int((sets[1:] != sets[:-1]).any(-1).sum())
-            previous[name] = sets[-1:]
-    return changes
-
-
-def layer_points(config: Any) -> list[tuple[int, str, str, str]]:
-    """(layer, group, kind, hook point) of every sub-layer output: group "mixer" (kind KDA / MLA) or
-    "ffn" (kind dense / routed / shared)."""
-    out = []
-    for i in range(config.num_hidden_layers):
-        mixer = "MLA" if config.is_mla_layer(i) else "KDA"
-        out.append((i, "mixer", mixer, HookNames.block(i, "mixer_out")))
-        if config.is_moe_layer(i):
-            out.append((i, "ffn", "routed", HookNames.block(i, "moe.routed_out")))
-            if config.num_shared_experts:
-                out.append((i, "ffn", "shared", HookNames.block(i, "moe.shared_out")))
-        else:
-            out.append((i, "ffn", "dense", HookNames.block(i, "ffn_out")))
-    return out
-
-
-@dataclass
-class LayerAttribution:
-    table: pd.DataFrame  # layer, group, kind, point, attribution
-    by_kind: pd.DataFrame  # group, kind, attribution
-    f_model: float  # f with every output as it is
-    f_baseline: float  # f with every sub-layer output removed
-    delta: float  # Captum's convergence delta
-    baseline: str = "every sub-layer output multiplied by 0 (the multipliers' baseline)"
-
-
-def layer_attribution(
-    model: nn.Module, input_ids: torch.Tensor, target_ids: torch.Tensor, n_steps: int = 64
-) -> LayerAttribution:
-    """Integrated gradients over multipliers of every sub-layer output (see the module docstring)."""
-    from captum.attr import IntegratedGradients
-
-    input_ids, target_ids = input_ids.reshape(-1).cpu(), target_ids.reshape(-1).cpu()
-    _check(input_ids, target_ids, model.config.vocab_size, 0)
-    config = model.config
-    entries = layer_points(config)
-    ids = torch.cat([input_ids, target_ids]).unsqueeze(0)
-    n, m = input_ids.numel(), target_ids.numel()
-    shapes: dict[str, tuple[int, ...]] = {}
-    with (
-        torch.no_grad(),
-        hooks(read={p: (lambda v, name, info: shapes.__setitem__(name, v.shape)) for *_, p in entries}),
-    ):
-        model(ids)
-
-    def f(*multipliers: torch.Tensor) -> torch.Tensor:
-        batch = multipliers[0].shape[0]
-        write = {
-            point: (lambda v, name, info, k=k: v * multipliers[k].to(v.dtype)) for k, (*_, point) in enumerate(entries)
-        }
-        with hooks(write=write):
-            logits = model(ids.expand(batch, -1)).logits.float()
-        logp = torch.log_softmax(logits[:, n - 1 : n - 1 + m], -1)
-        return logp.gather(2, target_ids.to(logp.device).expand(batch, -1).unsqueeze(-1))[..., 0].sum(-1)
-
-    device = next(model.parameters()).device
-    ones = tuple(torch.ones(shapes[p][1:], device=device).unsqueeze(0) for *_, p in entries)
-    zeros = tuple(torch.zeros_like(t) for t in ones)
-    was_training = model.training
-    model.eval()
-    try:
-        ig = IntegratedGradients(f)
-        attrs, delta = ig.attribute(ones, baselines=zeros, n_steps=n_steps, return_convergence_delta=True)
-        with torch.no_grad():
-            f_model, f_base = float(f(*ones)), float(f(*zeros))
-    finally:
-        model.train(was_training)
-    rows = [
-        dict(layer=i, group=group, kind=kind, point=point, attribution=float(a.sum()))
-        for (i, group, kind, point), a in zip(entries, attrs)
-    ]
-    table = pd.DataFrame(rows)
-    by_kind = table.groupby(["group", "kind"], as_index=False)["attribution"].sum()
-    return LayerAttribution(table, by_kind, f_model, f_base, float(delta.reshape(-1)[0]))

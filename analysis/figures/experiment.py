@@ -7,7 +7,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis.experiments.attribution import LayerAttribution, TokenAttribution
+from analysis.experiments.attribution import TokenAttribution
+from analysis.experiments.layer_attribution import LayerAttribution
 from analysis.figures.style import DIVERGING, LAYER_TYPE_COLORS, SEQUENTIAL_REVERSED, apply_style, mark_repeat_start
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import Comparison, NotApplicable, View
@@ -330,15 +331,15 @@ def experiment_token_attribution(ctx: AnalysisContext) -> TokenAttribution:
 
 
 def experiment_layer_attribution(ctx: AnalysisContext) -> LayerAttribution:
-    """``attribution.layer_attribution`` of the prompt, target and steps in ``ctx.options["attribution"]``."""
+    """``layer_attribution`` of the prompt, target and steps in ``ctx.options["attribution"]``."""
     import json
 
-    from analysis.experiments import attribution
+    from analysis.experiments.layer_attribution import layer_attribution
 
     spec = _spec(ctx, ATTRIBUTION, "attribution (prompt, target and steps)")
     x, y = _attribution_inputs(ctx, spec)
     key = json.dumps({k: spec.get(k) for k in ("prompt_tokens", "target", "steps")}, sort_keys=True)
-    return ctx.once(f"experiment:layers:{key}", lambda: attribution.layer_attribution(ctx.model, x, y, spec["steps"]))
+    return ctx.once(f"experiment:layers:{key}", lambda: layer_attribution(ctx.model, x, y, spec["steps"]))
 
 
 def experiment_lens(ctx: AnalysisContext) -> pd.DataFrame:

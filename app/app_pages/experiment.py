@@ -11,6 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from analysis.experiments import attribution, effects, patching
+from analysis.experiments.attribution_inputs import AttributionError
 from analysis.figures import experiment as fx
 from analysis.metrics.token_detail import token_detail
 from analysis.output.export import csv_with_provenance, provenance
@@ -397,7 +398,7 @@ def _attribution() -> None:
                     fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
                 if layers:
                     fx.experiment_layer_attribution(ex.with_spec(loaded, attribution=specs[0]).ctx)
-        except (attribution.AttributionError, job_budget.JobRefused) as exc:
+        except (AttributionError, job_budget.JobRefused) as exc:
             st.error(plain(exc))
             return
         ex.remember(results, key, True)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import streamlit as st
 
-from analysis.experiments.attribution import AttributionError
+from analysis.experiments.attribution_inputs import AttributionError
 from analysis.experiments.patching import PatchingError
 from analysis.metrics.token_detail import TokenDetailError
 from app.library.roots import PathRefused

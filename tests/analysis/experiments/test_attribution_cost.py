@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from analysis.experiments import attribution
+from analysis.experiments.attribution_inputs import AttributionError
+from analysis.experiments.layer_attribution import layer_attribution
 from k3core.model import K3ForCausalLM
 
 
@@ -32,7 +34,7 @@ def test_the_estimate_is_the_count_of_sequences_run(counted, method, n, m, steps
     x, y = torch.randint(0, 256, (n,)), torch.randint(0, 256, (m,))
     rows.clear()
     if method == "layers":
-        attribution.layer_attribution(model, x, y, steps)
+        layer_attribution(model, x, y, steps)
     else:
         attribution.token_attribution(model, x, y, method, 0, None, steps, 3, 0)
     low, high = attribution.attribution_forwards(method, n, m, steps, samples=3, moe=True)
@@ -43,5 +45,5 @@ def test_the_estimate_is_the_count_of_sequences_run(counted, method, n, m, steps
 
 
 def test_an_unknown_method_is_named():
-    with pytest.raises(attribution.AttributionError, match="unknown method 'lime'"):
+    with pytest.raises(AttributionError, match="unknown method 'lime'"):
         attribution.attribution_forwards("lime", 4, 2)

@@ -12,6 +12,9 @@ from captum.attr import LayerIntegratedGradients
 
 from analysis.experiments import attribution as attr
 from analysis.experiments import effects, patching
+from analysis.experiments.attribution_inputs import AttributionError
+from analysis.experiments.integrated_gradients import integrated_gradients
+from analysis.experiments.layer_attribution import layer_attribution
 from analysis.metrics import lens
 from analysis.metrics.token_detail import TokenDetailError, token_detail
 from analysis.runs.loading import load_run
@@ -243,8 +246,8 @@ def test_own_ig_is_captums_on_a_dense_model_and_routing_changes_are_zero_there()
     torch.testing.assert_close(ours.matrix, captum.matrix, rtol=1e-4, atol=1e-5)
     assert captum.extra["routing_changes"] == 0
     assert max(ours.delta_share()) < 1e-4 and ours.warning() is None
-    with pytest.raises(attr.AttributionError, match="n_steps"):
-        attr.integrated_gradients(model, x, y, n_steps=0)
+    with pytest.raises(AttributionError, match="n_steps"):
+        integrated_gradients(model, x, y, n_steps=0)
 
 
 def test_shapley_with_a_seed_is_reproducible_and_reports_its_samples():
@@ -279,16 +282,16 @@ def test_shapley_on_one_token_equals_its_ablation_and_the_method_is_checked():
     fa = attr.token_attribution(model, x, y, "feature_ablation")
     sv = attr.token_attribution(model, x, y, "shapley", n_samples=2)
     torch.testing.assert_close(sv.matrix, fa.matrix, rtol=1e-5, atol=1e-6)
-    with pytest.raises(attr.AttributionError, match="methods: feature_ablation"):
+    with pytest.raises(AttributionError, match="methods: feature_ablation"):
         attr.token_attribution(model, x, y, "saliency")
-    with pytest.raises(attr.AttributionError, match="0..255"):
+    with pytest.raises(AttributionError, match="0..255"):
         attr.token_attribution(model, x, torch.tensor([300]))
 
 
 def test_layer_attribution_groups_kinds_and_is_complete():
     model = nano_model()
     x, y = random_ids(6, 1, 1)[0], random_ids(2, 1, 2)[0]
-    result = attr.layer_attribution(model, x, y, n_steps=64)
+    result = layer_attribution(model, x, y, n_steps=64)
     kinds = set(zip(result.by_kind.group, result.by_kind.kind))
     assert kinds == {("mixer", "KDA"), ("mixer", "MLA"), ("ffn", "dense"), ("ffn", "routed"), ("ffn", "shared")}
     total = result.table.attribution.sum()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.experiments import attribution as attr
+from analysis.experiments.layer_attribution import layer_attribution
 from analysis.figures.experiment import layer_attribution_figure, mla_attention_figure
 from tests.conftest import nano_model, random_ids
 
 
 def test_layer_attribution_bars_stand_in_depth_order():
     model = nano_model()
-    result = attr.layer_attribution(model, random_ids(6, 1, 1)[0], random_ids(1, 1, 2)[0], n_steps=4)
+    result = layer_attribution(model, random_ids(6, 1, 1)[0], random_ids(1, 1, 2)[0], n_steps=4)
     fig = layer_attribution_figure(result)
     order = list(fig.layout.xaxis.categoryarray)
     layers = [int(c.split()[0][1:]) for c in order]
