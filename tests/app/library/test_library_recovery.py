@@ -14,8 +14,9 @@ from contextlib import closing
 
 import pytest
 
+from app.library.entries import ENTRY_FILE
 from app.library.run_folders import LibraryError
-from app.library.store import ENTRY_FILE, RunsLibrary
+from app.library.store import RunsLibrary
 from tests.conftest import nano_model
 
 MAX_SECONDS, MAX_EXTRA_BYTES = 2.0, 200 * 1024**2
