@@ -98,12 +98,17 @@ if section == "experiment":  # the same experiment on A and B, estimated, run on
 views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
-for view in views:
+
+
+def draw(view) -> None:
     if view.needs_model and view.section == "long_context":  # reruns the model at other lengths: not a trace view
         st.caption(
             f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
         )
-        continue
+        return
     if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
-        continue
+        return
     cards.render_comparison(view, a, b)
+
+
+page.draw_lazily(f"cmp_{section}", views, draw)

@@ -302,8 +302,19 @@ def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
         log.exception("difference %s failed", view.key)
         st.caption(f"No difference view for {view.title}: {type(exc).__name__}: {exc}")
         return
-    with st.expander(f"Difference A - B: {view.title}"):
-        figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff", meta=meta)
+    diff = lazy_expander(f"Difference A - B: {view.title}", key=f"k3lab_diff_{view.key}")
+    if diff is not None:
+        with diff:
+            figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff", meta=meta)
+
+
+def lazy_expander(label: str, key: str):
+    """An expander whose contents are built only while it is open (opening it reruns the page): the container when
+    open, else None. Why: the browser mounts a closed expander's contents too (a chart, a data grid, a JSON tree)
+    and that mounting is most of a page switch's time on the 2-core machine (``benchmarks/bench_pages.py``). Its
+    open state is ``st.session_state[key]``, closed on each new visit to the page."""
+    box = st.expander(label, key=key, on_change="rerun")
+    return box if box.open else None
 
 
 def layer_badges(cfg) -> str:
