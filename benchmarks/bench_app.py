@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from app import pages
+from app.server.settings import STREAMLIT_OPTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
@@ -93,11 +94,20 @@ def served_group(cmd: list[str], env: dict[str, str], log: Path, port: int, time
 
 
 @contextmanager
-def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: float = 120, preload: bool = True):
+def app_server(
+    repo: Path,
+    workdir: Path,
+    env_extra: dict[str, str],
+    timeout: float = 120,
+    preload: bool = True,
+    options: dict[str, str] | None = None,
+):
     """The app of ``repo`` on a free port; yields (base url, log path); stops it after.
 
     ``preload``: start it with ``python -m app.server.serve`` (libraries imported before the server listens, as
-    ``k3lab app`` does) where the checkout has it; else ``streamlit run app/main.py``."""
+    ``k3lab app`` does) where the checkout has it; else ``streamlit run app/main.py``. ``options``: Streamlit
+    options over those ``k3lab app`` serves with (this checkout's app.server.settings.STREAMLIT_OPTIONS, for an older
+    checkout too); ``{"runner.postScriptGC": "true"}`` serves Streamlit's default."""
     home = workdir / "home"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -118,6 +128,7 @@ def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: fl
         if preload and serve
         else [sys.executable, "-m", "streamlit", "run", "app/main.py"]
     )
+    served = {key: str(value).lower() for key, value in STREAMLIT_OPTIONS.items()}
     cmd = [
         *start,
         "--server.headless", "true",
@@ -125,7 +136,7 @@ def app_server(repo: Path, workdir: Path, env_extra: dict[str, str], timeout: fl
         "--server.address", "127.0.0.1",
         "--server.fileWatcherType", "none",
         "--browser.gatherUsageStats", "false",
-        "--runner.magicEnabled", "false",  # as k3lab app serves it (app.server.settings.STREAMLIT_OPTIONS)
+        *(arg for key, value in {**served, **(options or {})}.items() for arg in (f"--{key}", value)),
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)

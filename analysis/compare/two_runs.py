@@ -13,6 +13,8 @@ Headline numbers and their delta live in ``analysis.metrics.headline``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -24,6 +26,26 @@ from analysis.views.picks import focus_title
 from analysis.views.view import NotApplicable, View
 
 Built = tuple[go.Figure, pd.DataFrame] | NotApplicable
+
+
+def quantised_copy(folder_a: str | Path, folder_b: str | Path) -> bool:
+    """Whether one of two checkpoint folders is a quantised copy of the other: exactly one has a
+    ``quantization_config`` in its config.json and both share the model's shape (layers, hidden size, vocabulary,
+    experts, layer types, residual; widths may differ: MXFP4 pads them to its 32-value blocks, e.g. the samples'
+    k3-full 40 -> k3-mxfp4 64). Their differences are rounding (~1e-5), not two trained runs (no seed noise between
+    them), nor a comparison anyone means by default. False when a config cannot be read."""
+    from k3core.checkpoints.folder import read_config
+
+    shape = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "full_attn_layers", "residual")
+    folders = (Path(folder_a), Path(folder_b))
+    try:
+        # anywhere in the file: Kimi K3's config nests it in text_config
+        raw = [(f / "config.json").read_text() for f in folders]
+        ca, cb = (read_config(f).to_dict() for f in folders)
+    except Exception:  # noqa: BLE001 - any unreadable config: not a copy; the loader reports it when picked
+        return False
+    one_quantised = ('"quantization_config"' in raw[0]) != ('"quantization_config"' in raw[1])
+    return one_quantised and all(ca.get(k) == cb.get(k) for k in shape)
 
 
 def distinct_labels(label_a: str, label_b: str) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from analysis.metrics import hidden_states as hs
 from analysis.metrics import kda_memory as km
 from analysis.metrics import moe as mo
 from analysis.metrics.history import final_numbers
-from analysis.metrics.loss_noise import LossNoise
+from analysis.metrics.loss_noise import LossNoise, headline_noise, noise_statement
 from analysis.runs.context import AnalysisContext
 from analysis.runs.missing_data import MissingTraceData
 from k3core.interp.trace import Trace, names
@@ -194,6 +195,31 @@ def headline_table(
     df = pd.DataFrame(rows)
     df.attrs.update(label_a=str(ha.get("label", "A")), label_b=str(hb.get("label", "B")), keys=["metric"])
     return df
+
+
+@dataclass
+class HeadlineComparison:
+    """Two runs' headline numbers side by side (``headline_table`` with its ci95 / within_noise columns when the
+    loss difference has a noise floor), that noise floor and the one sentence that states it."""
+
+    table: pd.DataFrame
+    noise: LossNoise | None
+    statement: str | None
+    separate_training: bool
+
+
+def compare_headlines(
+    a: AnalysisContext, b: AnalysisContext, ha: dict | None = None, hb: dict | None = None, separate_training=False
+) -> HeadlineComparison:
+    """``headline_table`` of two traced contexts with the loss difference's 95% CI (``headline_noise``) and its
+    ``noise_statement``; ``separate_training``: two separately trained checkpoints, whose seed noise the statement
+    adds. ``ha`` / ``hb``: their ``headline_numbers`` when already computed."""
+    noise = headline_noise(a, b)
+    table = headline_table(a if ha is None else ha, b if hb is None else hb, noise=noise)
+    statement = None
+    if noise is not None:
+        statement = noise_statement(noise, a.config.vocab_size == 256, separate_training)
+    return HeadlineComparison(table, noise, statement, separate_training)
 
 
 def _num(v: Any) -> float:

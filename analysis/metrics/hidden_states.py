@@ -111,12 +111,23 @@ def linear_cka(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def top_activations(x: np.ndarray, k: int = 5) -> list[tuple[int, int, float]]:
-    """The ``k`` largest ``|x|`` entries of X [token, hidden] as (token, channel, signed value), largest first."""
+    """The ``k`` largest ``|x|`` entries of X [token, hidden] as (token, channel, signed value), largest first; equal
+    ``|x|`` in (token, channel) order, so ties pick the same entries on every machine (one token read twice has the
+    same embedding: at depth 0 ties are the rule). NaN entries are never picked.
+
+    O(size): the k-th largest value is unique whatever the tie order (``np.partition``); every entry above it is in,
+    and of those equal to it the first ones. (``np.argpartition`` alone picks among ties by its selection algorithm,
+    whose SIMD paths differ between CPUs.)"""
     x = _as_2d(x)
     flat = np.abs(x).ravel()
+    flat = np.where(np.isnan(flat), -np.inf, flat)
     k = min(k, flat.size)
-    idx = np.argpartition(-flat, k - 1)[:k]
-    idx = idx[np.argsort(-flat[idx], kind="stable")]
+    if k == 0:
+        return []
+    kth = np.partition(flat, flat.size - k)[flat.size - k]
+    above = np.flatnonzero(flat > kth)
+    idx = np.concatenate([above, np.flatnonzero(flat == kth)[: k - above.size]])
+    idx = idx[np.lexsort((idx, -flat[idx]))]  # largest first, then by position
     tokens, channels = np.unravel_index(idx, x.shape)
     return [(int(t), int(c), float(x[t, c])) for t, c in zip(tokens, channels)]
 

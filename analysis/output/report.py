@@ -27,8 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analysis.compare.two_runs import build_both, difference_view, distinct_labels, has_difference, side_by_side
-from analysis.metrics.headline import headline_numbers, headline_table
+from analysis.compare.two_runs import (
+    build_both,
+    difference_view,
+    distinct_labels,
+    has_difference,
+    quantised_copy,
+    side_by_side,
+)
+from analysis.metrics.headline import compare_headlines, headline_numbers
 from analysis.output.export import export_many, provenance, static_export_available
 from analysis.output.report_html import Entry, render_html
 from analysis.runs import loading as runs_mod
@@ -315,16 +322,34 @@ def write_report(
             for r, lab in zip(runs, labels)
         ],
     }
+    comparison = None
     if len(headlines) == 2:
-        table = headline_table(headlines[0], headlines[1])
+        # two checkpoints trained apart (not one run twice, nor a quantised copy) also differ by their seed
+        separate = runs[0].fingerprint != runs[1].fingerprint and not quantised_copy(runs[0].path, runs[1].path)
+        comparison = compare_headlines(*contexts, *headlines, separate_training=separate)
+        table = comparison.table
         headline_json["delta_a_minus_b"] = dict(zip(table["metric"], table["delta"]))
+        if comparison.noise is not None:
+            noise = comparison.noise
+            headline_json["loss_noise"] = {
+                "delta_nats": noise.delta,
+                "ci95_nats": noise.half_width,
+                "n_windows": noise.n_windows,
+                "window_tokens": noise.window,
+                "paired": noise.paired,
+                "within_noise": noise.within_noise,
+                "separate_training": comparison.separate_training,
+                "statement": comparison.statement,
+            }
+            headline_json["ci95_a_minus_b"] = {m: c for m, c in zip(table["metric"], table["ci95"]) if math.isfinite(c)}
     (out / "headline.json").write_text(json.dumps(_json_safe(headline_json), indent=1) + "\n")
     if save_trace:
         for ctx, tag in zip(contexts, "AB"):
             ctx.trace.save(out / f"trace_{tag}.npz")
 
     timings["total"] = time.perf_counter() - t_start
-    (out / "report.html").write_text(render_html(entries, runs, labels, headlines, chosen, timings), encoding="utf-8")
+    page = render_html(entries, runs, labels, headlines, chosen, timings, comparison)
+    (out / "report.html").write_text(page, encoding="utf-8")
     progress.update(1)
     problems = {f"{e.key}.{fmt}": v for e in shown for fmt, v in e.files.items() if isinstance(v, str)}
     return ReportResult(out, entries, timings, static_note, problems)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from analysis.output.format import format_number
 from k3core.tokenizer import token_axis_labels
 
 if TYPE_CHECKING:
+    from analysis.metrics.headline import HeadlineComparison
     from analysis.runs.loading import Run
     from analysis.runs.texts import Input
 
@@ -75,21 +77,31 @@ def _kv_table(items: dict[str, Any]) -> str:
     return f"<table>{rows}</table>"
 
 
-def _headline_html(headlines: list[dict], labels: list[str]) -> str:
-    from analysis.metrics.headline import HEADLINE_LABELS, headline_table
+def _headline_html(headlines: list[dict], labels: list[str], comparison: HeadlineComparison | None) -> str:
+    from analysis.metrics.headline import HEADLINE_LABELS
 
-    if len(headlines) == 2:
-        df = headline_table(headlines[0], headlines[1])
+    if comparison is not None:
+        df = comparison.table
+        noisy = "ci95" in df
         head = (
             f"<tr><th class='l'>metric</th><th>{html.escape(labels[0])}</th><th>{html.escape(labels[1])}</th>"
-            f"<th>delta (A - B)</th></tr>"
+            f"<th>delta (A - B)</th>" + ("<th>± (95% CI)</th><th>within noise</th>" if noisy else "") + "</tr>"
         )
         rows = "".join(
             f"<tr><td class='l'>{html.escape(r.description)}</td><td>{_fmt(r.a)}</td><td>{_fmt(r.b)}</td>"
-            f"<td>{_fmt(r.delta)}</td></tr>"
+            f"<td>{_fmt(r.delta)}</td>"
+            + (
+                f"<td>{_fmt(r.ci95) if math.isfinite(r.ci95) else ''}</td>"
+                f"<td>{ {True: 'yes', False: 'no'}.get(r.within_noise, '') }</td>"
+                if noisy
+                else ""
+            )
+            + "</tr>"
             for r in df.itertuples()
         )
-        return f"<table id='headline'>{head}{rows}</table>"
+        statement = comparison.statement
+        note = f"<p class='desc' id='loss-noise'>{html.escape(statement)}</p>" if statement else ""
+        return f"{note}<table id='headline'>{head}{rows}</table>"
     h = headlines[0]
     rows = "".join(
         f"<tr><td class='l'>{html.escape(HEADLINE_LABELS.get(k, k))}</td><td>{_fmt(v)}</td></tr>"
@@ -142,8 +154,10 @@ def render_html(
     headlines: list[dict[str, Any]],
     sample: Input,
     timings: dict[str, float],
+    comparison: HeadlineComparison | None = None,
 ) -> str:
-    """The whole report as one HTML string (plotly.js inline once)."""
+    """The whole report as one HTML string (plotly.js inline once); ``comparison``: two runs' headline table with
+    its noise floor (``analysis.metrics.headline.compare_headlines``)."""
     from plotly.offline import get_plotlyjs
 
     title = "k3lab report: " + " vs ".join(labels)
@@ -174,7 +188,7 @@ def render_html(
             f"<details><summary>input tokens ({html.escape(tokenizer.name)})</summary>"
             f"<pre>{html.escape(shown)}</pre></details>"
         )
-    body.append("<h2 id='sec-headline'>Headline numbers</h2>" + _headline_html(headlines, labels))
+    body.append("<h2 id='sec-headline'>Headline numbers</h2>" + _headline_html(headlines, labels, comparison))
     for section in sections:
         body.append(f"<h2 id='sec-{section}'>{html.escape(SECTION_TITLES.get(section, section))}</h2>")
         for e in (e for e in entries if e.section == section):

@@ -7,7 +7,7 @@ import json
 
 import streamlit as st
 
-from analysis.compare.two_runs import distinct_labels
+from analysis.compare.two_runs import distinct_labels, quantised_copy
 from analysis.views.catalogue import section_views
 from app import pages
 from app.library import run_list
@@ -90,7 +90,7 @@ st.caption(  # labels and sources name files and texts: shown as text, never as 
 )
 
 st.markdown("#### Headline numbers")
-cards.headline_delta(a, b, separate_training=mode == TWO_RUNS and not run_list.quantised_copy(run_a, run_b))
+cards.headline_delta(a, b, separate_training=mode == TWO_RUNS and not quantised_copy(run_a.path, run_b.path))
 
 if section == "experiment":  # the same experiment on A and B, estimated, run on request
     compare_experiment.section(a, b, st.session_state.get(EDITS) or [], mode == EDITED)
@@ -98,12 +98,17 @@ if section == "experiment":  # the same experiment on A and B, estimated, run on
 views = section_views(section)
 if not views:
     st.info(f"No figures are registered for the '{section}' section.")
-for view in views:
+
+
+def draw(view) -> None:
     if view.needs_model and view.section == "long_context":  # reruns the model at other lengths: not a trace view
         st.caption(
             f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
         )
-        continue
+        return
     if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
-        continue
+        return
     cards.render_comparison(view, a, b)
+
+
+page.draw_lazily(f"cmp_{section}", views, draw)

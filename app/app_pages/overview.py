@@ -14,6 +14,7 @@ from app.render.errors import markdown_card, md_escape
 from k3core.checkpoints.names import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
+INPUT_TOKENS_KEY = "k3lab_overview_input_tokens"
 
 inputs = page.inputs_or_stop()
 run = inputs.run
@@ -69,8 +70,9 @@ st.markdown(cards.layer_badges(cfg))
 allocation = [v for v in section_views("density") if v.key == LAYER_MAP_VIEW]
 if allocation:
     cards.render_view(allocation[0], page.config_context(inputs, loaded_run))
-with st.expander("Layer table"):
-    st.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
+layer_table = cards.lazy_expander("Layer table", key="k3lab_overview_layer_table")
+if layer_table is not None:
+    layer_table.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
 
 # ------------------------------------------------------------------- parameters, config
 left, right = st.columns(2)
@@ -86,8 +88,9 @@ with right:
     st.markdown("#### Configuration")
     summary = config_summary(cfg)
     st.table(pd.DataFrame({"setting": list(summary), "value": [str(v) for v in summary.values()]}).set_index("setting"))
-    with st.expander("Every config field"):
-        st.json(cfg.to_dict(), expanded=True)
+    fields = cards.lazy_expander("Every config field", key="k3lab_overview_config_fields")
+    if fields is not None:
+        fields.json(cfg.to_dict(), expanded=True)
 
 # ------------------------------------------------------------------- model card
 card = caching.run_card(run)
@@ -119,6 +122,7 @@ with headline_box:
         page.run_line(loaded)
         cards.headline_metrics(loaded)
         if loaded.ctx.token_strings is not None:  # the tokens the model read, as its own tokenizer splits them
-            with st.expander(f"Input tokens ({loaded.ctx.tokenizer.name})"):
-                st.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
+            shown = cards.lazy_expander(f"Input tokens ({loaded.ctx.tokenizer.name})", key=INPUT_TOKENS_KEY)
+            if shown is not None:
+                shown.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
         page.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read

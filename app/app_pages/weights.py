@@ -94,14 +94,19 @@ other = st.selectbox(
     help="Another run's weights side by side on shared axes, and A - B where layers align.",
 )
 views = section_views("weights")
+
+
+def draw(view) -> bool:
+    if view.key == "weights_expert_norms" and needs_experts:  # the page's own button, not a command line
+        st.markdown(f"**{view.title}**: the expert matrices are not read yet.")
+        expert_norms_button(st)
+        return False
+    return cards.render_view(view, a)
+
+
 if other == "(none)":
-    for view in views:
-        if view.key == "weights_expert_norms" and needs_experts:  # the page's own button, not a command line
-            st.markdown(f"**{view.title}**: the expert matrices are not read yet.")
-            expert_norms_button(st)
-            continue
-        cards.render_view(view, a)
+    page.draw_lazily("weights", views, draw)
 else:
     b = weights_or_stop(next(r for r in others if r.label == other))
-    for view in views:
-        cards.render_comparison(view, a, b)
+    # each comparison is a side-by-side chart (its A - B chart drawn when its expander is opened)
+    page.draw_lazily("weights_cmp", views, lambda view: cards.render_comparison(view, a, b))

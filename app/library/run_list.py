@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from analysis.compare.two_runs import quantised_copy
 from app.library.home import allowed_roots, library, path_refusal
 from app.library.run_folders import LibraryError
 
@@ -109,24 +110,6 @@ def readable_folders() -> list[Path]:
     return [*allowed_roots(), Path(SAMPLES_DIR), *given]
 
 
-def quantised_copy(a: RunRef, b: RunRef) -> bool:
-    """Whether one of two runs is a quantised copy of the other: exactly one has a ``quantization_config`` in its
-    config.json and both share the model's shape (layers, hidden size, vocabulary, experts, layer types, residual;
-    widths may differ: MXFP4 pads them to its 32-value blocks, e.g. the samples' k3-full 40 -> k3-mxfp4 64). Their
-    differences are rounding (~1e-5), not a comparison anyone means by default. False when a config cannot be read."""
-    from k3core.checkpoints.folder import read_config
-
-    shape = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "full_attn_layers", "residual")
-    try:
-        # anywhere in the file: Kimi K3's config nests it in text_config
-        raw = [(Path(r.path) / "config.json").read_text() for r in (a, b)]
-        ca, cb = (read_config(Path(r.path)).to_dict() for r in (a, b))
-    except Exception:  # noqa: BLE001 - any unreadable config: not a copy; the loader reports it when picked
-        return False
-    one_quantised = ('"quantization_config"' in raw[0]) != ('"quantization_config"' in raw[1])
-    return one_quantised and all(ca.get(k) == cb.get(k) for k in shape)
-
-
 def default_run_b(run_a: RunRef, others: list[RunRef]) -> RunRef:
     """Compare's default B: the first other run that is not a quantised copy of A (else the first)."""
-    return next((r for r in others if not quantised_copy(run_a, r)), others[0])
+    return next((r for r in others if not quantised_copy(run_a.path, r.path)), others[0])

@@ -19,8 +19,7 @@ import pandas as pd
 import streamlit as st
 
 from analysis.figures.style import screen_figure
-from analysis.metrics.headline import HEADLINE_LABELS, headline_help, headline_table
-from analysis.metrics.loss_noise import headline_noise, noise_statement
+from analysis.metrics.headline import HEADLINE_LABELS, compare_headlines, headline_help
 from analysis.output.export import export_figure, provenance, static_export_available
 from analysis.output.format import format_number
 from analysis.views.picks import pick_text
@@ -239,19 +238,18 @@ def headline_metrics(loaded: Loaded) -> None:
 
 
 def headline_delta(a: Loaded, b: Loaded, separate_training: bool = False) -> None:
-    """analysis.metrics.headline.headline_table of two runs (A, B, delta = A - B) with CSV/JSON export, and the
-    loss delta's noise floor (analysis.metrics.loss_noise); ``separate_training``: two trained checkpoints, whose
-    seed noise the note adds."""
+    """analysis.metrics.headline.compare_headlines of two runs (A, B, delta = A - B, the loss delta's noise floor
+    and its sentence, first) with CSV/JSON export; ``separate_training``: two trained checkpoints, whose seed noise
+    the note adds."""
     try:
-        noise = headline_noise(a.ctx, b.ctx)
-        table = headline_table(caching.headline(a), caching.headline(b), noise=noise)
+        both = compare_headlines(a.ctx, b.ctx, caching.headline(a), caching.headline(b), separate_training)
     except Exception as exc:  # noqa: BLE001
         log.exception("headline table failed")
         st.error(f"Headline numbers could not be compared: {type(exc).__name__}: {exc}")
         return
-    if noise is not None:  # first, so that no delta below is read without it
-        statement = noise_statement(noise, a.ctx.config.vocab_size == 256, separate_training)
-        (st.info if noise.within_noise else st.caption)(statement)
+    table = both.table
+    if both.noise is not None:  # first, so that no delta below is read without it
+        (st.info if both.noise.within_noise else st.caption)(both.statement)
     # printed as the Overview prints them (missing: "n/a"), the exported table keeps the numbers
     numeric = [c for c in ("a", "b", "delta", "ci95") if c in table]
     shown = table.assign(**{c: [format_number(v) for v in table[c]] for c in numeric})
@@ -302,8 +300,19 @@ def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
         log.exception("difference %s failed", view.key)
         st.caption(f"No difference view for {view.title}: {type(exc).__name__}: {exc}")
         return
-    with st.expander(f"Difference A - B: {view.title}"):
-        figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff", meta=meta)
+    diff = lazy_expander(f"Difference A - B: {view.title}", key=f"k3lab_diff_{view.key}")
+    if diff is not None:
+        with diff:
+            figure_card(dfig, ddf, key=f"diff-{view.key}", stem=f"{stem}_diff", meta=meta)
+
+
+def lazy_expander(label: str, key: str):
+    """An expander whose contents are built only while it is open (opening it reruns the page): the container when
+    open, else None. Why: the browser mounts a closed expander's contents too (a chart, a data grid, a JSON tree)
+    and that mounting is most of a page switch's time on the 2-core machine (``benchmarks/bench_pages.py``). Its
+    open state is ``st.session_state[key]``, closed on each new visit to the page."""
+    box = st.expander(label, key=key, on_change="rerun")
+    return box if box.open else None
 
 
 def layer_badges(cfg) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import streamlit as st
 
@@ -43,8 +44,10 @@ from k3core.interp.trace import Trace
 
 log = logging.getLogger("k3lab.app")
 
-LAZY_SECTION = 6  # a section with more views than this draws its first EAGER_VIEWS, the rest on request
-EAGER_VIEWS = 4
+# A list of more than LAZY_SECTION views draws its first EAGER_VIEWS at once, the rest on request (draw_lazily): a
+# toggle never hides a single figure. Comparisons (two runs side by side) use the same numbers.
+LAZY_SECTION = 4
+EAGER_VIEWS = 3
 IMPORTANCE = "sublayer_importance"  # the AnalysisContext.once key of analysis.figures.density's importance
 
 
@@ -291,27 +294,24 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
     return True
 
 
-def _render_views(views: list[View], loaded: Loaded) -> int:
-    drawn = 0
-    for view in views:
-        if view.needs_model and loaded.model is not None:
-            importance_card(view, loaded)
-        else:
-            drawn += cards.render_view(view, loaded)
-    return drawn
+def _render_view(view: View, loaded: Loaded) -> int:
+    if view.needs_model and loaded.model is not None:
+        importance_card(view, loaded)
+        return 0
+    return cards.render_view(view, loaded)
 
 
-def _show_the_rest(section: str, rest: list[View]) -> bool:
-    """A toggle that draws the section's other figures; the choice is kept for the session (Streamlit forgets a
+def _show_the_rest(key: str, rest: list[View]) -> bool:
+    """A toggle that draws a list's other figures; the choice is kept for the session (Streamlit forgets a
     widget's value when its page is left, so it is copied to a key of its own)."""
-    keep, widget = f"k3lab_show_all_{section}", f"k3lab_show_all_{section}_toggle"
+    keep, widget = f"k3lab_show_all_{key}", f"k3lab_show_all_{key}_toggle"
     if widget not in st.session_state:
         st.session_state[widget] = bool(st.session_state.get(keep, False))
     titles = "; ".join(v.title for v in rest)
     on = st.toggle(
         f"Show the other {len(rest)} figures",
         key=widget,
-        help=f"{titles}. Drawn on request: the page opens faster with the first {EAGER_VIEWS} figures.",
+        help=f"{titles}. Drawn on request: the page opens faster with its first figures only.",
     )
     st.session_state[keep] = on
     if not on:
@@ -319,20 +319,35 @@ def _show_the_rest(section: str, rest: list[View]) -> bool:
     return on
 
 
-def render_section(section: str, loaded: Loaded) -> int:
-    """Every View of a section, in catalogue order (importance on request). Returns how many were drawn.
+def draw_lazily(
+    key: str,
+    views: list[View],
+    draw: Callable[[View], int | bool | None],
+    eager: int = EAGER_VIEWS,
+    longer_than: int = LAZY_SECTION,
+) -> int:
+    """Draw a page's views: a list longer than ``longer_than`` draws its first ``eager`` at once and the others when
+    the user turns them on (a toggle naming them, kept per session under ``key``). Returns what ``draw`` counted.
 
-    A section of more than LAZY_SECTION views draws its first EAGER_VIEWS at once and the others when the user
-    turns them on: each chart costs the browser 30-100 ms to draw, so ten of them make a page switch take ~1 s."""
+    Why: a page switch with nothing changed is the browser redrawing its plotly charts (the script itself reruns in
+    0.1-0.2 s on the samples); each chart costs it tens of milliseconds on the 2-core machine, so a page of 8-12
+    charts misses issue 27's 0.5 s second visit (``benchmarks/bench_pages.py``)."""
+    first, rest = (views[:eager], views[eager:]) if len(views) > longer_than else (views, [])
+    drawn = sum(int(draw(v) or 0) for v in first)
+    if rest and _show_the_rest(key, rest):
+        drawn += sum(int(draw(v) or 0) for v in rest)
+    return drawn
+
+
+def render_section(section: str, loaded: Loaded) -> int:
+    """Every View of a section, in catalogue order (importance on request); a section of more than LAZY_SECTION
+    views draws its first EAGER_VIEWS at once and the others on request (``draw_lazily``). Returns how many were
+    drawn."""
     views = section_views(section)
     if not views:
         st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
         return 0
-    eager, rest = (views[:EAGER_VIEWS], views[EAGER_VIEWS:]) if len(views) > LAZY_SECTION else (views, [])
-    drawn = _render_views(eager, loaded)
-    if rest and _show_the_rest(section, rest):
-        drawn += _render_views(rest, loaded)
-    return drawn
+    return draw_lazily(section, views, lambda view: _render_view(view, loaded))
 
 
 @st.fragment

@@ -10,6 +10,7 @@ malloc gives freed memory back (``app.server.process_memory.limit_heap_retention
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from streamlit.web import cli
 
     preload()
+    # what the server imported lives as long as it does: out of every later full collection's walk
+    gc.freeze()
     from app.server.process_memory import limit_heap_retention
 
     limit_heap_retention()

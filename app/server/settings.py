@@ -26,8 +26,11 @@ DEFAULT_HOST = "127.0.0.1"
 #: Streamlit options the app always runs with: ``k3lab app`` passes them to the server, tests/conftest.py sets them
 #: for AppTest. Magic off: every page writes explicitly, and magic ast.parse()s each page script, which CPython 3.11
 #: cannot do in two threads at once ("SystemError: AST constructor recursion depth mismatch"; AppTest sessions in
-#: threads each compile their own copy, as the six-session budget test does).
-STREAMLIT_OPTIONS = {"runner.magicEnabled": False}
+#: threads each compile their own copy, as the six-session budget test does). No garbage collection after every script
+#: run: Streamlit's gc.collect(2) walks the ~435K objects of torch, plotly and pandas, 0.20-0.28 s holding the GIL
+#: on the 2-core machine, and the browser's "run finished" waits behind it, so it added about 0.15 s to every page
+#: switch (``python -m benchmarks.bench_pages --against runner.postScriptGC=true``); Python's own collector still runs.
+STREAMLIT_OPTIONS = {"runner.magicEnabled": False, "runner.postScriptGC": False}
 
 
 def home_dir(env: Mapping[str, str] | None = None) -> Path:

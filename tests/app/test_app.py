@@ -20,6 +20,7 @@ import torch
 from streamlit.runtime import caching as st_caching
 from streamlit.testing.v1 import AppTest
 
+from analysis.compare.two_runs import quantised_copy
 from analysis.runs import loading as runs_mod
 from analysis.runs import texts
 from analysis.views.catalogue import section_views
@@ -169,6 +170,45 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     # MQAR scores its 6 answers only: too few for windows, and said so; one run on two texts has no seed noise
     notes = [m.value for m in (*at.info, *at.caption) if m.value.startswith("A - B =")]
     assert len(notes) == 1 and "too few tokens" in notes[0] and "seed" not in notes[0], notes
+
+
+def test_compare_builds_an_a_minus_b_chart_only_when_its_expander_is_opened(app_env, runs):
+    """A closed expander's contents cost the browser as much as shown ones (issue 27 speed): Compare's A - B charts
+    are built when their expander is opened (its state is the session key), and the page keeps the side-by-side
+    charts either way."""
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.session_state["k3lab_cmp_section"] = "attnres"
+    at.run()
+    _page(at, "compare")
+    assert not at.exception and _errors(at) == []
+    diffs = [e for e in at.expander if e.label.startswith("Difference A - B: ")]
+    assert diffs and all(len(e.get("plotly_chart")) == 0 for e in diffs)
+    closed = _charts(at)
+    first = diffs[0].label.removeprefix("Difference A - B: ")
+    view = next(v for v in section_views("attnres") if v.title == first)
+    at.session_state[f"k3lab_diff_{view.key}"] = True  # what opening it in the browser sets
+    at.run()
+    assert not at.exception and _errors(at) == []
+    opened = next(e for e in at.expander if e.label == diffs[0].label)
+    assert len(opened.get("plotly_chart")) == 1
+    assert _charts(at) == closed + 1
+
+
+def test_overview_builds_its_tables_only_when_opened(app_env, runs):
+    """The Overview's layer table and every-config-field JSON are built when their expander is opened."""
+    app_env(runs["good"])
+    at = _app().run()
+    assert not at.exception and _errors(at) == []
+    shut = {e.label: e for e in at.expander}
+    assert len(shut["Layer table"].get("dataframe")) == 0 and len(shut["Every config field"].get("json")) == 0
+    at.session_state["k3lab_overview_layer_table"] = True
+    at.session_state["k3lab_overview_config_fields"] = True
+    at.run()
+    assert not at.exception and _errors(at) == []
+    shown = {e.label: e for e in at.expander}
+    assert len(shown["Layer table"].get("dataframe")) == 1
+    assert '"num_hidden_layers": 4' in shown["Every config field"].get("json")[0].value
 
 
 @pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])
@@ -618,6 +658,9 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     app_env(runs["good"], runs["other"])
     at = _app()
     at.query_params.update({"b": "nano-b", "section": "weights", "mode": "runs"})
+    at.session_state["k3lab_show_all_cmp_weights"] = True  # the views past the first three, on request
+    for view in section_views("weights"):  # and every A - B expander opened (its chart is built when open)
+        at.session_state[f"k3lab_diff_{view.key}"] = True
     at.run()
     _page(at, "compare")
     assert not at.exception and _errors(at) == []
@@ -661,7 +704,7 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
 def test_compares_default_b_is_not_a_quantised_copy_of_a():
     samples = Path(__file__).resolve().parents[2] / "sample_checkpoints"
     a, copy, other = (run_list.RunRef(n, str(samples / n), "sample") for n in ("k3-full", "k3-mxfp4", "plain-moe"))
-    assert run_list.quantised_copy(a, copy) and run_list.quantised_copy(copy, a)
-    assert not run_list.quantised_copy(a, other) and not run_list.quantised_copy(a, a)
+    assert quantised_copy(a.path, copy.path) and quantised_copy(copy.path, a.path)
+    assert not quantised_copy(a.path, other.path) and not quantised_copy(a.path, a.path)
     assert run_list.default_run_b(a, [copy, other]) == other
     assert run_list.default_run_b(a, [copy]) == copy  # nothing else: the copy is still comparable

@@ -65,9 +65,16 @@ def test_the_same_experiment_on_two_runs_is_estimated_first_then_drawn_side_by_s
 
     at.button(key="k3lab_cmp_exp_run").click().run()
     assert not at.exception and _errors(at) == []
+    # loss change A | B, patching, token attribution, lens; the loss change's A - B is built when its expander opens
+    assert len(_charts(at)) == 4
+    assert [e.label for e in at.expander if e.label.startswith("Difference A - B")] == [
+        "Difference A - B: Per-token loss change of the edits"
+    ]
+    at.session_state["k3lab_diff_experiment_loss_change"] = True
+    at.run()
+    assert not at.exception and _errors(at) == []
     specs = _charts(at)
     titles = [s["layout"]["title"]["text"] for s in specs]
-    # loss change (A | B, and its difference A - B), patching, token attribution, lens
     assert len(specs) == 5 and "loss change, nano-a - nano-b" in titles[1], titles
     for spec in specs[:1] + specs[2:]:
         names = {t.get("name", "") for t in spec["data"]} | {a.get("text", "") for a in spec["layout"]["annotations"]}

@@ -28,7 +28,7 @@ from app.server.settings import HOME_ENV
 from k3core.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
-SECTION = "attnres"  # a section drawn whole (no lazy half) without the importance button
+SECTION = "attnres"  # a section without the importance button, drawn whole here (its "show the rest" turned on)
 # called on every script run to tie the kept results to "Clear cache" (app/main.py): bookkeeping, not figure work
 NOT_COUNTED = {"kept_results_follow_clear_cache"}
 
@@ -99,6 +99,8 @@ def app(monkeypatch, tmp_path):
     monkeypatch.setattr(page_mod, "prefetch_sections", lambda loaded: None)
     at = AppTest.from_file(str(APP), default_timeout=180)
     at.session_state["k3lab_max_tokens"] = 33  # a token count no other test uses
+    at.session_state[f"k3lab_show_all_{SECTION}"] = True  # every view of the section, and of its comparison
+    at.session_state[f"k3lab_show_all_cmp_{SECTION}"] = True
     return at
 
 

@@ -311,6 +311,7 @@ def test_compare_figures_hold_both_runs_numbers_on_shared_ranges(server, browser
         assert page.get_by_role("heading", name=pages.page("compare").title).count() == 1
         body = _body(page)
         assert f"A = {SAMPLE}: 64 tokens of MQAR" in body and f"B = {OTHER}: 64 tokens of MQAR" in body, body[:500]
+        show_the_rest(page)  # Compare draws its first views, the others on request: all of them here
         compared = _figures(page)
     finally:
         page.context.close()

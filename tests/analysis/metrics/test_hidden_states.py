@@ -83,6 +83,27 @@ def test_layer_redundancy_table_uses_consecutive_depths():
     assert list(df["layer_type"]) == ["KDA", "MLA"]
 
 
+def test_tied_activations_are_picked_in_position_order():
+    """One token read at several positions has one embedding: equal |h| at depth 0. The picks among ties are the
+    first positions (token, then channel), whatever order a partition algorithm leaves them in; NaN is never
+    picked."""
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-1, 1, size=(64, 48))
+    row = x[3].copy()
+    for t in (3, 17, 40, 41, 60):  # the same token five times
+        x[t] = row
+    c = int(np.argmax(np.abs(row)))
+    x[3, c] = x[17, c] = x[40, c] = x[41, c] = x[60, c] = 5.0  # tied for first, above everything else
+    x[50, 0] = np.nan
+    for k in (1, 2, 3, 5):
+        top = hs.top_activations(x, k=k)
+        assert [(t, ch) for t, ch, _ in top] == [(t, c) for t in (3, 17, 40, 41, 60)][:k]
+    top = hs.top_activations(x, k=7)  # the five ties, then the two next largest entries
+    assert [v for _, _, v in top[:5]] == [5.0] * 5 and all(abs(v) < 5.0 for _, _, v in top[5:])
+    everything = hs.top_activations(x, k=x.size - 1)  # all but the NaN
+    assert len(everything) == x.size - 1 and all(np.isfinite(v) for _, _, v in everything)
+
+
 def test_planted_massive_activation_is_found():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(16, 32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 
@@ -97,6 +98,15 @@ def test_two_run_comparison_report(ckpts, tmp_path):
     a, b = headline["runs"]
     assert headline["delta_a_minus_b"]["loss"] == pytest.approx(a["loss"] - b["loss"])
     assert "delta (A - B)" in page
+    # the loss difference's noise floor travels with it, as on the Compare page (analysis.metrics.loss_noise)
+    noise = headline["loss_noise"]
+    assert noise["delta_nats"] == pytest.approx(a["loss"] - b["loss"], abs=1e-6)
+    assert noise["paired"] is True and noise["n_windows"] >= 2 and noise["ci95_nats"] > 0
+    assert noise["within_noise"] == (abs(noise["delta_nats"]) <= noise["ci95_nats"])
+    assert headline["ci95_a_minus_b"]["loss"] == pytest.approx(noise["ci95_nats"])
+    assert noise["separate_training"] is True and "seed" in noise["statement"]  # two checkpoints trained apart
+    assert noise["statement"].startswith("A - B = ") and "95% CI" in noise["statement"]
+    assert "± (95% CI)" in page and html.escape(noise["statement"]) in page
 
 
 def test_report_bad_inputs_exit_2(ckpts, tmp_path, capsys):

@@ -20,6 +20,7 @@ import torch
 
 from analysis import weights as wt
 from analysis.runs.context import AnalysisContext
+from analysis.views.catalogue import section_views
 from analysis.views.view import NotApplicable
 from k3core.checkpoints.names import counts_as_parameter
 from k3core.config import K3Config
@@ -536,8 +537,15 @@ def test_app_weights_page_for_sample_runs_and_compare(monkeypatch, tmp_path):
     assert [e.value for e in at.error] == []
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Layers"] == "8"
+    # the first three views at once, the others on request (app.render.page.draw_lazily), the choice kept
+    assert len(at.get("plotly_chart")) == 3
+    at.toggle(key="k3lab_show_all_weights_toggle").set_value(True).run()
+    assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) >= 8  # every weights view but scale/bias and expert norms
     assert any("scale/bias" in i.value for i in at.info)
+    at.session_state["k3lab_show_all_weights_cmp"] = True
+    for view in section_views("weights"):  # every A - B expander opened (its chart is built when open)
+        at.session_state[f"k3lab_diff_{view.key}"] = True
     at.selectbox(key="k3lab_weights_cmp").set_value("scale-bias").run()
     assert not at.exception, at.exception
     assert [e.value for e in at.error] == []
@@ -564,4 +572,6 @@ def test_app_checkpoint_too_large_to_load_has_the_weights_page(sparse_k3, monkey
     assert [e.value for e in at.error] == []
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Layers"] == "93" and metrics["Parameters"].endswith("T")
+    at.toggle(key="k3lab_show_all_weights_toggle").set_value(True).run()  # the views past the first three
+    assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) >= 8

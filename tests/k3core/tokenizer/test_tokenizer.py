@@ -478,6 +478,7 @@ def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setattr(run_list, "SAMPLES_DIR", tmp_path / "no-samples")
     at = AppTest.from_file(str(Path(__file__).resolve().parents[3] / "app" / "main.py"), default_timeout=180)
     at.session_state["k3lab_max_tokens"] = 24
+    at.session_state["k3lab_overview_input_tokens"] = True  # the expander, opened (its tokens are built when open)
     at.run()
     assert not at.exception and [e.value for e in at.error] == []
     tokens = [e for e in at.expander if e.label.startswith("Input tokens (tokenizer.json")]
