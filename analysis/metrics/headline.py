@@ -209,7 +209,11 @@ class HeadlineComparison:
 
 
 def compare_headlines(
-    a: AnalysisContext, b: AnalysisContext, ha: dict | None = None, hb: dict | None = None, separate_training=False
+    a: AnalysisContext,
+    b: AnalysisContext,
+    ha: dict | None = None,
+    hb: dict | None = None,
+    separate_training: bool = False,
 ) -> HeadlineComparison:
     """``headline_table`` of two traced contexts with the loss difference's 95% CI (``headline_noise``) and its
     ``noise_statement``; ``separate_training``: two separately trained checkpoints, whose seed noise the statement
