@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.training.balancing import update_router_biases
 
 from .bench_forward import PlainTransformer
+from . import train_profile
 from .common import Row, side_by_side
 
 SAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "sample_checkpoints" / "base_config.json"
@@ -34,22 +36,29 @@ def equal_parameter_gpt(config: K3Config, params: int) -> PlainTransformer:
     return PlainTransformer(V, D, config.num_attention_heads, [width] * L)
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x, y, k3: bool) -> None:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, y, k3: bool) -> None:
+    """One training step; its phases are profiler scopes (``step:...``, read by ``train_profile``)."""
+    with record_function("step:forward"):
+        if k3:
+            loss = model(x, targets=y).loss
+        else:
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    with record_function("step:zero_grad"):
+        optimizer.zero_grad(set_to_none=True)
+    with record_function("step:backward"):
+        loss.backward()
+    with record_function("step:clip"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with record_function("step:optimizer"):
+        optimizer.step()
     if k3:
-        loss = model(x, targets=y).loss
-    else:
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    if k3:
-        update_router_biases(model)
+        with record_function("step:router bias"):
+            update_router_biases(model)
 
 
-def time_steps(batch: int = 8, T: int = 256, repeat: int = 3, seed: int = 0) -> dict[str, float]:
-    """Best seconds of one training step of the sample config and of the equal-parameter GPT."""
+def setup(batch: int = 8, T: int = 256, seed: int = 0):
+    """(k3, gpt, their optimizers, x, y): the sample config, its equal-parameter GPT and one batch."""
     torch.manual_seed(seed)
     config = K3Config.load(SAMPLE_CONFIG)
     k3 = K3ForCausalLM.from_config(config).train()
@@ -59,8 +68,15 @@ def time_steps(batch: int = 8, T: int = 256, repeat: int = 3, seed: int = 0) -> 
     x, y = data[:, :-1], data[:, 1:]
     opt_k3 = torch.optim.AdamW(k3.parameters(), lr=1e-4)
     opt_gpt = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
+    return k3, gpt, opt_k3, opt_gpt, x, y
+
+
+def time_steps(batch: int = 8, T: int = 256, repeat: int = 3, seed: int = 0) -> dict[str, float]:
+    """Best seconds of one training step of the sample config and of the equal-parameter GPT."""
+    k3, gpt, opt_k3, opt_gpt, x, y = setup(batch, T, seed)
     times = side_by_side(
-        {"k3": lambda: _step(k3, opt_k3, x, y, True), "gpt": lambda: _step(gpt, opt_gpt, x, y, False)}, repeat=repeat
+        {"k3": lambda: train_step(k3, opt_k3, x, y, True), "gpt": lambda: train_step(gpt, opt_gpt, x, y, False)},
+        repeat=repeat,
     )
     times["k3_params"] = k3.num_parameters()
     times["gpt_params"] = sum(p.numel() for p in gpt.parameters())
@@ -87,3 +103,33 @@ def run(quick: bool = False) -> list[Row]:
             note=f"fwd+bwd+clip+AdamW; {t['k3_params'] / 1e6:.2f}M vs {t['gpt_params'] / 1e6:.2f}M params",
         )
     ]
+
+
+def profile(batch: int = 8, T: int = 256, repeat: int = 3, seed: int = 0) -> str:
+    """The whole-step profile of both models, part by part (``train_profile``), and their unprofiled step times."""
+    k3, gpt, opt_k3, opt_gpt, x, y = setup(batch, T, seed)
+    steps = {"k3": lambda: train_step(k3, opt_k3, x, y, True), "gpt": lambda: train_step(gpt, opt_gpt, x, y, False)}
+    plain = side_by_side(steps, repeat=repeat)
+    k3_table, k3_total = train_profile.profile_step(steps["k3"], train_profile.k3_parts(k3), train_profile.k3_functions())
+    gpt_table, gpt_total = train_profile.profile_step(steps["gpt"], train_profile.gpt_parts(gpt))
+    return train_profile.format_side_by_side({"K3": k3_table, "GPT": gpt_table}, {"K3": k3_total, "GPT": gpt_total},
+                                             {"K3": plain["k3"], "GPT": plain["gpt"]})
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", action="store_true", help="print the per-part profile of one step of each model")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        print(profile())
+    else:
+        for row in run():
+            print(row)
+
+
+if __name__ == "__main__":
+    main()
