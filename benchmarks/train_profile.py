@@ -66,7 +66,11 @@ def k3_functions() -> dict[tuple[object, str], str]:
 
 def gpt_parts(model: nn.Module) -> dict[nn.Module, str]:
     """Part names of a ``bench_forward.PlainTransformer``."""
-    parts: dict[nn.Module, str] = {model: "lm head + loss", model.embed: "embedding", model.norm: "output mix + final norm"}
+    parts: dict[nn.Module, str] = {
+        model: "lm head + loss",
+        model.embed: "embedding",
+        model.norm: "output mix + final norm",
+    }
     for block in model.blocks:
         parts[block] = "attention (sdpa) + residual"
         parts[block.attn_norm] = parts[block.mlp_norm] = "pre-norms"
@@ -218,14 +222,19 @@ def format_side_by_side(tables: dict[str, dict], totals: dict[str, float], plain
     rows by the first model's total time; then the profiled totals and the unprofiled step times."""
     names = list(tables)
     first = tables[names[0]]
-    rows = sorted({p for t in tables.values() for p in t}, key=lambda p: -sum(first.get(p, {"fwd_ms": 0, "bwd_ms": 0})[k] for k in ("fwd_ms", "bwd_ms")))
+    rows = sorted(
+        {p for t in tables.values() for p in t},
+        key=lambda p: -sum(first.get(p, {"fwd_ms": 0, "bwd_ms": 0})[k] for k in ("fwd_ms", "bwd_ms")),
+    )
     head = f"{'part':38s}" + "".join(f" | {n + ' fwd ms':>11s} {'bwd ms':>7s} {'ops':>6s}" for n in names)
     lines = [head, "-" * len(head)]
     for part in rows:
         line = f"{part:38s}"
         for n in names:
             r = tables[n].get(part)
-            line += " | " + (f"{r['fwd_ms']:11.1f} {r['bwd_ms']:7.1f} {r['ops']:6d}" if r else f"{'':11s} {'':7s} {'':6s}")
+            line += " | " + (
+                f"{r['fwd_ms']:11.1f} {r['bwd_ms']:7.1f} {r['ops']:6d}" if r else f"{'':11s} {'':7s} {'':6s}"
+            )
         lines.append(line)
     lines.append("-" * len(head))
     line = f"{'sum of parts':38s}"
@@ -236,7 +245,9 @@ def format_side_by_side(tables: dict[str, dict], totals: dict[str, float], plain
         line += f" | {fwd:11.1f} {bwd:7.1f} {sum(r['ops'] for r in t.values()):6d}"
     lines.append(line)
     lines.append(
-        "profiled step: " + ", ".join(f"{n} {totals[n]:.0f} ms" for n in names)
-        + "; unprofiled step (best, same process): " + ", ".join(f"{n} {plain[n] * 1e3:.0f} ms" for n in names)
+        "profiled step: "
+        + ", ".join(f"{n} {totals[n]:.0f} ms" for n in names)
+        + "; unprofiled step (best, same process): "
+        + ", ".join(f"{n} {plain[n] * 1e3:.0f} ms" for n in names)
     )
     return "\n".join(lines)
