@@ -409,21 +409,3 @@ def test_dyadic_tiling_covers_lower_triangle_once(C):
     lower = index[~upper]
     assert (lower > 0).all()
     assert lower.unique().numel() == lower.numel() == C * (C + 1) // 2
-
-
-def test_chunk_custom_backward_in_groups_of_chunks_equals_one_group(monkeypatch):
-    """The backward's per-chunk part runs in cache-sized groups of chunks (chunk._GRAD_GROUP_ELEMENTS); groups
-    of one or a few chunks give the same gradients as all chunks at once (each chunk's part needs no other)."""
-    from k3core.ops.kda import chunk
-
-    inputs = make_inputs(2, 45, 1, 8, 6, HV=2, g_mode="lower_bound", h0=True, seed=31)
-    cot = torch.randn(2, 45, 2, 6, generator=torch.Generator().manual_seed(32))
-    grads = {}
-    for elements in (1, 8 * 8 * 3, 1 << 30):  # one chunk per group, three, all 24 (6 chunks x 4 heads) at once
-        monkeypatch.setattr(chunk, "_GRAD_GROUP_ELEMENTS", elements)
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        o, _ = kda_chunk(*leaves[:5], initial_state=leaves[5], chunk_size=8, backend="torch")
-        grads[elements] = torch.autograd.grad((o * cot).sum(), leaves)
-    for elements in (1, 8 * 8 * 3):
-        for a, b in zip(grads[elements], grads[1 << 30]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
