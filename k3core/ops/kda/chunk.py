@@ -134,9 +134,10 @@ class _KDAChunkFn(torch.autograd.Function):
         Z = N * BH
         q, k, v, b = qc.reshape(Z, C, K), kc.reshape(Z, C, K), vc.reshape(Z, C, V), bc.reshape(Z, C)
         dO = d_o.reshape(Z, C, V) * ctx.scale
-        gq = q * gamma
+        gq, gk = q * gamma, k * gamma
         k_dec = k * gamma_to_end
-        W = torch.bmm(t_inv * b.unsqueeze(-2), k * gamma)
+        t_beta = t_inv * b.unsqueeze(-2)
+        W = torch.bmm(t_beta, gk)
         gamma_end = gamma[:, -1, :].view(N, BH, K, 1)
 
         # Sequential part: the state gradient, chunk by chunk in reverse.
@@ -154,11 +155,35 @@ class _KDAChunkFn(torch.autograd.Function):
         dS_out = torch.stack(dSs).view(Z, K, V)
         S = s_in.view(Z, K, V)
 
-        # Batched over all chunks.  (In cache-sized groups of 32 chunks this part ran 1.3-1.5x faster alone,
-        # but 4% slower inside the training step, A/B in one process: not kept.)
-        dq, dk, dv, dg, db = _chunk_grads(
-            q, k, v, b, gc.reshape(Z, C, K), dO, D, S, dD, dS_out, A_kk, t_inv, gamma, gamma_to_end
-        )
+        # Batched over all chunks.
+        dA_qk = torch.bmm(dO, D.transpose(-1, -2)).tril_()
+        dgq = torch.bmm(dO, S.transpose(-1, -2))  # d(Gamma Q)
+        dW = torch.bmm(dD, S.transpose(-1, -2)).neg_()
+        dk_dec = torch.bmm(D, dS_out.transpose(-1, -2))
+        dgamma_end = (S * dS_out).sum(-1)  # [Z, K]
+        # U = T (beta V), W = T (beta Gamma K):  with Y = [V, Gamma K] and dX = T^T [dD, dW],
+        # d(beta Y) = dX and T^T dT = dX (beta Y)^T, so dM = -T^T dT T^T = -dX (beta Y)^T T^T.
+        Y = torch.cat([v, gk], dim=-1)
+        bY = Y * b.unsqueeze(-1)
+        dX = torch.bmm(t_inv.transpose(-1, -2), torch.cat([dD, dW], dim=-1))
+        dY = dX * b.unsqueeze(-1)
+        dv, dgk = dY[..., :V], dY[..., V:]
+        db = (Y * dX).sum(-1)
+        dM = torch.bmm(torch.bmm(dX, bY.transpose(-1, -2)), t_inv.transpose(-1, -2)).neg_().tril_(-1)
+        db += (dM * A_kk).sum(-1)
+        dA_kk = dM * b.unsqueeze(-1)
+
+        dq_row, dk_row, dk_col, dg_A = intra_chunk_grad(q, k, decay(gc.reshape(Z, C, K)), dA_qk, dA_kk)
+        diag = dA_qk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # A_qk[r, r] = q_r . k_r
+        dq = dgq * gamma + dq_row + diag * k
+        dk = dgk * gamma + dk_dec * gamma_to_end + dk_row + dk_col + diag * q
+        # Gradient w.r.t. g_t (every factor is exp of a difference of G's, G_r = g_1 + ... + g_r):
+        # Gamma_r depends on g_t for t <= r (reverse cumulative sum), Gamma_C on every g_t,
+        # Gamma_to_end[j] = exp(G_C - G_j) for j < t (exclusive cumulative sum; no cancelling terms).
+        dg = (gq * dgq + gk * dgk).flip(1).cumsum(1).flip(1) + dg_A
+        dg += (gamma[:, -1] * dgamma_end).unsqueeze(1)
+        dg[:, 1:] += (k_dec * dk_dec)[:, :-1].cumsum(1)
+        dg *= gc.reshape(Z, C, K) >= EXP_FLOOR
         dstate0 = dS if ctx.needs_input_grad[5] else None
         return (
             dq.view(N, BH, C, K),
@@ -170,44 +195,6 @@ class _KDAChunkFn(torch.autograd.Function):
             None,
             None,
         )
-
-
-def _chunk_grads(q, k, v, b, g, dO, D, S, dD, dS_out, A_kk, t_inv, gamma, gamma_to_end):
-    """(dq, dk, dv, dg, dbeta) of Z' chunks [Z', C, ...] from the state loop's dD (the rows of D) and dS_out
-    (the gradient of the state leaving each chunk), S the state entering it: the part of
-    :class:`_KDAChunkFn`'s backward that needs no other chunk."""
-    V = v.shape[-1]
-    gq, gk = q * gamma, k * gamma
-    k_dec = k * gamma_to_end
-    dA_qk = torch.bmm(dO, D.transpose(-1, -2)).tril_()
-    dgq = torch.bmm(dO, S.transpose(-1, -2))  # d(Gamma Q)
-    dW = torch.bmm(dD, S.transpose(-1, -2)).neg_()
-    dk_dec = torch.bmm(D, dS_out.transpose(-1, -2))
-    dgamma_end = (S * dS_out).sum(-1)  # [Z, K]
-    # U = T (beta V), W = T (beta Gamma K):  with Y = [V, Gamma K] and dX = T^T [dD, dW],
-    # d(beta Y) = dX and T^T dT = dX (beta Y)^T, so dM = -T^T dT T^T = -dX (beta Y)^T T^T.
-    Y = torch.cat([v, gk], dim=-1)
-    bY = Y * b.unsqueeze(-1)
-    dX = torch.bmm(t_inv.transpose(-1, -2), torch.cat([dD, dW], dim=-1))
-    dY = dX * b.unsqueeze(-1)
-    dv, dgk = dY[..., :V], dY[..., V:]
-    db = (Y * dX).sum(-1)
-    dM = torch.bmm(torch.bmm(dX, bY.transpose(-1, -2)), t_inv.transpose(-1, -2)).neg_().tril_(-1)
-    db += (dM * A_kk).sum(-1)
-    dA_kk = dM * b.unsqueeze(-1)
-
-    dq_row, dk_row, dk_col, dg_A = intra_chunk_grad(q, k, decay(g), dA_qk, dA_kk)
-    diag = dA_qk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # A_qk[r, r] = q_r . k_r
-    dq = dgq * gamma + dq_row + diag * k
-    dk = dgk * gamma + dk_dec * gamma_to_end + dk_row + dk_col + diag * q
-    # Gradient w.r.t. g_t (every factor is exp of a difference of G's, G_r = g_1 + ... + g_r):
-    # Gamma_r depends on g_t for t <= r (reverse cumulative sum), Gamma_C on every g_t,
-    # Gamma_to_end[j] = exp(G_C - G_j) for j < t (exclusive cumulative sum; no cancelling terms).
-    dg = (gq * dgq + gk * dgk).flip(1).cumsum(1).flip(1) + dg_A
-    dg += (gamma[:, -1] * dgamma_end).unsqueeze(1)
-    dg[:, 1:] += (k_dec * dk_dec)[:, :-1].cumsum(1)
-    dg *= g >= EXP_FLOOR
-    return dq, dk, dv, dg, db
 
 
 def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, output_chunk_states=False):

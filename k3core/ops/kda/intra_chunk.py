@@ -165,28 +165,11 @@ def _dyadic_levels_index(C: int, device: torch.device) -> torch.Tensor:
         return torch.tensor(index, device=device)
 
 
-def level_blocks(m: torch.Tensor, s: int) -> torch.Tensor:
-    """The level-s dyadic blocks of contiguous [..., C, C] matrices as a view [..., P, s, s] (no copy).
-
-    Block p holds rows p*2s + s + i and columns p*2s + j (0 <= i, j < s): element (i, j) of block p sits at
-    (p*2s + s + i) * C + p*2s + j, so the blocks are strided p by 2s (C + 1), rows by C, columns by 1, from
-    offset s*C (the layout :func:`_dyadic_levels_index` gathers)."""
-    C = m.shape[-1]
-    lead = m.shape[:-2]
-    strides = m.stride()[:-2]
-    return m.as_strided((*lead, C // (2 * s), s, s), (*strides, 2 * s * (C + 1), C, 1), m.storage_offset() + s * C)
-
-
 def _block_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for [..., m, s] x [..., s, n]; for s <= 2 as broadcast products (a batched matmul of
-    thousands of 2 x 1 or 4 x 2 matrices is slower than one elementwise pass): s = 1 one product,
-    s = 2 a product and a fused multiply-add (at 128 chunks of 64 x 32: 0.31 -> 0.06 and 1.23 -> 0.74 ms
-    for the two products of a level, against a broadcast product and a sum)."""
-    s = a.shape[-1]
-    if s == 1:
-        return a * b
-    if s == 2:
-        return torch.addcmul(a[..., :1] * b[..., :1, :], a[..., 1:], b[..., 1:, :])
+    thousands of 2 x 1 or 4 x 2 matrices is slower than one elementwise pass)."""
+    if a.shape[-1] <= 2:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
     return torch.matmul(a, b)
 
 
@@ -214,11 +197,13 @@ def intra_chunk_grad(
     dq_row, dk_row, dk_col = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(k)
     dg_A = torch.zeros_like(q)
     qk = torch.stack([q, k], dim=1)  # [Z, 2, C, K]
-    dA = torch.stack([dA_qk, dA_kk], dim=1)  # [Z, 2, C, C]
+    blocks = torch.stack([dA_qk, dA_kk], dim=1).view(Z, 2, C * C).index_select(-1, _dyadic_levels_index(C, q.device))
+    pos = 0
     s = 1
     while s < C:
         P = C // (2 * s)
-        g_b = level_blocks(dA, s)  # [Z, score, block, row i, column j], a strided view
+        g_b = blocks[..., pos : pos + P * s * s].view(Z, 2, P, s, s)  # [score, block, row i, column j]
+        pos += P * s * s
         pre_b, suf_b = pre.view(Z, P, 2, s, K), suf.view(Z, P, 2, s, K)
         row_decay = pre_b[:, :, 1]
         col_decay = suf_b[:, :, 0]
