@@ -1,6 +1,6 @@
 """Where a training step's time goes, part by part (``python -m benchmarks.bench_train --profile``).
 
-One step (``bench_train.train_step``; the fastest of three, each profiled alone) runs under ``torch.profiler``
+A step (``bench_train.train_step``; five, each profiled alone, per part the fastest) runs under ``torch.profiler``
 with every module of interest wrapped in a ``record_function`` scope named by its part (``k3_parts`` /
 ``gpt_parts``; ops outside any named module fall to the innermost named one around them, e.g. a KDA layer's
 gates and L2 norms to "kda other"). Backward time is attributed through autograd's sequence numbers: each
@@ -203,11 +203,13 @@ def _step_scope(event) -> str | None:
 
 
 def profile_step(
-    step: Callable[[], None], parts: dict[nn.Module, str], functions=None, warmup: int = 1, repeat: int = 3
+    step: Callable[[], None], parts: dict[nn.Module, str], functions=None, warmup: int = 1, repeat: int = 5
 ) -> tuple[dict[str, dict[str, float]], float]:
-    """(parts table from :func:`attribute`, the profiled step's total ms) of the fastest of ``repeat`` profiled
-    calls of ``step`` (each its own profiler session; on a shared machine load only ever adds time)."""
-    best = None
+    """(parts table, the fastest profiled step's total ms) over ``repeat`` profiled calls of ``step``, each its own
+    profiler session: each part's forward and backward ms is its minimum over the calls (the profiler's clock
+    is wall time, and on a shared machine a burst of load lands on one part of one call), its op count that of
+    the fastest call (the same in every call of a fixed step)."""
+    tables, totals = [], []
     with scoped(parts, functions):
         for _ in range(warmup):
             step()
@@ -216,12 +218,19 @@ def profile_step(
                 with torch.profiler.record_function("step:total"):
                     step()
             events = prof.events()
-            total = next(e.cpu_time_total for e in events if e.name == "step:total") / 1e3
-            if best is None or total < best[1]:
-                best = (events, total)
-    table = attribute(best[0])
+            totals.append(next(e.cpu_time_total for e in events if e.name == "step:total") / 1e3)
+            tables.append(attribute(events))
+    fastest = tables[totals.index(min(totals))]
+    table = {
+        part: {
+            "fwd_ms": min(t.get(part, row)["fwd_ms"] for t in tables),
+            "bwd_ms": min(t.get(part, row)["bwd_ms"] for t in tables),
+            "ops": row["ops"],
+        }
+        for part, row in fastest.items()
+    }
     table.pop("step:total", None)
-    return table, best[1]
+    return table, min(totals)
 
 
 def format_side_by_side(tables: dict[str, dict], totals: dict[str, float], plain: dict[str, float]) -> str:
@@ -244,7 +253,7 @@ def format_side_by_side(tables: dict[str, dict], totals: dict[str, float], plain
             )
         lines.append(line)
     lines.append("-" * len(head))
-    line = f"{'sum of parts':38s}"
+    line = f"{'sum of parts (per-part minima)':38s}"
     for n in names:
         t = tables[n]
         fwd = sum(r["fwd_ms"] for r in t.values())
@@ -252,9 +261,9 @@ def format_side_by_side(tables: dict[str, dict], totals: dict[str, float], plain
         line += f" | {fwd:11.1f} {bwd:7.1f} {sum(r['ops'] for r in t.values()):6d}"
     lines.append(line)
     lines.append(
-        "profiled step: "
+        "fastest profiled step (wall): "
         + ", ".join(f"{n} {totals[n]:.0f} ms" for n in names)
-        + "; unprofiled step (best, same process): "
+        + "; unprofiled step (best, CPU time, same process): "
         + ", ".join(f"{n} {plain[n] * 1e3:.0f} ms" for n in names)
     )
     return "\n".join(lines)
