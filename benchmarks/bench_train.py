@@ -130,15 +130,20 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", action="store_true", help="print the per-part profile of one step of each model")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where each model's step goes, part by part (benchmarks/train_profile.py)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.profile:
         print(profile())
     else:
-        for row in run():
-            print(row)
+        from .run_all import table
+
+        print(table(run()))
 
 
 if __name__ == "__main__":

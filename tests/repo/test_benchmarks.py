@@ -205,3 +205,6 @@ def test_train_profile_names_every_part_of_a_k3_step():
         assert table[part]["ops"] > 0, part
     assert table["kda_chunk"]["bwd_ms"] > 0  # the hand-written backward node is found by its sequence number
     assert "backward (unattributed)" not in table
+    text = train_profile.format_side_by_side({"K3": table, "GPT": {}}, {"K3": total, "GPT": 0.0}, {"K3": 1, "GPT": 1})
+    row = next(line for line in text.splitlines() if line.startswith("kda_chunk"))
+    assert f"{table['kda_chunk']['ops']:6d}" in row and "sum of parts" in text
