@@ -159,3 +159,52 @@ def test_trace_state_norms_match_a_recurrent_reference():
     torch.testing.assert_close(
         torch.from_numpy(trace2["blocks.1.kda.chunk_state.norm"])[:, -1], want[-1], atol=1e-5, rtol=1e-5
     )
+
+
+def test_train_profile_attributes_forward_and_backward_to_their_parts():
+    from benchmarks import train_profile
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+
+        def forward(self, x):
+            return self.b(self.a(x) * 2 + 1)
+
+    toy = Toy()
+    x = torch.randn(4, 8)
+
+    def step():
+        with torch.profiler.record_function("step:forward"):
+            loss = toy(x).square().sum()
+        with torch.profiler.record_function("step:backward"):
+            loss.backward()
+
+    parts = {toy: "toy", toy.a: "a", toy.b: "b"}
+    table, total = train_profile.profile_step(step, parts)
+    assert all("forward" not in m.__dict__ for m in parts)  # the scopes are taken off again
+    # toy's own ops (mul, add), a's linear, b's linear + relu each go to their part, forward and backward
+    assert {"toy", "a", "b", "lm head + loss"} <= set(table) and "backward (unattributed)" not in table
+    for part in ("toy", "a", "b"):
+        assert table[part]["ops"] >= 2 and table[part]["fwd_ms"] > 0 and table[part]["bwd_ms"] > 0
+    assert 0 < sum(r["fwd_ms"] + r["bwd_ms"] for r in table.values()) <= total * 1.01
+
+
+def test_train_profile_names_every_part_of_a_k3_step():
+    from benchmarks import bench_train, train_profile
+
+    k3 = K3ForCausalLM.from_config("k3-nano").train()
+    opt = torch.optim.AdamW(k3.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (2, 16))
+    table, total = train_profile.profile_step(
+        lambda: bench_train.train_step(k3, opt, x, x, True), train_profile.k3_parts(k3), train_profile.k3_functions()
+    )
+    for part in ("kda_chunk", "kda projections", "kda short conv", "mla", "lm head + loss", "step:optimizer"):
+        assert table[part]["ops"] > 0, part
+    assert table["kda_chunk"]["bwd_ms"] > 0  # the hand-written backward node is found by its sequence number
+    assert "backward (unattributed)" not in table
+    text = train_profile.format_side_by_side({"K3": table, "GPT": {}}, {"K3": total, "GPT": 0.0}, {"K3": 1, "GPT": 1})
+    row = next(line for line in text.splitlines() if line.startswith("kda_chunk"))
+    assert f"{table['kda_chunk']['ops']:6d}" in row and "sum of parts" in text
