@@ -319,20 +319,14 @@ def _show_the_rest(key: str, rest: list[View]) -> bool:
     return on
 
 
-def draw_lazily(
-    key: str,
-    views: list[View],
-    draw: Callable[[View], int | bool | None],
-    eager: int = EAGER_VIEWS,
-    longer_than: int = LAZY_SECTION,
-) -> int:
-    """Draw a page's views: a list longer than ``longer_than`` draws its first ``eager`` at once and the others when
+def draw_lazily(key: str, views: list[View], draw: Callable[[View], int | bool | None]) -> int:
+    """Draw a page's views: a list of more than LAZY_SECTION draws its first EAGER_VIEWS at once and the others when
     the user turns them on (a toggle naming them, kept per session under ``key``). Returns what ``draw`` counted.
 
     Why: a page switch with nothing changed is the browser redrawing its plotly charts (the script itself reruns in
     0.1-0.2 s on the samples); each chart costs it tens of milliseconds on the 2-core machine, so a page of 8-12
     charts misses issue 27's 0.5 s second visit (``benchmarks/bench_pages.py``)."""
-    first, rest = (views[:eager], views[eager:]) if len(views) > longer_than else (views, [])
+    first, rest = (views[:EAGER_VIEWS], views[EAGER_VIEWS:]) if len(views) > LAZY_SECTION else (views, [])
     drawn = sum(int(draw(v) or 0) for v in first)
     if rest and _show_the_rest(key, rest):
         drawn += sum(int(draw(v) or 0) for v in rest)
