@@ -30,6 +30,8 @@ def test_app_listens_on_localhost_by_default(tmp_path, monkeypatch):
     import streamlit
 
     assert streamlit.config.get_option("runner.magicEnabled") is False
+    # no gc.collect(2) after every script run: 0.20-0.28 s of every page switch (benchmarks/bench_pages.py --against)
+    assert _option(cmd, "--runner.postScriptGC") == "false"
 
 
 def test_tracebacks_reach_the_browser_only_with_debug():
