@@ -14,7 +14,6 @@ from app.render.errors import markdown_card, md_escape
 from k3core.checkpoints.names import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
-INPUT_TOKENS_KEY = "k3lab_overview_input_tokens"
 
 inputs = page.inputs_or_stop()
 run = inputs.run
@@ -122,7 +121,8 @@ with headline_box:
         page.run_line(loaded)
         cards.headline_metrics(loaded)
         if loaded.ctx.token_strings is not None:  # the tokens the model read, as its own tokenizer splits them
-            shown = cards.lazy_expander(f"Input tokens ({loaded.ctx.tokenizer.name})", key=INPUT_TOKENS_KEY)
+            label = f"Input tokens ({loaded.ctx.tokenizer.name})"
+            shown = cards.lazy_expander(label, key="k3lab_overview_input_tokens")
             if shown is not None:
                 shown.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
         page.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read
