@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -244,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/k3lab-bench-app"))
     parser.add_argument(
-        "--repeat", type=int, default=1, help="rounds (a fresh server each); the best time of each is shown"
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds (a fresh server and browser each, the apps in turn); each time is the median, with its range",
     )
     parser.add_argument(
         "--streamlit-run",
@@ -260,28 +264,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.streamlit_run:
         apps.append(("after, streamlit run", REPO, False))
     apps.append(("after, app.server.serve", REPO, True))
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, list[float]]] = {}
     env = {"K3LAB_RUNS": str(args.run.resolve())}
     with sync_playwright() as pw:
-        for _ in range(args.repeat):  # round-robin, so slow phases of a shared machine hit every app alike
-            for name, repo, preload in apps:
+        for round_ in range(args.repeat):  # alternating order, so slow phases of a shared machine hit every app alike
+            for name, repo, preload in apps if round_ % 2 == 0 else apps[::-1]:
                 folder = args.workdir / name.replace(" ", "").replace(",", "-")
                 with app_server(repo, folder, env, preload=preload) as (url, _log):
                     times = measure(url, pw)
-                best = results.setdefault(name, times)
+                kept = results.setdefault(name, {})
                 for key, seconds in times.items():
-                    best[key] = seconds if best[key] is None else min(best[key], seconds or best[key])
+                    kept.setdefault(key, [])
+                    if seconds is not None:
+                        kept[key].append(seconds)
     load = os.getloadavg()[0]
     print(
-        f"app timings, {args.run.name}, wall seconds, best of {args.repeat} "
+        f"app timings, {args.run.name}, wall seconds, median of {args.repeat} (min-max) "
         f"(load average {load:.1f} on {os.cpu_count()} cores)"
     )
-    print(f"  {'':44s}" + "".join(f"{name:>22s}" for name in results) + ("   ratio to before" if args.before else ""))
+    print(f"  {'':44s}" + "".join(f"{name:>26s}" for name in results) + ("   ratio to before" if args.before else ""))
     for key in results["after, app.server.serve"]:
-        row = [results[name].get(key) for name in results]
-        ratios = "   " + " ".join(_ratio(v, row[0]) for v in row[1:]) if args.before else ""
-        print(f"  {key:44s}" + "".join(f"{v:20.2f} s" if v is not None else f"{'-':>22s}" for v in row) + ratios)
+        row = [results[name].get(key) or [] for name in results]
+        medians = [statistics.median(v) if v else None for v in row]
+        ratios = "   " + " ".join(_ratio(v, medians[0]) for v in medians[1:]) if args.before else ""
+        cells = "".join(f"{_median_range(v):>26s}" for v in row)
+        print(f"  {key:44s}" + cells + ratios)
     return 0
+
+
+def _median_range(seconds: list[float]) -> str:
+    if not seconds:
+        return "-"
+    if len(seconds) == 1:
+        return f"{seconds[0]:.2f} s"
+    return f"{statistics.median(seconds):.2f} s ({min(seconds):.2f}-{max(seconds):.2f})"
 
 
 if __name__ == "__main__":

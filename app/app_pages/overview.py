@@ -23,13 +23,31 @@ page.page_header(
     "LatentMoE routing and attention degradation. Pick a run and a text in the sidebar; every page follows them.",
 )
 
-loaded_run = page.run_or_stop(inputs)  # loaded once: the layer map and the headline numbers use it too
+st.subheader(f"{run.label}")
+about = st.empty()  # the config's name, once the run is loaded
+counts = st.container()  # parameter counts, once the run is loaded
+st.markdown("#### Headline numbers")
+headline_box = st.container()  # filled last: the forward pass runs after everything drawn from the config
+
+# ------------------------------------------------------------------- layer map
+# Drawn from config.json before the weights load: on a cold open the browser draws its first chart while the server
+# loads the run and runs the forward pass (a config that cannot be read: run_or_stop below says why).
+from_config = page.config_context(inputs)
+if from_config is not None:
+    st.markdown("#### Layer map")
+    st.markdown(cards.layer_badges(from_config.ctx.config))
+    allocation = [v for v in section_views("density") if v.key == LAYER_MAP_VIEW]
+    if allocation:
+        cards.render_view(allocation[0], from_config)
+    layer_table = cards.lazy_expander("Layer table", key="k3lab_overview_layer_table")
+    if layer_table is not None:
+        layer_table.dataframe(pd.DataFrame(layer_map(from_config.ctx.config)), hide_index=True, **cards.DATAFRAME_KW)
+
+loaded_run = page.run_or_stop(inputs)  # loaded once: the headline numbers use it too
 # a trace folder has no model: its config's shapes give the parameter counts (meta device)
 model = loaded_run.model if loaded_run.model is not None else caching.shape_model(loaded_run)
 cfg = loaded_run.config
-
-st.subheader(f"{run.label}")
-st.caption(f"config name {md_escape(cfg.name)} · {run.origin}")  # names only: no server folders
+about.caption(f"config name {md_escape(cfg.name)} · {run.origin}")  # names only: no server folders
 
 # ------------------------------------------------------------------- parameter counts
 total = model.num_parameters()
@@ -41,7 +59,7 @@ RESIDUAL_NAMES = {
     "scale_bias": "scale/bias",
     "plain": "PreNorm",
 }
-c = st.columns([1, 1, 0.7, 1.4, 0.8])
+c = counts.columns([1, 1, 0.7, 1.4, 0.8])
 c[0].metric("Parameters", format_count(total), help=PARAMETER_RULE)
 c[1].metric("Active per token", format_count(active), help="Routed experts counted k of E.")
 c[2].metric(
@@ -58,20 +76,6 @@ c[4].metric(
     help="Routed experts chosen per token, of all routed experts"
     + (f" (+{cfg.num_shared_experts} shared)" if cfg.num_experts else ""),
 )
-
-# ------------------------------------------------------------------- headline numbers
-st.markdown("#### Headline numbers")
-headline_box = st.container()  # filled last: the forward pass runs after everything drawn from the config
-
-# ------------------------------------------------------------------- layer map
-st.markdown("#### Layer map")
-st.markdown(cards.layer_badges(cfg))
-allocation = [v for v in section_views("density") if v.key == LAYER_MAP_VIEW]
-if allocation:
-    cards.render_view(allocation[0], page.config_context(inputs, loaded_run))
-layer_table = cards.lazy_expander("Layer table", key="k3lab_overview_layer_table")
-if layer_table is not None:
-    layer_table.dataframe(pd.DataFrame(layer_map(cfg)), hide_index=True, **cards.DATAFRAME_KW)
 
 # ------------------------------------------------------------------- parameters, config
 left, right = st.columns(2)

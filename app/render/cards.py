@@ -231,10 +231,12 @@ def headline_metrics(loaded: Loaded) -> None:
         if k != "label"
     ]
     table = pd.DataFrame(rows)
-    with st.expander("All headline numbers"):
-        shown = table.assign(value=[format_number(v) for v in table["value"]])
-        st.dataframe(shown, hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
-        table_downloads(table, f"{slug(loaded.ctx.label)}_headline", "k3lab_head")
+    box = lazy_expander("All headline numbers", key="k3lab_headline_table")
+    if box is not None:
+        with box:
+            shown = table.assign(value=[format_number(v) for v in table["value"]])
+            st.dataframe(shown, hide_index=True, height=table_height(len(shown)), **DATAFRAME_KW)
+            table_downloads(table, f"{slug(loaded.ctx.label)}_headline", "k3lab_head")
 
 
 def headline_delta(a: Loaded, b: Loaded, separate_training: bool = False) -> None:

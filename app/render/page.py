@@ -68,7 +68,7 @@ def inputs_or_stop() -> Inputs:
 
 def run_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool = False) -> Run:
     """The loaded run (cached); on a bad checkpoint, device or failure shows st.error and stops the page. A page
-    loads it once and hands it on (``config_context``, ``load_or_stop(run=...)``). A trace folder's run has no
+    loads it once and hands it on (``load_or_stop(run=...)``). A trace folder's run has no
     model (``Run.model`` None; ``caching.shape_model`` gives its shapes); with ``needs_weights`` the page says it
     needs the checkpoint and stops."""
     ref = ref or inputs.run
@@ -367,16 +367,23 @@ def section_page(name: str, intro: str) -> None:
     prefetch_sections(loaded)
 
 
-def config_context(inputs: Inputs, run: Run, ref: RunRef | None = None) -> Loaded:
-    """A context for views drawn from the config alone (the layer map): no tokens, no forward pass, so a
-    page can show them before it runs the model (``run`` from ``run_or_stop``)."""
+def config_context(inputs: Inputs, ref: RunRef | None = None) -> Loaded | None:
+    """A context for views drawn from the config alone (the layer map), read from the run's config.json: no weights,
+    tokens or forward pass, so a page can draw them before the model loads (on a cold open the browser is then
+    busy with the chart while the server loads the run). None when the config cannot be read: the page's
+    ``run_or_stop`` says why."""
     ref = ref or inputs.run
+    try:
+        config = load_config(ref.path)
+        fingerprint = caching.run_fingerprint(ref.path)
+    except USER_ERRORS:
+        return None
     options = inputs.options()
     ctx = AnalysisContext(
-        trace=Trace(), config=run.config, metrics=run.metrics, label=ref.label, options=options, tokenizer=run.tokenizer
+        trace=Trace(), config=config, metrics=caching.run_metrics(ref), label=ref.label, options=options
     )
-    key = ("config", run.fingerprint, inputs.device, inputs.dtype, ref.label, options_key(options))
-    return Loaded(ref=ref, run=run, ctx=ctx, key=key, tokens=None)
+    key = ("config", fingerprint, inputs.device, inputs.dtype, ref.label, options_key(options))
+    return Loaded(ref=ref, run=None, ctx=ctx, key=key, tokens=None)
 
 
 def history_context(ref: RunRef, overlays: list[RunRef]) -> Loaded | None:

@@ -4,8 +4,9 @@
 session runs the script: about 4 s on a 2-core machine, all of it in front of the first user's first
 chart. Here the server process imports them (and builds one model on the meta device, which pulls in
 the rest of what a checkpoint load needs) before it starts listening, so a session starts warm, and its
-malloc gives freed memory back (``app.server.process_memory.limit_heap_retention``). The arguments after
-``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
+malloc gives freed memory back (``app.server.process_memory.limit_heap_retention``). It serves the app as an
+``st.App`` (``app.server.asgi``) whose HTML document preloads the big element chunks (``app.server.chunk_preload``).
+The arguments after ``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
 """
 
 from __future__ import annotations
@@ -15,25 +16,33 @@ import sys
 from pathlib import Path
 
 MAIN = Path(__file__).resolve().parent.parent / "main.py"
+ASGI = Path(__file__).resolve().parent / "asgi.py"  # MAIN as an st.App, its page with the element chunks preloaded
 _ROOT = str(MAIN.parent.parent)
 
 
 def preload() -> None:
-    """Import what the first script run needs, and build a small model on the meta device."""
+    """Import what the first script run needs, build a small model on the meta device, and one figure as the app
+    builds and sends it (plotly imports its validators and encoders on first use: 0.1-0.15 s of the first chart)."""
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
     # Not app.*: their Streamlit caches are made when the server's runtime exists.
     import pandas  # noqa: F401 - imported to warm the module cache
     import plotly.graph_objects  # noqa: F401
+    import plotly.io
     import torch
 
     import analysis.metrics.headline  # noqa: F401
     import analysis.runs.loading  # noqa: F401
+    from analysis.figures.density import build_allocation
+    from analysis.runs.context import AnalysisContext
     from analysis.views.catalogue import all_views
+    from k3core.interp.trace import Trace
     from k3core.model import K3ForCausalLM
 
     all_views()
-    K3ForCausalLM.from_config("k3-nano", device="meta", dtype=torch.float32)
+    model = K3ForCausalLM.from_config("k3-nano", device="meta", dtype=torch.float32)
+    figure, _ = build_allocation(AnalysisContext(trace=Trace(), config=model.config, label="preload"))
+    plotly.io.to_json(figure)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
     limit_heap_retention()
     args = list(sys.argv[1:] if argv is None else argv)
-    sys.argv = ["streamlit", "run", str(MAIN), *args]
+    import streamlit
+
+    # st.App (Streamlit's ASGI entry point) takes the middleware that adds the preload links; an older Streamlit
+    # without it serves MAIN as it is
+    sys.argv = ["streamlit", "run", str(ASGI if hasattr(streamlit, "App") else MAIN), *args]
     return cli.main()
 
 

@@ -115,6 +115,8 @@ def test_each_figure_enters_the_cache_once_and_analysis_runs_only_for_new_work(a
     _shown(app)
     assert entries.of("runs") == {"load_run": 1, "sample_input": 1, "trace_run": 1, "read_card_text": 1}
     overview = {"load_run": 1, "make_tokens": 1, "trace": 1, "build_view": 1, "headline": 1, "run_card": 1}
+    # the layer map's context, read before the run loads (app.render.page.config_context): both cached by file stamps
+    overview |= {"run_fingerprint": 1, "run_metrics": 1}
     assert entries.of("caching") == overview  # the run once, though the layer map and headline numbers use it
     for _ in range(2):  # a rerun (any widget) finds everything cached: analysis.runs.loading is not entered
         entries.clear()
