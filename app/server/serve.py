@@ -4,9 +4,8 @@
 session runs the script: about 4 s on a 2-core machine, all of it in front of the first user's first
 chart. Here the server process imports them (and builds one model on the meta device, which pulls in
 the rest of what a checkpoint load needs) before it starts listening, so a session starts warm, and its
-malloc gives freed memory back (``app.server.process_memory.limit_heap_retention``). It serves the app as an
-``st.App`` (``app.server.asgi``) whose HTML document preloads the big element chunks (``app.server.chunk_preload``).
-The arguments after ``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
+malloc gives freed memory back (``app.server.process_memory.limit_heap_retention``). The arguments after
+``app.server.serve`` are those of ``streamlit run`` (``--server.port 8501`` ...).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import sys
 from pathlib import Path
 
 MAIN = Path(__file__).resolve().parent.parent / "main.py"
-ASGI = Path(__file__).resolve().parent / "asgi.py"  # MAIN as an st.App, its page with the element chunks preloaded
 _ROOT = str(MAIN.parent.parent)
 
 
@@ -55,11 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     limit_heap_retention()
     args = list(sys.argv[1:] if argv is None else argv)
-    import streamlit
-
-    # st.App (Streamlit's ASGI entry point) takes the middleware that adds the preload links; an older Streamlit
-    # without it serves MAIN as it is
-    sys.argv = ["streamlit", "run", str(ASGI if hasattr(streamlit, "App") else MAIN), *args]
+    sys.argv = ["streamlit", "run", str(MAIN), *args]
     return cli.main()
 
 

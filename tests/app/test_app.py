@@ -211,6 +211,30 @@ def test_overview_builds_its_tables_only_when_opened(app_env, runs):
     assert '"num_hidden_layers": 4' in shown["Every config field"].get("json")[0].value
 
 
+def test_overview_builds_the_headline_table_only_when_opened(app_env, runs):
+    """"All headline numbers" (a data grid and its downloads) is built when its expander is opened."""
+    app_env(runs["good"])
+    at = _app().run()
+    assert not at.exception and _errors(at) == []
+    assert len({e.label: e for e in at.expander}["All headline numbers"].get("dataframe")) == 0
+    at.session_state["k3lab_headline_table"] = True
+    at.run()
+    assert not at.exception and _errors(at) == []
+    grid = {e.label: e for e in at.expander}["All headline numbers"].get("dataframe")
+    assert len(grid) == 1 and "loss (nats/token)" in set(grid[0].value["metric"])
+
+
+def test_overview_draws_the_layer_map_from_the_config_before_the_weights(app_env, runs):
+    """The layer map comes from config.json before the run loads (the cold open's first chart), so a checkpoint
+    whose weights cannot be read still shows it, above the weights' error."""
+    app_env(runs["corrupt"])
+    at = _app().run()
+    assert not at.exception
+    assert any("not a safetensors file" in e for e in _errors(at)), _errors(at)
+    assert _charts(at) == 1  # Allocated density per layer
+    assert any("Layer map" in m.value for m in at.markdown)
+
+
 @pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])
 def test_bad_checkpoint_shows_error_not_exception(app_env, runs, which, message):
     app_env(runs[which], runs["good"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import urllib.request
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -22,7 +21,6 @@ import numpy as np
 import pytest
 
 from app import pages
-from app.server.chunk_preload import ELEMENT_CHUNKS, STATIC_JS, chunk_files
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
@@ -78,27 +76,6 @@ def _no_errors(page, log: Path) -> None:
 
 def _body(page) -> str:
     return page.locator('[data-testid="stMain"]').inner_text()
-
-
-def test_the_page_fetches_the_plotly_chunk_before_its_websocket_opens(server, browser):
-    """app.server.chunk_preload: the document names the big element chunks, so a fresh browser fetches plotly's
-    while it loads Streamlit, not after the script has sent a chart (then it waited on the busy server)."""
-    url, _ = server
-    document = urllib.request.urlopen(url).read().decode()
-    for name in chunk_files(STATIC_JS, ELEMENT_CHUNKS)[: len(ELEMENT_CHUNKS)]:
-        assert f'<link rel="modulepreload" crossorigin href="./static/js/{name}">' in document
-    context = browser.new_context()
-    events: list[str] = []
-    page = context.new_page()
-    page.on("request", lambda request: events.append("plotly" if "/static/js/PlotlyChart." in request.url else ""))
-    page.on("websocket", lambda socket: events.append("websocket"))
-    try:
-        page.goto(url)
-        page.wait_for_selector(CHART, timeout=RENDER_TIMEOUT_MS)
-        assert "plotly" in events and "websocket" in events
-        assert events.index("plotly") < events.index("websocket"), [e for e in events if e]
-    finally:
-        context.close()
 
 
 def test_cold_open_page_switches_and_export(server, browser, tmp_path):
