@@ -176,7 +176,9 @@ def shape_model(run: Run) -> Any:
 
 
 def run_metrics(ref: RunRef) -> dict | None:
-    """The run's metrics.json (training history), or None when absent or unreadable."""
+    """The run's metrics.json (training history), or None when absent or unreadable; read again only when the file
+    changes. One shared dict, never to be changed (views never change their context): ``st.cache_data`` unpickled a
+    copy on every call, ten times per Training history rerun."""
     path = Path(ref.path) / runs.METRICS_NAME
     if not path.is_file():
         return None
@@ -184,7 +186,7 @@ def run_metrics(ref: RunRef) -> dict | None:
     return _read_metrics(ref.path, (stat.st_size, stat.st_mtime_ns))
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
+@st.cache_resource(show_spinner=False, max_entries=64)
 def _read_metrics(path: str, stamp: tuple) -> dict | None:
     return runs.read_metrics(path)[0]
 
@@ -203,11 +205,24 @@ def _read_card(path: str, stamp: tuple) -> str | None:
     return runs.read_card_text(path, max_chars=20000)
 
 
+_DIGESTS: dict[int, tuple[dict, str]] = {}  # id -> (the dict, kept alive so its id is not reused; its digest)
+_DIGESTS_KEPT = 64
+
+
 def metrics_digest(metrics: dict | None) -> str:
-    """sha256 of a metrics dict (canonical JSON), '' for None."""
+    """sha256 of a metrics dict (canonical JSON), '' for None. Computed once per dict (they are shared and never
+    changed: ``run_metrics``, a loaded ``Run``'s): a ~200 kB metrics.json costs 4 ms, and each page's trace key and
+    Training history's five runs asked for it on every rerun."""
     if not metrics:
         return ""
-    return hashlib.sha256(json.dumps(metrics, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    kept = _DIGESTS.get(id(metrics))
+    if kept is not None and kept[0] is metrics:
+        return kept[1]
+    digest = hashlib.sha256(json.dumps(metrics, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    if len(_DIGESTS) >= _DIGESTS_KEPT:
+        _DIGESTS.pop(next(iter(_DIGESTS)), None)  # the oldest
+    _DIGESTS[id(metrics)] = (metrics, digest)
+    return digest
 
 
 # ----------------------------------------------------------------------------------------- tokens

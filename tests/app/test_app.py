@@ -212,7 +212,7 @@ def test_overview_builds_its_tables_only_when_opened(app_env, runs):
 
 
 def test_overview_builds_the_headline_table_only_when_opened(app_env, runs):
-    """"All headline numbers" (a data grid and its downloads) is built when its expander is opened."""
+    """ "All headline numbers" (a data grid and its downloads) is built when its expander is opened."""
     app_env(runs["good"])
     at = _app().run()
     assert not at.exception and _errors(at) == []
@@ -732,3 +732,29 @@ def test_compares_default_b_is_not_a_quantised_copy_of_a():
     assert not quantised_copy(a.path, other.path) and not quantised_copy(a.path, a.path)
     assert run_list.default_run_b(a, [copy, other]) == other
     assert run_list.default_run_b(a, [copy]) == copy  # nothing else: the copy is still comparable
+
+
+def test_metrics_are_read_once_per_file_version_and_digested_once(tmp_path, monkeypatch):
+    """caching.run_metrics hands out one shared dict until metrics.json changes (no copy per call), and
+    metrics_digest hashes a dict once: Training history asked for both on every rerun."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / runs_mod.METRICS_NAME).write_text(json.dumps({"history": [{"step": 1, "loss": 2.5}]}))
+    ref = run_list.RunRef("r", str(folder), "path")
+    first = caching.run_metrics(ref)
+    assert first is caching.run_metrics(ref) and first["history"][0]["loss"] == 2.5
+
+    dumps = []
+    monkeypatch.setattr(
+        caching.json, "dumps", lambda *a, **k: dumps.append(1) or json.JSONEncoder(sort_keys=True).encode(a[0])
+    )
+    digest = caching.metrics_digest(first)
+    assert caching.metrics_digest(first) == digest and len(dumps) == 1
+    assert caching.metrics_digest({"history": [{"step": 1, "loss": 2.5}]}) == digest  # an equal dict: the same digest
+
+    stat = (folder / runs_mod.METRICS_NAME).stat()
+    (folder / runs_mod.METRICS_NAME).write_text(json.dumps({"history": [{"step": 1, "loss": 9.0}]}))
+    os.utime(folder / runs_mod.METRICS_NAME, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    changed = caching.run_metrics(ref)
+    assert changed is not first and changed["history"][0]["loss"] == 9.0
+    assert caching.metrics_digest(changed) != digest
