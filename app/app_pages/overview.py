@@ -30,8 +30,8 @@ st.markdown("#### Headline numbers")
 headline_box = st.container()  # filled last: the forward pass runs after everything drawn from the config
 
 # ------------------------------------------------------------------- layer map
-# Drawn from config.json before the weights load: on a cold open the browser draws its first chart while the server
-# loads the run and runs the forward pass (a config that cannot be read: run_or_stop below says why).
+# Drawn from config.json before the weights load: shown while a big checkpoint loads, and for one too big to load
+# (a config that cannot be read: run_or_stop below says why).
 from_config = page.config_context(inputs)
 if from_config is not None:
     st.markdown("#### Layer map")

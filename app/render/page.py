@@ -369,8 +369,8 @@ def section_page(name: str, intro: str) -> None:
 
 def config_context(inputs: Inputs, ref: RunRef | None = None) -> Loaded | None:
     """A context for views drawn from the config alone (the layer map), read from the run's config.json: no weights,
-    tokens or forward pass, so a page can draw them before the model loads (on a cold open the browser is then
-    busy with the chart while the server loads the run). None when the config cannot be read: the page's
+    tokens or forward pass, so a page can draw them before the model loads: at once while a big checkpoint loads
+    for minutes, and for one too big to load here at all. None when the config cannot be read: the page's
     ``run_or_stop`` says why."""
     ref = ref or inputs.run
     try:
