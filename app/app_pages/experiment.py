@@ -17,8 +17,9 @@ from analysis.metrics.token_detail import token_detail
 from analysis.output.export import csv_with_provenance, provenance
 from analysis.runs import job_memory
 from app import pages
-from app.render import caching, cards, page
+from app.render import cards, page
 from app.render.errors import plain
+from app.render.model_use import model_use
 from app.server import job_budget
 from app.state import experiment_choices as ex
 from app.state import links, pickers
@@ -203,7 +204,7 @@ def _experiment() -> None:
             need = job_memory.experiment_peak_bytes(config, T)
             with (
                 job_budget.budget().admit(need, f"The experiment on {T:,} tokens", st.info),
-                caching.model_use(model, exclusive=True),
+                model_use(model, exclusive=True),
             ):
                 table, summary = fx.experiment_effects(spec.ctx)
         except (EditError, ValueError, RuntimeError) as exc:
@@ -235,7 +236,7 @@ def _experiment() -> None:
         "Prediction changes at", list(options), default=[worst], format_func=options.get, key="k3lab_exp_at"
     )
     if chosen:
-        with caching.model_use(model, exclusive=True):
+        with model_use(model, exclusive=True):
             base_logits, edited_logits = ex.experiment_logits(results, loaded, edits)
         changes = effects.prediction_changes(base_logits, edited_logits, chosen, 5, label)
         st.dataframe(changes, hide_index=True, key="k3lab_exp_changes")
@@ -283,7 +284,7 @@ def _patching() -> None:
     forwards = len(plan) + 2
     if go and key not in results:
         start = time.perf_counter()
-        with caching.model_use(model):
+        with model_use(model):
             clean_logits = effects.forward_logits(model, ids)[0, -1]
             corrupt_logits = effects.forward_logits(model, corrupted)[0, -1]
         seconds = (time.perf_counter() - start) / 2 * forwards
@@ -317,7 +318,7 @@ def _patching() -> None:
             with (
                 st.spinner(f"Patching: {forwards:,} forwards..."),
                 job_budget.budget().admit(need, f"Patching over {T:,} tokens", st.info),
-                caching.model_use(model, exclusive=True),
+                model_use(model, exclusive=True),
             ):
                 fx.experiment_patching(ex.with_spec(loaded, patching=spec).ctx)
         except (patching.PatchingError, job_budget.JobRefused) as exc:
@@ -328,7 +329,7 @@ def _patching() -> None:
         st.caption(f"This job: {forwards:,} forwards.")
     if key in results:
         spec, metric = results[key]
-        with caching.model_use(model, exclusive=True):  # the cached result (computed again if it was dropped)
+        with model_use(model, exclusive=True):  # the cached result (computed again if it was dropped)
             df = fx.experiment_patching(ex.with_spec(loaded, patching=spec).ctx)
         clean, corrupt = df.attrs["clean_metric"], df.attrs["corrupted_metric"]
         c = st.columns(3)
@@ -393,7 +394,7 @@ def _attribution() -> None:
         need = max(job_memory.attribution_peak_bytes(config, n + len(y), mth, int(steps), layers) for mth in methods)
         try:
             admitted = job_budget.budget().admit(need, f"Attribution over {n + len(y):,} tokens", st.info)
-            with st.spinner(running), admitted, caching.model_use(model, exclusive=True):
+            with st.spinner(running), admitted, model_use(model, exclusive=True):
                 for spec in specs:
                     fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
                 if layers:
@@ -407,13 +408,13 @@ def _attribution() -> None:
         for col, spec in zip(cols, specs):
             with col:
                 _draw("experiment_attribution", f"_{spec['method']}", attribution=spec)
-                with caching.model_use(model, exclusive=True):
+                with model_use(model, exclusive=True):
                     tok = fx.experiment_token_attribution(ex.with_spec(loaded, attribution=spec).ctx)
                 _attribution_notes(tok)
                 _download(tok.table(), f"attribution-{tok.method}", f"Download {tok.method} (CSV)", **tok.extra)
         if layers:
             _draw("experiment_layer_attribution", attribution=specs[0])
-            with caching.model_use(model, exclusive=True):
+            with model_use(model, exclusive=True):
                 lay = fx.experiment_layer_attribution(ex.with_spec(loaded, attribution=specs[0]).ctx)
             st.dataframe(lay.by_kind, hide_index=True, key="k3lab_attr_kinds")
 
@@ -450,7 +451,7 @@ def _lens() -> None:
     runs_to_show = [("baseline", [])] + ([("edited", edits)] if edits else [])
     for name, chosen in runs_to_show:
         spec = {"edits": list(chosen), "lens_value": value}
-        with caching.model_use(model, exclusive=True):
+        with model_use(model, exclusive=True):
             table = fx.experiment_lens(ex.with_spec(loaded, **spec).ctx)
         st.markdown(f"**{name}**")
         _draw("experiment_lens", f"_{name}", **spec)
@@ -470,7 +471,7 @@ def _token() -> None:
     position = st.selectbox("Token", list(options), format_func=options.get, key="k3lab_tok_pos")
     key = ("logits", loaded.key)
     if key not in results:
-        with caching.model_use(model):
+        with model_use(model):
             ex.remember(results, key, effects.forward_logits(model, ids))
     detail = token_detail(trace, results[key], int(position), top_k=5, token_label=label)
     s = detail.summary

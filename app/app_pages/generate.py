@@ -7,8 +7,9 @@ import time
 import streamlit as st
 import torch
 
-from app.render import caching, page
+from app.render import page
 from app.render.errors import md_escape, plain
+from app.render.model_use import model_use
 from app.state.inputs import MAX_TEXT_CHARS, MAX_TOKENS_CAP
 from k3core.generation.cache import K3Cache
 
@@ -109,7 +110,7 @@ if go:
                 show_result(partial, live=True)
 
     try:
-        with caching.model_use(model):  # shared: other sessions' forwards run at the same time
+        with model_use(model):  # shared: other sessions' forwards run at the same time
             out = model.generate(
                 x,
                 max_new_tokens=int(new_tokens),

@@ -20,6 +20,7 @@ from analysis.runs import texts
 from analysis.runs.loading import trace_run
 from app.render import caching, cards, page
 from app.render.caching import Loaded
+from app.render.model_use import model_use
 from app.state.inputs import SAMPLE_OF_SOURCE, TEXT_SHAKESPEARE
 from k3core.interp.hooks import HookNames, hooks
 
@@ -43,7 +44,7 @@ def _available_bytes() -> int:
 
 @st.cache_resource(show_spinner=False, max_entries=8)
 def _estimate(fingerprint: str, _model) -> object:
-    with caching.model_use(_model):
+    with model_use(_model):
         return lr.estimate_cost(_model, LENGTHS)
 
 
@@ -71,7 +72,7 @@ def _trace_with_progress(run, tokens, bar) -> object:
         return hook
 
     table = {HookNames.block(i, "resid_in"): at_layer(i) for i in range(n_layers)}
-    with caching.model_use(run.model), hooks(read=table):
+    with model_use(run.model), hooks(read=table):
         ctx = trace_run(run, tokens, what="all", label=run.label, window=WINDOW)
     bar.progress(1.0, text=f"recorded {tokens.n:,} tokens in {time.perf_counter() - start:.1f} s")
     return ctx

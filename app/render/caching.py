@@ -28,8 +28,6 @@ import json
 import math
 import threading
 import time
-import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ from analysis.views.view import NotApplicable
 from analysis.weights import WeightSummary, read_weight_summary
 from app.library.run_folders import folder_stamp
 from app.library.run_list import RunRef
+from app.render.model_use import model_use
 from app.server import job_budget
 from app.state.inputs import (
     MAX_ATTN_LEN,
@@ -62,49 +61,6 @@ from k3core.checkpoints.folder import folder_fingerprint
 from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.recorder import WHAT_ALL, WHAT_DEFAULT
 from k3core.interp.trace_folder import is_trace_dir, trace_dir_fingerprint
-
-
-# ----------------------------------------------------------------------------------------- model use
-class _SharedExclusive:
-    """Many forward passes at once, or one job that changes the model's hooks, never both."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._waiting = 0  # exclusive jobs waiting: new forwards queue behind them, so they are not starved
-
-    @contextlib.contextmanager
-    def hold(self, exclusive: bool) -> Iterator[None]:
-        with self._cond:
-            if exclusive:
-                self._waiting += 1
-                self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
-                self._waiting -= 1
-                self._exclusive = True
-            else:
-                self._cond.wait_for(lambda: not self._exclusive and self._waiting == 0)
-                self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                if exclusive:
-                    self._exclusive = False
-                else:
-                    self._shared -= 1
-                self._cond.notify_all()
-
-
-_GUARDS: weakref.WeakKeyDictionary[Any, _SharedExclusive] = weakref.WeakKeyDictionary()
-_GUARDS_LOCK = threading.Lock()
-
-
-def model_use(model: Any, exclusive: bool = False) -> contextlib.AbstractContextManager[None]:
-    """Use a shared model: forward passes (exclusive=False) run together; hook-installing work runs alone."""
-    with _GUARDS_LOCK:
-        guard = _GUARDS.setdefault(model, _SharedExclusive())
-    return guard.hold(exclusive)
 
 
 # ----------------------------------------------------------------------------------------- runs

@@ -23,6 +23,7 @@ from app import pages
 from app.render import caching, cards
 from app.render.caching import Loaded
 from app.render.errors import md_escape, plain
+from app.render.model_use import model_use
 from app.server import job_budget
 from app.state import experiment_choices as ex
 from k3core.interp.edit_kinds import EditError
@@ -172,7 +173,7 @@ def _compute(p: Plan) -> None:
     }
     with (
         job_budget.budget().admit(need, f"The experiment on {loaded.ctx.label}", st.info),
-        caching.model_use(loaded.model, exclusive=True),
+        model_use(loaded.model, exclusive=True),
     ):
         for key, spec in p.specs.items():
             compute[key](ex.with_spec(loaded, **spec).ctx)

@@ -26,6 +26,7 @@ from app.library.run_list import RunRef
 from app.render import caching, cards
 from app.render.caching import Loaded
 from app.render.errors import USER_ERRORS, describe, md_escape, plain
+from app.render.model_use import model_use
 from app.render.prefetch import prefetch
 from app.server import job_budget
 from app.state.inputs import (
@@ -288,7 +289,7 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
                 bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
 
             start = time.perf_counter()
-            with caching.model_use(loaded.model, exclusive=True):
+            with model_use(loaded.model, exclusive=True):
                 ctx.once(IMPORTANCE, lambda: sublayer_importance(ctx.model, ctx.input_ids, progress=progress))
             status.update(label=f"Layer importance measured in {time.perf_counter() - start:.1f} s", state="complete")
     return True

@@ -28,6 +28,7 @@ from app import pages
 from app.library import run_list
 from app.render import caching, cards
 from app.render import page as page_mod
+from app.render.model_use import model_use
 from app.server import job_budget
 from app.server.settings import HOME_ENV
 from app.state import inputs
@@ -531,24 +532,24 @@ def test_model_use_lets_forwards_share_and_hooks_wait():
     release = threading.Event()
 
     def reader(name: str) -> None:
-        with caching.model_use(model):
+        with model_use(model):
             order.append(f"{name} in")
             inside.set()
             release.wait(5)
             order.append(f"{name} out")
 
     def writer() -> None:
-        with caching.model_use(model, exclusive=True):
+        with model_use(model, exclusive=True):
             order.append("hooks")
 
     first = threading.Thread(target=reader, args=("a",))
     first.start()
     assert inside.wait(5)
-    with caching.model_use(model):  # a second forward does not wait for the first
+    with model_use(model):  # a second forward does not wait for the first
         order.append("b in")
 
     def late_reader() -> None:
-        with caching.model_use(model):
+        with model_use(model):
             order.append("c in")
 
     hooks = threading.Thread(target=writer)
