@@ -63,11 +63,32 @@ def _open(browser, url: str):
     return page
 
 
-def _pick(page, label: str, option: str) -> None:
-    """Choose ``option`` in the select box / multiselect labelled ``label``."""
-    page.get_by_role("combobox", name=label, exact=True).first.click()
-    page.get_by_role("option", name=option, exact=True).first.click()
-    page.keyboard.press("Escape")
+def _pick(page, label: str, option: str, multi: bool = False) -> None:
+    """Choose ``option`` in the select box (or, ``multi``, the multiselect) labelled ``label``, and wait until the
+    widget holds it: a pick made while a rerun redraws the widget can be lost (seen in loaded full-suite runs, never
+    alone), so a lost pick is made again, at most three times. Escape closes a multiselect's menu, which stays open
+    after a pick; a select box's menu closes by itself, and an Escape there can revert a pick not yet committed."""
+    from playwright.sync_api import expect
+
+    box = page.get_by_role("combobox", name=label, exact=True).first
+    widget = page.get_by_test_id("stMultiSelect").filter(has=box)
+    held = widget.locator(f'[data-tag][aria-label="{option}"]') if multi else None
+    for attempt in range(3):
+        settle(page)
+        box.click()
+        page.get_by_role("option", name=option, exact=True).first.click()
+        if multi:
+            page.keyboard.press("Escape")
+        try:
+            if multi:
+                expect(held).to_have_count(1, timeout=15_000)
+            else:
+                expect(box).to_have_value(option, timeout=15_000)
+            return
+        except AssertionError:
+            if attempt == 2:
+                shown = widget.locator("[data-tag]").all_inner_texts() if multi else box.input_value()
+                raise AssertionError(f"{label}: picked {option!r} three times; the widget holds {shown!r}") from None
 
 
 def _no_errors(page, log) -> None:
@@ -94,8 +115,8 @@ def test_an_edit_from_the_menus_runs_and_its_link_reopens_it(server, browser, re
         layer = moe_layers[-1]
         _pick(page, "Layer", str(layer))
         _pick(page, "Operation", "ban experts (never selected)")
-        _pick(page, "Experts", "0")
-        _pick(page, "Experts", "1")
+        _pick(page, "Experts", "0", multi=True)
+        _pick(page, "Experts", "1", multi=True)
         page.get_by_role("button", name="Add edit").click()
         page.get_by_text(f"moe ban layer={layer} experts=[0, 1]").wait_for(timeout=RENDER_TIMEOUT_MS)
         settle(page)
@@ -127,8 +148,6 @@ def test_an_edit_from_the_menus_runs_and_its_link_reopens_it(server, browser, re
 
 
 def test_a_picked_token_shows_its_experts_and_top_k_as_the_trace_has_them(server, browser, reference):
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
     url, log = server
     run, ids = reference
     position = 7
@@ -137,22 +156,8 @@ def test_a_picked_token_shows_its_experts_and_top_k_as_the_trace_has_them(server
         page.get_by_text("Token", exact=True).first.click()  # the section radio
         page.get_by_role("combobox", name="Token", exact=True).wait_for(timeout=RENDER_TIMEOUT_MS)
         settle(page)
-        shown = page.get_by_text(re.compile(rf"^Token {position}: ")).first
-        # A pick made while a rerun redraws the select box is lost (seen in a loaded full-suite run, never alone):
-        # each try starts from an idle page and waits for the rerun it started before it looks (settle alone can
-        # return before that rerun has begun); at most three tries.
-        for attempt in range(3):
-            settle(page)
-            _pick(page, "Token", f"{position}: {_label(run, int(ids[0, position]))}")
-            try:
-                shown.wait_for(timeout=15_000)  # the rerun has begun by then, or the pick was lost
-            except PlaywrightTimeout:
-                pass
-            settle(page)
-            if shown.is_visible():
-                break
-            if attempt == 2:
-                shown.wait_for(timeout=1_000)  # raises, naming the text that never showed
+        _pick(page, "Token", f"{position}: {_label(run, int(ids[0, position]))}")
+        page.get_by_text(re.compile(rf"^Token {position}: ")).first.wait_for(timeout=RENDER_TIMEOUT_MS)
         settle(page)
         _no_errors(page, log)
         top, experts = page.evaluate(TABLES_JS)[:2]
