@@ -123,6 +123,15 @@ def main(argv: list[str]) -> int:
     if args.max_upload_mb < 1:
         print("k3lab app: --max-upload-mb must be at least 1", file=sys.stderr)
         return 2
+    from app.library.run_folders import LibraryError
+    from app.library.store import check_library_home
+    from app.server.settings import home_dir
+
+    try:
+        check_library_home(Path(args.home).expanduser() if args.home else home_dir())
+    except LibraryError as exc:
+        print(f"k3lab app: {exc}", file=sys.stderr)
+        return 2
     cmd, env = app_command(args)
     shown = "localhost" if args.host in ("127.0.0.1", "localhost") else args.host
     print(f"k3lab app: serving on http://{shown}:{args.port}")

@@ -146,10 +146,14 @@ def attribute_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args: argparse.Namespace, prog: str) -> Any:
+def _load(args: argparse.Namespace, output: str) -> Any:
+    """The run of RUN, once --out is known to be a folder this command may write ``output`` (e.g.
+    experiment.json) into (``check_output_folder``: before the model loads)."""
     from analysis.runs import loading as runs_mod
+    from k3core.utils.files import check_output_folder
     from k3core.utils.runtime import configure_threads
 
+    check_output_folder(args.out, (output,), f"{output.removesuffix('.json')} folder")
     run = runs_mod.load_run(args.run, device=args.device, dtype=args.dtype)
     configure_threads(run.model)
     return run
@@ -209,7 +213,7 @@ def main(argv: list[str]) -> int:
 
     try:
         edits = [parse_edit(e) for e in args.edit]
-        run = _load(args, "k3lab experiment")
+        run = _load(args, "experiment.json")
         if args.text is not None or args.text_file:
             text = _text_arg(args.text, args.text_file, "--text")
             ids = texts.text_input(text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
@@ -262,7 +266,7 @@ def patch_main(argv: list[str]) -> int:
     from k3core.checkpoints.tensor_info import CheckpointError
 
     try:
-        run = _load(args, "k3lab patch")
+        run = _load(args, "patching.json")
         clean_text, corrupted_text = limits.text(args.clean, "--clean"), limits.text(args.corrupted, "--corrupted")
         clean = texts.text_input(clean_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
         corrupted = texts.text_input(corrupted_text, run.config, args.max_tokens, tokenizer=run.tokenizer).input_ids
@@ -315,7 +319,7 @@ def attribute_main(argv: list[str]) -> int:
 
     methods = attr.METHODS if args.method == "all" else (args.method,)
     try:
-        run = _load(args, "k3lab attribute")
+        run = _load(args, "attribution.json")
         tok = texts.text_tokenizer(run.config, run.tokenizer)
         limits.bounded_int(args.baseline_token, "--baseline-token", 0, run.config.vocab_size - 1)
         x = torch.tensor(tok.encode(limits.text(args.prompt, "--prompt"))[: args.max_tokens])

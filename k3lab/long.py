@@ -63,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 2:
         print("k3lab long: --tokens must be at least 2", file=sys.stderr)
         return 2
+    from analysis.output.report import check_report_folder
     from k3core.checkpoints.tensor_info import CheckpointError
 
     try:
+        if not args.estimate_only:
+            check_report_folder(args.out)  # before the model loads
         _estimate(args)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"k3lab long: {exc}", file=sys.stderr)

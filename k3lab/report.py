@@ -115,9 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         print("k3lab report: --max-tokens must be at least 2", file=sys.stderr)
         return 2
 
+    from analysis.output.report import check_report_folder
     from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.utils.files import check_output_folder
 
     try:
+        if args.text_index == ALL_TEXTS:  # a folder of text-N reports: its own output holds text-0
+            check_output_folder(args.out, ("text-0",), "folder of reports")
+        else:
+            check_report_folder(args.out)
         indices = _text_indices(args)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"k3lab report: {exc}", file=sys.stderr)

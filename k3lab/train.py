@@ -15,6 +15,7 @@ from typing import Any
 
 from k3core.config import ConfigError
 from k3core.training import TrainConfig, TrainError, load_metrics, parse_overrides, train
+from k3core.utils.files import OutputFolderError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = parse_overrides(args.overrides)
             given.setdefault("out_dir", str(Path("runs") / Path(model).stem))
             path = train(TrainConfig.from_dict({**given, "model": model, "overrides": overrides}), command=command)
-    except (TrainError, ConfigError) as exc:
+    except (TrainError, ConfigError, OutputFolderError) as exc:
         print(f"k3lab train: error: {exc}", file=sys.stderr)
         return 2
     metrics = load_metrics(path)

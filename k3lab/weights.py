@@ -53,13 +53,14 @@ def main(argv: list[str]) -> int:
 
     from analysis import weights as wt
     from analysis.output.format import format_bytes
-    from analysis.output.weights_folder import write_outputs
+    from analysis.output.weights_folder import check_weights_folder, write_outputs
     from k3core.checkpoints.tensor_info import CheckpointError
 
     started = time.perf_counter()
     try:
+        check_weights_folder(args.out)
         source = wt.open_source(args.path)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:
         print(f"k3lab weights: {exc}", file=sys.stderr)
         return 2
     print(

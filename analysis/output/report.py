@@ -45,6 +45,9 @@ from analysis.views import picks as pk
 from analysis.views import view as view_mod
 from analysis.views.catalogue import all_views
 from analysis.views.view import NotApplicable, View
+from k3core.utils.files import check_output_folder
+
+REPORT_PAGE = "report.html"
 
 
 def _labels(runs: list[runs_mod.Run]) -> list[str]:
@@ -224,6 +227,12 @@ def report_input(
     return chosen
 
 
+def check_report_folder(out: str | Path) -> Path:
+    """``out`` when a report may be written there (``check_output_folder``: an earlier report is replaced);
+    OutputFolderError (a ValueError) otherwise."""
+    return check_output_folder(out, (REPORT_PAGE,), "report")
+
+
 def write_report(
     paths: list[str | Path],
     out: str | Path,
@@ -259,7 +268,7 @@ def write_report(
     progress = progress or _NoProgress()
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    out = Path(out)
+    out = check_report_folder(out)
     selected = select_views(all_views(), views, skip_model_views)
     check_picks(selected, picks)
     runs = []
@@ -349,7 +358,7 @@ def write_report(
 
     timings["total"] = time.perf_counter() - t_start
     page = render_html(entries, runs, labels, headlines, chosen, timings, comparison)
-    (out / "report.html").write_text(page, encoding="utf-8")
+    (out / REPORT_PAGE).write_text(page, encoding="utf-8")
     progress.update(1)
     problems = {f"{e.key}.{fmt}": v for e in shown for fmt, v in e.files.items() if isinstance(v, str)}
     return ReportResult(out, entries, timings, static_note, problems)

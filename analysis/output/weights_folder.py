@@ -15,6 +15,15 @@ from analysis.views.catalogue import section_views
 from analysis.views.view import NotApplicable
 from analysis.weights.document import weights_json, write_weights_json
 from analysis.weights.summary import WeightSummary
+from k3core.utils.files import check_output_folder
+
+WEIGHTS_JSON = "weights.json"
+
+
+def check_weights_folder(out: str | Path) -> Path:
+    """``out`` when a weights folder may be written there (``check_output_folder``: an earlier weights folder
+    is replaced); OutputFolderError (a ValueError) otherwise."""
+    return check_output_folder(out, (WEIGHTS_JSON,), "weights folder")
 
 
 def write_outputs(summary: WeightSummary, out_dir: str | Path, static: bool = True) -> dict[str, Any]:
@@ -23,9 +32,9 @@ def write_outputs(summary: WeightSummary, out_dir: str | Path, static: bool = Tr
 
     Returns {"json": Path, "index": Path, "figures": {view key: {format: Path or message}},
     "not_applicable": {view key: reason}, "errors": {view key: message}}."""
-    out = Path(out_dir)
+    out = check_weights_folder(out_dir)
     (out / "figures").mkdir(parents=True, exist_ok=True)
-    json_path = write_weights_json(summary, out / "weights.json")
+    json_path = write_weights_json(summary, out / WEIGHTS_JSON)
     ctx = AnalysisContext(trace=None, config=summary.config, label=summary.label, weights=summary)
     built, skipped, errors = [], {}, {}
     for view in section_views("weights"):

@@ -55,13 +55,22 @@ from app.library.upload_checks import (
 )
 from app.server.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
 from k3core.checkpoints.folder import INDEX_NAME
-from k3core.utils.files import atomic_write_text
+from k3core.utils.files import OutputFolderError, atomic_write_text, check_output_folder
 
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
 
 
 def _state(checking: bool) -> str:
     return f"checking:{os.getpid()}" if checking else "ready"
+
+
+def check_library_home(home: str | Path) -> Path:
+    """``home`` when the runs library may live there (``check_output_folder``: a new or empty folder, or a library
+    home already: it holds library.sqlite or runs/); LibraryError naming it otherwise."""
+    try:
+        return check_output_folder(home, ("library.sqlite", "runs"), "runs library", option="--home")
+    except OutputFolderError as exc:
+        raise LibraryError(str(exc)) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -84,7 +93,7 @@ class RunsLibrary:
         max_upload_bytes: int = DEFAULT_MAX_UPLOAD_MB * 1024**2,
         max_preset_params: int = MAX_PRESET_PARAMS,
     ) -> None:
-        self.home = Path(home).expanduser().resolve()
+        self.home = check_library_home(Path(home).expanduser()).resolve()
         self.runs_dir = self.home / "runs"
         self.paths_dir = self.home / "paths"
         self.tmp_dir = self.home / "tmp"

@@ -33,6 +33,8 @@ from torch import nn
 from ..checkpoints.folder import CheckpointFiles
 from ..checkpoints.into_parameters import ProgressFn, published_tensors, stream_weights, tqdm_progress
 from ..checkpoints.pretrained import build_meta_model, check_headers, refuse_quantised_config
+from ..checkpoints.tensor_info import CheckpointError
+from ..utils.files import OutputFolderError, check_output_folder
 
 NO_SPLIT_MODULE_CLASSES = ["K3DecoderLayer"]
 # Modules that may be offloaded as a whole (used only through their forward); the rest stays resident.
@@ -210,6 +212,11 @@ def load_placed(
     from accelerate import dispatch_model
     from accelerate.utils import offload_weight, save_offload_index
 
+    if offload_folder:  # accelerate's offload files (index.json + one .dat per tensor) are replaced there
+        try:
+            check_output_folder(offload_folder, ("index.json",), "offload folder", option="--offload-folder")
+        except OutputFolderError as exc:
+            raise CheckpointError(str(exc)) from None
     files = CheckpointFiles.open(path)
     refuse_quantised_config(files.folder)
     model = build_meta_model(model_cls, files.config, dtype)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import K3Config
-from ..utils.files import fsync_dir, open_for_reading, parse_json, read_bytes_limited
+from ..utils.files import check_output_folder, fsync_dir, open_for_reading, parse_json, read_bytes_limited
 from .trace import Trace
 from .trace_checks import check_card, check_trace
 from .trace_npz import NpzLimits, TraceError, check_ratio, zip_totals
@@ -96,11 +96,9 @@ def _staging_dir(out: Path) -> Path:
 
 
 def check_out_dir(out: str | Path) -> Path:
-    """``out`` as a Path, or ValueError when it holds something (a trace folder is never written over)."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: already exists and is not an empty folder; choose a new --out")
-    return out
+    """``out`` as a Path, or OutputFolderError (a ValueError): a trace folder is never written over, so only a
+    new or empty folder (and never the root or a home folder: ``check_output_folder``)."""
+    return check_output_folder(out, (), "trace folder")
 
 
 def write_trace_dir(

@@ -33,7 +33,7 @@ from ..data import eval_window_starts, mix_mqar, random_batches
 from ..generation.decode import generate_text
 from ..interp.recorder import record
 from ..model import K3ForCausalLM
-from ..utils.files import atomic_write_text
+from ..utils.files import atomic_write_text, check_output_folder
 from .balancing import update_router_biases
 from .card import model_card
 from .config import (
@@ -380,7 +380,7 @@ def train(
     """
     given = config.to_dict() if isinstance(config, TrainConfig) else dict(config)
     if resume:
-        out = Path(given.get("out_dir", TrainConfig.out_dir))
+        out = check_output_folder(given.get("out_dir", TrainConfig.out_dir), (STATE_DIR, METRICS_NAME), "train run")
         state_dir = latest_state_dir(out)
         if state_dir is None:
             if (out / METRICS_NAME).is_file() and load_metrics(out).get("status") == "finished":
@@ -397,6 +397,7 @@ def train(
         run_dir = Path(cfg.out_dir)
         if latest_state_dir(run_dir) is not None or (run_dir / METRICS_NAME).is_file():
             raise TrainError(f"{run_dir} already holds a run; use --resume to continue it or choose another --out")
+        check_output_folder(run_dir, (), "train run")  # a new run: a new or empty folder, never the user's files
     trainer = Trainer(cfg, callback=callback, stop_event=stop_event, command=command)
     threads_before = torch.get_num_threads()
     main_thread = threading.current_thread() is threading.main_thread()

@@ -1,6 +1,7 @@
-"""Files: atomic writes (a reader, or a crash, sees the old file or the new one, never half of one), and
-bounded reads of files users supply (a size limit, JSON parsed into the caller's own error type, and an
-optional check of every opened descriptor that a server installs with ``checked_opens``)."""
+"""Files: atomic writes (a reader, or a crash, sees the old file or the new one, never half of one), the one
+rule for the folders commands write (``check_output_folder``), and bounded reads of files users supply (a size
+limit, JSON parsed into the caller's own error type, and an optional check of every opened descriptor that a
+server installs with ``checked_opens``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,65 @@ def fsync_dir(path: str | Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- output folders
+class OutputFolderError(ValueError):
+    """A folder a command was asked to write into that it must not write into (nothing was written)."""
+
+
+def home_folders() -> set[Path]:
+    """Home folders no command writes into: the user's ($HOME and the account's own), /root, and /home and
+    /Users themselves (each /home/NAME and /Users/NAME is refused by ``check_output_folder`` too)."""
+    homes = {Path("/root"), Path("/home"), Path("/Users"), Path(os.path.expanduser("~"))}
+    try:
+        import pwd
+
+        homes.add(Path(pwd.getpwuid(os.getuid()).pw_dir))
+    except (ImportError, KeyError, OSError):
+        pass
+    return {Path(os.path.realpath(h)) for h in homes}
+
+
+def _is_home(resolved: Path) -> bool:
+    return resolved in home_folders() or resolved.parent in (Path("/home"), Path("/Users"))
+
+
+def check_output_folder(out: str | Path, own: tuple[str, ...], kind: str, option: str = "--out") -> Path:
+    """``out`` as a Path when a command that writes a ``kind`` may write there, else OutputFolderError naming it.
+
+    The one rule for every folder a command writes (train runs, reports, trace, weights, experiment and survey
+    folders, exports, offload folders, the runs library): never the file system's root or a home folder (after
+    links are resolved); a folder that does not exist yet or is empty; or a folder that already holds one of
+    ``own`` (names of the files this kind of output writes: its own earlier output, which the command continues
+    or replaces). Anything else in the folder is the user's, and the folder is refused before anything is
+    written. ``own=()``: only a new or empty folder."""
+    path = Path(out)
+    resolved = Path(os.path.realpath(path))
+    choose = f"choose a new folder for {option}"
+    if resolved == Path(resolved.anchor):
+        raise OutputFolderError(f"{path}: will not write a {kind} into the root of the file system; {choose}")
+    if _is_home(resolved):
+        raise OutputFolderError(f"{path}: will not write a {kind} into a home folder ({resolved}); {choose}")
+    if not path.exists():
+        if path.is_symlink():
+            raise OutputFolderError(f"{path}: is a link to nothing; {choose}")
+        return path
+    if not path.is_dir():
+        raise OutputFolderError(f"{path}: exists and is not a folder; {choose}")
+    if any(path.joinpath(name).exists() for name in own):
+        return path
+    with os.scandir(path) as entries:
+        found = [entry.name for _, entry in zip(range(4), entries)]
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        why = (
+            f"holds files that are not a {kind}'s"
+            if own
+            else f"is not an empty folder (a {kind} is never written over)"
+        )
+        raise OutputFolderError(f"{path}: {why} ({shown}); nothing was written there; {choose}, or an empty one")
+    return path
 
 
 # ---------------------------------------------------------------------------------- reading
