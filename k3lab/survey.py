@@ -64,6 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run or not args.out or not (args.text or args.sample):
         print("k3lab survey: give RUN, --text FILE or --sample NAME, and --out DIR (or --report DIR)", file=sys.stderr)
         return 2
+    from contextlib import nullcontext
+
+    from analysis.survey.folder import check_survey_folder, survey_lock
+    from analysis.survey.plan import SurveyError
+
+    try:  # before the model loads: a folder of the user's files, or one another survey is writing, is refused
+        check_survey_folder(args.out)
+        with survey_lock(args.out) if int(os.environ.get("RANK", "0")) == 0 else nullcontext():
+            return _survey(args)
+    except SurveyError as exc:
+        print(f"k3lab survey: {exc}", file=sys.stderr)
+        return 2
+
+
+def _survey(args: argparse.Namespace) -> int:
+    """``main`` once --out is this process's to write (rank 0 holds the folder's lock)."""
     import torch
 
     from analysis.runs.loading import load_run
@@ -100,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             reservoir=args.reservoir,
             seed=args.seed,
         )
-    except (CheckpointError, ValueError, OSError, UnicodeDecodeError) as exc:
+    except (CheckpointError, SurveyError, ValueError, OSError, UnicodeDecodeError) as exc:
         print(f"k3lab survey: {exc}", file=sys.stderr)
         return 2
     if world > 1:

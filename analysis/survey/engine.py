@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,15 @@ import torch
 from analysis.metrics.attention import causal_normalised_entropy
 from analysis.metrics.expert_cache import OnlineLRU, forward_access_trace
 from analysis.survey.aggregates import TopK
-from analysis.survey.folder import is_survey_dir, read_survey, save_survey
+from analysis.survey.folder import (
+    DONE_ARRAY,
+    check_survey_folder,
+    is_survey_dir,
+    read_survey,
+    save_survey,
+    state_arrays,
+    survey_lock,
+)
 from analysis.survey.plan import Layout, SurveyError, SurveyPlan, attnres_sites, batch_ids, make_layout, run_device
 from analysis.survey.state import SurveyState
 from k3core.interp.attention_stats import blocked_attention_stats
@@ -157,22 +166,37 @@ def run_survey(
     False the state is saved and SurveyStopped raised. With ``world`` > 1 this process surveys batches ``rank,
     rank + world, ...`` and returns its own state without writing (``reduce_states`` and rank 0 write)."""
     layout = make_layout(run, plan.seq_len)
-    out = Path(out)
+    out = check_survey_folder(out)
     run_info = {
         "path": str(run.path),
         "label": run.label,
         "fingerprint": run.fingerprint,
         "config": run.config.to_dict(),
     }
-    if world == 1 and is_survey_dir(out):
-        previous = read_survey(out)
-        if asdict(previous.plan) != asdict(plan):
-            raise SurveyError(f"{out} holds a survey of another plan ({previous.plan.corpus}); choose a new --out")
-        state = previous.state
-    else:
-        if world == 1 and out.exists() and any(out.iterdir()):
-            raise SurveyError(f"{out}: exists and is not a survey folder; choose a new --out")
+    with survey_lock(out) if world == 1 else nullcontext():  # one writer per folder; ranks > 0 never write
         state = SurveyState(layout, plan)
+        if world == 1 and is_survey_dir(out):
+            previous = read_survey(out, continuing=True)
+            if asdict(previous.plan) != asdict(plan):
+                raise SurveyError(f"{out} holds a survey of another plan ({previous.plan.corpus}); choose a new --out")
+            state = previous.state
+        return _survey_batches(run, ids, out, state, run_info, progress, save_every, rank, world)
+
+
+def _survey_batches(
+    run: Any,
+    ids: np.ndarray,
+    out: Path,
+    state: SurveyState,
+    run_info: dict[str, Any],
+    progress: ProgressFn | None,
+    save_every: int,
+    rank: int,
+    world: int,
+) -> SurveyState:
+    """The batches of ``run_survey`` this rank runs that are not yet in ``state`` (one process: saved every
+    ``save_every`` batches and at the end)."""
+    layout, plan = state.layout, state.plan
     mine = [b for b in range(plan.batches) if b % world == rank]
     todo = [b for b in mine if b not in state.done]
     streamed = StreamedCacheCheck.of(run, layout)
@@ -233,12 +257,8 @@ class StreamedCacheCheck:
 
 def state_bytes(state: SurveyState) -> bytes:
     """A state as npz bytes (no pickles), for sending between ranks."""
-    arrays = dict(state.sums)
-    for name, top in state.tops.items():
-        arrays[f"{name}.score"], arrays[f"{name}.id"], arrays[f"{name}.payload"] = top.score, top.id, top.payload
-    arrays["__done__"] = np.array(sorted(state.done), dtype=np.int64)
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **state_arrays(state))
     return buf.getvalue()
 
 
@@ -249,7 +269,7 @@ def state_from_bytes(data: bytes, layout: Layout, plan: SurveyPlan) -> SurveySta
             state.sums[name] = npz[name]
         for name in state.tops:
             state.tops[name] = TopK(npz[f"{name}.score"], npz[f"{name}.id"], npz[f"{name}.payload"])
-        state.done = set(npz["__done__"].tolist())
+        state.done = set(npz[DONE_ARRAY].tolist())
     return state
 
 

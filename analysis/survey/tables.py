@@ -16,7 +16,11 @@ from analysis.metrics.expert_cache import POLICIES, hit_rate
 from analysis.metrics.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation, wilson_interval
 from analysis.survey.aggregates import EMPTY_ID
 from analysis.survey.folder import Survey
+from analysis.survey.plan import SurveyError
 from k3core.training.load_stats import moe_load_stats
+from k3core.utils.files import OutputFolderError, check_output_folder
+
+EXPORT_CARD = "survey_card.json"
 
 
 def expert_table(survey: Survey) -> pd.DataFrame:
@@ -293,7 +297,10 @@ TABLES = {
 
 def export_tables(survey: Survey, out: str | Path) -> list[Path]:
     """Every table as CSV and JSON (records) into ``out``, plus every histogram; returns the files written."""
-    out = Path(out)
+    try:  # an earlier export (its survey_card.json) is replaced; nothing else is written over
+        out = check_output_folder(out, (EXPORT_CARD,), "survey export", option="--export")
+    except OutputFolderError as exc:
+        raise SurveyError(str(exc)) from None
     out.mkdir(parents=True, exist_ok=True)
     tables = {name: fn(survey) for name, fn in TABLES.items()}
     for what in ("margin", "cutoff", "unchosen", "chosen", "kda_g", "beta", "entropy", "sink"):
@@ -303,10 +310,8 @@ def export_tables(survey: Survey, out: str | Path) -> list[Path]:
         df.to_csv(out / f"{name}.csv", index=False)
         (out / f"{name}.json").write_text(df.to_json(orient="records"), encoding="utf-8")
         written += [out / f"{name}.csv", out / f"{name}.json"]
-    (out / "survey_card.json").write_text(
-        json.dumps({k: survey.card[k] for k in ("plan", "run", "complete")}, indent=1)
-    )
-    written.append(out / "survey_card.json")
+    (out / EXPORT_CARD).write_text(json.dumps({k: survey.card[k] for k in ("plan", "run", "complete")}, indent=1))
+    written.append(out / EXPORT_CARD)
     return written
 
 
