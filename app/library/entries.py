@@ -4,6 +4,7 @@ rebuilt from the folders (``app.library.store``)."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from k3core.utils.files import parse_json, read_bytes_limited
 SOURCES = ("upload", "path", "preset")
 ENTRY_FILE = ".k3lab-entry.json"  # a stored run's row, inside its folder (what rebuilding the index reads)
 _MAX_ENTRY_BYTES = 1 << 20
-_ID_RE = re.compile(r"^[0-9a-f]{12}$")
+_ID_RE = re.compile(r"[0-9a-f]{12}\Z")
 #: states of a row: ready; checking:<pid> (an upload being checked by that process); unchecked (the process
 #: died before its check finished: the page says so and offers the check again)
 STATES = ("ready", "unchecked")
@@ -68,6 +69,21 @@ def row_of(entry: Entry, location: str, state: str | None = None) -> dict[str, A
     }
 
 
+def row_problem(run_id: str, source: str, location: str) -> str | None:
+    """Why a row (of the index or a row file) is not one of this library's runs, or None. Rows are data, never
+    paths to follow: an id is one run id (12 hex digits, one path component); a stored run's location is exactly
+    ``runs/<id>`` (inside the home); a folder on the server is an absolute, normalised path (opened only where the
+    allowed roots confine it, ``app.library.roots``)."""
+    if not _ID_RE.match(run_id):
+        return f"its id {run_id[:40]!r} is not a run id"
+    if source == "path":
+        if not location.startswith("/") or os.path.normpath(location) != location or "\0" in location:
+            return f"its folder {location[:80]!r} is not an absolute, normalised path"
+    elif location != f"runs/{run_id}":
+        return f"its location {location[:80]!r} is not its own folder runs/{run_id}"
+    return None
+
+
 def read_row(file: Path) -> dict[str, Any] | None:
     """A row file's row, or None when it is missing or not one (the folder is then described instead)."""
     try:
@@ -82,4 +98,6 @@ def read_row(file: Path) -> dict[str, Any] | None:
     if not isinstance(row["size_bytes"], int) or not all(isinstance(row[k], str) for k in keys if k not in (
             "summary", "size_bytes")):  # fmt: skip
         return None
+    if row["source"] == "path" and row_problem(row["id"], "path", row["location"]) is not None:
+        return None  # a stored run's location is its folder's (the caller sets it); a path row's must be one
     return row

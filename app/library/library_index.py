@@ -2,7 +2,8 @@
 operation (``connect``), so several app sessions and server restarts share it. A damaged or unreadable index is moved
 aside (``library.sqlite.damaged-<UTC time>``) when the library opens (``open_index``) and rebuilt from the run
 folders' row files by ``app.library.store``; the index is a cache of those rows, never the authority on what to
-delete."""
+delete. Its rows are data, never paths to follow: every read checks a row's id and location (``read_entries``,
+``app.library.entries.row_problem``); a bad row is set aside (out of the index, into ``SET_ASIDE``) with a message."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app.library.entries import SOURCES, Entry
+from app.library.entries import SOURCES, Entry, row_problem
 from app.library.run_folders import LibraryError
 
 SCHEMA = """
@@ -33,6 +34,11 @@ CREATE TABLE IF NOT EXISTS runs (
 )
 """
 COLUMNS = "id, name, source, location, fingerprint, config_summary, size_bytes, added_at, state"
+SET_ASIDE = "library.rows-set-aside.jsonl"  # index rows that were not runs of this library, one JSON a line
+
+
+class BadRow(LibraryError):
+    """An index row whose id or location is not one of this library's runs (``row_problem``)."""
 
 
 @contextmanager
@@ -107,9 +113,36 @@ def open_index(home: Path, db_path: Path) -> str | None:
     return recovered
 
 
+def read_entries(home: Path, db_path: Path, where: str = "", params: tuple = ()) -> tuple[list[Entry], list[str]]:
+    """(the index rows ``where`` selects as Entries, oldest first; a message per bad row, each set aside)."""
+    with connect(db_path) as con:
+        rows = con.execute(f"SELECT {COLUMNS} FROM runs {where} ORDER BY added_at, name", params).fetchall()
+    entries, set_aside = [], []
+    for row in rows:
+        try:
+            entries.append(entry_of_row(home, row))
+        except BadRow as exc:
+            set_aside.append(set_row_aside(home, db_path, row, str(exc)))
+    return entries, set_aside
+
+
+def set_row_aside(home: Path, db_path: Path, row: tuple, why: str) -> str:
+    """Move a bad row out of the index into ``home/SET_ASIDE`` (appended, as data); the message that says so."""
+    record = dict(zip(COLUMNS.split(", "), (str(v) for v in row)))
+    with open(home / SET_ASIDE, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({**record, "why": why}) + "\n")
+    with connect(db_path) as con:
+        con.execute("DELETE FROM runs WHERE id = ? AND location = ?", (record["id"], record["location"]))
+    return f"{why}; the row was set aside (into {SET_ASIDE}) and nothing it names was opened or changed"
+
+
 def entry_of_row(home: Path, row: tuple) -> Entry:
-    """An index row as an Entry; a damaged summary or size shows as unknown rather than breaking the list."""
+    """An index row as an Entry; a damaged summary or size shows as unknown rather than breaking the list. BadRow
+    when its id or location is not one of this library's runs (``row_problem``)."""
     run_id, name, source, location, fingerprint, summary, size, added, state = (str(v) for v in row)
+    problem = row_problem(run_id, source, location)
+    if problem is not None:
+        raise BadRow(f"A row of the runs library's index ({name[:60]!r}) is not a run of this library: {problem}")
     path = Path(location) if source == "path" else home / location
     try:
         parsed = json.loads(summary)

@@ -72,7 +72,7 @@ def describe_folder(folder: str | Path, label: str | None = None) -> FolderInfo:
         files = CheckpointFiles.open(folder)
         fingerprint = folder_fingerprint(folder)
     except CheckpointError as exc:
-        raise LibraryError(_rename(str(exc), folder.name, label)) from exc
+        raise LibraryError(run_message(str(exc), folder, label)) from exc
     except OSError as exc:
         raise LibraryError(f"{label or folder.name}: cannot read the checkpoint ({exc.strerror})") from exc
     cfg = files.config
@@ -100,7 +100,7 @@ def describe_trace_folder(folder: Path, label: str | None = None) -> FolderInfo:
         cfg = K3Config.from_dict(card["config"])
         fingerprint = trace_dir_fingerprint(folder)
     except (TraceError, ValueError, TypeError) as exc:
-        raise LibraryError(_rename(str(exc), folder.name, label)) from exc
+        raise LibraryError(run_message(str(exc), folder, label)) from exc
     except OSError as exc:
         raise LibraryError(f"{label or folder.name}: cannot read the trace folder ({exc.strerror})") from exc
     parameters = card.get("parameters") if isinstance(card.get("parameters"), int) else 0
@@ -135,12 +135,14 @@ def _experts_of(moe: Any) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _rename(message: str, folder_name: str, label: str | None) -> str:
-    """CheckpointError messages name the folder or a file in it; say the run's name instead (and first)."""
+def run_message(message: str, folder: Path, label: str | None) -> str:
+    """A message about a run folder (it names the folder, by path or by name, or a file in it) that says the run's
+    name instead, and first: never the library's own folders (a staging folder's pid-and-random name)."""
     if not label:
         return message
-    message = message.replace(folder_name, label) if folder_name else message
-    return message if message.startswith(label) else f"{label}: {message}"
+    for shown in (str(folder), folder.name):
+        message = message.replace(shown, label) if shown else message
+    return message if message.startswith((f"{label}:", f"{label}/")) else f"{label}: {message}"
 
 
 def content_fingerprint(folder: Path) -> str:

@@ -7,13 +7,16 @@ Layout of the home folder (``K3LAB_HOME``, ``k3lab app --home DIR``; default ``~
     paths/<id>.json    the row of a folder on the server (that folder is only referenced, never written)
     tmp/<pid>-<rand>/  staging while a run is being added (moved into runs/ when complete, else removed)
     trash/<id>/        a run being deleted (the library marked it; removed at the next start if a crash left it)
+    library.rows-set-aside.jsonl   index rows that were not runs of this library (an id or location leading out
+                       of its run folder): set aside on the read that found them, never followed
 
 The index is a cache of the rows the run folders carry, never the authority on what to delete: a damaged,
 missing or unreadable index is moved aside (``library.sqlite.damaged-<UTC time>``) and rebuilt from ``runs/``
 and ``paths/`` when the library is opened, and a run folder without a row is indexed again (from its row file,
 or described from its files), never deleted. Cleanup removes only what the library itself marked: staging
-folders of dead processes, ``trash/`` and folders whose row file says ``deleted``. ``recovered`` lists, in
-words, what opening the library repaired (the library page shows it).
+folders of dead processes, ``trash/``, folders whose row file says ``deleted`` and row files' temporaries
+(``.<row file>.*.tmp``) a killed write left. ``recovered`` lists, in words, what opening the library repaired
+(the library page shows it).
 
 A run comes from one of three sources: ``upload`` (files or a zip, copied into ``runs/``), ``path`` (a folder
 on the server, confined to the allowed roots by ``app.library.roots``; only indexed, never copied: it may be 100 GB)
@@ -35,6 +38,7 @@ import re
 import secrets
 import shutil
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -43,7 +47,7 @@ from typing import Any, BinaryIO
 
 from analysis.output.format import format_bytes
 from app.library.entries import ENTRY_FILE, Entry, read_row, row_of
-from app.library.library_index import COLUMNS, connect, entry_of_row, insert_row, open_index
+from app.library.library_index import COLUMNS, connect, entry_of_row, insert_row, open_index, read_entries
 from app.library.run_folders import LibraryError, content_fingerprint, describe_folder, human_count
 from app.library.safe_zip import ZipRefused, extract_run_zip
 from app.library.upload_checks import (
@@ -57,6 +61,7 @@ from app.server.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
 from k3core.checkpoints.folder import INDEX_NAME
 from k3core.utils.files import OutputFolderError, atomic_write_text, check_output_folder
 
+STALE_TMP_SECONDS = 60  # a row file's temporary lives for milliseconds; one this old was left by a killed write
 MAX_PRESET_PARAMS = 1_000_000_000  # a fresh preset is written in fp32: 4 GB at this size
 
 
@@ -120,17 +125,19 @@ class RunsLibrary:
 
     # ---------------------------------------------------------------------------- the index
     def entries(self) -> list[Entry]:
-        """Every run in the library, oldest first."""
-        with connect(self.db_path) as con:
-            rows = con.execute(f"SELECT {COLUMNS} FROM runs ORDER BY added_at, name").fetchall()
-        return [entry_of_row(self.home, r) for r in rows]
+        """Every run in the library, oldest first (a bad row is set aside, and ``recovered`` says so)."""
+        entries, set_aside = read_entries(self.home, self.db_path)
+        self.recovered += set_aside
+        return entries
 
     def get(self, run_id: str) -> Entry:
-        with connect(self.db_path) as con:
-            row = con.execute(f"SELECT {COLUMNS} FROM runs WHERE id = ?", (run_id,)).fetchone()
-        if row is None:
+        entries, set_aside = read_entries(self.home, self.db_path, "WHERE id = ?", (run_id,))
+        self.recovered += set_aside
+        if set_aside:
+            raise LibraryError(set_aside[0])
+        if not entries:
             raise LibraryError("this run is no longer in the library (deleted in another window?)")
-        return entry_of_row(self.home, row)
+        return entries[0]
 
     # ---------------------------------------------------------------------------- row files
     def _row_file(self, entry_id: str, source: str) -> Path:
@@ -149,8 +156,7 @@ class RunsLibrary:
         """Make the index agree with the run folders, losing nothing: a folder without a row is indexed again
         (from its row file, else described from its files), a row file marked deleted finishes its delete, an
         upload whose check never finished is marked unchecked, and rows of an older k3lab get their row files."""
-        with connect(self.db_path) as con:
-            rows = {r[0]: entry_of_row(self.home, r) for r in con.execute(f"SELECT {COLUMNS} FROM runs")}
+        rows = {e.id: e for e in self.entries()}
         stored = {e.path.name: e for e in rows.values() if e.stored}
         restored: list[str] = []
         for folder in sorted(self.runs_dir.iterdir()):
@@ -445,8 +451,9 @@ class RunsLibrary:
         shutil.rmtree(trashed, ignore_errors=True)
 
     def cleanup(self) -> list[str]:
-        """Remove what the library itself marked as disposable: staging folders of processes that are gone and
-        trash/. Run folders are never removed here (a folder without a row is indexed again, see _reconcile)."""
+        """Remove what the library itself marked as disposable: staging folders of processes that are gone,
+        trash/ and row files' temporaries older than STALE_TMP_SECONDS. Run folders are never removed here (a
+        folder without a row is indexed again, see _reconcile)."""
         removed = []
         for leftover in self.tmp_dir.iterdir():
             pid = leftover.name.split("-", 1)[0]
@@ -463,6 +470,12 @@ class RunsLibrary:
             else:
                 leftover.unlink(missing_ok=True)
             removed.append(f"trash/{leftover.name}")
+        # row files' temporaries (atomic_write_text's ".<name>.*.tmp") a killed write left; not a live write's
+        old = time.time() - STALE_TMP_SECONDS
+        for leftover in [*self.runs_dir.glob(f"*/.{ENTRY_FILE}.*.tmp"), *self.paths_dir.glob(".*.json.*.tmp")]:
+            if leftover.is_file() and not leftover.is_symlink() and leftover.stat().st_mtime < old:
+                leftover.unlink(missing_ok=True)
+                removed.append(f"{leftover.parent.name}/{leftover.name}")
         return removed
 
     # ---------------------------------------------------------------------------- messages

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
-from app.library.run_folders import FolderInfo, LibraryError
+from app.library.run_folders import FolderInfo, LibraryError, run_message
 from k3core.checkpoints.folder import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -79,7 +79,7 @@ def check_weights_present(folder: Path, name: str, max_upload_bytes: int) -> Non
         try:
             read_trace_dir(folder).check_all()  # every trace read within the limits, checked against the card
         except TraceError as exc:
-            raise LibraryError(f"{name}: {exc}") from exc
+            raise LibraryError(run_message(str(exc), folder, name)) from exc
         return
     names = sorted(p.name for p in folder.iterdir())
     if CONFIG_NAME not in names:
@@ -113,4 +113,4 @@ def check_tokenizer(folder: Path, name: str, info: FolderInfo) -> None:
     try:
         load_tokenizer(folder, info.files.config.vocab_size)
     except TokenizerError as exc:
-        raise LibraryError(f"{name}: {exc}") from exc
+        raise LibraryError(run_message(str(exc), folder, name)) from exc
