@@ -1,10 +1,15 @@
 """``k3lab app``: start the Streamlit app (``app/main.py`` through ``app.server.serve``) with the runs library home,
-the folders that may be opened by path and the upload limit in its environment."""
+the folders that may be opened by path and the upload limit in its environment. The server is a child process that
+stops with this one: SIGTERM, SIGINT and SIGHUP are passed on to it, it is killed if it outlives them, and (on Linux)
+it gets SIGTERM if this process dies without a word (``kill -9``)."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ipaddress
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +53,62 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
     if args.headless:
         cmd += ["--server.headless", "true"]
     return cmd, env
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_WAIT_S = 10.0  # how long the server may take to stop after SIGTERM before it is killed
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
+
+
+def host_warning(host: str) -> str | None:
+    """The warning for a listen address other than this machine's loopback (None for 127.0.0.1, ::1, localhost)."""
+    name = host.strip().strip("[]")
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return None
+    except ValueError:
+        if name.lower() == "localhost":
+            return None
+    where = "every interface of this machine" if name in ("0.0.0.0", "::", "") else f"{host} (not this machine only)"
+    return (
+        f"k3lab app: warning: --host {host} serves {where}: anyone who reaches the port can use the app, start jobs "
+        "and open by path the folders under --root on this server's disk. Use --host 127.0.0.1 (the default) unless "
+        "the network is yours."
+    )
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the parent dies, even of SIGKILL (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the server command as a child that stops with this process: the signals in FORWARDED_SIGNALS are passed on
+    to it, and when this process leaves for any reason a child still running gets SIGTERM, then SIGKILL after
+    STOP_WAIT_S. Returns the child's exit status (128 + N for a child ended by signal N)."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return 128 - code if code < 0 else code
 
 
 def _job_memory(value: str) -> str:
@@ -125,12 +186,12 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, env = app_command(args)
     shown = "localhost" if args.host in ("127.0.0.1", "localhost") else args.host
+    warning = host_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr)
     print(f"k3lab app: serving on http://{shown}:{args.port}")
     print(
         f"k3lab app: runs library in {env['K3LAB_HOME']}; folders that may be opened by path: "
         f"{', '.join([env['K3LAB_HOME'], *env['K3LAB_ROOTS'].split(os.pathsep)])}"
     )
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 0
+    return serve(cmd, env)
