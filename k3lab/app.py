@@ -14,7 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from k3lab.options import Parser, arg_int
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_UPLOAD_MB = 65_536  # --max-upload-mb: Streamlit holds an upload in memory
 
 
 APP_HELP = """\
@@ -124,11 +127,9 @@ def _job_memory(value: str) -> str:
 def app_parser() -> argparse.ArgumentParser:
     from app.server.settings import DEFAULT_HOST, DEFAULT_MAX_UPLOAD_MB
 
-    parser = argparse.ArgumentParser(
-        prog="k3lab app", description=APP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="k3lab app", description=APP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", help="checkpoint folders to preload (default: sample_checkpoints/*)")
-    parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    parser.add_argument("--port", type=arg_int(1, 65_535), default=8501, help="port to serve on (default 8501)")
     parser.add_argument(
         "--host",
         default=DEFAULT_HOST,
@@ -145,7 +146,7 @@ def app_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-upload-mb",
-        type=int,
+        type=arg_int(1, MAX_UPLOAD_MB),
         default=DEFAULT_MAX_UPLOAD_MB,
         metavar="N",
         help=f"largest file the upload form accepts, in MB (default {DEFAULT_MAX_UPLOAD_MB}); bigger checkpoints "
@@ -181,9 +182,6 @@ def main(argv: list[str]) -> int:
         if not Path(root).expanduser().is_dir():
             print(f"k3lab app: --root {root} is not a folder", file=sys.stderr)
             return 2
-    if args.max_upload_mb < 1:
-        print("k3lab app: --max-upload-mb must be at least 1", file=sys.stderr)
-        return 2
     cmd, env = app_command(args)
     shown = "localhost" if args.host in ("127.0.0.1", "localhost") else args.host
     warning = host_warning(args.host)
