@@ -190,12 +190,16 @@ def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, ch
     else:
         reads = f"{tokens.n:,} tokens (max tokens is {choice.max_tokens:,}; at most {MAX_TOKENS_CAP:,})"
         advice = "Lower *Max tokens* in the sidebar, or run it."
-    st.warning(
-        f"**{ref.label}** will read {reads}. One forward pass with recording: {estimate}. The importance "
-        f"ablations take {2 * run.config.num_hidden_layers + 2} more. {advice}"
-    )
-    if not st.button(f"Run on {tokens.n:,} tokens", key=f"k3lab_confirm_{hash(key)}", type="primary"):
+    banner = st.empty()  # the question and its button, gone once answered (not left above the charts)
+    with banner.container():
+        st.warning(
+            f"**{ref.label}** will read {reads}. One forward pass with recording: {estimate}. The importance "
+            f"ablations take {2 * run.config.num_hidden_layers + 2} more. {advice}"
+        )
+        go = st.button(f"Run on {tokens.n:,} tokens", key=f"k3lab_confirm_{hash(key)}", type="primary")
+    if not go:
         st.stop()
+    banner.empty()
     confirmed.add(key)
 
 

@@ -8,7 +8,8 @@ On its own (``check_card``): the config (``K3Config.from_dict``), and per text: 
 
 Against a trace (``check_trace``; ``check_layout`` makes every check but the token values on the layout a trace
 file declares, before any array is inflated): its ``tokens`` array equals the card's; the axes ``token`` and ``query``
-have the card's token count, ``batch`` the tokens array's batch, ``expert`` the config's number of experts,
+have the card's token count (``query`` at most: the attention maps keep the first ``max_attn_len`` queries),
+``batch`` the tokens array's batch, ``expert`` the config's number of experts,
 ``hidden`` its width, ``depth`` at most 2 x layers + 2; an array ``blocks.<i>.<kind>.<item>`` has ``i`` below
 the config's layers, and for the kinds the config places (``kda``, ``mla``, ``moe``) each item covers exactly the
 config's layers of that kind (a card whose config says 32 layers over arrays of 8 is refused).
@@ -115,19 +116,16 @@ def check_layout(
     if ids[1] != n_tokens:
         raise TraceError(f"{where}: array 'tokens' ({ids[1]:,} tokens) differs from the card's texts tokens "
                          f"({n_tokens:,})")  # fmt: skip
-    wanted = {
-        "token": n_tokens,
-        "query": n_tokens,
-        "batch": ids[0],
-        "expert": config.num_experts,
-        "hidden": config.hidden_size,
-    }
+    wanted = {"token": n_tokens, "batch": ids[0], "expert": config.num_experts, "hidden": config.hidden_size}
     groups: dict[tuple[str, str], set[int]] = defaultdict(set)
     for name, shape in shapes.items():
         for axis, size in zip(axes[name], shape):
             if axis in wanted and size != wanted[axis]:
                 raise TraceError(f"{where}: array {name[:80]!r}: axis {axis!r} has {size:,}, the card says "
                                  f"{wanted[axis]:,}")  # fmt: skip
+            if axis == "query" and size > n_tokens:  # attention maps keep the first max_attn_len queries
+                raise TraceError(f"{where}: array {name[:80]!r}: axis 'query' has {size:,}, over the card's "
+                                 f"{n_tokens:,} tokens")  # fmt: skip
             if axis == "depth" and size > 2 * config.num_hidden_layers + 2:
                 raise TraceError(f"{where}: array {name[:80]!r}: {size:,} depths for {config.num_hidden_layers} layers")
         layer = TraceNames.layer_of(name)

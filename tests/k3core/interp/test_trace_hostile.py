@@ -28,7 +28,7 @@ from app.library.run_folders import LibraryError
 from app.library.store import RunsLibrary
 from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
-from k3core.interp.trace_checks import MAX_TEXT_TOKENS
+from k3core.interp.trace_checks import MAX_TEXT_TOKENS, check_layout
 from k3core.interp.trace_folder import CARD_NAME, read_trace_dir
 from k3core.interp.trace_npz import MAX_INFLATE_RATIO, NpzLimits, TraceError, read_npz
 from k3core.utils.files import checked_opens
@@ -387,3 +387,24 @@ def test_card_tokens_that_differ_from_the_trace_are_refused(copy):
     run = runs_mod.load_run(copy)
     with pytest.raises(TraceError, match=r"copy/trace-0\.npz: array 'tokens' \(12 tokens\) differs"):
         run.recorded.trace(0)
+
+
+def test_attention_maps_of_the_first_queries_fit_the_card_and_more_queries_than_tokens_do_not(copy):
+    """The recorder keeps attention maps for the first ``max_attn_len`` queries: a text longer than that has fewer
+    queries than tokens (a trace folder of a 2,100-token text was refused whole before issue 36); more is refused."""
+    run = runs_mod.load_run(copy)
+    entry = run.recorded.texts[0]
+    with open(copy / "trace-0.npz", "rb") as fh:
+        layout = Trace.layout(fh, where="t")
+    maps = [name for name, axes in layout.axes.items() if "query" in axes]
+    assert maps, "the fixture records attention"
+    n = len(entry["tokens"])
+    for queries, ok in ((n - 4, True), (n + 1, False)):
+        shapes = dict(layout.shapes)
+        for name in maps:
+            shapes[name] = tuple(queries if a == "query" else s for a, s in zip(layout.axes[name], shapes[name]))
+        if ok:
+            check_layout(layout.axes, shapes, run.config, n, "t")
+        else:
+            with pytest.raises(TraceError, match=f"axis 'query' has {n + 1}, over the card's {n} tokens"):
+                check_layout(layout.axes, shapes, run.config, n, "t")
