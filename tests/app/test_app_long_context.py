@@ -10,8 +10,9 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from app.library import run_list
-from app.server.settings import HOME_ENV, ROOTS_ENV
+from app.server.settings import HOME_ENV
 from k3core.model import K3ForCausalLM
+from tests.app.serving import serve_only
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
 TIMEOUT = 180
@@ -77,12 +78,7 @@ def test_a_long_recorded_text_asks_first_and_the_question_goes_once_answered(mon
     folder = tmp_path / "long-trace"
     assert k3lab(["trace", str(nano), "--text", str(tmp_path / "long.txt"), "--max-tokens", str(n),
                   "--out", str(folder)]) == 0  # fmt: skip
-    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
-    monkeypatch.setenv(ROOTS_ENV, str(tmp_path))
-    monkeypatch.setenv(run_list.RUNS_ENV, str(folder))
-    empty = tmp_path / "no-samples"
-    empty.mkdir()
-    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
+    serve_only(monkeypatch, tmp_path, str(folder), str(tmp_path))
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.run()
     at = at.switch_page("app_pages/long_context.py").run()
@@ -91,5 +87,7 @@ def test_a_long_recorded_text_asks_first_and_the_question_goes_once_answered(mon
     assert len(at.get("plotly_chart")) == 0
     at = next(b for b in at.button if b.label == f"Run on {n:,} tokens").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len(at.get("plotly_chart")) > 0 and [e.value for e in at.error] == [], [(type(e).__name__, getattr(e, "value", None)) for e in at.main.children.values()]
+    assert len(at.get("plotly_chart")) > 0 and [e.value for e in at.error] == [], [
+        (type(e).__name__, getattr(e, "value", None)) for e in at.main.children.values()
+    ]
     _no_question_left(at)

@@ -19,31 +19,21 @@ from streamlit.testing.v1 import AppTest
 
 from analysis.runs.loading import load_run, recorded_bytes
 from app.library import home as library_home
-from app.library import run_list
 from app.server import job_budget
 from app.server.job_budget import JobBudget
-from app.server.settings import HOME_ENV, ROOTS_ENV
 from benchmarks.bench_app import free_port, served_group
 from k3lab.app import app_command, app_parser
-from k3lab.cli import main as k3lab
+from tests.app.serving import serve_only
 from tests.app.test_job_budget import ALLOWANCE, MB, QUEUED, _alerts, _answered, _rss, _RssPeak, _visit, _wait_idle
-from tests.k3core.interp.test_trace_hostile import _members_of, _reseal, _stored, _zip, add_big_member
+from tests.k3core.interp.test_trace_hostile import _members_of, _reseal, _stored, _zip, add_big_member, two_text_trace
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "sample_checkpoints" / "k3-full"
 APP = REPO / "app" / "main.py"
 
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> Path:
-    """A real trace folder: `k3lab trace` of the k3-full sample on two short texts."""
-    root = tmp_path_factory.mktemp("budget-trace")
-    texts = []
-    for i, text in enumerate(("To be, or not to be.", "ROMEO: But soft!")):
-        (root / f"t{i}.txt").write_text(text)
-        texts += ["--text", str(root / f"t{i}.txt")]
-    assert k3lab(["trace", str(SAMPLE), *texts, "--max-tokens", "12", "--out", str(root / "trace")]) == 0
-    return root / "trace"
+    return two_text_trace(tmp_path_factory.mktemp("budget-trace"))
 
 
 @pytest.fixture
@@ -70,12 +60,7 @@ def _grow(folder: Path, index: int, nbytes: int) -> int:
 
 @pytest.fixture
 def app_env(monkeypatch, tmp_path, folder):
-    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
-    monkeypatch.setenv(ROOTS_ENV, str(folder))
-    monkeypatch.setenv(run_list.RUNS_ENV, str(folder))
-    empty = tmp_path / "no-samples"
-    empty.mkdir()
-    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
+    serve_only(monkeypatch, tmp_path, str(folder), str(folder))
     library_home._library.clear()
     yield folder
     library_home._library.clear()

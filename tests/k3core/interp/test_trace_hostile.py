@@ -39,16 +39,19 @@ SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
 BOMB_BYTES = 3 * 1024**3  # the inflated size of the deflated member (3 GiB of zeros in about 3 MB)
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory) -> Path:
-    """A real trace folder (`k3lab trace` of the k3-full sample on two short texts)."""
-    root = tmp_path_factory.mktemp("hostile-trace")
+def two_text_trace(root: Path) -> Path:
+    """A real trace folder in ``root`` (`k3lab trace` of the k3-full sample on two short texts, 12 tokens each)."""
     texts = []
     for i, text in enumerate(("To be, or not to be.", "ROMEO: But soft!")):
         (root / f"t{i}.txt").write_text(text)
         texts += ["--text", str(root / f"t{i}.txt")]
     assert k3lab(["trace", str(SAMPLE), *texts, "--max-tokens", "12", "--out", str(root / "trace")]) == 0
     return root / "trace"
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> Path:
+    return two_text_trace(tmp_path_factory.mktemp("hostile-trace"))
 
 
 @pytest.fixture
