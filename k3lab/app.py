@@ -1,15 +1,23 @@
 """``k3lab app``: start the Streamlit app (``app/main.py`` through ``app.server.serve``) with the runs library home,
-the folders that may be opened by path and the upload limit in its environment."""
+the folders that may be opened by path and the upload limit in its environment. The server is a child process that
+stops with this one: SIGTERM, SIGINT and SIGHUP are passed on to it, it is killed if it outlives them, and (on Linux)
+it gets SIGTERM if this process dies without a word (``kill -9``)."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ipaddress
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from k3lab.options import Parser, arg_int
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_UPLOAD_MB = 65_536  # --max-upload-mb: Streamlit holds an upload in memory
 
 
 APP_HELP = """\
@@ -50,6 +58,62 @@ def app_command(args: argparse.Namespace, environ: dict[str, str] | None = None)
     return cmd, env
 
 
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_WAIT_S = 10.0  # how long the server may take to stop after SIGTERM before it is killed
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
+
+
+def host_warning(host: str) -> str | None:
+    """The warning for a listen address other than this machine's loopback (None for 127.0.0.1, ::1, localhost)."""
+    name = host.strip().strip("[]")
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return None
+    except ValueError:
+        if name.lower() == "localhost":
+            return None
+    where = "every interface of this machine" if name in ("0.0.0.0", "::", "") else f"{host} (not this machine only)"
+    return (
+        f"k3lab app: warning: --host {host} serves {where}: anyone who reaches the port can use the app, start jobs "
+        "and open by path the folders under --root on this server's disk. Use --host 127.0.0.1 (the default) unless "
+        "the network is yours."
+    )
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the parent dies, even of SIGKILL (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the server command as a child that stops with this process: the signals in FORWARDED_SIGNALS are passed on
+    to it, and when this process leaves for any reason a child still running gets SIGTERM, then SIGKILL after
+    STOP_WAIT_S. Returns the child's exit status (128 + N for a child ended by signal N)."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return 128 - code if code < 0 else code
+
+
 def _job_memory(value: str) -> str:
     from k3core.utils.units import parse_bytes
 
@@ -63,11 +127,9 @@ def _job_memory(value: str) -> str:
 def app_parser() -> argparse.ArgumentParser:
     from app.server.settings import DEFAULT_HOST, DEFAULT_MAX_UPLOAD_MB
 
-    parser = argparse.ArgumentParser(
-        prog="k3lab app", description=APP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="k3lab app", description=APP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", help="checkpoint folders to preload (default: sample_checkpoints/*)")
-    parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    parser.add_argument("--port", type=arg_int(1, 65_535), default=8501, help="port to serve on (default 8501)")
     parser.add_argument(
         "--host",
         default=DEFAULT_HOST,
@@ -84,7 +146,7 @@ def app_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-upload-mb",
-        type=int,
+        type=arg_int(1, MAX_UPLOAD_MB),
         default=DEFAULT_MAX_UPLOAD_MB,
         metavar="N",
         help=f"largest file the upload form accepts, in MB (default {DEFAULT_MAX_UPLOAD_MB}); bigger checkpoints "
@@ -120,9 +182,6 @@ def main(argv: list[str]) -> int:
         if not Path(root).expanduser().is_dir():
             print(f"k3lab app: --root {root} is not a folder", file=sys.stderr)
             return 2
-    if args.max_upload_mb < 1:
-        print("k3lab app: --max-upload-mb must be at least 1", file=sys.stderr)
-        return 2
     from app.library.run_folders import LibraryError
     from app.library.store import check_library_home
     from app.server.settings import home_dir
@@ -134,12 +193,12 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, env = app_command(args)
     shown = "localhost" if args.host in ("127.0.0.1", "localhost") else args.host
+    warning = host_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr)
     print(f"k3lab app: serving on http://{shown}:{args.port}")
     print(
         f"k3lab app: runs library in {env['K3LAB_HOME']}; folders that may be opened by path: "
         f"{', '.join([env['K3LAB_HOME'], *env['K3LAB_ROOTS'].split(os.pathsep)])}"
     )
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 0
+    return serve(cmd, env)

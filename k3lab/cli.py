@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"k3lab: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        from k3core.utils.input_limits import shown
+
+        print(f"k3lab: unknown command {shown(command)}\n\n{_usage()}", file=sys.stderr)
         return 2
     return importlib.import_module(f"k3lab.{command}").main(rest)
 

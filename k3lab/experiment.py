@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from k3core.utils import input_limits as limits
-from k3lab.options import add_device_options, arg_int, arg_position
+from k3lab.options import Parser, add_device_options, arg_int, arg_position
 
 #: analysis.experiments.attribution.METHODS, spelled here so that --help does not import torch (a test keeps them equal)
 METHOD_CHOICES = ("feature_ablation", "shapley", "integrated_gradients", "ig_frozen_routing")
@@ -55,9 +55,7 @@ type (KDA / MLA) and FFN kind (dense / routed / shared). The baseline replaces i
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A command's parser with the options all three share: RUN, --out, --max-tokens, --no-static, device."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(parser)
     return parser
 

@@ -3,11 +3,10 @@ loader of report, inspect, weights and the app) and read with the checkpoint's o
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from k3core.utils import input_limits as limits
-from k3lab.options import add_device_options, arg_int
+from k3lab.options import Parser, add_device_options, arg_float, arg_int
 
 
 def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, max_memory: str | None = None) -> None:
@@ -34,39 +33,46 @@ def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, ma
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="k3lab generate",
         description="Generate text from a checkpoint, tokenised with the checkpoint's own tokenizer: the folder's "
         "tokenizer.json, or Kimi's tiktoken.model + tokenizer_config.json, or UTF-8 bytes for a vocab-256 model.",
     )
     parser.add_argument("run", help="checkpoint folder (config.json + model.safetensors [+ tokenizer files])")
-    parser.add_argument("--prompt", default="ROMEO:\n", help="prompt text (default: 'ROMEO:\\n')")
+    parser.add_argument(
+        "--prompt",
+        default="ROMEO:\n",
+        help=f"prompt text (default: 'ROMEO:\\n'; at most {limits.MAX_PROMPT_TOKENS:,} tokens, as on the app's "
+        "Generate page)",
+    )
     parser.add_argument(
         "--tokens",
         type=arg_int(0, limits.MAX_TOKENS),
         default=200,
         help=f"new tokens to generate (default 200, at most {limits.MAX_TOKENS:,})",
     )
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
+    parser.add_argument("--temperature", type=arg_float(0, 1e6), default=0.8, help="0 for greedy (default 0.8)")
     parser.add_argument(
         "--top-k", type=arg_int(1, limits.MAX_INDEX), default=None, help="sample from the k most likely tokens"
     )
-    parser.add_argument("--seed", type=arg_int(0, 2**63 - 1), default=0, help="sampling seed (default 0)")
+    parser.add_argument("--seed", type=arg_int(0, limits.MAX_SEED), default=0, help="sampling seed (default 0)")
     add_device_options(parser, offload_folder=True)
     args = parser.parse_args(argv)
     try:
         limits.text(args.prompt, "--prompt")
-        if limits.finite_number(args.temperature, "--temperature", 1e6) < 0:
-            raise limits.InputLimitError("--temperature must be >= 0 (0: greedy)")
     except limits.InputLimitError as exc:
         print(f"k3lab generate: {exc}", file=sys.stderr)
         return 2
 
     from analysis.runs.loading import load_run, run_tokenizer
+    from k3core.checkpoints.pretrained import load_config
     from k3core.checkpoints.tensor_info import CheckpointError
-    from k3core.generation.decode import generate_text
+    from k3core.generation.decode import generate_text, prompt_ids
 
-    try:
+    try:  # the prompt's cap first, from the folder's config and tokenizer: no model loaded for a refused prompt
+        tokenizer, _ = run_tokenizer(args.run, load_config(args.run).vocab_size)
+        if tokenizer is not None:
+            prompt_ids(args.prompt, tokenizer)
         print_placement_plan(args.run, args.device, args.dtype, "k3lab generate", args.max_memory)
         run = load_run(
             args.run,

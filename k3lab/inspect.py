@@ -13,7 +13,6 @@ Exit codes: 0 success, 2 bad input.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import Counter
@@ -22,7 +21,8 @@ from typing import Any
 from analysis.output.format import format_bytes, format_count, format_number
 from analysis.weights.checkpoint_summary import config_summary, layer_map
 from k3core.config import K3Config
-from k3lab.options import add_device_options
+from k3core.utils import input_limits as limits
+from k3lab.options import Parser, add_device_options, arg_int
 
 
 def format_layer_map(cfg: K3Config, params: dict[int, int] | None = None) -> str:
@@ -97,7 +97,7 @@ def format_report(
 def main(argv: list[str] | None = None) -> int:
     from analysis.runs.texts import DEFAULT_MAX_TOKENS, SAMPLES
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="k3lab inspect",
         description="Print a checkpoint's config, parameter counts, layer map and headline numbers. A checkpoint "
         "folder is answered from its config.json and safetensors headers alone (seconds, whatever its size: "
@@ -108,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE", help="load the model and trace this text for headline numbers")
     src.add_argument("--sample", metavar="NAME", choices=SAMPLES, help="load the model and trace a built-in input")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens for the quick trace")
+    p.add_argument(
+        "--max-tokens",
+        type=arg_int(2, limits.MAX_TOKENS),
+        default=DEFAULT_MAX_TOKENS,
+        help="tokens for the quick trace",
+    )
     add_device_options(p, when="with --text/--sample: ")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan = p.add_argument_group("multi-GPU plan (pipeline parallel, `k3lab trace` under torchrun)")
@@ -122,8 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SIZE",
         help="kept free on each GPU for activations, the CUDA context and buffers (default 10%% of --gpu-memory)",
     )
-    plan.add_argument("--ranks", type=int, default=None, help="split over exactly this many ranks instead")
-    plan.add_argument("--gpus-per-node", type=int, default=8, help="for the node count and torchrun line (default 8)")
+    plan.add_argument(
+        "--ranks", type=arg_int(1, limits.MAX_RANKS), default=None, help="split over exactly this many ranks instead"
+    )
+    plan.add_argument(
+        "--gpus-per-node",
+        type=arg_int(1, 1024),
+        default=8,
+        help="for the node count and torchrun line (default 8)",
+    )
     args = p.parse_args(argv)
     if args.plan:
         return print_plan(args)

@@ -13,7 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k3core.utils import input_limits as limits
 from k3lab import report as report_cmd
+from k3lab.options import arg_int
+
+MAX_LENGTHS = 32  # values of --distances / --lengths
 
 
 def _lengths(value: str) -> tuple[int, ...]:
@@ -21,8 +25,11 @@ def _lengths(value: str) -> tuple[int, ...]:
         out = tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
         out = ()
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {value!r}")
+    if not out or min(out) < 1 or max(out) > limits.MAX_TOKENS or len(out) > MAX_LENGTHS:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_LENGTHS} comma-separated token counts in 1..{limits.MAX_TOKENS:,}, "
+            f"got {limits.shown(value)}"
+        )
     return out
 
 
@@ -31,9 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.prog = "k3lab long"
     p.description = "Long-context diagnostics: the cost estimate, then every position of one long text."
     p.set_defaults(views="long_context", window=1024, max_tokens=16384)
-    p.add_argument("--tokens", type=int, dest="max_tokens", help="tokens of the text to read (default 16384)")
-    p.add_argument("--distances", type=_lengths, help="recall distances (default 16,64,256; 16 examples each)")
-    p.add_argument("--lengths", type=_lengths, help="lengths T of the cost figure (default 128,512,2048)")
+    p.add_argument(
+        "--tokens",
+        type=arg_int(2, limits.MAX_TOKENS),
+        dest="max_tokens",
+        help="tokens of the text to read (default 16384)",
+    )
+    p.add_argument(
+        "--distances",
+        type=_lengths,
+        help=f"recall distances (default 16,64,256; 16 examples each; at most {MAX_LENGTHS} of "
+        f"1..{limits.MAX_TOKENS:,})",
+    )
+    p.add_argument(
+        "--lengths",
+        type=_lengths,
+        help=f"lengths T of the cost figure (default 128,512,2048; at most {MAX_LENGTHS} of 1..{limits.MAX_TOKENS:,})",
+    )
     p.add_argument("--estimate-only", action="store_true", help="print the cost estimate and stop")
     return p
 

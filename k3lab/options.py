@@ -5,9 +5,38 @@ loads a model (generate, report, inspect) and --out / --no-static / --quiet of t
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
+from typing import NoReturn
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+class _StatesCaps(argparse.HelpFormatter):
+    """Help that states every bounded number's range: an option whose ``type`` is ``arg_int`` / ``arg_float`` gets
+    "[low..high]" after its help unless the help already names the upper bound."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        cap = getattr(action.type, "cap", None)
+        if cap is None or (text and cap[1] in text):
+            return text
+        return f"{text or ''} [{cap[0]}..{cap[1]}]".strip()
+
+
+class Parser(argparse.ArgumentParser):
+    """Every command's argument parser: argparse's, with a refused value quoted back as
+    ``k3core.utils.input_limits.shown`` quotes it (argparse echoes a rejected value whole: 100,000 characters of an
+    invalid choice would be 100,000 characters on stderr), and every bounded number's range stated in --help."""
+
+    def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter, **kwargs) -> None:
+        formatter = type(f"Caps{formatter_class.__name__}", (_StatesCaps, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        from k3core.utils.input_limits import clip_quoted
+
+        super().error(clip_quoted(message))
 
 
 def add_device_options(parser: argparse.ArgumentParser, offload_folder: bool = False, when: str = "") -> None:
@@ -54,9 +83,13 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _number(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
 def arg_int(low: int, high: int) -> Callable[[str], int]:
     """An argparse ``type=``: a whole number in [low, high] (``k3core.utils.input_limits.bounded_int``); argparse prints
-    the message and exits with 2, no traceback."""
+    the message and exits with 2, no traceback. ``Parser``'s help states the range."""
     from k3core.utils.input_limits import InputLimitError, bounded_int
 
     def parse(value: str) -> int:
@@ -66,6 +99,26 @@ def arg_int(low: int, high: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
 
     parse.__name__ = f"whole number in {low}..{high}"
+    parse.cap = (_number(low), _number(high))  # type: ignore[attr-defined]
+    return parse
+
+
+def arg_float(low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number in [low, high]; argparse prints the message and exits with 2.
+    ``Parser``'s help states the range."""
+    from k3core.utils.input_limits import shown
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not low <= number <= high:  # NaN and infinities fail too
+            raise argparse.ArgumentTypeError(f"must be a number in {_number(low)}..{_number(high)}, got {shown(value)}")
+        return number
+
+    parse.__name__ = f"number in {low}..{high}"
+    parse.cap = (_number(low), _number(high))  # type: ignore[attr-defined]
     return parse
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
+from k3lab.options import Parser
 
 
 def main(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
+    Parser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
     from analysis.output.format import format_count
     from k3core.model import K3ForCausalLM
     from k3core.presets import PRESETS

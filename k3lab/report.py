@@ -15,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3lab.options import add_device_options, add_output_options
+from k3core.utils.input_limits import MAX_INDEX, MAX_TOKENS, shown
+from k3lab.options import Parser, add_device_options, add_output_options, arg_int
 
 ALL_TEXTS = "all"
 
@@ -29,14 +30,14 @@ def text_index_arg(value: str) -> int | str:
     except ValueError:
         index = -1
     if index < 0:
-        raise argparse.ArgumentTypeError(f"expected a text number (0, 1, ...) or 'all', got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a text number (0, 1, ...) or 'all', got {shown(value)}")
     return index
 
 
 def build_parser() -> argparse.ArgumentParser:
     from analysis.runs.texts import DEFAULT_MAX_TOKENS, SAMPLES
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="k3lab report",
         description="Write a headless HTML report (every figure, "
         "its data, headline numbers) for one run, or a comparison of two runs.",
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_options(p)
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=arg_int(2, MAX_TOKENS),
         default=DEFAULT_MAX_TOKENS,
         help=f"tokens of the input to trace (default {DEFAULT_MAX_TOKENS})",
     )
@@ -83,21 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--layer",
-        type=int,
+        type=arg_int(0, MAX_INDEX),
         metavar="N",
         help="focus the per-layer views (KDA, MLA, MoE, AttnRes ones with a layer picker in the app) on decoder "
         "layer N (0-based); views whose run has no such layer are listed as not applicable (default: all layers)",
     )
     p.add_argument(
         "--head",
-        type=int,
+        type=arg_int(0, MAX_INDEX),
         metavar="H",
         help="focus the per-head views (KDA and MLA) on head H (0-based; default: all heads)",
     )
     p.add_argument("--save-trace", action="store_true", help="also write each run's trace (.npz)")
     p.add_argument(
         "--window",
-        type=int,
+        type=arg_int(1, MAX_TOKENS),
         metavar="N",
         help="keep the bulky per-token trace arrays (hidden states, KDA decays, MoE latents) for the first N "
         "positions only; every diagnostic still covers the whole text, from position bins (default: all; use "

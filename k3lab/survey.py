@@ -14,11 +14,16 @@ import argparse
 import os
 import sys
 
+from k3core.utils import input_limits as limits
+from k3lab.options import Parser, arg_int
+
+MAX_SURVEY_TOKENS = 10**12  # --tokens: a corpus is read in batches, never whole
+
 
 def build_parser() -> argparse.ArgumentParser:
     from analysis.survey.plan import SURVEY_SAMPLES
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="k3lab survey",
         description="Survey a checkpoint over a corpus: per MoE layer and expert the load (with a Wilson interval), "
         "gate mass, MaxVio and CV, co-activation, selection margins, quantile-balancing cut-off gaps, unchosen scores, "
@@ -39,21 +44,43 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(SURVEY_SAMPLES),
         help="built-in corpus: " + "; ".join(f"{k}: {v}" for k, v in SURVEY_SAMPLES.items()),
     )
-    p.add_argument("--tokens", type=int, default=None, metavar="N", help="survey the first N tokens (default: all)")
+    p.add_argument(
+        "--tokens",
+        type=arg_int(1, MAX_SURVEY_TOKENS),
+        default=None,
+        metavar="N",
+        help="survey the first N tokens (default: all)",
+    )
     p.add_argument("--out", metavar="DIR", help="survey folder to write, or to continue")
     p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the run's training length, else 256)"
+        "--seq-len",
+        type=arg_int(2, limits.MAX_TOKENS),
+        default=None,
+        help="tokens per sequence (default: the run's training length, else 256)",
     )
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
-    p.add_argument("--top-contexts", type=int, default=16, help="top contexts kept per expert (default 16)")
-    p.add_argument("--reservoir", type=int, default=16, help="random contexts kept per expert (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the context reservoir (default 0)")
-    p.add_argument("--save-every", type=int, default=16, help="save the folder every N batches (default 16)")
+    p.add_argument("--batch-size", type=arg_int(1, 4096), default=8, help="sequences per forward (default 8)")
+    p.add_argument(
+        "--top-contexts", type=arg_int(1, 1024), default=16, help="top contexts kept per expert (default 16)"
+    )
+    p.add_argument(
+        "--reservoir", type=arg_int(1, 1024), default=16, help="random contexts kept per expert (default 16)"
+    )
+    p.add_argument(
+        "--seed", type=arg_int(0, limits.MAX_SEED), default=0, help="seed of the context reservoir (default 0)"
+    )
+    p.add_argument(
+        "--save-every", type=arg_int(1, 1_000_000), default=16, help="save the folder every N batches (default 16)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--report", metavar="DIR", help="print the summary of a survey folder (no checkpoint needed)")
     p.add_argument("--export", metavar="DIR", help="with --report: write every statistic as CSV and JSON into DIR")
     p.add_argument("--device", default="cpu", help="cpu (default) or a GPU such as cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: chosen for the model's size)")
+    p.add_argument(
+        "--threads",
+        type=arg_int(1, limits.MAX_THREADS),
+        default=None,
+        help="torch threads (default: chosen for the model's size)",
+    )
     return p
 
 

@@ -19,13 +19,13 @@ import os
 import sys
 
 from k3core.utils import input_limits as limits
-from k3lab.options import add_device_options, arg_int
+from k3lab.options import Parser, add_device_options, arg_float, arg_int
 
 
 def build_parser() -> argparse.ArgumentParser:
     from analysis.runs.texts import DEFAULT_MAX_TOKENS, SAMPLES
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="k3lab trace",
         description="Run a checkpoint on one or more texts, record every trace item, and write DIR: one trace per "
         "text (trace-N.npz), a run card (run_card.json: config, tokens and their strings, tokenizer, where and how "
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_options(p)
     p.add_argument(
         "--timeout",
-        type=float,
+        type=arg_float(1, 86_400),
         default=300.0,
         help="under torchrun: seconds a rank waits for another before all exit naming it (default 300)",
     )

@@ -16,6 +16,8 @@ from typing import Any
 from k3core.config import ConfigError
 from k3core.training import TrainConfig, TrainError, load_metrics, parse_overrides, train
 from k3core.utils.files import OutputFolderError
+from k3core.utils.input_limits import MAX_TRAIN_STEPS
+from k3lab.options import arg_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help=f"'shakespeare' or a text file / folder (default {d.data})")
     p.add_argument("--val-plays", nargs="+", help="Shakespeare plays held out for validation")
     g = p.add_argument_group("schedule")
-    g.add_argument("--steps", type=int, help=f"total optimizer steps (default {d.steps})")
+    g.add_argument(
+        "--steps",
+        type=arg_int(1, MAX_TRAIN_STEPS),
+        help=f"total optimizer steps (default {d.steps}, at most {MAX_TRAIN_STEPS:,})",
+    )
     g.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
     g.add_argument("--seq-len", type=int, help=f"bytes per sequence (default {d.seq_len})")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3lab.options import add_output_options
+from k3lab.options import Parser, add_output_options
 
 WEIGHTS_HELP = """\
 Weight-only diagnostics: what a checkpoint learned, read from its small tensors without building
@@ -30,7 +30,7 @@ skipped with a message). Exit codes: 0 done, 1 some figure failed, 2 bad checkpo
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="k3lab weights", description=WEIGHTS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -19,6 +19,8 @@ and conservative: a forward of 1,024 / 4,096 tokens measured +77 / +717 MB of RS
     patching:     forward + 2 x 4 L S T d (clean and corrupted activations per site, S sites) + logits
     attribution:  integrated gradients: 3 x steps x forward (Captum batches the steps; backward doubles it);
                   ablation and Shapley: 2 x forward; layer attribution: 3 x steps x forward
+    recorded:     a trace folder's text: exact, not estimated: the bytes its trace file's members inflate to, from
+                  the zip directory (``analysis.runs.loading.recorded_bytes``), and the read is capped there
 
 Measured (``held_bytes``): the buffers of the arrays a result holds, each buffer once (a numpy array's owning array,
 a torch tensor's storage), plus the containers and strings around them; a model is never counted (the loaded

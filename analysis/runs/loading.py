@@ -265,11 +265,26 @@ def recorded_input(run: Run, index: int = 0) -> Input:
     )
 
 
+def recorded_bytes(run: Run, index: int) -> int:
+    """The bytes reading text ``index`` of a trace folder's run allocates (``TraceDir.inflated_bytes``: from its
+    file's zip directory, after every check of names and shapes against the run card; nothing inflated), what a
+    server admits before ``trace_run(..., max_read_bytes=)``. Raises CheckpointError."""
+    try:
+        return run.recorded.inflated_bytes(index)
+    except TraceError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
 def _recorded_context(
-    run: Run, input_ids: torch.Tensor, label: str | None, options: dict | None, index: int | None = None
+    run: Run,
+    input_ids: torch.Tensor,
+    label: str | None,
+    options: dict | None,
+    index: int | None = None,
+    max_bytes: int | None = None,
 ) -> AnalysisContext:
-    """The stored trace of text ``index`` of a trace folder (None: the text whose tokens are ``input_ids``);
-    ValueError when it holds none."""
+    """The stored trace of text ``index`` of a trace folder (None: the text whose tokens are ``input_ids``), read
+    within ``max_bytes`` (None: the trace file limits); ValueError when it holds none."""
     wanted = [int(t) for t in input_ids[0]]
     texts = run.recorded.texts
     if index is None or not 0 <= index < len(texts) or [int(t) for t in texts[index].get("tokens", [])] != wanted:
@@ -280,7 +295,7 @@ def _recorded_context(
             "text needs the checkpoint"
         )
     try:
-        trace = run.recorded.trace(index)
+        trace = run.recorded.trace(index, max_bytes=max_bytes)
     except TraceError as exc:
         raise CheckpointError(str(exc)) from exc
     return _context(run, trace, input_ids, label, options)
@@ -329,6 +344,7 @@ def trace_run(
     options: dict[str, Any] | None = None,
     edits: list | None = None,
     window: int | None = None,
+    max_read_bytes: int | None = None,
 ) -> AnalysisContext:
     """Run the model once on ``input_ids`` [B, T] inside ``record`` and wrap the trace in an AnalysisContext.
 
@@ -339,6 +355,8 @@ def trace_run(
     queries (their statistics for every position); ``window`` (None: all) bounds the bulky per-token arrays
     (hidden states, KDA decays, MoE latents), which then are summarised over every position by bins.
     The recorder is per call (a context variable), so several threads may trace shared models at once.
+    A trace folder's run reads its stored trace instead, inflating at most ``max_read_bytes`` (what a server admitted:
+    ``TraceDir.inflated_bytes``; None: the trace file limits).
     """
     from k3core.interp.recorder import record
 
@@ -356,7 +374,7 @@ def trace_run(
             raise ValueError(
                 f"{run.label} is a trace folder: an edited forward reruns the model and needs the checkpoint"
             )
-        return _recorded_context(run, input_ids, label, options, recorded_index)
+        return _recorded_context(run, input_ids, label, options, recorded_index, max_read_bytes)
     model = run.model
     device = next(model.parameters()).device
     ids = input_ids.to(device)

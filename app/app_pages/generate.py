@@ -10,8 +10,9 @@ import torch
 from app.render import page
 from app.render.errors import md_escape, plain
 from app.render.model_use import model_use
-from app.state.inputs import MAX_TEXT_CHARS, MAX_TOKENS_CAP
+from app.state.inputs import MAX_TEXT_CHARS
 from k3core.generation.cache import K3Cache
+from k3core.utils.input_limits import MAX_PROMPT_TOKENS
 
 inputs = page.inputs_or_stop()
 run = inputs.run
@@ -77,7 +78,7 @@ if go:
     if len(prompt) > MAX_TEXT_CHARS:  # refused, not tokenised nor written back into the page
         st.error(f"The prompt is {len(prompt):,} characters, over the limit of {MAX_TEXT_CHARS:,}: shorten it.")
         st.stop()
-    ids = tok.encode(prompt)[-MAX_TOKENS_CAP:]
+    ids = tok.encode(prompt)[-MAX_PROMPT_TOKENS:]  # the CLI refuses a longer prompt; the page reads its end
     device = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(int(seed))

@@ -145,8 +145,10 @@ if tokens.n < length:
 state_key = ("k3lab_long", run.fingerprint, tokens.digest)
 ctx = st.session_state.get("k3lab_long_ctx", {}).get(state_key)
 if ctx is None:
-    if not st.button(f"Run on {tokens.n:,} tokens", key="k3lab_long_run", type="primary"):
+    ask = st.empty()  # the Run button, gone once clicked (not left above the charts)
+    if not ask.button(f"Run on {tokens.n:,} tokens", key="k3lab_long_run", type="primary"):
         st.stop()
+    ask.empty()
     stop = st.empty()
     stop.button("Stop", key="k3lab_long_stop", help="Ends the run at its next layer; nothing is kept.")
     bar = st.progress(0.0, text="starting")

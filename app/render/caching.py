@@ -283,6 +283,7 @@ def trace_items(record_attn: bool) -> tuple[str, ...]:
 _TRACED: dict[tuple, tuple[float, int]] = {}  # trace key -> (tokens per second of its forward, its tokens)
 
 
+RECORDED_HINT = "record fewer tokens per text (`k3lab trace --max-tokens`), or give the server more job memory"
 TRACE_SPINNER = "Running the model on the text and recording its trace..."
 
 
@@ -314,21 +315,30 @@ def _run_trace(
 ) -> AnalysisContext:
     from k3core.interp.interventions import edits_from_json
 
-    if run.model is None:  # a trace folder: its trace is read, within the trace file limits (k3core.interp.trace_npz)
-        job, notice = contextlib.nullcontext(), None
+    read_cap = None  # a trace folder's text: its file's checks made and its bytes counted before it is inflated
+    if run.model is None:
+        index = tokens.extra.get("recorded_index") or 0
+        need = read_cap = runs.recorded_bytes(run, index)
+        what_job, hint = f"Reading the trace of text {index} ({tokens.n:,} tokens)", RECORDED_HINT
     else:
         attention = MAX_ATTN_LEN if "attn_probs" in what else None
         need = job_memory.trace_peak_bytes(run.config, tokens.n, attention)
-        notice = st.empty()  # says why the page waits while the job is queued for memory
-        job = job_budget.budget().admit(need, f"Recording the trace of {tokens.n:,} tokens", notice.info)
-    with job:
-        if notice is not None:
-            notice.empty()
+        what_job, hint = f"Recording the trace of {tokens.n:,} tokens", "use fewer tokens"
+    notice = st.empty()  # says why the page waits while the job is queued for memory
+    with job_budget.budget().admit(need, what_job, notice.info, hint=hint) as job:
+        notice.empty()
         start = time.perf_counter()
         with st.spinner(TRACE_SPINNER), model_use(run.model) if run.model is not None else contextlib.nullcontext():
             ctx = runs.trace_run(
-                run, tokens, what=list(what), max_attn_len=MAX_ATTN_LEN, edits=edits_from_json(edits) if edits else None
+                run,
+                tokens,
+                what=list(what),
+                max_attn_len=MAX_ATTN_LEN,
+                edits=edits_from_json(edits) if edits else None,
+                max_read_bytes=read_cap,
             )
+        if job_memory.context_bytes(ctx) > job_budget.budget().kept.capacity:
+            job.hold_until_freed(ctx.trace)  # too large to keep: counted among the running jobs while it is used
     if not edits:
         speed = tokens.n / max(time.perf_counter() - start, 1e-9)
         _TRACED[(fingerprint, device, dtype, digest, what)] = (speed, tokens.n)

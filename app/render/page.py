@@ -67,6 +67,14 @@ def inputs_or_stop() -> Inputs:
     return inputs
 
 
+def run_error(ref: RunRef, exc: BaseException) -> str:
+    """'**run**: message' for a user error of a run, Markdown-escaped; the message's own lead naming the run is dropped
+    (a trace folder's errors name it first: 'tr: trace-1.npz: ...' is shown once, as '**tr**: trace-1.npz: ...')."""
+    text = run_messages.message(exc, ref)
+    text = text.removeprefix(f"{ref.label}: ").removeprefix(f"{ref.label}/")
+    return f"**{md_escape(ref.label)}**: {plain(text)}"
+
+
 def run_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool = False) -> Run:
     """The loaded run (cached); on a bad checkpoint, device or failure shows st.error and stops the page. A page
     loads it once and hands it on (``load_or_stop(run=...)``). A trace folder's run has no
@@ -77,7 +85,7 @@ def run_or_stop(inputs: Inputs, ref: RunRef | None = None, needs_weights: bool =
     try:
         run = caching.load_run(ref, inputs.device, inputs.dtype)
     except USER_ERRORS as exc:
-        error = f"**{md_escape(ref.label)}**: {plain(run_messages.message(exc, ref))}"
+        error = run_error(ref, exc)
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: say so, keep the app running
         log.exception("loading %s failed", ref.path)
         error = f"**{md_escape(ref.label)}** could not be loaded on {inputs.device}/{inputs.dtype}: {describe(exc)}"
@@ -110,7 +118,7 @@ def _confirm_streamed(inputs: Inputs, ref: RunRef) -> None:
     try:
         plan = memory_fit.stream_plan(ref.path, inputs.device, inputs.dtype, inputs.max_memory)
     except (CheckpointError, ValueError) as exc:
-        st.error(f"**{md_escape(ref.label)}**: {plain(run_messages.message(exc, ref))}")
+        st.error(run_error(ref, exc))
         st.stop()
     tokens = inputs.text.max_tokens
     key = (ref.path, inputs.device, inputs.dtype, inputs.max_memory, inputs.text.key())
@@ -182,12 +190,16 @@ def _confirm_long_input(inputs: Inputs, ref: RunRef, run: Run, tokens: Input, ch
     else:
         reads = f"{tokens.n:,} tokens (max tokens is {choice.max_tokens:,}; at most {MAX_TOKENS_CAP:,})"
         advice = "Lower *Max tokens* in the sidebar, or run it."
-    st.warning(
-        f"**{ref.label}** will read {reads}. One forward pass with recording: {estimate}. The importance "
-        f"ablations take {2 * run.config.num_hidden_layers + 2} more. {advice}"
-    )
-    if not st.button(f"Run on {tokens.n:,} tokens", key=f"k3lab_confirm_{hash(key)}", type="primary"):
+    banner = st.empty()  # the question and its button, gone once answered (not left above the charts)
+    with banner.container():
+        st.warning(
+            f"**{ref.label}** will read {reads}. One forward pass with recording: {estimate}. The importance "
+            f"ablations take {2 * run.config.num_hidden_layers + 2} more. {advice}"
+        )
+        go = st.button(f"Run on {tokens.n:,} tokens", key=f"k3lab_confirm_{hash(key)}", type="primary")
+    if not go:
         st.stop()
+    banner.empty()
     confirmed.add(key)
 
 
@@ -220,7 +232,7 @@ def load_or_stop(
         done = _streaming_progress(run)
         loaded = caching.trace(ref, run, tokens, inputs.record_attn, inputs.options(), label, edits)
     except USER_ERRORS as exc:
-        error = f"**{md_escape(ref.label)}**: {plain(run_messages.message(exc, ref))}"
+        error = run_error(ref, exc)
     except Exception as exc:  # noqa: BLE001 - a failed forward must not take the app down
         log.exception("loading %s failed", ref.path)
         error = f"**{md_escape(ref.label)}** could not be run on {inputs.device}/{inputs.dtype}: {describe(exc)}"
@@ -392,7 +404,7 @@ def history_context(ref: RunRef, overlays: list[RunRef]) -> Loaded | None:
     try:
         config = load_config(ref.path)
     except CheckpointError as exc:
-        st.error(f"**{md_escape(ref.label)}**: {plain(run_messages.message(exc, ref))}")
+        st.error(run_error(ref, exc))
         return None
     metrics = caching.run_metrics(ref)
     overlay = {r.label: caching.run_metrics(r) for r in overlays}

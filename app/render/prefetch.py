@@ -3,7 +3,8 @@
 A page that has drawn its own figures calls ``prefetch(views, loaded)``: one thread per (run, text,
 options) builds those views through the same cache the pages use (``app.render.caching.build_view``'s
 ``st.cache_resource``). The thread works only while no script run is in progress (``main.py`` wraps each
-run in ``script_run()``) and checks between views, so it never slows the page someone is waiting for.
+run in ``script_run()``) and checks between views, so it never slows the page someone is waiting for (a page queued
+for job memory is not working: the builds go on, and free the result it may be waiting for).
 Views that run the model (the importance ablations) are left to their button.
 """
 
@@ -19,10 +20,12 @@ from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ct
 from analysis.views.view import View
 from app.render import caching
 from app.render.caching import Loaded
+from app.server import job_budget
 
 _IDLE = threading.Condition()
 _RUNNING = 0  # script runs in progress, every session together
 _DONE: set[tuple] = set()
+QUEUE_POLL_S = 0.25
 
 
 @contextlib.contextmanager
@@ -40,8 +43,12 @@ def script_run() -> Iterator[None]:
 
 
 def _wait_idle() -> None:
+    """Until no script run is in progress, those waiting for job memory aside: a page queued behind a job whose
+    result these builds hold would otherwise wait for them, and they for it (re-checked every QUEUE_POLL_S, since a
+    page starts waiting outside this lock)."""
     with _IDLE:
-        _IDLE.wait_for(lambda: _RUNNING == 0)
+        while not _IDLE.wait_for(lambda: _RUNNING <= job_budget.budget().queued, timeout=QUEUE_POLL_S):
+            pass
 
 
 def prefetch(views: list[View], loaded: Loaded) -> None:

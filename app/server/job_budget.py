@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from analysis.output.format import format_bytes
 from app.server.kept_results import KeptResults
@@ -32,6 +34,18 @@ class JobRefused(RuntimeError):
     """A job that does not fit the server's job memory budget (now, or at all); the message says which."""
 
 
+class AdmittedJob:
+    """What ``JobBudget.admit`` yields: ``hold_until_freed(result)`` keeps the job's bytes admitted after the block
+    until ``result`` is freed (a result too large for the kept share, used by its sessions meanwhile: counted among
+    the running jobs, not outside the budget)."""
+
+    def __init__(self) -> None:
+        self.holder: Any = None
+
+    def hold_until_freed(self, result: Any) -> None:
+        self.holder = result
+
+
 class JobBudget:
     """Admission of jobs by estimated peak memory against ``jobs_bytes``, the running share of ``total_bytes``; the
     rest (``kept``) keeps finished results. Thread safe."""
@@ -44,45 +58,63 @@ class JobBudget:
         self.admitted_bytes = 0
         self.peak_admitted_bytes = 0  # the most ever admitted at once (tests and the log read it)
         self.running: dict[int, tuple[str, int]] = {}
+        self.queued = 0  # jobs waiting for memory (their pages are idle: background work may go on meanwhile)
         self._cond = threading.Condition()
         self._next = 0
 
     @contextmanager
-    def admit(self, nbytes: int, what: str, waiting: Callable[[str], None] | None = None) -> Iterator[None]:
+    def admit(
+        self, nbytes: int, what: str, waiting: Callable[[str], None] | None = None, hint: str = "use fewer tokens"
+    ) -> Iterator[AdmittedJob]:
         """Run the block once ``nbytes`` fit beside the jobs already admitted; JobRefused when it never fits
-        (over the whole running share) or did not within ``wait_s``. ``waiting(message)`` is told once when it
-        queues. The memory the block freed is given back to the system when it ends."""
+        (over the whole running share; the message ends with ``hint``, what the user can do) or did not within
+        ``wait_s``. ``waiting(message)`` is told once when it queues. The memory the block freed is given back to the
+        system when it ends; its bytes stay admitted past the block while a result it names with
+        ``AdmittedJob.hold_until_freed`` lives."""
         nbytes = max(int(nbytes), 0)
         if nbytes > self.jobs_bytes:
             raise JobRefused(
                 f"{what} needs about {format_bytes(nbytes)} of memory, more than this server runs jobs in "
                 f"({format_bytes(self.jobs_bytes)} of its {format_bytes(self.total_bytes)} job memory, the rest keeps "
-                "finished results; `k3lab app --job-memory SIZE` sets it): use fewer tokens"
+                f"finished results; `k3lab app --job-memory SIZE` sets it): {hint}"
             )
         deadline = time.monotonic() + self.wait_s
         with self._cond:
             told = False
-            while self.admitted_bytes + nbytes > self.jobs_bytes:
-                if not told and waiting is not None:
-                    waiting(self._busy(what, nbytes))
-                    told = True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise JobRefused(self._busy(what, nbytes) + f"; it waited {self.wait_s:.0f} s: try again later")
-                self._cond.wait(timeout=left)
+            try:
+                while self.admitted_bytes + nbytes > self.jobs_bytes:
+                    if not told:
+                        self.queued += 1
+                        told = True
+                        if waiting is not None:
+                            waiting(self._busy(what, nbytes))
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise JobRefused(self._busy(what, nbytes) + f"; it waited {self.wait_s:.0f} s: try again later")
+                    self._cond.wait(timeout=left)
+            finally:
+                self.queued -= told
             self._next += 1
             ticket = self._next
             self.admitted_bytes += nbytes
             self.peak_admitted_bytes = max(self.peak_admitted_bytes, self.admitted_bytes)
             self.running[ticket] = (what, nbytes)
+        job = AdmittedJob()
         try:
-            yield
+            yield job
         finally:
             release_freed_memory()  # the job's working memory, freed by now (its result is kept or used)
-            with self._cond:
-                self.admitted_bytes -= nbytes
-                self.running.pop(ticket, None)
-                self._cond.notify_all()
+            if job.holder is None:
+                self._end(ticket, nbytes)
+            else:  # a result too large to keep: its bytes stay admitted while it is used
+                weakref.finalize(job.holder, self._end, ticket, nbytes)
+                job.holder = None
+
+    def _end(self, ticket: int, nbytes: int) -> None:
+        with self._cond:
+            self.admitted_bytes -= nbytes
+            self.running.pop(ticket, None)
+            self._cond.notify_all()
 
     def _busy(self, what: str, nbytes: int) -> str:
         return (

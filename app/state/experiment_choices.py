@@ -13,6 +13,7 @@ from analysis.runs import texts
 from app.state.inputs import options_key
 from k3core.interp.catalogue import hook_points
 from k3core.interp.hooks import HookNames
+from k3core.utils.input_limits import shown
 
 KINDS = {
     "moe": "MoE routing",
@@ -114,7 +115,7 @@ def one_token(run: Any, text: str, what: str) -> int:
     tok = texts.text_tokenizer(run.config, run.tokenizer)
     ids = tok.encode(text) if text else []
     if len(ids) != 1:
-        raise ValueError(f"{what} must be one token; {text!r} is {len(ids)} tokens")
+        raise ValueError(f"{what} must be one token; {shown(text)} is {len(ids)} tokens")
     return int(ids[0])
 
 

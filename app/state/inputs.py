@@ -16,6 +16,7 @@ import torch
 
 from analysis.runs.loading import DTYPES
 from k3core.utils import input_limits
+from k3core.utils.input_limits import shown
 
 if TYPE_CHECKING:
     from app.library.run_list import RunRef
@@ -121,9 +122,9 @@ def check_max_tokens(max_tokens: Any) -> int:
     try:
         n = int(max_tokens)
     except (TypeError, ValueError) as exc:
-        raise InputError(f"max tokens must be a whole number, got {max_tokens!r}") from exc
+        raise InputError(f"max tokens must be a whole number, got {shown(max_tokens)}") from exc
     if n != max_tokens or not 2 <= n <= MAX_TOKENS_CAP:
-        raise InputError(f"max tokens must be between 2 and {MAX_TOKENS_CAP}, got {max_tokens!r}")
+        raise InputError(f"max tokens must be between 2 and {MAX_TOKENS_CAP}, got {shown(max_tokens)}")
     return n
 
 
@@ -154,7 +155,7 @@ def check_text(choice: TextChoice) -> None:
             "a checkpoint cannot read it; pick a text for it in the sidebar"
         )
     if choice.source not in (*TEXT_SOURCES, TEXT_RECORDED):
-        raise InputError(f"unknown text source {choice.source!r}; choose one of {TEXT_SOURCES}")
+        raise InputError(f"unknown text source {shown(choice.source)}; choose one of {TEXT_SOURCES}")
 
 
 def decode_upload(data: bytes, name: str = "upload") -> str:
@@ -192,9 +193,9 @@ def check_max_memory(text: str) -> str:
 def check_device(device: str, dtype: str) -> None:
     """Raise InputError for a device or dtype this machine cannot use."""
     if dtype not in DTYPES:
-        raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise InputError(f"unknown dtype {shown(dtype)}; choose one of {sorted(DTYPES)}")
     if device not in ("cpu", "cuda"):
-        raise InputError(f"unknown device {device!r}; choose cpu or cuda")
+        raise InputError(f"unknown device {shown(device)}; choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError("CUDA was chosen but no CUDA device is available; choose cpu")
 
@@ -206,7 +207,9 @@ def check_options(options: dict[str, Any]) -> None:
         raise InputError(f"unknown option(s) {unknown}; known: {sorted(KNOWN_OPTIONS)}")
     seq_len = options.get("seq_len")
     if seq_len is not None and (not isinstance(seq_len, int) or not SEQ_LENS[0] <= seq_len <= SEQ_LENS[-1]):
-        raise InputError(f"seq_len must be a whole number of tokens in {SEQ_LENS[0]}..{SEQ_LENS[-1]}, got {seq_len!r}")
+        raise InputError(
+            f"seq_len must be a whole number of tokens in {SEQ_LENS[0]}..{SEQ_LENS[-1]}, got {shown(seq_len)}"
+        )
 
 
 def options_key(options: dict[str, Any]) -> tuple:

@@ -30,6 +30,7 @@ from analysis.runs import loading
 from app import pages
 from app.render.errors import md_escape
 from app.state import inputs as inp
+from k3core.utils.input_limits import shown
 
 TEXT_SLUGS = {
     "shakespeare": inp.TEXT_SHAKESPEARE,
@@ -69,8 +70,9 @@ NOTES = "k3lab_link_notes"
 
 
 def _shown(value: str) -> str:
-    """A query value as the notes quote it: at most 60 characters (the notes are escaped where shown)."""
-    return repr(value if len(value) <= 60 else value[:60] + "...")
+    """A query value as the notes quote it: ``k3core.utils.input_limits.shown`` at 60 characters (the notes are
+    escaped where shown)."""
+    return shown(value, 60)
 
 
 def _choice(name: str, value: str, allowed: dict[str, Any] | Sequence[str], notes: list[str]) -> Any:

@@ -22,6 +22,7 @@ from app.state import links
 from app.state.inputs import InputError, Inputs, TextChoice
 from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace_folder import is_trace_dir
+from k3core.utils.input_limits import shown
 
 ORIGIN_TAGS = {
     "preloaded": "",
@@ -220,7 +221,7 @@ def recorded_choice(
     if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted < count:
         ss[note_key] = (
             ref.label,
-            f"There is no text {wanted!r} in the trace folder {ref.label}: it recorded {count} text(s), numbered "
+            f"There is no text {shown(wanted)} in the trace folder {ref.label}: it recorded {count} text(s), numbered "
             f"0..{count - 1}. Showing text {fallback}.",
         )
         wanted = fallback

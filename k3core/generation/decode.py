@@ -163,6 +163,19 @@ def generate(
     return torch.cat(out, dim=1)
 
 
+def prompt_ids(prompt: str, tokenizer: Tokenizer) -> list[int]:
+    """The token ids of a prompt (a newline's for an empty one); ValueError over
+    ``k3core.utils.input_limits.MAX_PROMPT_TOKENS`` (the CLI's and the app's one cap)."""
+    from ..utils.input_limits import MAX_PROMPT_TOKENS
+
+    ids = tokenizer.encode(prompt) or tokenizer.encode("\n")
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise ValueError(
+            f"the prompt is {len(ids):,} tokens, over the limit of {MAX_PROMPT_TOKENS:,}: give its last part"
+        )
+    return ids
+
+
 def generate_text(
     model: nn.Module,
     prompt: str,
@@ -176,7 +189,8 @@ def generate_text(
 
     ``temperature > 0`` samples each token from ``softmax(logits / temperature)`` (restricted to the
     ``top_k`` largest logits when given) with a generator seeded by ``seed``, so the text is
-    reproducible; ``temperature == 0`` is greedy (argmax). An empty prompt starts from a newline.
+    reproducible; ``temperature == 0`` is greedy (argmax). An empty prompt starts from a newline; one over
+    MAX_PROMPT_TOKENS tokens is refused (``prompt_ids``).
     ``tokenizer`` defaults to the byte tokenizer (vocabulary 256; k3core.tokenizer has the others).
     """
     if temperature < 0:
@@ -184,7 +198,7 @@ def generate_text(
     if tokenizer is None:
         tokenizer = ByteTokenizer()
     device = next(model.parameters()).device
-    ids = torch.tensor([tokenizer.encode(prompt) or tokenizer.encode("\n")], device=device)
+    ids = torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
     sample = temperature > 0
     out = generate(
         model,

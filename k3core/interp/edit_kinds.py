@@ -41,12 +41,12 @@ def _range(value: Any, what: str) -> Range:
         try:
             start, stop = value
         except (TypeError, ValueError):
-            raise EditError(f"{what} must be [start, stop) or one position, got {value!r}") from None
+            raise EditError(f"{what} must be [start, stop) or one position, got {limits.shown(value)}") from None
         start, stop = limits.index(start, f"{what} start"), limits.index(stop, f"{what} stop")
     except limits.InputLimitError as exc:
         raise EditError(str(exc)) from None
     if stop <= start:
-        raise EditError(f"{what} must be a non-empty range [start, stop) of positions >= 0, got {value!r}")
+        raise EditError(f"{what} must be a non-empty range [start, stop) of positions >= 0, got {limits.shown(value)}")
     return (start, stop)
 
 
@@ -57,7 +57,7 @@ def _ints(value: Any, what: str) -> list[int] | None:
         return None
     values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise EditError(f"{what} must be a list of integers, got {value!r}")
+        raise EditError(f"{what} must be a list of integers, got {limits.shown(value)}")
     try:
         return limits.indices(values, what)
     except limits.InputLimitError as exc:
@@ -101,7 +101,9 @@ def _mask_along(value: torch.Tensor, axes: tuple[str, ...], picks: dict[str, Any
         else:
             wrong = [p for p in pick if p >= size]
             if wrong:
-                raise EditError(f"{axis} {wrong[:8]} out of range: this point has {size} ({axis} 0..{size - 1})")
+                raise EditError(
+                    f"{axis} {limits.shown(wrong[:8])} out of range: this point has {size} ({axis} 0..{size - 1})"
+                )
             sel[pick] = True
         shape = [1] * value.dim()
         shape[dim] = size
@@ -146,9 +148,9 @@ class ValueEdit(_Edit):
 
     def __post_init__(self) -> None:
         if self.op not in self.OPS:
-            raise EditError(f"value edit op must be one of {self.OPS}, got {self.op!r}")
+            raise EditError(f"value edit op must be one of {self.OPS}, got {limits.shown(self.op)}")
         if self.op != "zero" and self.value is None:
-            raise EditError(f"value edit {self.op!r} needs a value")
+            raise EditError(f"value edit {limits.shown(self.op)} needs a value")
         self.tokens = _range(self.tokens, "tokens")
         self.layers, self.heads, self.channels = (
             _ints(self.layers, "layers"),
@@ -163,15 +165,17 @@ class ValueEdit(_Edit):
         local = HookNames.point_of(self.point)
         if local not in POINT_AXES or self.point.startswith("blocks.") and self.point not in available:
             points = sorted({HookNames.point_of(n) for n in available})
-            raise EditError(f"unknown hook point {self.point!r}; this model has: {', '.join(points)}")
+            raise EditError(f"unknown hook point {limits.shown(self.point)}; this model has: {', '.join(points)}")
         layers = _layers_with(config, local)
         if not layers:
-            raise EditError(f"hook point {local!r} is not in this model (residual {config.residual!r})")
+            raise EditError(f"hook point {limits.shown(local)} is not in this model (residual {config.residual!r})")
         if self.layers is None:
             return [HookNames.block(i, local) for i in layers]
         wrong = [i for i in self.layers if i not in layers]
         if wrong:
-            raise EditError(f"layers {wrong} have no hook point {local!r}; layers with it: {layers}")
+            raise EditError(
+                f"layers {limits.shown(wrong)} have no hook point {limits.shown(local)}; layers with it: {layers}"
+            )
         return [HookNames.block(i, local) for i in self.layers]
 
     def hooks(self, config: Any) -> list[tuple[str, Callable]]:
@@ -228,11 +232,11 @@ class AttnResEdit(_Edit):
 
     def __post_init__(self) -> None:
         if self.mode not in self.MODES:
-            raise EditError(f"AttnRes edit mode must be one of {self.MODES}, got {self.mode!r}")
+            raise EditError(f"AttnRes edit mode must be one of {self.MODES}, got {limits.shown(self.mode)}")
         if self.mode != "uniform" and not self.sources:
             raise EditError(f"AttnRes {self.mode} needs sources (indices or names)")
         if self.mode == "one_hot" and len(self.sources) != 1:
-            raise EditError(f"AttnRes one_hot takes exactly one source, got {self.sources}")
+            raise EditError(f"AttnRes one_hot takes exactly one source, got {limits.shown(self.sources)}")
         self.sources = list(self.sources)
         self.tokens = _range(self.tokens, "tokens")
 
@@ -250,7 +254,7 @@ class AttnResEdit(_Edit):
                 for n in available
                 if n.endswith("_res.weights") and n.startswith("blocks.")
             ]
-            raise EditError(f"no AttnRes site {self.site!r}; sites: {', '.join(sorted(sites))}")
+            raise EditError(f"no AttnRes site {limits.shown(self.site)}; sites: {', '.join(sorted(sites))}")
         return [(name, self._hook)]
 
     def _indices(self, names: list[str]) -> list[int]:
@@ -258,7 +262,7 @@ class AttnResEdit(_Edit):
         for s in self.sources:
             if isinstance(s, str) and not s.lstrip("-").isdigit():
                 if s not in names:
-                    raise EditError(f"site {self.site}: no source {s!r}; sources: {names}")
+                    raise EditError(f"site {self.site}: no source {limits.shown(s)}; sources: {names}")
                 out.append(names.index(s))
             else:
                 j = int(s)
@@ -308,7 +312,7 @@ class KDAEdit(_Edit):
 
     def __post_init__(self) -> None:
         if self.op not in self.OPS:
-            raise EditError(f"KDA edit op must be one of {self.OPS}, got {self.op!r}")
+            raise EditError(f"KDA edit op must be one of {self.OPS}, got {limits.shown(self.op)}")
         if self.op in ("pin_g", "scale_g", "scale_beta", "scale_chunk_state") and self.value is None:
             raise EditError(f"KDA {self.op} needs a value")
         if self.op == "pin_g" and self.value > 0:
@@ -322,7 +326,7 @@ class KDAEdit(_Edit):
         if on_chunks and not self.chunks:
             raise EditError(f"KDA {self.op} needs chunks (indices 0, 1, ... of the chunks whose end state it edits)")
         if on_chunks and min(self.chunks) < 0:
-            raise EditError(f"KDA chunks are numbered from 0, got {self.chunks}")
+            raise EditError(f"KDA chunks are numbered from 0, got {limits.shown(self.chunks)}")
         if on_chunks and self.tokens is not None:
             raise EditError(f"KDA {self.op} picks chunks, not tokens")
         if not on_chunks and self.chunks is not None:
@@ -330,7 +334,7 @@ class KDAEdit(_Edit):
 
     def hooks(self, config: Any) -> list[tuple[str, Callable]]:
         if self.heads and max(self.heads) >= config.kda_num_heads:
-            raise EditError(f"KDA heads are 0..{config.kda_num_heads - 1}, got {self.heads}")
+            raise EditError(f"KDA heads are 0..{config.kda_num_heads - 1}, got {limits.shown(self.heads)}")
         if self.chunks is not None:
             layers = _check_layer(config, self.layer, "kda.chunk_state", "KDA")
             return [(HookNames.block(i, "kda.chunk_state"), self._chunk_state_hook) for i in layers]
@@ -351,7 +355,7 @@ class KDAEdit(_Edit):
                 ends = [min((n + 1) * info["chunk_size"], info["length"]) for n in range(info["chunks"])]
                 shown = ", ".join(f"{n} (ends at token {e})" for n, e in list(enumerate(ends))[:16])
                 more = f", ... {len(ends) - 16} more" if len(ends) > 16 else ""
-                raise EditError(f"{name}: no chunk {missing} in this forward; chunks: {shown}{more}")
+                raise EditError(f"{name}: no chunk {limits.shown(missing)} in this forward; chunks: {shown}{more}")
         if info["chunk"] not in self.chunks:
             return None
         new = torch.zeros_like(state) if self.op == "reset_chunk_state" else state * self.value
@@ -374,7 +378,7 @@ class MoEEdit(_Edit):
 
     def __post_init__(self) -> None:
         if self.op not in self.OPS:
-            raise EditError(f"MoE edit op must be one of {self.OPS}, got {self.op!r}")
+            raise EditError(f"MoE edit op must be one of {self.OPS}, got {limits.shown(self.op)}")
         self.experts = _ints(self.experts, "experts") or []
         if self.op in ("ban", "force") and not self.experts:
             raise EditError(f"MoE {self.op} needs experts")
@@ -384,7 +388,7 @@ class MoEEdit(_Edit):
         E, k = config.num_experts, config.num_experts_per_token
         bad = [e for e in self.experts if not 0 <= e < E]
         if bad:
-            raise EditError(f"experts {bad} do not exist; this model has experts 0..{E - 1}")
+            raise EditError(f"experts {limits.shown(bad)} do not exist; this model has experts 0..{E - 1}")
         if self.op == "force" and len(self.experts) > k:
             raise EditError(f"can force at most k = {k} experts, got {len(self.experts)}")
         if self.op == "ban" and E - len(set(self.experts)) < k:
@@ -418,7 +422,7 @@ class MLAEdit(_Edit):
 
     def __post_init__(self) -> None:
         if self.op != "mask_keys":
-            raise EditError(f"MLA edit op must be 'mask_keys', got {self.op!r}")
+            raise EditError(f"MLA edit op must be 'mask_keys', got {limits.shown(self.op)}")
         self.keys = _range(self.keys, "keys")
         self.queries = _range(self.queries, "queries")
         self.heads = _ints(self.heads, "heads")
@@ -427,7 +431,7 @@ class MLAEdit(_Edit):
         layers = _check_layer(config, self.layer, "mla.key_mask", "MLA")
         H = config.num_attention_heads
         if self.heads and max(self.heads) >= H:
-            raise EditError(f"MLA heads are 0..{H - 1}, got {self.heads}")
+            raise EditError(f"MLA heads are 0..{H - 1}, got {limits.shown(self.heads)}")
 
         def hook(rows: torch.Tensor, name: str, info: dict) -> torch.Tensor:
             """The visible keys of queries [start, stop) of the forward ([n, S]; [H, n, S] for some heads)."""

@@ -48,16 +48,16 @@ __all__ = ["compile_edits", "edit_from_dict", "edits_from_json", "edits_to_json"
 def edit_from_dict(data: dict[str, Any]) -> Edit:
     """The edit a ``to_dict`` wrote (EditError for an unknown kind or field)."""
     if not isinstance(data, dict):
-        raise EditError(f"an edit is an object with a 'kind', got {data!r}")
+        raise EditError(f"an edit is an object with a 'kind', got {limits.shown(data)}")
     data = dict(data)
     kind = data.pop("kind", None)
     if kind not in EDIT_KINDS:
-        raise EditError(f"unknown edit kind {kind!r}; kinds: {', '.join(EDIT_KINDS)}")
+        raise EditError(f"unknown edit kind {limits.shown(kind)}; kinds: {', '.join(EDIT_KINDS)}")
     cls = EDIT_KINDS[kind]
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - fields
     if unknown:
-        raise EditError(f"{kind} edit has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
+        raise EditError(f"{kind} edit has no field(s) {limits.shown(sorted(unknown))}; fields: {sorted(fields)}")
     try:
         if "value" in data:
             data["value"] = limits.finite_values(data["value"], f"{kind} edit value")
@@ -68,7 +68,7 @@ def edit_from_dict(data: dict[str, Any]) -> Edit:
     try:
         return cls(**data)
     except TypeError as exc:
-        raise EditError(f"bad {kind} edit {data}: {exc}") from None
+        raise EditError(f"bad {kind} edit {limits.shown(data, 200)}: {limits.shown(str(exc), 200)}") from None
 
 
 def edits_to_json(edits: Iterable[Edit]) -> str:
@@ -123,14 +123,16 @@ def parse_edit(text: str) -> Edit:
     head, *pairs = text.split()
     kind, _, op = head.partition(".")
     if kind not in EDIT_KINDS:
-        raise EditError(f"unknown edit kind {kind!r} in {text!r}; kinds: {', '.join(EDIT_KINDS)}")
+        raise EditError(
+            f"unknown edit kind {limits.shown(kind)} in {limits.shown(text)}; kinds: {', '.join(EDIT_KINDS)}"
+        )
     data: dict[str, Any] = {"kind": kind}
     if op:
         data["mode" if kind == "attnres" else "op"] = op
     for pair in pairs:
         key, eq, value = pair.partition("=")
         if not eq:
-            raise EditError(f"expected key=value in {text!r}, got {pair!r}")
+            raise EditError(f"expected key=value in {limits.shown(text)}, got {limits.shown(pair)}")
         parsed = _short_value(value)
         if key in _LIST_FIELDS and not isinstance(parsed, list):
             parsed = [parsed]

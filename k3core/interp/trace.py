@@ -24,7 +24,7 @@ import torch
 from ..utils.files import open_for_reading, parse_json
 from .catalogue import POINTS
 from .hooks import HookNames
-from .trace_npz import NpzLimits, TraceError, read_npz
+from .trace_npz import NpzLimits, TraceError, npz_layout, read_npz
 
 MAX_HEADER_BYTES = 64 * 1024**2  # a trace's JSON header (meta + axes)
 
@@ -200,6 +200,45 @@ def current_name(name: str) -> str:
 names = TraceNames
 
 
+@dataclass(frozen=True)
+class TraceLayout:
+    """A trace file's arrays as declared, before any is inflated (``Trace.layout``): axes and shape by (current)
+    name, and ``nbytes``, the bytes its members inflate to (what reading the file allocates)."""
+
+    axes: dict[str, tuple[str, ...]]
+    shapes: dict[str, tuple[int, ...]]
+    nbytes: int
+
+
+def _header_of(header_bytes: np.ndarray | None, where: str) -> tuple[dict, dict]:
+    """(axes, meta) of a trace's JSON header array; TraceError when it is missing, too large or foreign."""
+    if header_bytes is None or header_bytes.dtype != np.uint8 or header_bytes.ndim != 1:
+        raise TraceError(f"{where}: not a k3lab trace (no header)")
+    if header_bytes.size > MAX_HEADER_BYTES:
+        raise TraceError(f"{where}: its header is {header_bytes.size:,} bytes, over {MAX_HEADER_BYTES:,}")
+    header = parse_json(header_bytes.tobytes(), f"{where}: header", error=TraceError)
+    if not isinstance(header, dict) or header.get("format") != "k3lab-trace/1":
+        fmt = header.get("format") if isinstance(header, dict) else None
+        raise TraceError(f"{where}: unknown trace format {fmt!r}")
+    axes, meta = header.get("axes"), header.get("meta")
+    if not isinstance(axes, dict) or not isinstance(meta, dict):
+        raise TraceError(f"{where}: corrupt trace header (axes do not match the stored arrays)")
+    return axes, meta
+
+
+def _check_axes(axes: dict, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """TraceError unless every stored array has a list of axis names, one per dimension of its shape."""
+    if set(axes) != set(shapes):
+        raise TraceError(f"{where}: corrupt trace header (axes do not match the stored arrays)")
+    for name, axis_names in axes.items():
+        if (
+            not isinstance(axis_names, list)
+            or len(axis_names) != len(shapes[name])
+            or not all(isinstance(a, str) for a in axis_names)
+        ):
+            raise TraceError(f"{where}: array {name[:80]!r}: its axes {str(axis_names)[:80]} do not fit its shape")
+
+
 @dataclass
 class Trace:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
@@ -277,27 +316,32 @@ class Trace:
                 return cls.load(fh, limits, where or str(path))
         where = where or "trace"
         stored = read_npz(source, where, limits)
-        header_bytes = stored.pop("__header__", None)
-        if header_bytes is None or header_bytes.dtype != np.uint8 or header_bytes.ndim != 1:
-            raise TraceError(f"{where}: not a k3lab trace (no header)")
-        if header_bytes.size > MAX_HEADER_BYTES:
-            raise TraceError(f"{where}: its header is {header_bytes.size:,} bytes, over {MAX_HEADER_BYTES:,}")
-        header = parse_json(header_bytes.tobytes(), f"{where}: header", error=TraceError)
-        if not isinstance(header, dict) or header.get("format") != "k3lab-trace/1":
-            fmt = header.get("format") if isinstance(header, dict) else None
-            raise TraceError(f"{where}: unknown trace format {fmt!r}")
+        axes, meta = _header_of(stored.pop("__header__", None), where)
         arrays = {k[2:]: v for k, v in stored.items() if k.startswith("a/")}
-        axes, meta = header.get("axes"), header.get("meta")
-        if not isinstance(axes, dict) or not isinstance(meta, dict) or set(axes) != set(arrays):
-            raise TraceError(f"{where}: corrupt trace header (axes do not match the stored arrays)")
-        for name, names in axes.items():
-            if (
-                not isinstance(names, list)
-                or len(names) != arrays[name].ndim
-                or not all(isinstance(a, str) for a in names)
-            ):
-                raise TraceError(f"{where}: array {name[:80]!r}: its axes {str(names)[:80]} do not fit its shape")
+        _check_axes(axes, {name: array.shape for name, array in arrays.items()}, where)
         return cls._renamed(arrays, {k: tuple(v) for k, v in axes.items()}, meta)
+
+    @staticmethod
+    def layout(fh: BinaryIO, limits: NpzLimits | None = None, where: str = "trace") -> TraceLayout:
+        """What ``Trace.load(fh)`` would hold, from the zip directory, the .npy headers and the trace's JSON header
+        alone (no array inflated): each array's axes and shape (current names) and the bytes the arrays inflate to.
+        Raises TraceError as ``load`` does; ``fh`` is left at its start."""
+        found = npz_layout(fh, where, limits)
+        header_shape = found.shapes.get("__header__")
+        if header_shape is not None and len(header_shape) == 1 and header_shape[0] > MAX_HEADER_BYTES:
+            raise TraceError(f"{where}: its header is {header_shape[0]:,} bytes, over {MAX_HEADER_BYTES:,}")
+        try:
+            stored = read_npz(fh, where, limits, only={"__header__"})
+        finally:
+            fh.seek(0)
+        axes, _ = _header_of(stored.get("__header__"), where)
+        shapes = {k[2:]: v for k, v in found.shapes.items() if k.startswith("a/")}
+        _check_axes(axes, shapes, where)
+        return TraceLayout(
+            axes={current_name(k): tuple(v) for k, v in axes.items()},
+            shapes={current_name(k): v for k, v in shapes.items()},
+            nbytes=found.nbytes,
+        )
 
     @classmethod
     def _renamed(cls, arrays: dict[str, np.ndarray], axes: dict[str, tuple[str, ...]], meta: dict[str, Any]) -> Trace:

@@ -6,8 +6,10 @@ On its own (``check_card``): the config (``K3Config.from_dict``), and per text: 
 ``sha256`` (64 hex digits or absent), ``tokens`` (a list of at most ``MAX_TEXT_TOKENS`` ints in the vocabulary;
 ``MAX_CARD_TOKENS`` over all texts), ``token_strings`` (as many short strings, or absent), ``name``.
 
-Against a trace (``check_trace``): its ``tokens`` array equals the card's; the axes ``token`` and ``query``
-have the card's token count, ``batch`` the tokens array's batch, ``expert`` the config's number of experts,
+Against a trace (``check_trace``; ``check_layout`` makes every check but the token values on the layout a trace
+file declares, before any array is inflated): its ``tokens`` array equals the card's; the axes ``token`` and ``query``
+have the card's token count (``query`` at most: the attention maps keep the first ``max_attn_len`` queries),
+``batch`` the tokens array's batch, ``expert`` the config's number of experts,
 ``hidden`` its width, ``depth`` at most 2 x layers + 2; an array ``blocks.<i>.<kind>.<item>`` has ``i`` below
 the config's layers, and for the kinds the config places (``kda``, ``mla``, ``moe``) each item covers exactly the
 config's layers of that kind (a card whose config says 32 layers over arrays of 8 is refused).
@@ -96,19 +98,34 @@ def check_trace(trace: Trace, config: K3Config, tokens: list[int], where: str) -
     if ids.shape[1] != len(tokens) or not np.array_equal(ids[0], np.asarray(tokens, dtype=np.int64)):
         raise TraceError(f"{where}: array 'tokens' ({ids.shape[1]:,} tokens) differs from the card's texts tokens "
                          f"({len(tokens):,})")  # fmt: skip
-    wanted = {
-        "token": len(tokens),
-        "query": len(tokens),
-        "batch": ids.shape[0],
-        "expert": config.num_experts,
-        "hidden": config.hidden_size,
-    }
+    check_layout(trace.axes, {name: array.shape for name, array in trace.arrays.items()}, config, len(tokens), where)
+
+
+def check_layout(
+    axes: Mapping[str, tuple[str, ...]],
+    shapes: Mapping[str, tuple[int, ...]],
+    config: K3Config,
+    n_tokens: int,
+    where: str,
+) -> None:
+    """``check_trace``'s checks of names, axes and shapes, on a trace's declared layout (``Trace.layout``: nothing
+    inflated yet) of a text of ``n_tokens`` tokens; TraceError naming ``where`` and the array."""
+    ids = shapes.get(TraceNames.TOKENS)
+    if ids is None or len(ids) != 2 or ids[0] < 1:
+        raise TraceError(f"{where}: array 'tokens' is missing or not [batch, token] token ids")
+    if ids[1] != n_tokens:
+        raise TraceError(f"{where}: array 'tokens' ({ids[1]:,} tokens) differs from the card's texts tokens "
+                         f"({n_tokens:,})")  # fmt: skip
+    wanted = {"token": n_tokens, "batch": ids[0], "expert": config.num_experts, "hidden": config.hidden_size}
     groups: dict[tuple[str, str], set[int]] = defaultdict(set)
-    for name, array in trace.arrays.items():
-        for axis, size in zip(trace.axes[name], array.shape):
+    for name, shape in shapes.items():
+        for axis, size in zip(axes[name], shape):
             if axis in wanted and size != wanted[axis]:
                 raise TraceError(f"{where}: array {name[:80]!r}: axis {axis!r} has {size:,}, the card says "
                                  f"{wanted[axis]:,}")  # fmt: skip
+            if axis == "query" and size > n_tokens:  # attention maps keep the first max_attn_len queries
+                raise TraceError(f"{where}: array {name[:80]!r}: axis 'query' has {size:,}, over the card's "
+                                 f"{n_tokens:,} tokens")  # fmt: skip
             if axis == "depth" and size > 2 * config.num_hidden_layers + 2:
                 raise TraceError(f"{where}: array {name[:80]!r}: {size:,} depths for {config.num_hidden_layers} layers")
         layer = TraceNames.layer_of(name)

@@ -20,20 +20,21 @@ trace folder. DIR must not exist, or be an empty folder.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import secrets
 import shutil
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import K3Config
 from ..utils.files import check_output_folder, fsync_dir, open_for_reading, parse_json, read_bytes_limited
-from .trace import Trace
-from .trace_checks import check_card, check_trace
+from .trace import Trace, TraceLayout
+from .trace_checks import check_card, check_layout, check_trace
 from .trace_npz import NpzLimits, TraceError, check_ratio, zip_totals
 
 CARD_NAME = "run_card.json"
@@ -75,16 +76,28 @@ def _sha256(fh) -> str:
 
 def _open_trace_file(folder: Path, name: str):
     """A trace file of a folder as an open binary file, through the checked open every other file goes through
-    (``k3core.utils.files.open_for_reading``: under a server no link out, a regular file of one link)."""
+    (``k3core.utils.files.open_for_reading``: under a server no link out, a regular file of one link). A trace file
+    that is a symbolic link is refused everywhere, in the app and on the command line alike (one rule: a trace
+    folder holds its traces). Every refusal is a TraceError naming ``folder/name`` once."""
+    where = f"{folder.name}/{name}"
     try:
-        fd = open_for_reading(folder / name)
+        fd = open_for_reading(folder / name, follow_link=False)
     except FileNotFoundError as exc:
-        raise TraceError(f"{folder.name}: the trace file {name!r} is missing") from exc
+        raise TraceError(f"{where}: the trace file is missing") from exc
     except OSError as exc:
-        raise TraceError(f"{folder.name}: cannot open {name} ({exc.strerror})") from exc
+        if exc.errno == errno.ELOOP:
+            raise TraceError(
+                f"{where}: is a symbolic link; a trace folder's trace files must be the files themselves "
+                "(copy the file into the folder)"
+            ) from exc
+        raise TraceError(f"{where}: cannot open the trace file ({exc.strerror})") from exc
+    except TraceError:
+        raise
+    except ValueError as exc:  # the server's descriptor check (its own error type, its message led by the name)
+        raise TraceError(f"{where}: {str(exc).removeprefix(f'{name}: ')}") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise TraceError(f"{folder.name}: {name} is not a regular file")
+        raise TraceError(f"{where}: not a regular file")
     return os.fdopen(fd, "rb")
 
 
@@ -156,20 +169,44 @@ class TraceDir:
     def texts(self) -> list[dict[str, Any]]:
         return self.card["texts"]
 
-    def trace(self, index: int = 0, verify: bool = True) -> Trace:
-        """The trace of text ``index``; ``verify`` checks its SHA-256 against the card (hashed and read from one
-        descriptor). Raises TraceError naming the file and what is wrong."""
+    def _entry(self, index: int) -> tuple[dict[str, Any], str]:
         if not 0 <= index < len(self.texts):
             raise TraceError(f"{self.path.name}: no text {index} (the folder has {len(self.texts)})")
         entry = self.texts[index]
         name = str(entry.get("file", ""))
         if Path(name).name != name or not name:
             raise TraceError(f"{self.path.name}: the trace file of text {index} ({entry.get('file')!r}) is missing")
+        return entry, name
+
+    def _checked_layout(self, fh, entry: dict[str, Any], where: str) -> TraceLayout:
+        layout = Trace.layout(fh, self.limits, where)
+        if self.config is not None:
+            check_layout(layout.axes, layout.shapes, self.config, len(entry["tokens"]), where)
+        return layout
+
+    def inflated_bytes(self, index: int = 0) -> int:
+        """The bytes reading text ``index``'s trace allocates, from its file's zip directory and headers, after every
+        check of names, axes and shapes against the card (``check_layout``): nothing inflated. What a server admits
+        against its job memory before it calls ``trace(index, max_bytes=...)``. Raises TraceError."""
+        entry, name = self._entry(index)
+        with _open_trace_file(self.path, name) as fh:
+            return self._checked_layout(fh, entry, f"{self.path.name}/{name}").nbytes
+
+    def trace(self, index: int = 0, verify: bool = True, max_bytes: int | None = None) -> Trace:
+        """The trace of text ``index``; ``verify`` checks its SHA-256 against the card (hashed and read from one
+        descriptor). Its layout is checked against the card before any array is inflated; ``max_bytes`` (what a
+        server admitted, ``inflated_bytes``) caps what it may inflate to. Raises TraceError naming the file and what
+        is wrong."""
+        entry, name = self._entry(index)
         where = f"{self.path.name}/{name}"
+        limits = self.limits
+        if max_bytes is not None:
+            limits = replace(limits, max_bytes=min(limits.max_bytes, int(max_bytes)))
         with _open_trace_file(self.path, name) as fh:
             if verify and entry.get("sha256") and _sha256(fh) != entry["sha256"]:
                 raise TraceError(f"{where} does not match its run card (changed or truncated)")
-            trace = Trace.load(fh, self.limits, where)
+            self._checked_layout(fh, entry, where)
+            trace = Trace.load(fh, limits, where)
         if self.config is not None:
             check_trace(trace, self.config, entry["tokens"], where)
         return trace

@@ -13,6 +13,8 @@ Checks, in order (each refusal a ``TraceError`` naming the file and the member):
   checks the CRC at the end).
 
 ``zip_totals`` gives (stored, inflated) from the directory alone: what a whole trace folder's ratio check reads.
+``npz_layout`` gives each member's shape and dtype from the directory and the .npy headers (a member's first bytes
+inflated, never its array): what a reader checks, and a server admits against its memory budget, before inflating.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 import zipfile
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -114,6 +117,40 @@ def _header(member: BinaryIO, info: zipfile.ZipInfo, where: str) -> tuple[tuple[
     return tuple(shape), bool(fortran), dtype
 
 
+@dataclass(frozen=True)
+class NpzLayout:
+    """An .npz's arrays as its zip directory and .npy headers declare them, nothing inflated: member name (without
+    '.npy') -> (shape, dtype); ``nbytes``: the bytes its members inflate to (what reading it allocates)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, np.dtype]
+    nbytes: int
+
+
+def npz_layout(fh: BinaryIO, where: str, limits: NpzLimits | None = None) -> NpzLayout:
+    """The layout of an .npz (``NpzLayout``), its directory checked against ``limits`` and each member's .npy header
+    checked as ``read_npz`` checks it; TraceError naming ``where``. ``fh`` is left at its start."""
+    limits = limits or NpzLimits()
+    shapes, dtypes = {}, {}
+    try:
+        with zipfile.ZipFile(fh) as zf:
+            infos = _members(zf, where)
+            nbytes = sum(i.file_size for i in infos)
+            check_ratio(sum(i.compress_size for i in infos), nbytes, limits, where)
+            for info in infos:
+                with zf.open(info) as member:
+                    shape, _, dtype = _header(member, info, where)
+                name = info.filename[: -len(".npy")]
+                shapes[name], dtypes[name] = shape, dtype
+    except TraceError:
+        raise
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, zlib.error) as exc:
+        raise TraceError(f"{where}: not a readable k3lab trace ({type(exc).__name__}: {exc})") from exc
+    finally:
+        fh.seek(0)
+    return NpzLayout(shapes, dtypes, nbytes)
+
+
 def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> np.ndarray:
     with zf.open(info) as member:
         shape, fortran, dtype = _header(member, info, where)
@@ -130,15 +167,18 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> np.n
     return array
 
 
-def read_npz(fh: BinaryIO, where: str, limits: NpzLimits | None = None) -> dict[str, np.ndarray]:
-    """Every array of an .npz (member name without '.npy' -> array), read within ``limits``; TraceError names
-    ``where`` for anything refused or unreadable."""
+def read_npz(
+    fh: BinaryIO, where: str, limits: NpzLimits | None = None, only: Collection[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Every array of an .npz (member name without '.npy' -> array), or those named in ``only``, read within
+    ``limits`` (checked on the whole directory); TraceError names ``where`` for anything refused or unreadable."""
     limits = limits or NpzLimits()
     try:
         with zipfile.ZipFile(fh) as zf:
             infos = _members(zf, where)
             check_ratio(sum(i.compress_size for i in infos), sum(i.file_size for i in infos), limits, where)
-            return {info.filename[: -len(".npy")]: _read_member(zf, info, where) for info in infos}
+            wanted = [i for i in infos if only is None or i.filename[: -len(".npy")] in only]
+            return {info.filename[: -len(".npy")]: _read_member(zf, info, where) for info in wanted}
     except TraceError:
         raise
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, zlib.error) as exc:

@@ -134,14 +134,18 @@ def checked_opens(check: FileCheck) -> Iterator[None]:
         _FILE_CHECK.reset(token)
 
 
-def open_for_reading(path: str | Path) -> int:
+def open_for_reading(path: str | Path, follow_link: bool = True) -> int:
     """A read-only descriptor of ``path`` (the caller closes it). Under ``checked_opens`` the resolved path is
-    opened without following a last link and the descriptor itself is checked (no check-then-open race)."""
+    opened without following a last link and the descriptor itself is checked (no check-then-open race).
+    ``follow_link=False``: a ``path`` that is itself a symbolic link is refused everywhere (OSError ELOOP), its
+    folder's links still followed."""
     check = _FILE_CHECK.get()
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
     if check is None:
-        return os.open(path, flags)
-    fd = os.open(os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0))
+        return os.open(path, flags if follow_link else flags | nofollow)
+    real = os.path.realpath(path) if follow_link else os.path.join(os.path.realpath(Path(path).parent), Path(path).name)
+    fd = os.open(real, flags | nofollow)
     try:
         check(fd, Path(path))
     except BaseException:

@@ -2,6 +2,7 @@
 use ``k3lab.options.arg_int``, which calls ``bounded_int``), the edits (``k3core.interp.edit_kinds``,
 ``k3core.interp.interventions``) and the app's links and pages call these. A refusal is an ``InputLimitError`` (a
 ValueError) whose message names the input, the value and the range; never a traceback, never a silent wrap or clip.
+A value is quoted back with ``shown`` (cut to SHOWN_CHARS characters): every message that echoes user input uses it.
 
 Conventions: indices are 0-based and never negative (``channels=-1`` is refused, not "the last one"), except a
 *position* where -1 alone means the last token (documented in each option's help), and an AttnRes source, which
@@ -11,6 +12,7 @@ Conventions: indices are 0-based and never negative (``channels=-1`` is refused,
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,32 +29,55 @@ MAX_JSON_DEPTH = 16  # edits are a list of flat objects: 3 levels; nothing a per
 MAX_IG_STEPS = 512  # integrated gradients: each step is a forward and backward over the whole input
 MAX_SHAPLEY_SAMPLES = 256  # Shapley value sampling: each permutation is one forward per input token
 MAX_POSITIONS = 256  # positions listed for prediction changes
+MAX_PROMPT_TOKENS = 8192  # a prompt read before generating (the CLI and the app's Generate page)
+MAX_TRAIN_STEPS = 10_000_000  # optimizer steps of one training run
+MAX_SEED = 2**63 - 1
+MAX_THREADS = 1024  # torch threads
+MAX_RANKS = 65_536  # processes of a pipeline plan
 
 
 class InputLimitError(ValueError):
     """An input outside its bounds or of the wrong kind; the message names it and says what is allowed."""
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:40] + "..."
+SHOWN_CHARS = 80  # of a user's input quoted back in a message
+
+
+def shown(value: Any, max_chars: int = SHOWN_CHARS) -> str:
+    """``value`` as a message quotes it back: its repr (a string's, a list's, ...), cut to ``max_chars`` characters
+    with how long it was ("'xxxx...' (100,002 characters)"). The one way every message echoes what a user typed, so
+    a refused 100,000-character input gets a message of a line, not of 100,000 characters."""
+    text = repr(value) if not isinstance(value, (list, tuple, set, frozenset)) or len(value) <= 64 else None
+    if text is None:  # a long list: never written out whole to be cut
+        items = list(value)
+        text = f"{repr(items[:16])[:-1]}, ... ({len(items):,} items)]"
+    return text if len(text) <= max_chars else f"{text[:max_chars]}... ({len(text):,} characters)"
+
+
+_QUOTED = re.compile("'[^'\\n]{" + str(SHOWN_CHARS + 1) + ",}'")
+
+
+def clip_quoted(message: str) -> str:
+    """A message built elsewhere (argparse's "invalid choice: 'xxx...'") with every quoted value longer than
+    SHOWN_CHARS cut as ``shown`` cuts it."""
+    return _QUOTED.sub(lambda m: shown(m.group(0)[1:-1]), message)
 
 
 def bounded_int(value: Any, what: str, low: int, high: int) -> int:
     """``value`` as an int in [low, high] (a whole number: 3, "3", 3.0; never True, 3.5, "1e9" or NaN)."""
     if isinstance(value, bool):
-        raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {_shown(value)}")
+        raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {shown(value)}")
     if isinstance(value, str):
         text = value.strip()
         if not text.lstrip("+-").isdigit() or len(text) > 20:
-            raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {_shown(value)}")
+            raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {shown(value)}")
         value = int(text)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {_shown(value)}")
+            raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {shown(value)}")
         value = int(value)
     elif not isinstance(value, int):
-        raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {_shown(value)}")
+        raise InputLimitError(f"{what} must be a whole number in {low:,}..{high:,}, got {shown(value)}")
     if not low <= value <= high:
         raise InputLimitError(f"{what} must be in {low:,}..{high:,}, got {value:,}")
     return value
@@ -61,10 +86,10 @@ def bounded_int(value: Any, what: str, low: int, high: int) -> int:
 def finite_number(value: Any, what: str, bound: float = MAX_ABS_VALUE) -> float:
     """``value`` as a float with |value| <= bound; NaN and infinities refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputLimitError(f"{what} must be a number, got {_shown(value)}")
+        raise InputLimitError(f"{what} must be a number, got {shown(value)}")
     number = float(value) if not isinstance(value, int) or abs(value) <= bound else math.inf
     if not math.isfinite(number) or abs(number) > bound:
-        raise InputLimitError(f"{what} must be a finite number of at most {bound:g} in size, got {_shown(value)}")
+        raise InputLimitError(f"{what} must be a finite number of at most {bound:g} in size, got {shown(value)}")
     return number
 
 

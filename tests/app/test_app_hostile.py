@@ -20,12 +20,11 @@ from markdown_it import MarkdownIt
 from streamlit.testing.v1 import AppTest
 
 from app.library import home as library_home
-from app.library import run_list
 from app.library.store import RunsLibrary
 from app.render.errors import ZERO_WIDTH, markdown_card, md_escape, plain, strip_paths
-from app.server.settings import HOME_ENV, ROOTS_ENV
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
+from tests.app.serving import serve_only
 from tests.repo.test_hostile_inputs import (
     _deflated_pickle,
     _long_shape_header,
@@ -62,13 +61,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def env(monkeypatch, tmp_path, runs):
-    home = tmp_path / "home"
-    monkeypatch.setenv(HOME_ENV, str(home))
-    monkeypatch.setenv(ROOTS_ENV, str(runs["root"]))
-    monkeypatch.setenv(run_list.RUNS_ENV, f"{runs['good']}:{runs['wide']}:{runs['named']}")
-    empty = tmp_path / "no-samples"
-    empty.mkdir()
-    monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
+    home = serve_only(monkeypatch, tmp_path, f"{runs['good']}:{runs['wide']}:{runs['named']}", str(runs["root"]))
     library_home._library.clear()
     yield home
     library_home._library.clear()

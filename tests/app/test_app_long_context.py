@@ -12,6 +12,7 @@ from streamlit.testing.v1 import AppTest
 from app.library import run_list
 from app.server.settings import HOME_ENV
 from k3core.model import K3ForCausalLM
+from tests.app.serving import serve_only
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
 TIMEOUT = 180
@@ -48,3 +49,45 @@ def test_long_context_page_estimates_first_then_runs_on_request(nano_app):
     assert not at.exception, [e.value for e in at.exception]
     assert len(at.get("plotly_chart")) == 5
     assert [e.value for e in at.error] == []
+
+
+def _no_question_left(at: AppTest) -> None:
+    """Nothing of the question asked before the run is left on the page: no Run button, no banner."""
+    assert not [b.label for b in at.button if b.label.startswith("Run on")]
+    assert not [w.value for w in at.warning if "will read" in w.value]
+
+
+def test_the_run_button_is_gone_once_the_run_is_done(nano_app):
+    at = nano_app
+    at = next(b for b in at.button if b.label.startswith("Run on")).click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.get("plotly_chart")) == 4
+    _no_question_left(at)
+
+
+def test_a_long_recorded_text_asks_first_and_the_question_goes_once_answered(monkeypatch, tmp_path):
+    """A trace folder whose recorded text is longer than LONG_INPUT_TOKENS: the page asks first (a banner and a Run
+    button); once Run is clicked the charts are drawn and neither the banner nor its button is left above them."""
+    from app.state.inputs import LONG_INPUT_TOKENS
+    from k3lab.cli import main as k3lab
+
+    torch.manual_seed(0)
+    nano = K3ForCausalLM.from_config("k3-nano").save_pretrained(tmp_path / "nano")
+    n = LONG_INPUT_TOKENS + 52
+    (tmp_path / "long.txt").write_text(("To be, or not to be, that is the question. " * 60)[:n])
+    folder = tmp_path / "long-trace"
+    assert k3lab(["trace", str(nano), "--text", str(tmp_path / "long.txt"), "--max-tokens", str(n),
+                  "--out", str(folder)]) == 0  # fmt: skip
+    serve_only(monkeypatch, tmp_path, str(folder), str(tmp_path))
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.run()
+    at = at.switch_page("app_pages/long_context.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(f"will read {n:,} tokens" in w.value for w in at.warning), [w.value for w in at.warning]
+    assert len(at.get("plotly_chart")) == 0
+    at = next(b for b in at.button if b.label == f"Run on {n:,} tokens").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.get("plotly_chart")) > 0 and [e.value for e in at.error] == [], [
+        (type(e).__name__, getattr(e, "value", None)) for e in at.main.children.values()
+    ]
+    _no_question_left(at)

@@ -1,12 +1,27 @@
-"""`k3lab app`: the streamlit command it builds (listen address, upload limit) and the settings it passes on."""
+"""`k3lab app`: the streamlit command it builds (listen address, upload limit), the settings it passes on, the warning
+for a listen address beyond this machine, and its server stopping with it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
+import pytest
+
 from app.server.settings import HOME_ENV, MAX_UPLOAD_ENV, ROOTS_ENV, configured_roots, max_upload_mb
-from k3lab.app import app_command, app_parser
+from benchmarks.bench_app import free_port, wait_healthy
+from k3lab import app as app_module
+from k3lab.app import app_command, app_parser, host_warning
 from k3lab.app import main as cmd_app
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _option(cmd: list[str], name: str) -> str:
@@ -64,5 +79,65 @@ def test_home_from_the_environment_when_not_given(tmp_path):
 def test_bad_root_and_limit_are_refused(tmp_path, capsys):
     assert cmd_app(["--root", str(tmp_path / "missing")]) == 2
     assert "--root" in capsys.readouterr().err
-    assert cmd_app(["--max-upload-mb", "0"]) == 2
-    assert "at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        cmd_app(["--max-upload-mb", "0"])
+    assert "--max-upload-mb: must be in 1..65,536, got 0" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- the server process
+def test_a_non_loopback_host_is_warned_about_at_start(tmp_path, monkeypatch, capsys):
+    assert host_warning("127.0.0.1") is None and host_warning("localhost") is None and host_warning("::1") is None
+    assert "every interface" in host_warning("0.0.0.0") and "every interface" in host_warning("::")
+    assert "not this machine only" in host_warning("192.168.1.20")
+    served = []
+    monkeypatch.setattr(app_module, "serve", lambda cmd, env: served.append(cmd) or 0)
+    assert cmd_app(["--host", "0.0.0.0", "--root", str(tmp_path), "--home", str(tmp_path / "h"), "--headless"]) == 0
+    err = capsys.readouterr().err
+    assert served and "warning: --host 0.0.0.0 serves every interface" in err and "server's disk" in err
+    assert cmd_app(["--root", str(tmp_path), "--home", str(tmp_path / "h"), "--headless"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)  # a poll interval: the condition is the server's state
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_k3lab_app_stops_its_server(tmp_path, sig):
+    """`k3lab app` on a free port, waited for until it serves; a signal to `k3lab app` alone (not its group): the
+    port closes and neither process is left, the Streamlit child included (it was left serving, issue 36)."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / ".config"),
+               STREAMLIT_SERVER_FILE_WATCHER_TYPE="none")  # fmt: skip
+    cmd = [sys.executable, "-m", "k3lab.cli", "app", "--headless", "--port", str(port), "--home",
+           str(tmp_path / "home"), "--root", str(tmp_path)]  # fmt: skip
+    log = open(tmp_path / "app.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    children = []
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", proc, tmp_path / "app.log", 180)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "k3lab app runs its server as a child"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) in (0, 128 + sig)
+        _wait_for(lambda: not _port_open(port), 30, f"port {port} still open")
+        for child in children:
+            _wait_for(lambda c=child: not psutil.pid_exists(c.pid), 30, f"server child {child.pid} left running")
+    finally:  # whatever happened, nothing of this test is left running
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        log.close()

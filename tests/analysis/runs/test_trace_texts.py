@@ -115,7 +115,7 @@ def test_each_text_trace_is_read_from_its_own_file(traced, monkeypatch):
     read = []
     original = TraceDir.trace
     monkeypatch.setattr(
-        TraceDir, "trace", lambda self, index=0, verify=True: read.append(index) or original(self, index)
+        TraceDir, "trace", lambda self, index=0, **kw: read.append(index) or original(self, index, **kw)
     )
     runs_mod.trace_run(run, runs_mod.recorded_input(run, 1))
     assert read == [1]
@@ -135,10 +135,10 @@ def app_with(traced, monkeypatch, tmp_path):
     reads: list[int] = []
     original = TraceDir.trace
 
-    def counted(self, index=0, verify=True):
+    def counted(self, index=0, **kwargs):
         if self.path == traced["out"]:
             reads.append(index)
-        return original(self, index, verify)
+        return original(self, index, **kwargs)
 
     monkeypatch.setattr(TraceDir, "trace", counted)
 

@@ -5,6 +5,7 @@ file within 2 s and 200 MB of extra memory (``bounded`` from tests/repo/test_hos
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -12,8 +13,10 @@ import os
 import shutil
 import struct
 import threading
+import time
 import zipfile
 import zlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +28,7 @@ from app.library.run_folders import LibraryError
 from app.library.store import RunsLibrary
 from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
-from k3core.interp.trace_checks import MAX_TEXT_TOKENS
+from k3core.interp.trace_checks import MAX_TEXT_TOKENS, check_layout
 from k3core.interp.trace_folder import CARD_NAME, read_trace_dir
 from k3core.interp.trace_npz import MAX_INFLATE_RATIO, NpzLimits, TraceError, read_npz
 from k3core.utils.files import checked_opens
@@ -36,16 +39,19 @@ SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
 BOMB_BYTES = 3 * 1024**3  # the inflated size of the deflated member (3 GiB of zeros in about 3 MB)
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory) -> Path:
-    """A real trace folder (`k3lab trace` of the k3-full sample on two short texts)."""
-    root = tmp_path_factory.mktemp("hostile-trace")
+def two_text_trace(root: Path) -> Path:
+    """A real trace folder in ``root`` (`k3lab trace` of the k3-full sample on two short texts, 12 tokens each)."""
     texts = []
     for i, text in enumerate(("To be, or not to be.", "ROMEO: But soft!")):
         (root / f"t{i}.txt").write_text(text)
         texts += ["--text", str(root / f"t{i}.txt")]
     assert k3lab(["trace", str(SAMPLE), *texts, "--max-tokens", "12", "--out", str(root / "trace")]) == 0
     return root / "trace"
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> Path:
+    return two_text_trace(tmp_path_factory.mktemp("hostile-trace"))
 
 
 @pytest.fixture
@@ -111,7 +117,7 @@ def _zip(members: list[tuple[str, int, bytes, int, int]]) -> bytes:
 
 def _stored(name: str, array: np.ndarray) -> tuple[str, int, bytes, int, int]:
     buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
+    np.lib.format.write_array(buf, array.copy(order="C"), allow_pickle=False)  # 0-d stays 0-d
     data = buf.getvalue()
     return name, zipfile.ZIP_STORED, data, len(data), zlib.crc32(data)
 
@@ -126,6 +132,24 @@ def _bomb_member(name: str, inflated: int) -> tuple[str, int, bytes, int, int]:
     header = _npy_header((inflated // 4,))
     data = _deflated_zeros(header, inflated)
     return name, zipfile.ZIP_DEFLATED, data, len(header) + inflated, 0  # crc never reached: refused before
+
+
+def add_big_member(folder: Path, index: int, name: str, declared: int) -> int:
+    """trace-<index>.npz of ``folder`` with one more array, ``name`` (axes ["x"]), declaring ``declared`` bytes of
+    zeros in about ``declared / 1000`` deflated, and a stored "pad" array (axes ["y"]) of random bytes that keeps the
+    file's ratio under MAX_INFLATE_RATIO (every check but the one a test aims at passes); the card resealed. Written
+    without ever holding the inflated bytes. Returns the bytes the file now declares."""
+    npz = folder / f"trace-{index}.npz"
+    with np.load(npz, allow_pickle=False) as data:
+        header = json.loads(data["__header__"].tobytes())
+    header["axes"][name], header["axes"]["pad"] = ["x"], ["y"]
+    members = [m for m in _members_of(npz) if m[0] != "__header__.npy"]
+    pad = np.frombuffer(os.urandom(declared // (MAX_INFLATE_RATIO - 10)), dtype=np.uint8)
+    members += [_stored("__header__.npy", np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)),
+                _stored("a/pad.npy", pad), _bomb_member(f"a/{name}.npy", declared)]  # fmt: skip
+    npz.write_bytes(_zip(members))
+    _reseal(folder, index)
+    return sum(m[3] for m in members)
 
 
 def test_the_bomb_fixture_is_a_real_bomb():
@@ -171,6 +195,37 @@ def test_a_zip_directory_that_understates_the_member_inflates_no_further():
     bounded(lambda: read_npz(io.BytesIO(lying), "t.npz"), TraceError, "t.npz")
 
 
+def test_a_member_failing_the_layer_check_is_refused_before_it_is_inflated(copy):
+    """Issue 36: a trace whose ratio and size pass, with a 1 GiB array of a layer the card's config does not have, is
+    refused from its layout (names, axes, shapes), in the server's estimate and in the reader: nothing inflated."""
+    add_big_member(copy, 0, "blocks.99.kda.g", 1024**3)
+    run = runs_mod.load_run(copy)
+    for read in (
+        lambda: runs_mod.recorded_bytes(run, 0),
+        lambda: runs_mod.trace_run(run, runs_mod.recorded_input(run)),
+    ):
+        message = bounded(read, CheckpointError, r"copy/trace-0\.npz: array 'blocks\.99\.kda\.g' is of layer 99")
+    assert "card's config has" in message
+    assert runs_mod.trace_run(run, runs_mod.recorded_input(run, 1)).trace is not None  # the other text reads
+
+
+def test_a_text_is_estimated_from_its_directory_and_read_within_what_was_admitted(copy):
+    """``recorded_bytes``: the bytes the file's members declare, from the zip directory (1 GiB declared: answered
+    within 2 s and 200 MB); a read capped below what the file declares is refused before inflating."""
+    declared = add_big_member(copy, 0, "extra", 1024**3)
+    run = runs_mod.load_run(copy)
+    start = time.perf_counter()
+    assert runs_mod.recorded_bytes(run, 0) == declared > 1024**3
+    assert time.perf_counter() - start < 2
+    plain = runs_mod.recorded_bytes(run, 1)
+    with zipfile.ZipFile(copy / "trace-1.npz") as zf:
+        assert plain == sum(i.file_size for i in zf.infolist())
+    small = lambda: runs_mod.trace_run(run, runs_mod.recorded_input(run, 0), max_read_bytes=256 * 1024**2)  # noqa: E731
+    bounded(small, CheckpointError, "over the limit of 268,435,456 bytes")
+    ctx = runs_mod.trace_run(run, runs_mod.recorded_input(run, 1), max_read_bytes=plain)  # exactly what it declares
+    assert ctx.trace is not None
+
+
 def test_a_huge_declared_shape_over_64_bytes_is_refused_before_allocating(copy):
     header = _npy_header((10**12,))
     member = ("a/hidden.npy", zipfile.ZIP_STORED, header + bytes(64), len(header) + 64, zlib.crc32(header + bytes(64)))
@@ -209,13 +264,27 @@ def _outside_trace(copy: Path) -> Path:
     return outside / "secret.npz"
 
 
-def test_a_trace_file_linked_out_of_the_folder_is_refused_in_the_server(copy):
+LINKED = "copy/trace-1.npz: is a symbolic link"
+
+
+def test_a_linked_trace_file_refuses_only_its_text_in_the_server_and_on_the_command_line(copy, tmp_path, capsys):
+    """One rule (issue 36): a trace file that is a link is refused, in the server and by `k3lab report` alike; only
+    its text, with one message that names the folder once; text 0 still reads."""
     secret = _outside_trace(copy)
     (copy / "trace-1.npz").unlink()
     (copy / "trace-1.npz").symlink_to(secret)
-    with checked_opens(descriptor_check(lambda: [copy])):
-        bounded(lambda: runs_mod.load_run(copy), CheckpointError, "trace-1.npz: lies outside the folders")
-    assert runs_mod.load_run(copy).recorded.trace(1) is not None  # on the user's own machine (no roots) it reads
+    for server in (True, False):
+        with checked_opens(descriptor_check(lambda: [copy])) if server else contextlib.nullcontext():
+            run = runs_mod.load_run(copy)
+            assert runs_mod.trace_run(run, runs_mod.recorded_input(run, 0)).trace is not None
+            text_1 = runs_mod.recorded_input(run, 1)
+            message = bounded(partial(runs_mod.trace_run, run, text_1), CheckpointError, LINKED)
+            assert message.count("copy/") == 1 and "copy: " not in message, message
+            bounded(partial(runs_mod.recorded_bytes, run, 1), CheckpointError, LINKED)
+    capsys.readouterr()
+    assert k3lab(["report", str(copy), "--text-index", "1", "--out", str(tmp_path / "r1")]) != 0
+    assert LINKED in capsys.readouterr().err and not (tmp_path / "r1").exists()
+    assert k3lab(["report", str(copy), "--text-index", "0", "--out", str(tmp_path / "r0")]) == 0
 
 
 def test_a_link_put_in_after_the_folder_was_opened_is_refused(copy):
@@ -225,7 +294,16 @@ def test_a_link_put_in_after_the_folder_was_opened_is_refused(copy):
         (copy / "trace-1.npz").unlink()
         (copy / "trace-1.npz").symlink_to(secret)
         assert runs_mod.trace_run(run, runs_mod.recorded_input(run, 0)).trace is not None  # text 0 is fine
-        bounded(lambda: run.recorded.trace(1), CheckpointError, "trace-1.npz: lies outside the folders")
+        bounded(lambda: run.recorded.trace(1), TraceError, LINKED)
+
+
+def test_a_hard_linked_trace_file_is_refused_in_the_server_naming_it_once(copy):
+    """The server's descriptor check (its CheckpointError) refuses one text, as a TraceError naming the file once."""
+    os.link(copy / "trace-1.npz", copy.parent / "second-name.npz")
+    with checked_opens(descriptor_check(lambda: [copy.parent])):
+        run = runs_mod.load_run(copy)
+        bounded(lambda: run.recorded.trace(1), TraceError, r"^copy/trace-1\.npz: has 2 hard links")
+        assert run.recorded.trace(0) is not None
 
 
 def test_a_link_swapped_in_after_the_folder_check_is_never_read(copy):
@@ -312,3 +390,24 @@ def test_card_tokens_that_differ_from_the_trace_are_refused(copy):
     run = runs_mod.load_run(copy)
     with pytest.raises(TraceError, match=r"copy/trace-0\.npz: array 'tokens' \(12 tokens\) differs"):
         run.recorded.trace(0)
+
+
+def test_attention_maps_of_the_first_queries_fit_the_card_and_more_queries_than_tokens_do_not(copy):
+    """The recorder keeps attention maps for the first ``max_attn_len`` queries: a text longer than that has fewer
+    queries than tokens (a trace folder of a 2,100-token text was refused whole before issue 36); more is refused."""
+    run = runs_mod.load_run(copy)
+    entry = run.recorded.texts[0]
+    with open(copy / "trace-0.npz", "rb") as fh:
+        layout = Trace.layout(fh, where="t")
+    maps = [name for name, axes in layout.axes.items() if "query" in axes]
+    assert maps, "the fixture records attention"
+    n = len(entry["tokens"])
+    for queries, ok in ((n - 4, True), (n + 1, False)):
+        shapes = dict(layout.shapes)
+        for name in maps:
+            shapes[name] = tuple(queries if a == "query" else s for a, s in zip(layout.axes[name], shapes[name]))
+        if ok:
+            check_layout(layout.axes, shapes, run.config, n, "t")
+        else:
+            with pytest.raises(TraceError, match=f"axis 'query' has {n + 1}, over the card's {n} tokens"):
+                check_layout(layout.axes, shapes, run.config, n, "t")
