@@ -134,8 +134,9 @@ class Trainer:
         if resume_from is not None:
             self._load_state(resume_from)
         self._moe_acc = self._zero_moe_acc()
-        # TensorBoard events beside metrics.json (on resume, those a previous session wrote after this step hide)
-        self.tb = TensorBoardLog(self.run_dir, purge_step=self.step if resume_from is not None else None)
+        # TensorBoard events beside metrics.json; on resume, those a previous session wrote after the checkpoint's
+        # step (steps trained again now, from step + 1 on) are hidden.
+        self.tb = TensorBoardLog(self.run_dir, purge_step=self.step + 1 if resume_from is not None else None)
 
     # -------------------------------------------------------------- state IO
     def save(self) -> Path:

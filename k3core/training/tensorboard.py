@@ -35,8 +35,8 @@ def dead_share(load: list[float]) -> float:
 class TensorBoardLog:
     """Scalars of one run in ``run_dir`` (a no-op without the tensorboard package).
 
-    ``purge_step``: on resume, the step the run restarts from; events a previous session wrote after it
-    (steps that are being trained again) are hidden by TensorBoard."""
+    ``purge_step``: on resume, the first step this session logs (the checkpoint's step + 1); TensorBoard hides the
+    events a previous session wrote at that step and after (steps that are being trained again)."""
 
     def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
         self.writer = None

@@ -60,6 +60,36 @@ def test_train_writes_tensorboard_events_matching_metrics(tmp_path):
             assert sum(weights) == pytest.approx(1.0, abs=1e-4)
 
 
+def test_resumed_run_continues_the_same_event_log(tmp_path):
+    """A run stopped at step 3 and resumed to 6 reads back as one curve: every step once, values as metrics.json."""
+    run = T.train(tiny(tmp_path, "resumed", steps=6, eval_every=0, save_every=0, stop_at=3))
+    assert sorted(_scalars(run)["train/loss"]) == [1, 2, 3]
+    T.train({"out_dir": str(run)}, resume=True)
+    history = json.loads((run / "metrics.json").read_text())["history"]["train"]
+    losses = _scalars(run)["train/loss"]
+    assert sorted(losses) == [e["step"] for e in history] == [1, 2, 3, 4, 5, 6]
+    assert [losses[e["step"]] for e in history] == pytest.approx([e["loss"] for e in history], rel=1e-6)
+
+
+def test_resume_hides_steps_logged_after_the_checkpoint(tmp_path):
+    """A run that dies after logging step 3 with its last checkpoint at step 2: the resumed session trains step 3
+    again, and the event log reads back as one curve, each step once, with metrics.json's values."""
+
+    def crash(step, info):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        T.train(tiny(tmp_path, "crashed", steps=5, eval_every=0, save_every=2), callback=crash)
+    run = tmp_path / "crashed"
+    assert sorted(_scalars(run)["train/loss"]) == [1, 2, 3]
+    T.train({"out_dir": str(run)}, resume=True)
+    history = json.loads((run / "metrics.json").read_text())["history"]["train"]
+    losses = _scalars(run)["train/loss"]
+    assert sorted(losses) == [e["step"] for e in history] == [1, 2, 3, 4, 5]
+    assert [losses[e["step"]] for e in history] == pytest.approx([e["loss"] for e in history], rel=1e-6)
+
+
 def test_dead_share():
     assert dead_share([3, 0, 1, 0]) == 0.5
     assert dead_share([1, 1]) == 0.0
