@@ -63,6 +63,7 @@ from .rundir import (
     write_resume_state,
 )
 from .schedule import lr_at
+from .tensorboard import TensorBoardLog
 
 
 class _Interrupted(Exception):
@@ -86,6 +87,7 @@ class Trainer:
         self.run_dir = Path(cfg.out_dir)
         self.device = resolve_device(cfg.device)
         self._sigint = False
+        self.tb: TensorBoardLog | None = None
 
     # -------------------------------------------------------------- set-up
     def setup(self, resume_from: Path | None) -> None:
@@ -132,6 +134,9 @@ class Trainer:
         if resume_from is not None:
             self._load_state(resume_from)
         self._moe_acc = self._zero_moe_acc()
+        # TensorBoard events beside metrics.json; on resume, those a previous session wrote after the checkpoint's
+        # step (steps trained again now, from step + 1 on) are hidden.
+        self.tb = TensorBoardLog(self.run_dir, purge_step=self.step + 1 if resume_from is not None else None)
 
     # -------------------------------------------------------------- state IO
     def save(self) -> Path:
@@ -242,6 +247,7 @@ class Trainer:
         if not self._moe_acc or not any(int(v.sum()) for v in self._moe_acc.values()):
             return
         self.history["moe"].append(moe_entry(self.model, self._moe_acc, self.step))
+        self.tb.moe(self.history["moe"][-1])
         self._moe_acc = self._zero_moe_acc()
 
     def validate(self) -> dict[str, Any]:
@@ -274,6 +280,8 @@ class Trainer:
         summary = attnres_entry(self.model, trace, self.step)
         if summary is not None:
             self.history["attnres"].append(summary)
+            self.tb.attnres(summary)
+        self.tb.val(entry)
         return entry
 
     # -------------------------------------------------------------- the loop
@@ -284,6 +292,7 @@ class Trainer:
         seconds = max(time.perf_counter() - interval["t0"], 1e-9)
         entry = train_entry(self.cfg, self.step, self._wall(), info, interval, seconds)
         self.history["train"].append(entry)
+        self.tb.train(entry, seconds / interval["n"])
         self.log_moe()
         self.write_metrics()
         return entry
@@ -416,6 +425,8 @@ def train(
             previous = signal.signal(signal.SIGINT, on_sigint)
         trainer.run()
     finally:
+        if trainer.tb is not None:
+            trainer.tb.close()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         torch.set_num_threads(threads_before)

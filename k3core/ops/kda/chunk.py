@@ -197,8 +197,20 @@ class _KDAChunkFn(torch.autograd.Function):
         )
 
 
-def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, output_chunk_states=False):
-    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math and ``output_chunk_states``)."""
+def _kda_chunk_torch(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    chunk_size,
+    output_chunk_states=False,
+    hand_backward=True,
+):
+    """Pure-PyTorch chunked KDA (see :func:`kda_chunk` for the math, ``output_chunk_states`` and ``hand_backward``)."""
     B, T, H, K, HV, V = check_shapes(q, k, v, g, beta, initial_state)
     C = chunk_size
     if C < 1 or C & (C - 1):
@@ -224,7 +236,7 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)
     )
-    if needs_grad and not output_chunk_states:
+    if needs_grad and hand_backward and not output_chunk_states:
         # Hand-written chunked backward (about 2x the forward instead of autograd's ~4x over
         # hundreds of small kernels); the forward inside is the same _chunk_loop.
         o, state = _KDAChunkFn.apply(qc, kc, vc, gc, bc, state, scale, C)
@@ -264,6 +276,7 @@ def kda_chunk(
     chunk_size: int = 32,
     backend: str = "auto",
     output_chunk_states: bool = False,
+    hand_backward: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Chunked KDA: same inputs, outputs and math as :func:`kda_recurrent`, but parallel in time.
 
@@ -305,6 +318,9 @@ def kda_chunk(
             S after tokens [0, min((n + 1) C, T)), as [B, N, HV, K, V]: on the torch path the state loop's
             own states (compute dtype), on the fla path :func:`kda_chunk_end_states` after the kernel (fp32),
             so recording on a GPU keeps the fast kernel.
+        hand_backward: on the torch path, differentiate with the hand-written chunked backward
+            (:class:`_KDAChunkFn`, the default); False runs autograd over the same forward ops (the
+            reference the tests and ``benchmarks/bench_kda_ratio.py`` compare it with).
 
     Returns:
         ``(o, final_state)`` as :func:`kda_recurrent`; ``(o, final_state, chunk_states)`` with
@@ -338,7 +354,9 @@ def kda_chunk(
         if output_chunk_states:
             return o, final, kda_chunk_end_states(q, k, v, g, beta, initial_state, chunk_size)[0]
         return o, final
-    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, output_chunk_states)
+    return _kda_chunk_torch(
+        q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, output_chunk_states, hand_backward
+    )
 
 
 def kda_chunk_end_states(
