@@ -186,6 +186,27 @@ def linear_cka_from_moments(
     return float(np.linalg.norm(cxy) ** 2 / den)
 
 
+def sketch_frobenius_sq(b: np.ndarray) -> float:
+    """Unbiased ``||A||_F^2`` from a Gaussian sketch ``B = R^T A R`` (R [D, k], entries N(0, 1/k)): an off-diagonal
+    entry has ``E[B_ij^2] = ||A||_F^2 / k^2`` (i != j), so ``||A||_F^2 ~ k / (k - 1) * sum_(i != j) B_ij^2``. (The
+    plain ``||B||_F^2`` is biased up by ``(tr A)^2 / k`` through the diagonal.)"""
+    k = b.shape[-1]
+    return float((np.sum(b * b) - np.sum(np.diagonal(b) ** 2)) * k / (k - 1))
+
+
+def linear_cka_from_sketch(
+    n: float, s_x: np.ndarray, g_x: np.ndarray, s_y: np.ndarray, g_y: np.ndarray, cross: np.ndarray
+) -> float:
+    """``linear_cka_from_moments`` from sketched moments (``R^T s``, ``R^T G R``, ``R^T C R``): the three Frobenius
+    norms of the centred matrices estimated with ``sketch_frobenius_sq``; NaN when constant."""
+    cxx, cyy = g_x - np.outer(s_x, s_x) / n, g_y - np.outer(s_y, s_y) / n
+    cxy = cross - np.outer(s_x, s_y) / n
+    den = np.sqrt(max(sketch_frobenius_sq(cxx), 0.0) * max(sketch_frobenius_sq(cyy), 0.0))
+    if den <= _EPS:
+        return float("nan")
+    return float(max(sketch_frobenius_sq(cxy), 0.0) / den)
+
+
 def _has_moments(trace: Trace) -> bool:
     return names.hidden_bins("gram") in trace or names.hidden_bins("sketch_gram") in trace
 
@@ -323,10 +344,11 @@ def layer_redundancy_table(trace: Trace) -> pd.DataFrame:
     if m is not None and "cross_gram" in m:
         n = m["count"].sum()
         s_, g_, c_, cos_ = (m[k].sum(2) for k in ("gram_sum", "gram", "cross_gram", "cos_sum"))  # over bins
+        cka_of = linear_cka_from_moments if "sq_sum" not in m else linear_cka_from_sketch
         rows = []
         for layer in range(c_.shape[0]):
             cos = float(np.mean(cos_[layer] / n))
-            cka = np.mean([linear_cka_from_moments(n, s_[layer, q], g_[layer, q], s_[layer + 1, q], g_[layer + 1, q],
+            cka = np.mean([cka_of(n, s_[layer, q], g_[layer, q], s_[layer + 1, q], g_[layer + 1, q],
                                                    c_[layer, q]) for q in range(c_.shape[1])])  # fmt: skip
             rows.append({"layer": layer, "layer_type": types[layer] if layer < len(types) else "?",
                          "cosine": cos, "block_influence": 1.0 - cos, "cka": float(cka)})  # fmt: skip
