@@ -90,7 +90,6 @@ import torch
 from .attention_stats import DEFAULT_BLOCK, position_bins
 from .catalogue import point_name
 from .hidden_moments import (
-    GRAM_ITEM,
     MOMENT_AXES,
     SKETCH_META,
     depth_moments,
@@ -101,11 +100,7 @@ from .hidden_moments import (
 from .hooks import active, hooks
 from .layer_reads import LayerReads
 from .trace import Trace, TraceNames
-
-WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
-WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
-#: Items recorded only when named (not in "all"): the exact D x D hidden-state Gram matrices at any width.
-WHAT_ON_REQUEST = (GRAM_ITEM,)
+from .trace_size import WHAT_ALL, WHAT_ON_REQUEST, resolve_what
 
 _RECORDER = "recorder"  # the hook context's owner key of the active recorder
 
@@ -302,12 +297,7 @@ def record(
     """
     if current() is not None:
         raise RuntimeError("record() blocks cannot be nested")
-    if what is None or what == "default":
-        what = WHAT_DEFAULT
-    elif what == "all":
-        what = WHAT_ALL
-    elif isinstance(what, str):
-        what = (what,)
+    what = resolve_what(what)
     config = getattr(model, "config", None)
     rec = Recorder(
         what, max_tokens=max_tokens, max_batch=max_batch, max_attn_len=max_attn_len,

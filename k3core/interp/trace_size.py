@@ -15,10 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .attention_stats import DEFAULT_BLOCK, position_bins
-from .hidden_moments import SKETCH_DIM, uses_sketch
-from .recorder import WHAT_ALL, WHAT_DEFAULT
+from .hidden_moments import GRAM_ITEM, SKETCH_DIM, uses_sketch
 
 F32, F64, I64 = 4, 8, 8
+
+#: The items ``record(model, what=...)`` knows; "all" is WHAT_ALL, the default everything but the attention maps
+#: (quadratic in length).
+WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
+WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
+#: Items recorded only when named (not in "all"): the exact D x D hidden-state Gram matrices at any width.
+WHAT_ON_REQUEST = (GRAM_ITEM,)
 
 
 @dataclass(frozen=True)
@@ -34,12 +40,13 @@ class TraceSize:
         return self.arrays + self.working
 
 
-def _what(what: Iterable[str] | str | None) -> frozenset[str]:
+def resolve_what(what: Iterable[str] | str | None) -> tuple[str, ...]:
+    """``record``'s ``what`` as items: None or "default" -> WHAT_DEFAULT, "all" -> WHAT_ALL, one name -> (name,)."""
     if what is None or what == "default":
-        return frozenset(WHAT_DEFAULT)
+        return WHAT_DEFAULT
     if what == "all":
-        return frozenset(WHAT_ALL)
-    return frozenset((what,) if isinstance(what, str) else what)
+        return WHAT_ALL
+    return (what,) if isinstance(what, str) else tuple(what)
 
 
 def _attnres_sources(config: Any) -> int:
@@ -63,7 +70,7 @@ def record_bytes(
     """The bytes ``record(model, what, ...)`` holds for one forward of ``max_batch`` sequences of ``T`` tokens on a
     model of ``config`` (arguments as ``record``'s). An estimate from shapes: attention-map windows and AttnRes
     source counts are taken at their largest."""
-    what = _what(what)
+    what = frozenset(resolve_what(what))
     B = max_batch
     n = T if max_tokens is None else min(T, max_tokens)
     W = n if window is None else min(window, n)

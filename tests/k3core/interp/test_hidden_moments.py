@@ -16,9 +16,9 @@ from k3core.interp.hidden_moments import (
     depth_moments,
     sketch_projection,
 )
-from k3core.interp.recorder import WHAT_DEFAULT, record
+from k3core.interp.recorder import record
 from k3core.interp.trace import names
-from k3core.interp.trace_size import record_bytes
+from k3core.interp.trace_size import WHAT_DEFAULT, record_bytes
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
 
