@@ -57,6 +57,17 @@ def _attnres_sources(config: Any) -> int:
     return 1 + sublayers
 
 
+def second_moment_bytes(width: int, layers: int, bins: int, what: Iterable[str] | str | None = None) -> int:
+    """Bytes of one sequence's second moments of the hidden states (``k3core.interp.hidden_moments``): exact Gram
+    and cross Gram matrices, 8 (2 L + 1) n_bins D^2, up to the sketch width (or when asked for by name), else the
+    k x k sketches and tr G, 8 (2 L + 1) n_bins k^2 + 8 (L + 1) n_bins (k + 1)."""
+    what = frozenset(resolve_what(what))
+    if not uses_sketch(width, what):
+        return (2 * layers + 1) * bins * width * width * F64
+    k = SKETCH_DIM
+    return (2 * layers + 1) * bins * k * k * F64 + (layers + 1) * bins * (k + 1) * F64
+
+
 def record_bytes(
     config: Any,
     T: int,
@@ -84,12 +95,9 @@ def record_bytes(
         depth = L + 1
         size = depth * B * (W * D * F32 + n * F32) + bins * I64
         moments = 2 * depth * B * bins * D * F64 + L * B * bins * F64  # sum, unit_sum; cos_sum
+        moments += second_moment_bytes(D, L, bins, what) * B
         if uses_sketch(D, what):
-            k = SKETCH_DIM
-            moments += depth * B * bins * (F64 + k * F64) + (2 * depth - 1) * B * bins * k * k * F64
-            working += D * k * F64 + 2 * B * n * k * F64  # R; a depth's projected states and its carry
-        else:
-            moments += (2 * depth - 1) * B * bins * D * D * F64
+            working += D * SKETCH_DIM * F64 + 2 * B * n * SKETCH_DIM * F64  # R; a depth's projected states, its carry
         items["hidden"] = size + moments
         # a depth's float64 states and unit vectors, the previous depth's (the carry); the moments stacked at the end
         working += 4 * B * n * D * F64 + moments

@@ -94,6 +94,7 @@ def replica4(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two fresh processes, each 8 tokens through 4 full-width layers: ~2-3 min each here
 def test_default_record_of_4_full_width_layers_stays_under_7gb(replica4):
     """4 decoder layers at width 7,168 (896 MXFP4 experts each), bf16 under 6 GiB: the default ``record(model)``
     forward of 8 tokens peaks under 7 GB RSS, within 0.5 GB of the same forward without a recorder (each in its own
