@@ -204,8 +204,9 @@ class Recorder(LayerReads):
     def _hidden_moments(self, x: torch.Tensor) -> None:
         """This depth's moments per position bin (``k3core.interp.hidden_moments.depth_moments``: exact Gram matrices
         up to a width, a seeded random-projection sketch above it), with the previous depth's pair moments."""
-        if self._projection is None and uses_sketch(x.shape[-1], self.what):
-            self._projection = sketch_projection(x.shape[-1])
+        if uses_sketch(x.shape[-1], self.what):
+            if self._projection is None:  # made once per recorder (seeded: the same R in every process)
+                self._projection = sketch_projection(x.shape[-1])
             self.trace.meta[SKETCH_META] = sketch_meta()
         moments, carry = depth_moments(x, self._held.get("hidden_prev"), self._bins, self._projection)
         held = self._held.setdefault("hidden_moments", {})

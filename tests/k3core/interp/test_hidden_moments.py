@@ -100,3 +100,17 @@ def test_the_sketch_error_on_the_statistics_it_feeds(traces):
     assert cka_err <= 0.02
     assert rel[first].abs().max() <= 0.05
     assert (whole >= 0).all() and whole.max() <= 0.5  # an underestimate, at most by half here
+
+
+def test_a_second_forward_in_one_block_keeps_the_sketch_and_its_meta():
+    torch.manual_seed(2)
+    model = K3ForCausalLM.from_config(from_preset("k3-nano", hidden_size=WIDE)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 20))
+    with torch.no_grad(), record(model) as once:
+        model(ids)
+    with torch.no_grad(), record(model) as twice:
+        model(ids)
+        model(ids)
+    assert twice.meta["hidden_sketch"] == once.meta["hidden_sketch"]
+    name = names.hidden_bins("sketch_gram")
+    np.testing.assert_array_equal(twice[name], once[name])
