@@ -8,10 +8,13 @@ full depth; compressed-tensors MXFP4 experts back to back, BF16/F32 elsewhere, l
 vision tensors, config with quantization_config inside text_config) and plants only what makes the forward
 do real work (embedding rows of the prompt, norms, KDA gates, routers favouring 24 experts per layer, a
 few random MXFP4 experts); the rest are file holes. A child process loads it with
-``k3core.bigmodel.streamed_run.load_streamed`` under ``--budget``, records a full trace (``what="all"``) of one forward
-over ``--tokens`` tokens, and reports: seconds, seconds per token, bytes read (and per token), expert
-hits / misses, peak RSS (``VmHWM``, interpreter and imports included), and bytes read against the floor
-(stored dense bytes of the layers + the embedding rows + the distinct experts chosen).
+``k3core.bigmodel.streamed_run.load_streamed`` under ``--budget``, records a trace (``--what``, default the default
+``record(model)``; the test of 2 layers uses "all") of one forward over ``--tokens`` tokens, and reports: seconds,
+seconds per token, bytes read (and per token), expert hits / misses, peak RSS (``VmHWM``, interpreter and imports
+included), and bytes read against the floor
+(stored dense bytes of the layers + the embedding rows + the distinct experts chosen). A second child runs the same
+forward without a recorder: the recorder's share of the peak is the two peaks side by side (and the trace's bytes
+as ``k3core.interp.trace_size.record_bytes`` estimated them before the forward).
 
 Holes read from the page cache (the kernel's zero pages), so the replica's reads are not disk reads.
 The disk is timed separately: a real file of ``--disk-bytes`` random bytes is written, synced, and read
@@ -50,14 +53,17 @@ def build(folder: Path, layers: int, seed: int = 0) -> dict:
     return {"params": replica.params, "declared_bytes": replica.stored_bytes(), "planted_experts": sorted(experts)}
 
 
-def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, dtype: str = "float32") -> dict:
-    """The measured forward (in this process: run it in a fresh one)."""
+def run_child(
+    folder: Path, tokens: int, budget: str, skip_holes: bool = False, dtype: str = "float32", what: str = "all"
+) -> dict:
+    """The measured forward (in this process: run it in a fresh one); ``what`` "none": a plain forward, no recorder."""
     import numpy as np
     import torch
 
     from k3core.bigmodel.streamed_run import EXPERT_RE, load_streamed
     from k3core.interp.recorder import record
-    from k3core.interp.trace import TraceNames
+    from k3core.interp.trace import Trace, TraceNames
+    from k3core.interp.trace_size import record_bytes
     from k3core.model import K3ForCausalLM
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
@@ -77,15 +83,21 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
     plan = session.plan
     ids = torch.tensor([TOKENS[:tokens]])
     before = session.stats()
+    estimate = record_bytes(model.config, tokens, what) if what != "none" else None
     t1 = time.perf_counter()
-    with torch.no_grad(), record(model, what="all") as trace:
-        logits = model(ids).logits
+    if what == "none":
+        trace = Trace()
+        with torch.no_grad():
+            logits = model(ids).logits
+    else:
+        with torch.no_grad(), record(model, what=what) as trace:
+            logits = model(ids).logits
     forward_s = time.perf_counter() - t1
     stats = session.stats()
     files = session.store.files  # the table the run holds (a second one would cost 650 MB at full depth)
     chosen = set()
     for i, layer in enumerate(model.model.layers):
-        if layer.is_moe:
+        if layer.is_moe and TraceNames.moe_experts(i) in trace:
             chosen |= {(i, int(e)) for e in np.unique(trace[TraceNames.moe_experts(i)])}
     expert_bytes = sum(session.store.expert_bytes(i, e) for i, e in chosen)
     embed = files.tensors["model.embed_tokens.weight"]
@@ -119,10 +131,26 @@ def run_child(folder: Path, tokens: int, budget: str, skip_holes: bool = False, 
         "peak_rss_loaded": loaded_peak,
         "peak_rss_by_layer": peaks,
         "logits_finite": bool(torch.isfinite(logits).all()),
+        "what": what,
         "trace_arrays": len(trace.names()),
+        "trace_bytes": sum(a.nbytes for a in trace.arrays.values()),
+        "estimated_trace_bytes": None if estimate is None else estimate.arrays,
+        "estimated_record_bytes": None if estimate is None else estimate.total,
         "planned_prompt_bytes": plan.prompt_bytes(tokens),
         "planned_seconds": plan.expected_seconds(tokens),
     }
+
+
+def child(folder: Path, tokens: int, budget: str, dtype: str, skip_holes: bool, what: str) -> dict:
+    """``run_child`` in a fresh process (its own peak RSS); raises RuntimeError with its output when it fails."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_k3_stream", "--child", str(folder), "--tokens", str(tokens),
+         "--budget", budget, "--dtype", dtype, "--what", what, *(["--skip-holes"] if skip_holes else [])],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode:
+        raise RuntimeError(proc.stdout + proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def peak_rss() -> int:
@@ -187,26 +215,29 @@ def main(argv: list[str] | None = None) -> int:
         help="do not read the replica's holes (zeros without a read, still counted): times compute and decoding "
         "only, the reads are then priced by the disk probe",
     )
+    p.add_argument(
+        "--what", default="default", help="what to record: default (record(model)), all, or none (a plain forward)"
+    )
+    p.add_argument("--no-plain", action="store_true", help="skip the plain forward beside the traced one")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(run_child(Path(args.child), args.tokens, args.budget, args.skip_holes, args.dtype)))
+        print(json.dumps(run_child(Path(args.child), args.tokens, args.budget, args.skip_holes, args.dtype, args.what)))
         return 0
     tmp = tempfile.TemporaryDirectory(prefix="k3-replica-") if args.folder is None else None
     folder = Path(args.folder or tmp.name) / f"Kimi-K3-{args.layers}"
     t0 = time.perf_counter()
     built = build(folder, args.layers)
     build_s = time.perf_counter() - t0
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_k3_stream", "--child", str(folder), "--tokens", str(args.tokens),
-         "--budget", args.budget, "--dtype", args.dtype, *(["--skip-holes"] if args.skip_holes else [])],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    if proc.returncode:
-        print(proc.stdout + proc.stderr, file=sys.stderr)
-        return 1
     result = {**built, "build_s": build_s, "skip_holes": args.skip_holes}
-    result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    try:
+        result.update(child(folder, args.tokens, args.budget, args.dtype, args.skip_holes, args.what))
+        if not args.no_plain and args.what != "none":
+            plain = child(folder, args.tokens, args.budget, args.dtype, args.skip_holes, "none")
+            result.update(plain_peak_rss=plain["peak_rss"], plain_forward_s=plain["forward_s"])
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     result.pop("planted_experts")
     if args.disk_bytes:
         result.update(disk_read_speed(folder.parent, args.disk_bytes))
@@ -233,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         ("peak RSS", f"{result['peak_rss'] / gb:.2f} GB ({result['peak_rss'] / 2**30:.2f} GiB) = "
                      f"{result['peak_rss'] / result['budget']:.3f} x the budget: "
                      + ("within it" if result["peak_rss"] <= result["budget"] else "OVER it")),
+        *([("recorder's share", f"record({result['what']}) forward peak {result['peak_rss'] / gb:.2f} GB vs plain "
+                                f"forward peak {result['plain_peak_rss'] / gb:.2f} GB: +"
+                                f"{(result['peak_rss'] - result['plain_peak_rss']) / gb:.2f} GB; the trace holds "
+                                f"{result['trace_bytes'] / gb:.3f} GB (estimated before the forward: "
+                                f"{result['estimated_trace_bytes'] / gb:.3f} GB, "
+                                f"{result['estimated_record_bytes'] / gb:.3f} GB while recording)")]
+          if "plain_peak_rss" in result else []),
         ("peak RSS by depth", f"loaded {result['peak_rss_loaded'] / gb:.2f} GB; before layer "
                               + ", ".join(f"{i}: {v / gb:.2f}" for i, v in sorted(by_layer.items()) if i % 15 == 0)
                               + f"; end {result['peak_rss'] / gb:.2f} GB"),

@@ -141,7 +141,13 @@ def max_median_ratio(x: np.ndarray) -> float:
 
 def rank_collapse_from_moments(n: float, s: np.ndarray, gram: np.ndarray) -> float:
     """``r = sqrt(tr G - ||s||^2 / n) / sqrt(tr G)``: ``||X - 1 mu^T||_F^2 = tr G - n ||mu||^2`` with ``mu = s / n``."""
-    total = float(np.trace(gram))
+    return rank_collapse_from_trace(n, s, float(np.trace(gram)))
+
+
+def rank_collapse_from_trace(n: float, s: np.ndarray, total: float) -> float:
+    """``rank_collapse_from_moments`` from ``tr G = sum_t ||h_t||^2`` alone (``hidden_bins.sq_sum`` of a sketched
+    trace): exact whatever the width."""
+    total = float(total)
     if total <= 0:
         return 0.0
     return float(np.sqrt(max(total - float(s @ s) / n, 0.0) / total))
@@ -180,18 +186,57 @@ def linear_cka_from_moments(
     return float(np.linalg.norm(cxy) ** 2 / den)
 
 
+def sketch_frobenius_sq(b: np.ndarray) -> float:
+    """Unbiased ``||A||_F^2`` from a Gaussian sketch ``B = R^T A R`` (R [D, k], entries N(0, 1/k)): an off-diagonal
+    entry has ``E[B_ij^2] = ||A||_F^2 / k^2`` (i != j), so ``||A||_F^2 ~ k / (k - 1) * sum_(i != j) B_ij^2``. (The
+    plain ``||B||_F^2`` is biased up by ``(tr A)^2 / k`` through the diagonal.)"""
+    k = b.shape[-1]
+    return float((np.sum(b * b) - np.sum(np.diagonal(b) ** 2)) * k / (k - 1))
+
+
+def linear_cka_from_sketch(
+    n: float, s_x: np.ndarray, g_x: np.ndarray, s_y: np.ndarray, g_y: np.ndarray, cross: np.ndarray
+) -> float:
+    """``linear_cka_from_moments`` from sketched moments (``R^T s``, ``R^T G R``, ``R^T C R``): the three Frobenius
+    norms of the centred matrices estimated with ``sketch_frobenius_sq``; NaN when constant."""
+    cxx, cyy = g_x - np.outer(s_x, s_x) / n, g_y - np.outer(s_y, s_y) / n
+    cxy = cross - np.outer(s_x, s_y) / n
+    den = np.sqrt(max(sketch_frobenius_sq(cxx), 0.0) * max(sketch_frobenius_sq(cyy), 0.0))
+    if den <= _EPS:
+        return float("nan")
+    return float(max(sketch_frobenius_sq(cxy), 0.0) / den)
+
+
+def _has_moments(trace: Trace) -> bool:
+    return names.hidden_bins("gram") in trace or names.hidden_bins("sketch_gram") in trace
+
+
+def _moment_arrays(trace: Trace) -> dict[str, np.ndarray]:
+    """The moments (``hidden_bins.*``, float64) with the second moments under one set of keys: ``gram``,
+    ``cross_gram`` and ``gram_sum`` (the sums in the Gram's basis) are the exact ones, or, in a sketched trace
+    (``k3core.interp.hidden_moments``: wider states), the random projection's ``R^T G R``, ``R^T C R`` and ``R^T s``,
+    with the exact ``tr G`` as ``sq_sum``; exact traces have no ``sq_sum``."""
+    kinds = ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum", "sq_sum")
+    m = {k: np.asarray(trace[names.hidden_bins(k)], dtype=np.float64) for k in kinds if names.hidden_bins(k) in trace}
+    if "gram" not in m:
+        for kind, key in (("sketch_gram", "gram"), ("sketch_cross_gram", "cross_gram"), ("sketch_sum", "gram_sum")):
+            if names.hidden_bins(kind) in trace:
+                m[key] = np.asarray(trace[names.hidden_bins(kind)], dtype=np.float64)
+    else:
+        m.pop("sq_sum", None)
+    m.setdefault("gram_sum", m["sum"])
+    return m
+
+
 def _moments(trace: Trace) -> dict[str, np.ndarray] | None:
-    """The whole-text moments (``hidden_bins.*``) when the hidden window is shorter than the text, else None
+    """The whole-text moments (``_moment_arrays``) when the hidden window is shorter than the text, else None
     (the whole text is in ``hidden``; older traces have no moments)."""
-    if names.hidden_bins("gram") not in trace or names.HIDDEN not in trace:
+    if not _has_moments(trace) or names.HIDDEN not in trace:
         return None
     count = np.asarray(trace[names.hidden_bins("count")], dtype=np.float64)
     if trace[names.HIDDEN].shape[2] >= count.sum():
         return None
-    kinds = ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum")
-    return {
-        k: np.asarray(trace[names.hidden_bins(k)], dtype=np.float64) for k in kinds if names.hidden_bins(k) in trace
-    }
+    return _moment_arrays(trace)
 
 
 def hidden_covered_positions(trace: Trace) -> int:
@@ -200,12 +245,29 @@ def hidden_covered_positions(trace: Trace) -> int:
     return int(m["count"].sum()) if m is not None else int(_hidden(trace).shape[2])
 
 
-def _rank_row(n: float, s: np.ndarray, gram: np.ndarray, unit_sum: np.ndarray) -> dict[str, float]:
+def _rank_row(
+    n: float, s: np.ndarray, gram: np.ndarray, unit_sum: np.ndarray, gram_sum: np.ndarray, sq_sum: float | None
+) -> dict[str, float]:
+    """One sequence's rank statistics from its moments; ``gram_sum`` the sums in the Gram's basis, ``sq_sum`` the
+    exact ``tr G`` of a sketched Gram (None: ``gram`` is exact)."""
     return {
-        "ratio": rank_collapse_from_moments(n, s, gram),
-        "effective_rank": effective_rank_from_moments(n, s, gram),
+        "ratio": rank_collapse_from_moments(n, s, gram) if sq_sum is None else rank_collapse_from_trace(n, s, sq_sum),
+        "effective_rank": effective_rank_from_moments(n, gram_sum, gram),
         "token_cosine": token_uniformity_from_moments(n, unit_sum),
     }
+
+
+def _sequence_rows(n: float, m: dict[str, np.ndarray], pick: tuple, over_bins: bool = False) -> list[dict[str, float]]:
+    """``_rank_row`` of each sequence of ``m[kind][pick]`` ([batch, bin, ...] summed over bins when ``over_bins``)."""
+
+    def part(kind: str) -> np.ndarray | None:
+        if kind not in m:
+            return None
+        x = m[kind][pick]
+        return x.sum(1) if over_bins else x
+
+    s, g, u, gs, sq = (part(k) for k in ("sum", "gram", "unit_sum", "gram_sum", "sq_sum"))
+    return [_rank_row(n, s[q], g[q], u[q], gs[q], None if sq is None else sq[q]) for q in range(s.shape[0])]
 
 
 def rank_collapse_by_position_table(trace: Trace) -> pd.DataFrame:
@@ -213,17 +275,15 @@ def rank_collapse_by_position_table(trace: Trace) -> pd.DataFrame:
 
     Columns: depth, depth_label, bin, start, stop (positions [start, stop)), ratio, effective_rank, token_cosine.
     """
-    if names.hidden_bins("gram") not in trace:
+    if not _has_moments(trace):
         raise MissingTraceData("no hidden-state moments in this trace (hidden_bins.*): record with 'hidden'")
-    kinds = ("count", "sum", "unit_sum", "gram")
-    m = {k: np.asarray(trace[names.hidden_bins(k)], dtype=np.float64) for k in kinds}
+    m = _moment_arrays(trace)
     edges = np.asarray(trace[names.POSITION_BINS])
     labels = depth_labels(m["sum"].shape[0])
     rows = []
     for d in range(m["sum"].shape[0]):
         for b, n in enumerate(m["count"]):
-            per_seq = [_rank_row(n, m["sum"][d, q, b], m["gram"][d, q, b], m["unit_sum"][d, q, b])
-                       for q in range(m["sum"].shape[1])]  # fmt: skip
+            per_seq = _sequence_rows(n, m, (d, slice(None), b))
             row = {k: float(np.mean([r[k] for r in per_seq])) for k in per_seq[0]}
             rows.append({"depth": d, "depth_label": labels[d], "bin": b, "start": int(edges[b]),
                          "stop": int(edges[b + 1]), **row})  # fmt: skip
@@ -252,8 +312,7 @@ def rank_collapse_table(trace: Trace) -> pd.DataFrame:
         labels = depth_labels(D)
         rows = []
         for d in range(D):
-            s_, g_, u_ = (m[k][d].sum(1) for k in ("sum", "gram", "unit_sum"))  # [batch, ...] over bins
-            per_seq = [_rank_row(n, s_[q], g_[q], u_[q]) for q in range(s_.shape[0])]
+            per_seq = _sequence_rows(n, m, (d,), over_bins=True)  # [batch, ...] over bins
             rows.append({"depth": d, "depth_label": labels[d],
                          **{k: float(np.mean([r[k] for r in per_seq])) for k in per_seq[0]}})  # fmt: skip
         return tidy(pd.DataFrame(rows), keys=["depth"], value="ratio")
@@ -284,11 +343,12 @@ def layer_redundancy_table(trace: Trace) -> pd.DataFrame:
     m = _moments(trace)
     if m is not None and "cross_gram" in m:
         n = m["count"].sum()
-        s_, g_, c_, cos_ = (m[k].sum(2) for k in ("sum", "gram", "cross_gram", "cos_sum"))  # over bins
+        s_, g_, c_, cos_ = (m[k].sum(2) for k in ("gram_sum", "gram", "cross_gram", "cos_sum"))  # over bins
+        cka_of = linear_cka_from_moments if "sq_sum" not in m else linear_cka_from_sketch
         rows = []
         for layer in range(c_.shape[0]):
             cos = float(np.mean(cos_[layer] / n))
-            cka = np.mean([linear_cka_from_moments(n, s_[layer, q], g_[layer, q], s_[layer + 1, q], g_[layer + 1, q],
+            cka = np.mean([cka_of(n, s_[layer, q], g_[layer, q], s_[layer + 1, q], g_[layer + 1, q],
                                                    c_[layer, q]) for q in range(c_.shape[1])])  # fmt: skip
             rows.append({"layer": layer, "layer_type": types[layer] if layer < len(types) else "?",
                          "cosine": cos, "block_influence": 1.0 - cos, "cka": float(cka)})  # fmt: skip

@@ -10,7 +10,8 @@ and conservative: a forward of 1,024 / 4,096 tokens measured +77 / +717 MB of RS
                   prefill runs SDPA's fused kernel, O(T): k3core.ops.attention)
     trace:        forward + the recorded arrays: 4 T ((L+1) d + 2 n_kda h_kda c + L (E + latent))
                   + 8 (2 L + 1) n_bins d^2 (the hidden states' Gram sums per position bin, float64: n_bins =
-                  len(k3core.interp.attention_stats.position_bins(T)) - 1, a fixed cost: 6.6 MB at 64 tokens)
+                  len(k3core.interp.attention_stats.position_bins(T)) - 1, a fixed cost: 6.6 MB at 64 tokens;
+                  above 1,024 channels k x k sketches, k = 256: k3core.interp.trace_size.second_moment_bytes)
                   + (n_mla + 3) min(T, A)^2 H 4 when attention is recorded (A: its query window; the kept maps
                   and one layer's window being computed)
     experiment:   forward + 2 x 4 T V (the baseline's and the edited logits kept) + T^2 + 3 min(T, Q) T H 4 when
@@ -39,6 +40,7 @@ import torch
 from plotly.basedatatypes import BaseFigure
 
 from k3core.interp.attention_stats import position_bins
+from k3core.interp.trace_size import second_moment_bytes
 from k3core.ops.attention import QUERY_BLOCK
 
 
@@ -61,7 +63,7 @@ def trace_peak_bytes(config: Any, tokens: int, attention_len: int | None = None)
     latent = config.routed_expert_hidden_size or 0
     kda_width = config.kda_num_heads * config.kda_head_dim
     kept = 4 * t * ((layers + 1) * config.hidden_size + 2 * n_kda * kda_width + layers * (config.num_experts + latent))
-    kept += 8 * (2 * layers + 1) * (len(position_bins(max(t, 1))) - 1) * config.hidden_size**2
+    kept += second_moment_bytes(config.hidden_size, layers, len(position_bins(max(t, 1))) - 1)
     if attention_len:
         a = min(t, int(attention_len))
         # the kept maps, and the work of one layer's window at a time (its scores, weights and probabilities)

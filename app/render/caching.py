@@ -59,8 +59,8 @@ from app.state.inputs import (
 )
 from k3core.checkpoints.folder import folder_fingerprint
 from k3core.checkpoints.tensor_info import CheckpointError
-from k3core.interp.recorder import WHAT_ALL, WHAT_DEFAULT
 from k3core.interp.trace_folder import is_trace_dir, trace_dir_fingerprint
+from k3core.interp.trace_size import WHAT_ALL, WHAT_DEFAULT
 
 
 # ----------------------------------------------------------------------------------------- runs

@@ -25,7 +25,7 @@ from torch import nn
 from ..checkpoints.folder import CheckpointFiles
 from ..checkpoints.names import LAYER_PREFIX, layer_of
 from ..checkpoints.tensor_info import CheckpointError
-from ..layers.kda import KimiDeltaAttention
+from ..interp.trace_size import TraceSize, record_bytes
 from .expert_store import (
     LM_HEAD_CHUNK_BYTES,
     MARGIN_BYTES,
@@ -43,6 +43,7 @@ from .expert_store import (
 )
 
 EXPERT_RE = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+TRACE_TOKENS = 8  # the prompt length the plan keeps room for a default trace of
 STREAMED_MODULES = ("self_attn", "mlp", "block_sparse_moe")  # a layer's parts that stream
 EMBED, LM_HEAD = "model.embed_tokens", "lm_head"
 
@@ -87,7 +88,28 @@ class StreamPlan:
     read_speed: float  # bytes/s measured on the files when planned
     stored_by_format: dict[str, int] = field(default_factory=dict)
     parameters: int = 0
-    trace_bytes: int = 0  # the part of working_bytes kept for a trace of one sequence (KDA states)
+    trace_bytes: int = 0  # the part of working_bytes kept for a default trace of trace_tokens tokens of one sequence
+    trace_tokens: int = 0
+    config: Any = field(default=None, repr=False)  # the model's config (for trace_size)
+
+    def trace_size(self, tokens: int, what: Any = None) -> TraceSize:
+        """What ``record(model, what)`` holds over a ``tokens``-token forward of one sequence
+        (``k3core.interp.trace_size.record_bytes``)."""
+        return record_bytes(self.config, tokens, what)
+
+    def trace_line(self, tokens: int) -> str:
+        """The plan's word on a default trace of ``tokens`` tokens: its bytes against what the budget keeps for it."""
+        need = self.trace_size(tokens).total if self.config is not None else self.trace_bytes
+        spare = self.trace_bytes + self.expert_cache_bytes
+        verdict = (
+            "within the working set" if need <= self.trace_bytes
+            else f"{_gb(need - self.trace_bytes)} over it, taken from the expert cache" if need <= spare
+            else f"OVER the budget by {_gb(need - spare)}: trace fewer tokens or give more memory"
+        )  # fmt: skip
+        return (
+            f"a default trace of {tokens} tokens holds {_gb(need)} (estimated from the config; "
+            f"{_gb(self.trace_bytes)} kept for {self.trace_tokens} tokens): {verdict}"
+        )
 
     @property
     def cache_experts(self) -> int:
@@ -117,7 +139,8 @@ class StreamPlan:
                 f"streams: {streams}; largest module {self.largest_module[0]} {_gb(self.largest_module[1])}",
                 f"expert cache {_gb(self.expert_cache_bytes)} ({self.cache_experts} experts of "
                 f"{self.expert_stored_bytes / 1e6:.1f} MB stored), working set {_gb(self.working_bytes)} "
-                f"(a trace's KDA states {_gb(self.trace_bytes)} of it)",
+                f"(a default trace of {self.trace_tokens} tokens {_gb(self.trace_bytes)} of it)",
+                self.trace_line(tokens),
                 f"a {tokens}-token prompt reads up to {_gb(self.prompt_bytes(tokens))}: about "
                 f"{self.expected_seconds(tokens):.0f} s at {self.read_speed / 1e9:.2f} GB/s (measured on these files "
                 f"now: page cache or disk, whichever serves them)",
@@ -147,9 +170,11 @@ def plan_streaming(
     budget: int,
     dense: str = "auto",
     read_speed: float | None = None,
+    trace_tokens: int = TRACE_TOKENS,
 ) -> StreamPlan:
     """The plan of a streamed run of ``model`` (meta device, in its compute dtypes) from ``files`` within
-    ``budget`` bytes. ``dense``: "auto" (resident when it fits), "resident" or "stream". Raises
+    ``budget`` bytes. ``dense``: "auto" (resident when it fits), "resident" or "stream". The working set keeps room
+    for a default trace (``record(model)``) of ``trace_tokens`` tokens of one sequence. Raises
     CheckpointError when the budget cannot hold one layer."""
     if dense not in ("auto", "resident", "stream"):
         raise ValueError(f"dense must be 'auto', 'resident' or 'stream', got {dense!r}")
@@ -184,9 +209,10 @@ def plan_streaming(
         stacked = model.model.layers[moe[0]].block_sparse_moe.experts
         expert_compute = sum(getattr(stacked, w)[0].numel() * getattr(stacked, w).element_size() for w in WEIGHTS)
     experts_working = expert_compute + READ_WINDOW * expert_stored
-    # A trace of one sequence keeps each KDA layer's final state, fp32, whatever the length (Kimi K3: 69 x 6.3 MB);
-    # its other arrays are per token and small beside the margin for short prompts.
-    trace = sum(4 * m.num_heads * m.head_dim**2 for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    # A default trace of one sequence of trace_tokens tokens, estimated from the config (its arrays and what the
+    # recorder holds while recording: k3core.interp.trace_size; Kimi K3: 69 KDA final states of 6.3 MB, the hidden
+    # states and their moments, sketched at this width)
+    trace = record_bytes(cfg, trace_tokens).total
     lm = modules.get(LM_HEAD, 0) or modules.get(EMBED, 0)
     lm_chunk = min(LM_HEAD_CHUNK_BYTES, lm)
     layer_modules = {k: v for k, v in modules.items() if k not in (EMBED, LM_HEAD)}
@@ -205,7 +231,7 @@ def plan_streaming(
             f"tensors {_gb(small)}, largest module {largest[0]} {_gb(largest[1])} + its largest tensor as stored "
             f"{_gb(largest_tensor)}, LM head chunk {_gb(lm_chunk)}, one expert decoded "
             f"{_gb(expert_compute)} + {READ_WINDOW} read ahead {_gb(READ_WINDOW * expert_stored)}, "
-            f"a trace's KDA states {_gb(trace)}, margin {_gb(MARGIN_BYTES)})"
+            f"a default trace of {trace_tokens} tokens {_gb(trace)}, margin {_gb(MARGIN_BYTES)})"
         )
     embed_info = files.tensors.get(EMBED + ".weight")
     embed_row = embed_info.nbytes // embed_info.shape[0] if embed_info is not None else 0
@@ -231,6 +257,8 @@ def plan_streaming(
         stored_by_format=files.bytes_by_format(),
         parameters=files.num_parameters,
         trace_bytes=trace,
+        trace_tokens=trace_tokens,
+        config=cfg,
     )
 
 

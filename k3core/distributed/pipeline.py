@@ -38,6 +38,7 @@ from ..checkpoints.names import canonical_name
 from ..checkpoints.pretrained import build_meta_model, check_headers, load_config
 from ..checkpoints.tensor_info import CheckpointError
 from ..config import K3Config
+from ..interp.hidden_moments import MOMENT_AXES, PAIR_KINDS, SKETCH_META, depth_moments, sketch_projection
 from ..interp.hooks import active, point
 from ..interp.recorder import record
 from ..interp.trace import Trace, TraceNames
@@ -348,15 +349,16 @@ def gather_traces(parts: list[Trace], stage: Stage, extra: dict) -> tuple[list[l
 
 def merge_traces(parts: list[Trace]) -> Trace:
     """One trace from the ranks' parts (rank order): per-layer arrays side by side, the hidden states of each rank's
-    layers stacked along depth, tokens from rank 0 (checked equal on every rank), the loss from the last rank."""
+    layers stacked along depth, the whole-text moments too (``merge_moments``), tokens from rank 0 (checked equal on
+    every rank), the loss from the last rank."""
     merged = Trace(meta=dict(parts[0].meta))
     merged.meta.pop("pipeline_loss", None)
     sources: dict = {}
     for part in parts:
         sources.update(part.meta.get(TraceNames.ATTNRES_SOURCES_META, {}))
         for name, array in part.arrays.items():
-            if name in (TraceNames.HIDDEN, TraceNames.HIDDEN_RMS) or name.startswith("hidden_bins."):
-                continue  # stacked below; the moments are per rank (no pair across a boundary): left out
+            if name in (TraceNames.HIDDEN, TraceNames.HIDDEN_RMS) or _is_moment(name):
+                continue  # stacked below
             if name in merged.arrays:
                 if not np.array_equal(merged.arrays[name], array):
                     raise PipelineError(f"the ranks disagree on trace array {name!r}")
@@ -368,8 +370,56 @@ def merge_traces(parts: list[Trace]) -> Trace:
         pieces = [p.arrays[name] for p in parts if name in p.arrays]
         if pieces:
             merged.add(name, np.concatenate(pieces, axis=0), parts[0].axes.get(name) or parts[-1].axes[name])
+    merge_moments(parts, merged)
+    coverage = {k: v for p in parts for k, v in p.meta.get("coverage", {}).items() if k in merged.arrays}
+    merged.meta["coverage"] = {k: coverage[k] for k in merged.arrays if k in coverage}
     merged.meta["run"] = {"loss": parts[-1].meta.get("pipeline_loss")}
     return merged
+
+
+def _is_moment(name: str) -> bool:
+    return name.startswith(TraceNames.hidden_bins("count").removesuffix("count"))
+
+
+def merge_moments(parts: list[Trace], merged: Trace) -> None:
+    """The whole-text hidden-state moments (``hidden_bins.*``) of the ranks' parts into ``merged``, as one process
+    records them: each rank's depths stacked, and between two ranks the pair moments (cross Gram, cosine sum) of the
+    last depth of one and the first of the next, from their hidden states (every rank keeps them whole), with the
+    recorder's own definition (``k3core.interp.hidden_moments.depth_moments``, the same sketch)."""
+    held = [p for p in parts if TraceNames.HIDDEN in p.arrays and _is_moment_in(p)]
+    if not held:
+        return
+    count = TraceNames.hidden_bins("count")
+    merged.add(count, held[0].arrays[count], held[0].axes[count])
+    bins = [int(b) for b in held[0].arrays[TraceNames.POSITION_BINS]]
+    sketch = held[0].meta.get(SKETCH_META)
+    projection = None if sketch is None else sketch_projection(held[-1].arrays[TraceNames.HIDDEN].shape[-1],
+                                                                sketch["dim"], sketch["seed"])  # fmt: skip
+    kinds = [k for k in MOMENT_AXES if TraceNames.hidden_bins(k) in held[0].arrays or k in PAIR_KINDS]
+    pieces: dict[str, list[np.ndarray]] = {k: [] for k in kinds}
+    for r, part in enumerate(held):
+        if r > 0:  # the pair across the boundary: previous rank's last depth -> this rank's first
+            states = [
+                torch.from_numpy(p.arrays[TraceNames.HIDDEN][d]).double() for p, d in ((held[r - 1], -1), (part, 0))
+            ]
+            _, carry = depth_moments(states[0], None, bins, projection)
+            pair, _ = depth_moments(states[1], carry, bins, projection)
+            for kind in PAIR_KINDS:
+                if kind in pair:
+                    pieces[kind].append(pair[kind].numpy()[None])
+        for kind in kinds:
+            name = TraceNames.hidden_bins(kind)
+            if name in part.arrays:
+                pieces[kind].append(part.arrays[name])
+    for kind, values in pieces.items():
+        if values:
+            merged.add(TraceNames.hidden_bins(kind), np.concatenate(values, axis=0), MOMENT_AXES[kind])
+    if sketch is not None:
+        merged.meta[SKETCH_META] = sketch
+
+
+def _is_moment_in(part: Trace) -> bool:
+    return any(_is_moment(n) for n in part.arrays)
 
 
 def init_from_env(timeout: float) -> tuple[int, int, torch.device]:

@@ -41,8 +41,12 @@ derived from a point adds a suffix; traces of the older names (``kda.i.g``, ...)
     position_bins            [edge]                             edges of the position bins of the *_bins arrays
     hidden_bins.count        [bin]                              positions per bin
     hidden_bins.sum|unit_sum [depth, batch, bin, hidden]        sum of h, of h / ||h|| over each bin
-    hidden_bins.gram         [depth, batch, bin, hidden, hidden2]   sum of h h^T over each bin
+    hidden_bins.gram         [depth, batch, bin, hidden, hidden2]   sum of h h^T over each bin (width <= 1,024, or
+                                                                "hidden_gram" in what)
     hidden_bins.cross_gram   [layer, batch, bin, hidden, hidden2]   sum of h_l h_(l+1)^T (depth l to l + 1)
+    hidden_bins.sq_sum|sketch_sum|sketch_gram|sketch_cross_gram     wider states: sum ||h||^2 [depth, batch, bin]
+                             and a seeded random-projection sketch R^T s, R^T G R, R^T C R (k x k, k = 256;
+                             meta["hidden_sketch"]; ``k3core.interp.hidden_moments``)
     hidden_bins.cos_sum      [layer, batch, bin]                sum of cos(h_l, h_(l+1)) over each bin
     blocks.i.kda.g           [batch, token, head, channel]      log decay (alpha = exp(g)); the window
     blocks.i.kda.g.bins      [batch, bin, head, channel]        mean log decay per position bin (every position)
@@ -85,12 +89,18 @@ import torch
 
 from .attention_stats import DEFAULT_BLOCK, position_bins
 from .catalogue import point_name
+from .hidden_moments import (
+    MOMENT_AXES,
+    SKETCH_META,
+    depth_moments,
+    sketch_meta,
+    sketch_projection,
+    uses_sketch,
+)
 from .hooks import active, hooks
 from .layer_reads import LayerReads
 from .trace import Trace, TraceNames
-
-WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
-WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
+from .trace_size import WHAT_ALL, WHAT_ON_REQUEST, resolve_what
 
 _RECORDER = "recorder"  # the hook context's owner key of the active recorder
 
@@ -117,9 +127,9 @@ class Recorder(LayerReads):
         attn_block: int = DEFAULT_BLOCK,
     ):
         self.what = frozenset(what)
-        unknown = self.what - set(WHAT_ALL)
+        unknown = self.what - set(WHAT_ALL) - set(WHAT_ON_REQUEST)
         if unknown:
-            raise ValueError(f"unknown trace items {sorted(unknown)}; choose from {WHAT_ALL}")
+            raise ValueError(f"unknown trace items {sorted(unknown)}; choose from {WHAT_ALL + WHAT_ON_REQUEST}")
         for label, n in (("max_tokens", max_tokens), ("window", window)):
             if n is not None and n < 1:
                 raise ValueError(f"{label} must be a positive number of tokens or None, got {n}")
@@ -136,6 +146,7 @@ class Recorder(LayerReads):
         self._hidden: list[torch.Tensor] = []
         self._held: dict[str, Any] = {}  # per layer q, k, ... until the point that needs them
         self._bins: list[int] = [0, 1]
+        self._projection: torch.Tensor | None = None  # the hidden-state sketch's R (k3core.interp.hidden_moments)
 
     def wants(self, item: str) -> bool:
         return item in self.what
@@ -174,6 +185,7 @@ class Recorder(LayerReads):
         self.trace.arrays.clear()
         self.trace.axes.clear()
         self.trace.meta.pop(TraceNames.ATTNRES_SOURCES_META, None)
+        self.trace.meta.pop(SKETCH_META, None)
         self._bins = position_bins(self._limit(input_ids.shape[1]))
         self.put_tokens(TraceNames.TOKENS, input_ids, ("batch", "token"))
         self.put(TraceNames.POSITION_BINS, torch.tensor(self._bins), ("edge",))
@@ -190,24 +202,17 @@ class Recorder(LayerReads):
         self._hidden_moments(x.double().cpu())
 
     def _hidden_moments(self, x: torch.Tensor) -> None:
-        """Per position bin: sum h, sum h h^T, sum h / ||h|| of this depth, and with the previous depth the
-        cross sum h_l h_(l+1)^T and sum cos(h_l, h_(l+1)) (the moments analysis.metrics.hidden_states reads)."""
-        unit = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        prev = self._held.get("hidden_prev")
-        parts: dict[str, list[torch.Tensor]] = {"sum": [], "unit_sum": [], "gram": [], "cross_gram": [], "cos_sum": []}
-        for s, e in zip(self._bins[:-1], self._bins[1:]):
-            xb = x[:, s:e]
-            parts["sum"].append(xb.sum(1))
-            parts["unit_sum"].append(unit[:, s:e].sum(1))
-            parts["gram"].append(xb.transpose(1, 2) @ xb)
-            if prev is not None:
-                parts["cross_gram"].append(prev[0][:, s:e].transpose(1, 2) @ xb)
-                parts["cos_sum"].append((prev[1][:, s:e] * unit[:, s:e]).sum(-1).sum(1))
-        moments = self._held.setdefault("hidden_moments", {})
-        for kind, values in parts.items():
-            if values:
-                moments.setdefault(kind, []).append(torch.stack(values, 1))
-        self._held["hidden_prev"] = (x, unit)
+        """This depth's moments per position bin (``k3core.interp.hidden_moments.depth_moments``: exact Gram matrices
+        up to a width, a seeded random-projection sketch above it), with the previous depth's pair moments."""
+        if uses_sketch(x.shape[-1], self.what):
+            if self._projection is None:  # made once per recorder (seeded: the same R in every process)
+                self._projection = sketch_projection(x.shape[-1])
+            self.trace.meta[SKETCH_META] = sketch_meta()
+        moments, carry = depth_moments(x, self._held.get("hidden_prev"), self._bins, self._projection)
+        held = self._held.setdefault("hidden_moments", {})
+        for kind, value in moments.items():
+            held.setdefault(kind, []).append(value)
+        self._held["hidden_prev"] = carry
 
     def finish(self) -> None:
         N = TraceNames
@@ -218,16 +223,9 @@ class Recorder(LayerReads):
             moments = self._held.pop("hidden_moments", {})
             edges = np.asarray(self._bins)
             self.put(N.hidden_bins("count"), np.diff(edges), ("bin",))
-            axes = {
-                "sum": ("depth", "batch", "bin", "hidden"),
-                "unit_sum": ("depth", "batch", "bin", "hidden"),
-                "gram": ("depth", "batch", "bin", "hidden", "hidden2"),
-                "cross_gram": ("layer", "batch", "bin", "hidden", "hidden2"),
-                "cos_sum": ("layer", "batch", "bin"),
-            }
             for kind, values in moments.items():
                 # float64 numpy, not the Trace's fp32: a Gram sum over 64K tokens needs the precision
-                self.put(N.hidden_bins(kind), torch.stack(values).numpy(), axes[kind])
+                self.put(N.hidden_bins(kind), torch.stack(values).numpy(), MOMENT_AXES[kind])
         self._held = {}
         self.trace.meta["coverage"] = self._coverage()
 
@@ -284,10 +282,12 @@ def record(
 ) -> Iterator[Trace]:
     """Record the internals of every forward run inside the block into one Trace.
 
-    ``what`` picks items from WHAT_ALL ("all" for everything, default: everything but the MLA
-    attention matrices, which are quadratic in length). If several forwards run inside the block,
-    the last one wins. The recorder is bound to the calling thread/context only: forwards run by
-    other threads meanwhile are not recorded, and they may record their own models concurrently.
+    ``what`` picks items from WHAT_ALL ("all" for everything, default or "default": everything but the MLA
+    attention matrices, which are quadratic in length), plus WHAT_ON_REQUEST by name ("hidden_gram": the exact
+    D x D hidden-state Gram matrices at any width; above 1,024 channels they are sketched otherwise). The bytes a
+    recording holds are estimated before any forward by ``k3core.interp.trace_size.record_bytes``. If several
+    forwards run inside the block, the last one wins. The recorder is bound to the calling thread/context only:
+    forwards run by other threads meanwhile are not recorded, and they may record their own models concurrently.
     ``model`` gives the hook points to read (its config) and the parameters some arrays copy; without
     it only the tokens and the loss are recorded.
 
@@ -298,12 +298,7 @@ def record(
     """
     if current() is not None:
         raise RuntimeError("record() blocks cannot be nested")
-    if what is None:
-        what = WHAT_DEFAULT
-    elif what == "all":
-        what = WHAT_ALL
-    elif isinstance(what, str):
-        what = (what,)
+    what = resolve_what(what)
     config = getattr(model, "config", None)
     rec = Recorder(
         what, max_tokens=max_tokens, max_batch=max_batch, max_attn_len=max_attn_len,

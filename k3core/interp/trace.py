@@ -23,6 +23,7 @@ import torch
 
 from ..utils.files import open_for_reading, parse_json
 from .catalogue import POINTS
+from .hidden_moments import MOMENT_AXES
 from .hooks import HookNames
 from .trace_npz import NpzLimits, TraceError, npz_layout, read_npz
 
@@ -108,8 +109,9 @@ class TraceNames(HookNames):
     @staticmethod
     def hidden_bins(kind: str) -> str:
         """Whole-text moments of the hidden states per position bin: count, sum, unit_sum, gram, cross_gram,
-        cos_sum (``k3core.interp.recorder``)."""
-        if kind not in ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum"):
+        cos_sum; above a width sq_sum, sketch_sum, sketch_gram, sketch_cross_gram in place of the Gram matrices
+        (``k3core.interp.hidden_moments``)."""
+        if kind != "count" and kind not in MOMENT_AXES:
             raise ValueError(f"unknown hidden-state moment {kind!r}")
         return f"hidden_bins.{kind}"
 

@@ -14,7 +14,7 @@ import torch
 from analysis.runs import texts
 from analysis.runs.job_memory import context_bytes, held_bytes
 from analysis.runs.loading import load_run, trace_run
-from k3core.interp.recorder import WHAT_ALL
+from k3core.interp.trace_size import WHAT_ALL
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
 MB = 1024**2

@@ -67,7 +67,7 @@ def test_traced_forward_of_8_tokens_within_6gb(replica):
     folder, _ = replica
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_k3_stream", "--child", str(folder), "--tokens", "8",
-         "--budget", "6GB", "--dtype", "bfloat16", "--skip-holes"],
+         "--budget", "6GB", "--dtype", "bfloat16", "--skip-holes", "--what", "all"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,3 +82,55 @@ def test_traced_forward_of_8_tokens_within_6gb(replica):
     assert 16 < result["distinct_experts"] <= 24
     assert result["expert_misses"] == result["expert_reads"] == result["distinct_experts"]
     assert result["bytes_read"] <= result["planned_prompt_bytes"]
+
+
+@pytest.fixture(scope="module")
+def replica4(tmp_path_factory):
+    from benchmarks.bench_k3_stream import build
+
+    folder = tmp_path_factory.mktemp("k3-stream-4") / "Kimi-K3-4"
+    build(folder, layers=4)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two fresh processes, each 8 tokens through 4 full-width layers: ~2-3 min each here
+def test_default_record_of_4_full_width_layers_stays_under_7gb(replica4):
+    """4 decoder layers at width 7,168 (896 MXFP4 experts each), bf16 under 6 GiB: the default ``record(model)``
+    forward of 8 tokens peaks under 7 GB RSS, within 0.5 GB of the same forward without a recorder (each in its own
+    process; the hidden-state Gram matrices are sketched at this width: 8.05 GB before), and holds what
+    ``record_bytes`` estimated before the forward."""
+    from benchmarks.bench_k3_stream import child
+
+    traced = child(replica4, 8, "6GiB", "bfloat16", skip_holes=True, what="default")
+    plain = child(replica4, 8, "6GiB", "bfloat16", skip_holes=True, what="none")
+    print(
+        f"\nK3 replica, 4 layers, 8 tokens, 6 GiB: record() forward peak {traced['peak_rss'] / 1e9:.2f} GB, plain "
+        f"forward peak {plain['peak_rss'] / 1e9:.2f} GB; trace {traced['trace_bytes'] / 1e6:.1f} MB (estimated "
+        f"{traced['estimated_trace_bytes'] / 1e6:.1f} MB)"
+    )
+    assert traced["logits_finite"] and traced["trace_arrays"] > 20 and plain["trace_arrays"] == 0
+    assert traced["peak_rss"] < 7 * 10**9
+    assert traced["peak_rss"] - plain["peak_rss"] < 0.5 * 10**9
+    assert traced["trace_bytes"] <= traced["estimated_trace_bytes"] <= 1.1 * traced["trace_bytes"]
+
+
+def test_the_streamed_plan_counts_a_default_trace(replica):
+    """The plan keeps room for a default trace of 8 tokens (``record_bytes``, counted in the working set against the
+    budget) and says, before a run, what a trace of the prompt holds against it."""
+    import torch
+
+    from k3core.bigmodel.streamed_run import plan_for_path
+    from k3core.checkpoints.pretrained import load_config
+    from k3core.interp.trace_size import record_bytes
+    from k3core.model import K3ForCausalLM
+
+    folder, _ = replica
+    plan = plan_for_path(folder, K3ForCausalLM, dtype=torch.bfloat16, max_memory={"cpu": "6GiB"})
+    config = load_config(folder)
+    assert plan.trace_tokens == 8 and plan.trace_bytes == record_bytes(config, 8).total
+    assert plan.trace_bytes <= plan.working_bytes
+    text = plan.describe(tokens=8)
+    assert "a default trace of 8 tokens holds" in text and "within the working set" in text
+    long = plan.trace_line(200_000)
+    assert f"holds {record_bytes(config, 200_000).total / 1e9:.2f} GB" in long and "OVER the budget" in long

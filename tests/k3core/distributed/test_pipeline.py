@@ -115,9 +115,7 @@ def test_gathered_trace_equals_the_single_process_trace(checkpoints, tmp_path, n
                                            MAX_TOKENS)):  # fmt: skip
         want = runs_mod.trace_run(run, chosen, what="all").trace
         got = folder.trace(i)
-        # the whole-text hidden-state moments are per rank (no pair across a boundary): the pipeline leaves them
-        # out and keeps the hidden states whole instead
-        wanted = {n: a for n, a in want.arrays.items() if not n.startswith("hidden_bins.")}
+        wanted = want.arrays  # every item, the whole-text hidden-state moments included (rank 0 adds boundary pairs)
         assert sorted(set(got.arrays) - {"logits"}) == sorted(wanted)
         for key, array in wanted.items():
             assert got.axes[key] == want.axes[key], key
