@@ -14,7 +14,7 @@ from analysis.experiments import attribution, effects, patching
 from analysis.experiments.attribution_inputs import AttributionError
 from analysis.figures import experiment as fx
 from analysis.metrics.token_detail import token_detail
-from analysis.output.export import csv_with_provenance, provenance
+from analysis.output.export import provenance, with_provenance_columns
 from analysis.runs import job_memory
 from app import pages
 from app.render import cards, page
@@ -72,7 +72,7 @@ def _download(df: pd.DataFrame, stem: str, label_text: str, **meta: object) -> N
     head = {**provenance(loaded.ctx), **meta}
     st.download_button(
         label_text,
-        data=csv_with_provenance(df, head),
+        data=with_provenance_columns(df, head).to_csv(index=False),
         file_name=f"k3lab-{stem}.csv",
         mime="text/csv",
         key=f"k3lab_exp_dl_{stem}",

@@ -85,7 +85,8 @@ def static_export_status() -> tuple[bool, str]:
 
 def figure_bytes(fig, df, stem: str, fmt: str, meta: Any = None) -> bytes:
     """One export of a figure (analysis.output.export.export_figure into a temporary folder), as bytes; ``meta``
-    (analysis.output.export.provenance: run, text, tokens; or a function making it) leads its CSV / JSON."""
+    (analysis.output.export.provenance: run, text, tokens; or a function making it) goes into its JSON, or its CSV's
+    leading ``meta_`` columns."""
     if callable(meta):  # made on click (the text is decoded only for a download)
         meta = meta()
     with tempfile.TemporaryDirectory(prefix="k3lab-export-") as tmp:

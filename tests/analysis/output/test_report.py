@@ -6,6 +6,7 @@ import html
 import json
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -81,6 +82,14 @@ def test_single_run_report(ckpts, tmp_path, capsys):
             data = written.read_bytes()
             assert str(ckpts[0].resolve()).encode() not in data and str(ckpts[0]).encode() not in data, written
     assert headline["checkpoints"][0]["folder"] == ckpts[0].name
+    # every CSV is plain: pandas.read_csv with no options gets the columns its JSON names (the provenance is there)
+    csvs = sorted((out / "figures").glob("*.csv"))
+    assert len(csvs) >= 10
+    for path in csvs:
+        doc = json.loads(path.with_suffix(".json").read_text())
+        table = pd.read_csv(path)
+        assert list(table.columns) == doc["columns"] and len(table) == len(doc["rows"]), path.name
+        assert doc["runs"] == ["nano-a"] and "view" in doc, path.name
 
 
 def test_two_run_comparison_report(ckpts, tmp_path):
