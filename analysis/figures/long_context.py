@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 from analysis.experiments import long_runs as lr
 from analysis.figures.style import RUN_COLORS, apply_style
 from analysis.metrics import long_context as lc
+from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
 from analysis.runs.missing_data import MissingTraceData
 from analysis.views import picks as pk
@@ -175,9 +176,17 @@ def build_decay_horizon(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_mla_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    return _two_panels_over_position(
+    """Entropy and sink mass over position bins, with uniform causal attention drawn beside them (entropy 1; sink
+    mass 1/(i+1) at query i, its bin mean (H_stop - H_start) / (stop - start)): a sink mass falling as 1/(i+1) is
+    what uniform attention does anyway."""
+    df = _guard(lc.mla_by_position_table, ctx)
+    start, stop = df["start"].to_numpy(), df["stop"].to_numpy()
+    df = df.assign(
+        uniform_entropy_norm=1.0, uniform_sink_mass=(nr.harmonic(stop) - nr.harmonic(start)) / (stop - start)
+    )
+    fig, df = _two_panels_over_position(
         ctx,
-        _guard(lc.mla_by_position_table, ctx),
+        df,
         pk.mla_choices(ctx),
         "position",
         (
@@ -187,6 +196,23 @@ def build_mla_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFra
         "MLA attention over position ({what})",
         "query position (token, log scale)",
     )
+    bins = df.drop_duplicates("bin").sort_values("position")
+    for row, column in ((1, "uniform_entropy_norm"), (2, "uniform_sink_mass")):
+        fig.add_trace(
+            go.Scatter(
+                x=bins["position"],
+                y=bins[column],
+                mode="lines",
+                name="uniform causal attention (null reference)",
+                legendgroup="uniform",
+                showlegend=row == 1,
+                line={"color": "#888", "dash": "dash", "width": 2},
+                hovertemplate="uniform attention: %{y:.4g}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+    return fig, df
 
 
 def _model(ctx: AnalysisContext):
@@ -234,6 +260,21 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
         )
     )
     chance = float(df["chance"].iloc[0])
+    n = int(df["examples"].iloc[0])
+    lo, hi = nr.chance_interval(round(1 / chance), n)
+    df = df.assign(chance_low=lo, chance_high=hi, at_chance=df["accuracy"] <= hi)
+    x_ends = [float(df["distance"].min()), float(df["distance"].max())]
+    fig.add_trace(
+        go.Scatter(
+            x=x_ends + x_ends[::-1],
+            y=[hi, hi, lo, lo],
+            fill="toself",
+            fillcolor="rgba(68,68,68,0.12)",
+            line={"width": 0},
+            name=f"chance guesses of {n} examples (95%)",
+            hoverinfo="skip",
+        )
+    )
     fig.add_trace(  # a legend entry, not a note: a note on the line sat over the data and the ticks
         go.Scatter(
             x=[float(df["distance"].min()), float(df["distance"].max())],
@@ -244,10 +285,11 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
             hoverinfo="skip",
         )
     )
-    n = int(df["examples"].iloc[0])
+    at_chance = int(df["at_chance"].sum())
     apply_style(
         fig,
-        f"Recall by distance: key-value pair d tokens before its query, {n} examples each — {ctx.label}",
+        f"Recall by distance: key-value pair d tokens before its query, {n} examples each ({at_chance} of "
+        f"{len(df)} distances within chance) — {ctx.label}",
         "distance from the value to the query (tokens, log scale)",
         "share recalled (argmax = value)",
     )

@@ -49,6 +49,27 @@ KEY_HEADLINES = (
 )
 
 
+SHORT_LABELS = {
+    "mla_entropy_norm_mean": "MLA entropy (norm.)",
+    "block_influence_mean": "Block Influence",
+    "moe_maxvio_max": "MoE MaxVio (max)",
+    "attnres_embedding_weight_mean": "AttnRes emb. weight",
+    "kda_half_life_median": "KDA half-life (median)",
+}
+
+
+def headline_reference(key: str, numbers: dict) -> str | None:
+    """The null reference shown under a headline metric, in words (analysis.metrics.null_reference), else None."""
+    value = numbers.get(key)
+    if key == "moe_maxvio_max" and numbers.get("moe_maxvio_floor") == numbers.get("moe_maxvio_floor"):  # not NaN
+        floor = float(numbers["moe_maxvio_floor"])
+        where = "within" if value is not None and value <= floor else "above"
+        return f"{where} the balanced-routing floor {floor:.2f}"
+    if key == "mla_entropy_norm_mean" and value == value and value is not None:
+        return "uniform attention = 1"
+    return None
+
+
 def _accepts(func, name: str) -> bool:
     try:
         return name in inspect.signature(func).parameters
@@ -225,7 +246,17 @@ def headline_metrics(loaded: Loaded) -> None:
     for start in range(0, len(keys), per_row):
         cols = st.columns(per_row)
         for col, key in zip(cols, keys[start : start + per_row]):
-            col.metric(HEADLINE_LABELS.get(key, key), format_number(numbers[key]), help=help_text.get(key))
+            # a short label that fits a quarter of the page (the full name is the help's first line)
+            full = HEADLINE_LABELS.get(key, key)
+            reference = headline_reference(key, numbers)
+            col.metric(
+                SHORT_LABELS.get(key, full),
+                format_number(numbers[key]),
+                reference,
+                delta_color="off",
+                help=f"{full}: {help_text.get(key, '')}",
+                **(NO_ARROW if reference else {}),
+            )
     rows = [
         {"metric": HEADLINE_LABELS.get(k, k), "definition": help_text.get(k, ""), "value": v, "key": k}
         for k, v in numbers.items()
