@@ -437,6 +437,7 @@ VIEWS: list[View] = [
         "density",
         build_allocation,
         description="Parameters, active parameters, FLOPs per token and cache bytes per layer, from the config.",
+        from_config=True,
         compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("part",)),
     ),
     View(
@@ -445,6 +446,7 @@ VIEWS: list[View] = [
         "density",
         build_cache_vs_length,
         description="Decode cache per sequence from 1K to 1M tokens: KDA state is flat, MLA latent grows linearly.",
+        from_config=True,
         compare=Comparison(difference=("bytes",), keys=("layer_type", "seq_len"), x="seq_len"),
     ),
     View(

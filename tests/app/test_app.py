@@ -698,13 +698,11 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
 
 
-def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env, runs):
-    """Degradation (10 views): the first EAGER_VIEWS at once, the others behind a toggle that names them and stays
-    on for the session when the user leaves the page and comes back."""
+def test_mechanism_pages_open_with_their_measured_views_and_draw_the_rest_on_request(app_env, runs):
+    """Degradation (every view measured on the text): all drawn at once, no toggle. LatentMoE: its measured views at
+    once, the weights-only router bias behind a toggle that names it and stays on for the session."""
     app_env(runs["good"])
     at = _app().run()
-    views = section_views("degradation")
-    assert len(views) > page_mod.LAZY_SECTION
 
     def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it
         notes = sum(1 for i in at.info if any(f"**{v.title}**" in i.value for v in shown))
@@ -712,18 +710,39 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
 
     _page(at, "degradation")
     assert not at.exception and _errors(at) == []
+    views = section_views("degradation")
+    assert accounted(views) == len(views) and not [t for t in at.toggle if t.key.startswith("k3lab_show_all")]
+
+    _page(at, "moe")
+    assert not at.exception and _errors(at) == []
+    views = section_views("moe")
+    measured, derived = page_mod.measured_first(views)
+    assert measured and derived and all(v.from_weights or v.from_config for v in derived)
     first = [c.proto.spec for c in at.get("plotly_chart")]
-    assert accounted(views[: page_mod.EAGER_VIEWS]) == page_mod.EAGER_VIEWS
-    toggle = at.toggle(key="k3lab_show_all_degradation_toggle")
-    assert toggle.value is False
-    assert all(v.title in toggle.help for v in views[page_mod.EAGER_VIEWS :])
+    assert accounted(measured) == len(measured)
+    toggle = at.toggle(key="k3lab_show_all_moe_toggle")
+    assert toggle.value is False and all(v.title in toggle.help for v in derived)
     toggle.set_value(True).run()
     assert not at.exception and _errors(at) == []
     every = [c.proto.spec for c in at.get("plotly_chart")]
     assert every[: len(first)] == first and accounted(views) == len(views)
     _page(at, "attnres")
-    _page(at, "degradation")
+    _page(at, "moe")
     assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere
+
+
+def test_the_untrained_twin_toggle_draws_each_view_beside_the_twins(app_env, runs):
+    app_env(runs["good"])
+    at = _app().run()
+    _page(at, "degradation")
+    alone = _charts(at)
+    at.toggle(key="k3lab_twin_degradation").set_value(True).run()
+    assert not at.exception and _errors(at) == []
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert titles and all("(untrained twin)" in t for t in titles), titles[:3]
+    assert _charts(at) >= alone - len([i for i in at.info])
+    _page(at, "attnres")  # the choice is kept for the session
+    assert at.toggle(key="k3lab_twin_attnres").value is True and not at.exception
 
 
 def test_compares_default_b_is_not_a_quantised_copy_of_a():
