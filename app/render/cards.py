@@ -79,7 +79,7 @@ def _accepts(func, name: str) -> bool:
 
 # Newer Streamlit builds the file of a download button only when it is clicked (data=callable).
 DEFERRED_DOWNLOADS = "callable" in (st.download_button.__doc__ or "")
-_CHART_KW = {"width": "stretch"} if _accepts(st.plotly_chart, "width") else {"use_container_width": True}
+CHART_KW = {"width": "stretch"} if _accepts(st.plotly_chart, "width") else {"use_container_width": True}
 _DOWNLOAD_KW = {"on_click": "ignore"} if DEFERRED_DOWNLOADS else {}
 NO_ARROW = {"delta_arrow": "off"} if _accepts(st.metric, "delta_arrow") else {}
 _POPOVER_KW = {"width": "stretch"} if _accepts(st.popover, "width") else {}
@@ -187,7 +187,7 @@ def figure_card(fig, df, key: str, stem: str, description: str = "", meta: Any =
     with st.container(border=True):
         # theme=None: the figure keeps its own look (analysis.figures.style, the same as its exported files), and the
         # browser skips re-theming it (0.1-0.2 s less to draw a page of ten figures, measured in Chromium)
-        st.plotly_chart(screen_copy(fig), key=f"fig-{key}", config=PLOTLY_CONFIG, theme=None, **_CHART_KW)
+        st.plotly_chart(screen_copy(fig), key=f"fig-{key}", config=PLOTLY_CONFIG, theme=None, **CHART_KW)
         left, right = st.columns([5, 1])
         if description:
             left.caption(description)
