@@ -64,7 +64,7 @@ def headline_reference(key: str, numbers: dict) -> str | None:
     if key == "moe_maxvio_max" and numbers.get("moe_maxvio_floor") == numbers.get("moe_maxvio_floor"):  # not NaN
         floor = float(numbers["moe_maxvio_floor"])
         where = "within" if value is not None and value <= floor else "above"
-        return f"{where} the balanced-routing floor {floor:.2f}"
+        return f"{where} the balanced-routing floor {floor:.3g}"
     if key == "mla_entropy_norm_mean" and value == value and value is not None:
         return "uniform attention = 1"
     return None
