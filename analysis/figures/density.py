@@ -258,6 +258,16 @@ def _box_from_quantiles(
         fig.add_trace(trace)
     else:
         fig.add_trace(trace, row=row, col=1)
+    # a label under every box (plotly's own ticks drop every other one on a category axis of 20+ boxes); upright
+    # text, smaller, once they would no longer fit side by side
+    many = len(x) > 16
+    fig.update_xaxes(
+        tickmode="array",
+        tickvals=list(x),
+        ticktext=list(x),
+        tickangle=-90 if many else 0,
+        tickfont={"size": 10 if many else 12},
+    )
 
 
 MAX_HEAD_BOXES = 64  # above this many KDA (layer, head) pairs, distributions are pooled per layer

@@ -426,7 +426,7 @@ VIEWS: list[View] = [
         compare=Comparison(
             difference=("rate",), keys=("layer", "expert_i", "expert_j"), x="expert_j", same_weights=True
         ),
-        picks=view.Picks((view.LAYER,), pk.moe_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_choices, one_at_a_time=True),
     ),
     View(
         "moe_reuse",
@@ -443,6 +443,6 @@ VIEWS: list[View] = [
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
         compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
-        picks=view.Picks((view.LAYER,), pk.moe_latent_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_latent_choices, one_at_a_time=True),
     ),
 ]

@@ -78,6 +78,9 @@ class Picks:
 
     axes: tuple[str, ...]
     choices: Callable[[AnalysisContext], PickChoices]
+    # The figure shows one layer at a time: a picker offers no "all" (its first layer is the default), so the page
+    # has one layer selector, not a picker saying "all" beside a dropdown in the plot saying "layer 1".
+    one_at_a_time: bool = False
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.axes if a not in AXES]

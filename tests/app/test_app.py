@@ -720,6 +720,10 @@ def test_mechanism_pages_open_with_their_measured_views_and_draw_the_rest_on_req
     assert measured and derived and all(v.from_weights or v.from_config for v in derived)
     first = [c.proto.spec for c in at.get("plotly_chart")]
     assert accounted(measured) == len(measured)
+    for key in ("moe_coactivation", "moe_latent_pca"):  # one layer at a time: one selector, no "all" beside a dropdown
+        box = at.selectbox(key=f"k3lab_pick_{key}_layer")
+        assert box.options and not any("all" in o for o in box.options) and box.value == 1, (key, box.options)
+    assert any("all" in o for o in at.selectbox(key="k3lab_pick_moe_load_heatmap_layer").options)
     toggle = at.toggle(key="k3lab_show_all_moe_toggle")
     assert toggle.value is False and all(v.title in toggle.help for v in derived)
     toggle.set_value(True).run()
