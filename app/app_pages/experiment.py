@@ -363,13 +363,33 @@ def _lens() -> None:
             key=f"k3lab_lens_pos_{name}",
             format_func=_positions(list(range(T))).get,
         )
-        st.dataframe(table[table.position == where].drop(columns=["top_ids"]), hide_index=True)
+        shown = lens_rows(table[table.position == where])
+        st.dataframe(
+            shown,
+            hide_index=True,
+            column_config={"top predictions": st.column_config.TextColumn(width="large")},
+            **cards.DATAFRAME_KW,
+        )
+
+
+def lens_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The lens table as shown: each depth's top tokens and probabilities as one readable column ("␣the 0.412 ·
+    ..."), numbers to 4 significant digits (the CSV / JSON exports keep full precision)."""
+    top = [
+        " · ".join(f"{tok} {p:.3f}" for tok, p in zip(toks, probs))
+        for toks, probs in zip(rows["top_tokens"], rows["top_probs"])
+    ]
+    shown = rows.drop(columns=["top_ids", "top_tokens", "top_probs"]).assign(**{"top predictions": top})
+    for column in shown.select_dtypes("float").columns:
+        shown[column] = shown[column].map(lambda v: float(f"{v:.4g}"))
+    return shown
 
 
 def _token() -> None:
     trace = loaded.ctx.trace
     options = _positions(list(range(T)))
-    position = st.selectbox("Token", list(options), format_func=options.get, key="k3lab_tok_pos")
+    # opens on the last token with a next token (token 0's MLA attention is one full-height bar on key 0)
+    position = st.selectbox("Token", list(options), index=max(0, T - 2), format_func=options.get, key="k3lab_tok_pos")
     key = ("logits", loaded.key)
     if key not in results:
         with model_use(model):
@@ -380,7 +400,7 @@ def _token() -> None:
     st.markdown(f"**Token {s['position']}: `{s['token']}`** → next `{s['next_token']}` · loss {loss}")
     c1, c2 = st.columns(2)
     c1.markdown("Top-5 predictions")
-    c1.table(detail.top_k.set_index("rank"))
+    c1.table(detail.top_k.set_index("rank").assign(prob=lambda d: d["prob"].map("{:.4f}".format)))
     with c2:
         st.markdown("Experts per MoE layer (by weight rank)")
         experts = detail.experts
