@@ -576,7 +576,16 @@ def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
 
     ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
     choice = inputs.TextChoice(inputs.TEXT_MQAR, 32)
-    data = download_all.report_zip([ref], choice, static=False, skip_model_views=True)
+
+    class Bar:  # what st.progress shows, step by step
+        texts: list[str] = []
+
+        def progress(self, value: float, text: str) -> None:
+            self.texts.append(text)
+
+    steps = download_all.StepCount(Bar(), download_all.report_steps([ref], skip_model_views=True))
+    data = download_all.report_zip([ref], choice, static=False, skip_model_views=True, progress=steps)
+    assert Bar.texts[0] == f"step 1 of {steps.total}" and Bar.texts[-1] == f"step {steps.total} of {steps.total}"
     out = tmp_path / "cli"
     assert report.main([str(runs["good"]), "--out", str(out), "--sample", "mqar", "--max-tokens", "32",
                         "--no-static", "--skip-model-views", "--quiet"]) == 0  # fmt: skip
