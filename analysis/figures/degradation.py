@@ -179,13 +179,17 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     )
     T = at.attention_tokens(ctx.trace)
     uniform = nr.uniform_first_token_mass(max(T, 1))
-    fig.add_hline(
-        y=uniform,
-        line_dash="dot",
-        line_color="#2ca02c",
-        annotation_text=f"uniform attention H_T/T = {uniform:.3g}",
-        annotation_position="bottom right",
+    fig.add_trace(  # a legend entry, not a note on the line: a note sat over the bars
+        go.Scatter(
+            x=labels,
+            y=[uniform] * len(labels),
+            mode="lines",
+            name=f"uniform attention H_T/T = {uniform:.3g}",
+            line={"color": "#2ca02c", "dash": "dot", "width": 2},
+            hoverinfo="skip",
+        )
     )
+    fig.update_layout(showlegend=True, legend={"orientation": "h", "y": 1.02, "x": 1.0, "xanchor": "right"})
     df = df.assign(uniform_mass=uniform, vs_uniform=[nr.relative_to(m, uniform) for m in df["first_token_mass"]])
     at_uniform = int((df["vs_uniform"] == "at").sum())
     # from 0 (bars) to just above the larger of the data and the threshold: a fixed 0..1 squashed the bars

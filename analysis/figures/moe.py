@@ -259,9 +259,9 @@ def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         )
         off_diag = ~np.eye(E, dtype=bool)
         lift = np.abs(rate[off_diag] - independent[off_diag]) <= AT_REFERENCE * independent[off_diag]
-        titles.append(
-            f"Expert co-activation, layer {layer} (diagonal blank; {lift.mean():.0%} of pairs within "
-            f"{AT_REFERENCE:.0%} of independence p_i p_j) — {ctx.label}"
+        titles.append(  # two short lines: the layer dropdown sits at the top right
+            f"Expert co-activation, layer {layer} — {ctx.label}<br>diagonal blank; {lift.mean():.0%} of pairs "
+            f"within {AT_REFERENCE:.0%} of independence p_i p_j"
         )
     fig.update_yaxes(autorange="reversed")
     apply_style(fig, titles[0], "expert j", "expert i", height=520)
