@@ -262,6 +262,7 @@ def _box_from_quantiles(
     # text, smaller, once they would no longer fit side by side
     many = len(x) > 16
     fig.update_xaxes(
+        type="category",
         tickmode="array",
         tickvals=list(x),
         ticktext=list(x),
