@@ -173,6 +173,19 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     assert len(notes) == 1 and "too few tokens" in notes[0] and "seed" not in notes[0], notes
 
 
+def test_compare_b_can_be_the_untrained_twin_of_a(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.session_state["k3lab_cmp_section"] = "degradation"
+    at.run()
+    _page(at, "compare")
+    at.toggle(key="k3lab_cmp_twin").set_value(True).run()
+    assert not at.exception and _errors(at) == []
+    assert any(c.value.startswith("**A** = nano") and "untrained twin" in c.value for c in at.caption)
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert titles and all("vs nano-a (untrained twin)" in t.replace("<br>", " ") for t in titles), titles[:2]
+
+
 def test_compare_builds_an_a_minus_b_chart_only_when_its_expander_is_opened(app_env, runs):
     """A closed expander's contents cost the browser as much as shown ones (issue 27 speed): Compare's A - B charts
     are built when their expander is opened (its state is the session key), and the page keeps the side-by-side
