@@ -119,6 +119,8 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         lines["name"] = [f"MLA layer {v}" for v in lines["layer"]]
         what = "mean over heads"
     df = df.assign(uniform_entropy_norm=nr.uniform_entropy_norm(df["query"].to_numpy()))
+    mean_norm = float(lines["entropy_norm"].mean())
+    level = nr.relative_to(mean_norm, 1.0, tolerance=0.05)  # within 5% of 1: as spread as uniform attention
     fig = go.Figure()
     queries = np.sort(lines["query"].unique())
     fig.add_trace(
@@ -145,7 +147,8 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         )
     apply_style(
         fig,
-        f"MLA attention entropy by query position ({what}) — {ctx.label}",
+        f"MLA attention entropy by query position ({what}; mean {mean_norm:.3f}: {level} the uniform level 1) — "
+        f"{ctx.label}",
         "query position (token)",
         "normalised entropy H / log(i+1)",
     )
