@@ -163,7 +163,7 @@ if ctx is None:
 loaded = Loaded(ref=inputs.run, run=run, ctx=ctx, key=state_key, tokens=tokens)
 loss = ctx.loss
 st.caption(
-    f"**{ctx.label}** · {tokens.n:,} tokens of {tokens.source}"
+    f"**{ctx.label}** · {tokens.n:,} tokens of {tokens.source or tokens.description or tokens.name}"
     + (f" · loss {loss:.3f} nats/token" if loss is not None else "")
     + f" · bulky arrays kept for the first {WINDOW:,} positions, every diagnostic over all {tokens.n:,}"
 )

@@ -28,6 +28,7 @@ from app.render.caching import Loaded
 from app.render.errors import USER_ERRORS, describe, md_escape, plain
 from app.render.model_use import model_use
 from app.render.prefetch import prefetch
+from app.render.twin import twin_toggle
 from app.server import job_budget
 from app.state.inputs import (
     LONG_INPUT_TOKENS,
@@ -346,15 +347,34 @@ def draw_lazily(key: str, views: list[View], draw: Callable[[View], int | bool |
     return drawn
 
 
-def render_section(section: str, loaded: Loaded) -> int:
-    """Every View of a section, in catalogue order (importance on request); a section of more than LAZY_SECTION
-    views draws its first EAGER_VIEWS at once and the others on request (``draw_lazily``). Returns how many were
-    drawn."""
+def measured_first(views: list[View]) -> tuple[list[View], list[View]]:
+    """(views measured on the text, views drawn from the config or the weights alone), each in catalogue order."""
+    derived = [v for v in views if v.from_config or v.from_weights]
+    return [v for v in views if v not in derived], derived
+
+
+def render_section(section: str, loaded: Loaded, twin: Loaded | None = None) -> int:
+    """Every View of a section (importance on request): the views measured on the text at once, those drawn from the
+    config or the weights alone on request (a toggle naming them, kept per session). With ``twin`` (the run's
+    untrained twin, ``app.render.twin``), each view beside the twin's. Returns how many were drawn."""
     views = section_views(section)
     if not views:
         st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
         return 0
-    return draw_lazily(section, views, lambda view: _render_view(view, loaded))
+    if twin is not None:
+
+        def draw(view: View) -> int:
+            if view.needs_model and not (importance_or_button(view, loaded) and importance_or_button(view, twin)):
+                return 0
+            cards.render_comparison(view, loaded, twin)
+            return 1
+    else:
+        draw = lambda view: _render_view(view, loaded)  # noqa: E731
+    measured, derived = measured_first(views)
+    drawn = sum(int(draw(v) or 0) for v in measured)
+    if derived and _show_the_rest(section, derived):
+        drawn += sum(int(draw(v) or 0) for v in derived)
+    return drawn
 
 
 @st.fragment
@@ -376,7 +396,8 @@ def section_page(name: str, intro: str) -> None:
     loaded = load_or_stop(inputs)
     show_input_notes(loaded)
     run_line(loaded)
-    render_section(pages.page(name).section, loaded)
+    twin = twin_toggle(inputs, loaded, name)
+    render_section(pages.page(name).section, loaded, twin)
     prefetch_sections(loaded)
 
 
