@@ -57,6 +57,15 @@ derived from a point adds a suffix; traces of the older names (``kda.i.g``, ...)
     blocks.i.kda.chunk_state.rank  [batch, step, head]          effective rank exp(H(sigma / sum sigma)) of S there
     blocks.i.kda.chunk_state.token [step]                       token position of each step
     blocks.i.kda.state       [batch, head, key, value]          the final state
+    blocks.i.kda.attn        [batch, head, query, key]          only with "attn_probs": KDA's implicit attention A (signed;
+                                                                o = A v) of the query window over its own keys
+    blocks.i.kda.attn.before [batch, head, query]               each window query's signed mass before the window
+    blocks.i.kda.attn.entropy|sink|received|negative|row_sum|half_distance  [batch, head, token]  with "kda_attn":
+                                                                per position on |A| normalised per query (nats,
+                                                                first-token share, column sum, negative share;
+                                                                signed row sum; distance holding half the mass)
+    blocks.i.kda.attn.distance  [batch, head, bin, distance]    |A| share by distance bin, summed per position bin
+    blocks.i.kda.attn.distance_edges  [edge]                    distance bin edges 0, 1, 2, 4, ... T
     blocks.i.mla.attn        [batch, head, query, key]          only with "attn_probs"; the query window
                                                                 (meta["attn_window"]; keys: the same range)
     blocks.i.mla.attn.entropy|sink|received  [batch, head, token]  per query: entropy (nats), mass on token 0;
@@ -102,8 +111,10 @@ from .hooks import active, hooks
 from .layer_reads import LayerReads
 from .trace import Trace, TraceNames
 
-WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
-WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
+WHAT_ALL = ("hidden", "kda", "kda_attn", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
+#: "attn_probs" (the attention maps) and "kda_attn" (KDA's implicit-attention statistics: O(T^2 K) per head, about
+#: 10x a plain forward's time at 16K tokens on k3-full; benchmarks/bench_kda_attention.py) are recorded when named
+WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w not in ("attn_probs", "kda_attn"))
 #: Items recorded only when named (not in "all"): the exact D x D hidden-state Gram matrices at any width.
 WHAT_ON_REQUEST = (GRAM_ITEM,)
 
@@ -262,7 +273,7 @@ class Recorder(LayerReads):
         for i in range(config.num_hidden_layers):
             if config.is_mla_layer(i):
                 self._mla_hooks(table, i, config)
-            elif "kda" in self.what:
+            else:
                 self._kda_hooks(table, i, config)
             if config.is_moe_layer(i) and "moe" in self.what:
                 self._moe_hooks(table, i, config)

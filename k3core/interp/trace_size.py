@@ -16,6 +16,7 @@ from typing import Any
 
 from .attention_stats import DEFAULT_BLOCK, position_bins
 from .hidden_moments import SKETCH_DIM, uses_sketch
+from .kda_attention_stats import KDA_STATS, distance_bins
 from .recorder import WHAT_ALL, WHAT_DEFAULT
 
 F32, F64, I64 = 4, 8, 8
@@ -93,6 +94,19 @@ def record_bytes(
         steps = math.ceil(n / config.kda_chunk_size)
         per = B * H * (W * K + bins * K + 2 * n + 2 * steps + K * K) * F32 + steps * I64
         items["kda"] = len(kda) * per
+    if kda and ("kda_attn" in what or "attn_probs" in what):
+        H, K = config.kda_num_heads, config.kda_head_dim
+        per = 0
+        if "kda_attn" in what:
+            dist = len(distance_bins(n)) - 1
+            per += B * H * (len(KDA_STATS) * n + bins * dist) * F32 + (dist + 1) * I64
+            # the one-hot carry [K, T + C] and a row block's rows, magnitudes, p, log p and suffix sums [C, T]
+            working += B * H * (K * (n + config.kda_chunk_size) + 6 * config.kda_chunk_size * n) * F32
+        if "attn_probs" in what:
+            q = min(max_attn_len, n)
+            per += B * H * (q * q + q) * F32
+        items["kda_attn"] = len(kda) * per
+        working += B * n * H * (3 * K + 1) * F32  # a layer's q, k, g, beta held until its core output
     if mla and ("mla" in what or "attn_probs" in what):
         H = config.num_attention_heads
         per = B * n * H * F32 * (4 if "mla" in what else 0)  # entropy, sink, received; gate mean
