@@ -57,8 +57,8 @@ derived from a point adds a suffix; traces of the older names (``kda.i.g``, ...)
     blocks.i.kda.chunk_state.rank  [batch, step, head]          effective rank exp(H(sigma / sum sigma)) of S there
     blocks.i.kda.chunk_state.token [step]                       token position of each step
     blocks.i.kda.state       [batch, head, key, value]          the final state
-    blocks.i.kda.attn        [batch, head, query, key]          only with "attn_probs": KDA's implicit attention A (signed;
-                                                                o = A v) of the query window over its own keys
+    blocks.i.kda.attn        [batch, head, query, key]          only with "attn_probs": KDA's implicit attention A
+                                                                (signed; o = A v), the query window over its keys
     blocks.i.kda.attn.before [batch, head, query]               each window query's signed mass before the window
     blocks.i.kda.attn.entropy|sink|received|negative|row_sum|half_distance  [batch, head, token]  with "kda_attn":
                                                                 per position on |A| normalised per query (nats,
