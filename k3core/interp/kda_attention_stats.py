@@ -41,28 +41,32 @@ def distance_bins(T: int) -> list[int]:
 
 
 def _row_stats(rows: torch.Tensor, t0: int, edges: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The per-query statistics of one block of rows [..., n, t1] (queries t0 .. t0 + n - 1) and their p."""
-    n, t1 = rows.shape[-2:]
-    mag = rows.abs()
-    z = mag.sum(-1)
-    p = mag / z.clamp_min(1e-30).unsqueeze(-1)
-    logp = torch.where(p > 0, p.clamp_min(1e-30).log(), 0.0)
+    """The per-query statistics of one block of rows [n, t1] (queries t0 .. t0 + n - 1), a few [n, t1] temporaries:
+    the negative share as (sum |A| - sum A) / (2 sum |A|), the suffix masses from one prefix sum."""
+    n, t1 = rows.shape
+    row_sum = rows.sum(-1)
+    p = rows.abs()
+    z = p.sum(-1)
+    p /= z.clamp_min(1e-30).unsqueeze(-1)
+    entropy = -torch.special.xlogy(p, p).sum(-1)
+    received = p.sum(-2)
+    prefix = p.cumsum(-1)  # prefix[s] = sum_{s' <= s} p; the mass at distance < e is total - prefix[t - e]
+    total = prefix[:, -1:]
     t = torch.arange(t0, t0 + n, device=rows.device)
-    # cum[.., r, s] = sum_{s' >= s} p: the mass within distance t - s of query t
-    cum = p.flip(-1).cumsum(-1).flip(-1)
-    inside = torch.cat([cum, torch.zeros_like(cum[..., :1])], -1)  # column t1: nothing
-    # mass at distance < e: cum at s = t - e + 1 (clamped at 0: all of it; at t + 1 for e = 0: none)
-    cols = (t[:, None] - edges[None, :] + 1).clamp(0, t1)  # [n, E + 1]
-    below = inside.gather(-1, cols.expand(*rows.shape[:-2], -1, -1))
-    held = (cum >= 0.5).sum(-1)  # keys s <= t whose suffix still holds half the mass
+    cols = t[:, None] - edges[None, :]  # [n, E + 1]
+    at = prefix.gather(-1, cols.clamp(0, t1 - 1))
+    below = torch.where(cols >= 0, total - at, total)
+    below[:, 0] = 0.0  # distance < 0: nothing
+    # keys s <= t with sum_{s' >= s} p >= 1/2: s = 0, and s >= 1 with prefix[s - 1] <= total - 1/2
+    held = 1 + (prefix[:, :-1] <= total - 0.5).sum(-1)
     return {
-        "entropy": -(p * logp).sum(-1),
-        "sink": p[..., 0],
-        "negative": torch.where(rows < 0, p, 0.0).sum(-1),
-        "row_sum": rows.sum(-1),
+        "entropy": entropy,
+        "sink": p[:, 0],
+        "negative": torch.where(z > 0, (z - row_sum) / (2 * z.clamp_min(1e-30)), 0.0),
+        "row_sum": row_sum,
         "half_distance": torch.where(z > 0, t - (held - 1), 0).to(p.dtype),
-        "p": p,
-        "by_distance": below[..., 1:] - below[..., :-1],  # [.., n, E]
+        "received": received,
+        "by_distance": below[:, 1:] - below[:, :-1],  # [n, E]
     }
 
 
@@ -92,12 +96,22 @@ def kda_attention_stats(
     pos = torch.tensor(position_edges)
     bin_of = torch.bucketize(torch.arange(T), pos[1:-1], right=True).to(dev)  # position bin of each query
     distance = torch.zeros(B, HV, len(position_edges) - 1, len(edges) - 1, dtype=torch.float64, device=dev)
-    for t0, t1, rows in kda_attention_blocks(q, k, g, beta, scale=scale, chunk_size=chunk_size):
-        stats = _row_stats(rows.float() if rows.dtype != torch.float64 else rows, t0, edges)
-        for name in out:
-            out[name][:, :, t0:t1] = stats[name].float().cpu()
-        received[:, :, :t1] += stats["p"].sum(-2).double()
-        distance.index_add_(2, bin_of[t0:t1], stats["by_distance"].double())
+    H = q.shape[2]
+    for b in range(B):
+        for h in range(HV):  # one head at a time: its carry and one row block are the working memory
+            head = slice(h * H // HV, h * H // HV + 1)
+            qkgb = (
+                q[b : b + 1, :, head],
+                k[b : b + 1, :, head],
+                g[b : b + 1, :, h : h + 1],
+                beta[b : b + 1, :, h : h + 1],
+            )
+            for t0, t1, rows in kda_attention_blocks(*qkgb, scale=scale, chunk_size=chunk_size):
+                stats = _row_stats(rows[0, 0], t0, edges)
+                for name in out:
+                    out[name][b, h, t0:t1] = stats[name].float().cpu()
+                received[b, h, :t1] += stats["received"].double()
+                distance[b, h].index_add_(0, bin_of[t0:t1], stats["by_distance"].double())
     out["received"] = received.float().cpu()
     out["distance"] = distance.float().cpu()
     out["distance_edges"] = edges.cpu()

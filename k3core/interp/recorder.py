@@ -113,7 +113,7 @@ from .trace import Trace, TraceNames
 
 WHAT_ALL = ("hidden", "kda", "kda_attn", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
 #: "attn_probs" (the attention maps) and "kda_attn" (KDA's implicit-attention statistics: O(T^2 K) per head, about
-#: 10x a plain forward's time at 16K tokens on k3-full; benchmarks/bench_kda_attention.py) are recorded when named
+#: 7x a plain forward's time at 16K tokens on k3-full; benchmarks/bench_kda_attention.py) are recorded when named
 WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w not in ("attn_probs", "kda_attn"))
 #: Items recorded only when named (not in "all"): the exact D x D hidden-state Gram matrices at any width.
 WHAT_ON_REQUEST = (GRAM_ITEM,)

@@ -100,8 +100,8 @@ def record_bytes(
         if "kda_attn" in what:
             dist = len(distance_bins(n)) - 1
             per += B * H * (len(KDA_STATS) * n + bins * dist) * F32 + (dist + 1) * I64
-            # the one-hot carry [K, T + C] and a row block's rows, magnitudes, p, log p and suffix sums [C, T]
-            working += B * H * (K * (n + config.kda_chunk_size) + 6 * config.kda_chunk_size * n) * F32
+            # one head at a time: the one-hot carry [K, T + C], a row block's rows, p, x log x, prefix sums [C, T]
+            working += (K * (n + config.kda_chunk_size) + 5 * config.kda_chunk_size * n) * F32
         if "attn_probs" in what:
             q = min(max_attn_len, n)
             per += B * H * (q * q + q) * F32

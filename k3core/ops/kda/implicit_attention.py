@@ -35,6 +35,8 @@ from .naive import compute_dtype, expand_heads
 
 __all__ = ["kda_attention_blocks", "kda_attention_window", "kda_attention_reference"]
 
+_GROUP_TOKENS = 1024  # tokens whose chunk maps are made at once
+
 
 def _chunk_maps(q, k, g, beta, scale, C):
     """Per chunk (time-major [N, Z, ...], Z = B * HV): R [C, K], A_in [C, C], P [K, K], E [K, C]."""
@@ -99,18 +101,22 @@ def kda_attention_blocks(
     qf, kf, gf, bf, (B, HV) = _flat(q, k, g, beta)
     if T == 0:
         return
-    R, A_in, P, E = _chunk_maps(qf, kf, gf, bf, scale, C)
-    Z = qf.shape[0]
+    Z, N = qf.shape[0], math.ceil(T / C)
+    group = max(1, _GROUP_TOKENS // C)  # chunk maps made for this many chunks at a time (O(group C^2) each)
     carry = qf.new_zeros(Z, K, T + C)  # column s: what key s left in the state (one-hot values)
-    for n in range(R.shape[0]):
+    for n in range(N):
+        if n % group == 0:
+            span = slice(n * C, min(T, (n + group) * C))
+            R, A_in, P, E = _chunk_maps(qf[:, span], kf[:, span], gf[:, span], bf[:, span], scale, C)
+        m = n % group
         t0, t1 = n * C, min(T, (n + 1) * C)
         rows = qf.new_empty(Z, C, t1)
-        torch.bmm(R[n], carry[:, :, :t0], out=rows[:, :, :t0])
-        rows[:, :, t0:] = A_in[n][:, :, : t1 - t0]
+        torch.bmm(R[m], carry[:, :, :t0], out=rows[:, :, :t0])
+        rows[:, :, t0:] = A_in[m][:, :, : t1 - t0]
         yield t0, t1, rows[:, : t1 - t0].view(B, HV, t1 - t0, t1)
         if t1 < T:
-            carry[:, :, :t0] = torch.bmm(P[n], carry[:, :, :t0])
-            carry[:, :, t0 : t0 + C] = E[n]
+            carry[:, :, :t0] = torch.bmm(P[m], carry[:, :, :t0])
+            carry[:, :, t0 : t0 + C] = E[m]
 
 
 @torch.no_grad()

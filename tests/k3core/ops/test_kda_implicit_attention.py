@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3core.interp.hooks import hooks
-from k3core.ops.kda import kda_chunk, kda_recurrent
+from k3core.ops.kda import implicit_attention, kda_chunk, kda_recurrent
 from k3core.ops.kda.implicit_attention import kda_attention_blocks, kda_attention_reference, kda_attention_window
 from tests.conftest import nano_model, random_ids
 
@@ -36,7 +36,9 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32])
-def test_attention_times_values_is_the_kda_output_fp32(chunk_size):
+@pytest.mark.parametrize("group_tokens", [1024, 32])  # chunk maps made for all chunks at once, or a few at a time
+def test_attention_times_values_is_the_kda_output_fp32(chunk_size, group_tokens, monkeypatch):
+    monkeypatch.setattr(implicit_attention, "_GROUP_TOKENS", group_tokens)
     q, k, v, g, beta = _inputs()  # T = 100: not a multiple of the chunk; 3 heads, 2 sequences
     A = _whole(q, k, g, beta, chunk_size)
     assert A.dtype == torch.float32
