@@ -1,7 +1,8 @@
 """Figures of KDA's implicit attention beside MLA's attention (``analysis.metrics.kda_attention``): one figure per
 statistic with every head of both kinds (layer kind as colour, the uniform-causal null reference drawn), the sink rate
-per layer and kind (Gu et al. 2024), the KDA window map, reach vs resting half-life, and the distance profile over
-position. One View per figure; their sections are the Degradation, KDA & density and Long context pages."""
+per layer and kind (Gu et al. 2024), the KDA window map and reach vs resting half-life. The distance profile over
+position is a Long context view (``analysis.figures.long_context``). One View per figure; their sections are the
+Degradation and KDA & density pages."""
 
 from __future__ import annotations
 
@@ -265,31 +266,6 @@ def build_kda_reach(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     return fig, df
 
 
-def build_kda_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    df = _guard(ka.distance_profile_table, ctx.trace)
-    mean = df.groupby(["position", "distance"], as_index=False)["share"].mean()
-    table = mean.pivot(index="distance", columns="position", values="share").sort_index()
-    fig = go.Figure(
-        go.Heatmap(
-            z=table.to_numpy(),
-            x=[f"{p}+" for p in table.columns],
-            y=[f"{d}+" for d in table.index],
-            colorscale=SEQUENTIAL,
-            zmin=0.0,
-            colorbar={"title": {"text": "share of |A|"}},
-            hovertemplate="queries from position %{x}<br>distance %{y}<br>share %{z:.3f}<extra></extra>",
-        )
-    )
-    apply_style(
-        fig,
-        f"KDA distance profile over position: share of |A| by distance bin (mean over KDA layers and heads) — "
-        f"{ctx.label}",
-        "query position bin (tokens, from)",
-        "distance t - s (bin, from)",
-    )
-    return fig, df
-
-
 _HEADS = Comparison(difference=("entropy_norm", "first_token_mass"), keys=("layer", "head"), x="layer")
 
 VIEWS: list[View] = [
@@ -344,15 +320,5 @@ VIEWS: list[View] = [
         build_kda_reach,
         description="Per KDA head the distance holding half its |A| against the half-life of its resting decay.",
         compare=Comparison(difference=("reach_mean",), keys=("layer", "head"), x="head"),
-    ),
-    View(
-        "long_context_kda_distance",
-        "KDA distance profile over position",
-        "long_context",
-        build_kda_distance,
-        description="Share of KDA's |A| by distance, for each query position bin.",
-        compare=Comparison(
-            difference=("share",), keys=("layer", "position", "distance"), reduce=("layer",), x="distance"
-        ),
     ),
 ]

@@ -1,7 +1,7 @@
 """Figures for long context (analysis.metrics.long_context from a trace, analysis.experiments.long_runs running the
 model): loss by position against the run's short-context loss, KDA state norm and rank over position, the decay horizon
-used, MLA entropy and sink mass over position, recall by distance, and seconds and memory per token against T.
-Every position axis is logarithmic (position bins double in width)."""
+used, MLA entropy and sink mass over position, KDA's implicit-attention distance profile, recall by distance, and
+seconds and memory per token against T. Every position axis is logarithmic (position bins double in width)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis.experiments import long_runs as lr
-from analysis.figures.style import RUN_COLORS, apply_style
+from analysis.figures.style import RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.metrics import kda_attention as ka
 from analysis.metrics import long_context as lc
 from analysis.runs.context import AnalysisContext
 from analysis.runs.missing_data import MissingTraceData
@@ -320,6 +321,31 @@ def build_cost_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     return fig, df
 
 
+def build_kda_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(ka.distance_profile_table, ctx)
+    mean = df.groupby(["position", "distance"], as_index=False)["share"].mean()
+    table = mean.pivot(index="distance", columns="position", values="share").sort_index()
+    fig = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=[f"{p}+" for p in table.columns],
+            y=[f"{d}+" for d in table.index],
+            colorscale=SEQUENTIAL,
+            zmin=0.0,
+            colorbar={"title": {"text": "share of |A|"}},
+            hovertemplate="queries from position %{x}<br>distance %{y}<br>share %{z:.3f}<extra></extra>",
+        )
+    )
+    apply_style(
+        fig,
+        f"KDA distance profile over position: share of |A| by distance bin (mean over KDA layers and heads) — "
+        f"{ctx.label}",
+        "query position bin (tokens, from)",
+        "distance t - s (bin, from)",
+    )
+    return fig, df
+
+
 VIEWS: list[View] = [
     View(
         "long_loss_by_position",
@@ -359,6 +385,16 @@ VIEWS: list[View] = [
             difference=("entropy_norm", "sink_mass"), keys=("layer", "head", "start"), reduce=("head",), x="start"
         ),
         picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
+    ),
+    View(
+        "long_kda_distance",
+        "KDA distance profile over position",
+        SECTION,
+        build_kda_distance,
+        description="Share of KDA's implicit attention |A| by distance, for each query position bin.",
+        compare=Comparison(
+            difference=("share",), keys=("layer", "position", "distance"), reduce=("layer",), x="distance"
+        ),
     ),
     View(
         "long_recall_distance",
