@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis.experiments import long_runs as lr
+from analysis.figures.papers import MQAR_VIEW
 from analysis.figures.style import RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.metrics import kda_attention as ka
 from analysis.metrics import long_context as lc
@@ -405,6 +406,7 @@ VIEWS: list[View] = [
         description="MQAR-style recall of a key-value pair placed d tokens before its query.",
         compare=Comparison(difference=("accuracy",), keys=("distance",)),
     ),
+    MQAR_VIEW,
     View(
         "long_cost_length",
         "Seconds and memory per token",

@@ -16,11 +16,12 @@ from analysis.figures import (
     history,
     long_context,
     moe,
+    papers,
     weights,
 )
 from analysis.views.view import View
 
-MODULES = (density, attnres, moe, degradation, long_context, history, weights, experiment, attention_kinds)
+MODULES = (density, attnres, moe, degradation, long_context, history, weights, experiment, attention_kinds, papers)
 
 
 def all_views() -> list[View]:
