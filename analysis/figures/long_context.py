@@ -330,7 +330,7 @@ def build_kda_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         go.Heatmap(
             z=table.to_numpy(),
             x=[f"{p}+" for p in table.columns],
-            y=[f"{d}+" for d in table.index],
+            y=[f"{int(d)}+" for d in table.index],
             colorscale=SEQUENTIAL,
             zmin=0.0,
             colorbar={"title": {"text": "share of |A|"}},
