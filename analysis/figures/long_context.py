@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from analysis.experiments import long_runs as lr
 from analysis.figures.papers import MQAR_VIEW
-from analysis.figures.style import RUN_COLORS, SEQUENTIAL, apply_style
+from analysis.figures.style import RUN_COLORS, SEQUENTIAL, accuracy_with_interval, apply_style
 from analysis.metrics import kda_attention as ka
 from analysis.metrics import long_context as lc
 from analysis.runs.context import AnalysisContext
@@ -212,40 +212,7 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
     df = recall_table(ctx)
     if df.empty:
         raise NotApplicable("the recall run was stopped before its first distance")
-    fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=np.r_[df["distance"], df["distance"][::-1]],
-            y=np.r_[df["ci_high"], df["ci_low"][::-1]],
-            fill="toself",
-            fillcolor="rgba(31,119,180,0.15)",
-            line={"width": 0},
-            name="95% interval (Wilson)",
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=df["distance"],
-            y=df["accuracy"],
-            mode="lines+markers",
-            name="recall accuracy",
-            line={"color": RUN_COLORS[0]},
-            customdata=np.stack([df["correct"], df["examples"]], axis=-1),
-            hovertemplate="distance %{x}<br>accuracy %{y:.2f} (%{customdata[0]} of %{customdata[1]})<extra></extra>",
-        )
-    )
-    chance = float(df["chance"].iloc[0])
-    fig.add_trace(  # a legend entry, not a note: a note on the line sat over the data and the ticks
-        go.Scatter(
-            x=[float(df["distance"].min()), float(df["distance"].max())],
-            y=[chance, chance],
-            mode="lines",
-            name=f"chance {chance:.3f} (1 / values)",
-            line={"dash": "dash", "color": "#444"},
-            hoverinfo="skip",
-        )
-    )
+    fig = accuracy_with_interval(df["distance"].to_numpy(), df, "recall accuracy", "distance", "examples")
     n = int(df["examples"].iloc[0])
     apply_style(
         fig,

@@ -6,13 +6,12 @@ view). The sink rate per layer and kind (Gu et al. 2024) is ``analysis.figures.a
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis.experiments import paper_runs as pr
-from analysis.figures.style import RUN_COLORS, apply_style
+from analysis.figures.style import RUN_COLORS, accuracy_with_interval, apply_style
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import Comparison, NotApplicable, View
 
@@ -33,40 +32,7 @@ def mqar_table(ctx: AnalysisContext) -> pd.DataFrame:
 
 def build_mqar_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = mqar_table(ctx)
-    fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=np.r_[df["length"], df["length"][::-1]],
-            y=np.r_[df["ci_high"], df["ci_low"][::-1]],
-            fill="toself",
-            fillcolor="rgba(31,119,180,0.15)",
-            line={"width": 0},
-            name="95% interval (Wilson)",
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=df["length"],
-            y=df["accuracy"],
-            mode="lines+markers",
-            name="MQAR accuracy",
-            line={"color": RUN_COLORS[0]},
-            customdata=np.stack([df["correct"], df["queries"]], axis=-1),
-            hovertemplate="length %{x}<br>accuracy %{y:.3f} (%{customdata[0]} of %{customdata[1]})<extra></extra>",
-        )
-    )
-    chance = float(df["chance"].iloc[0])
-    fig.add_trace(
-        go.Scatter(
-            x=[df["length"].min(), df["length"].max()],
-            y=[chance, chance],
-            mode="lines",
-            name=f"chance {chance:.3f} (1 / values)",
-            line={"dash": "dash", "color": "#444"},
-            hoverinfo="skip",
-        )
-    )
+    fig = accuracy_with_interval(df["length"].to_numpy(), df, "MQAR accuracy", "length", "queries", digits=3)
     apply_style(
         fig,
         f"MQAR accuracy vs sequence length (Kimi Linear report, arXiv 2510.26692, Fig. 4) — {ctx.label}",

@@ -23,21 +23,15 @@ from __future__ import annotations
 import torch
 
 from ..ops.kda.implicit_attention import kda_attention_blocks
+from .attention_stats import position_bins
 
 KDA_STATS = ("entropy", "sink", "received", "negative", "row_sum", "half_distance")
 
 
 def distance_bins(T: int) -> list[int]:
-    """Edges of the distance bins of a T-token text: 0, 1, 2, 4, 8, ... (powers of two below T), then T.
-
-    Bin ``e`` holds distances ``edges[e] <= t - s < edges[e + 1]``."""
-    if T < 1:
-        raise ValueError(f"a text has at least one token, got T={T}")
-    edges, edge = [0], 1
-    while edge < T:
-        edges.append(edge)
-        edge *= 2
-    return [*edges, int(T)]
+    """Edges of the distance bins of a T-token text: 0, 1, 2, 4, 8, ... (powers of two below T), then T
+    (``position_bins`` doubling from 1). Bin ``e`` holds distances ``edges[e] <= t - s < edges[e + 1]``."""
+    return position_bins(T, first=1)
 
 
 def _row_stats(rows: torch.Tensor, t0: int, edges: torch.Tensor) -> dict[str, torch.Tensor]:
