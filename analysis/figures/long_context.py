@@ -1,7 +1,7 @@
 """Figures for long context (analysis.metrics.long_context from a trace, analysis.experiments.long_runs running the
 model): loss by position against the run's short-context loss, KDA state norm and rank over position, the decay horizon
-used, MLA entropy and sink mass over position, recall by distance, and seconds and memory per token against T.
-Every position axis is logarithmic (position bins double in width)."""
+used, MLA entropy and sink mass over position, KDA's implicit-attention distance profile, recall by distance, and
+seconds and memory per token against T. Every position axis is logarithmic (position bins double in width)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis.experiments import long_runs as lr
-from analysis.figures.style import RUN_COLORS, apply_style
+from analysis.figures.papers import MQAR_VIEW
+from analysis.figures.style import RUN_COLORS, SEQUENTIAL, accuracy_with_interval, apply_style
+from analysis.metrics import kda_attention as ka
 from analysis.metrics import long_context as lc
 from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
@@ -242,55 +244,9 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
     df = recall_table(ctx)
     if df.empty:
         raise NotApplicable("the recall run was stopped before its first distance")
-    fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=np.r_[df["distance"], df["distance"][::-1]],
-            y=np.r_[df["ci_high"], df["ci_low"][::-1]],
-            fill="toself",
-            fillcolor="rgba(31,119,180,0.15)",
-            line={"width": 0},
-            name="95% interval (Wilson)",
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=df["distance"],
-            y=df["accuracy"],
-            mode="lines+markers",
-            name="recall accuracy",
-            line={"color": RUN_COLORS[0]},
-            customdata=np.stack([df["correct"], df["examples"]], axis=-1),
-            hovertemplate="distance %{x}<br>accuracy %{y:.2f} (%{customdata[0]} of %{customdata[1]})<extra></extra>",
-        )
-    )
-    chance = float(df["chance"].iloc[0])
+    df = nr.with_chance_band(df, "examples")
+    fig = accuracy_with_interval(df["distance"].to_numpy(), df, "recall accuracy", "distance", "examples")
     n = int(df["examples"].iloc[0])
-    lo, hi = nr.chance_interval(round(1 / chance), n)
-    df = df.assign(chance_low=lo, chance_high=hi, at_chance=df["accuracy"] <= hi)
-    x_ends = [float(df["distance"].min()), float(df["distance"].max())]
-    fig.add_trace(
-        go.Scatter(
-            x=x_ends + x_ends[::-1],
-            y=[hi, hi, lo, lo],
-            fill="toself",
-            fillcolor="rgba(68,68,68,0.12)",
-            line={"width": 0},
-            name=f"chance guesses of {n} examples (95%)",
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(  # a legend entry, not a note: a note on the line sat over the data and the ticks
-        go.Scatter(
-            x=[float(df["distance"].min()), float(df["distance"].max())],
-            y=[chance, chance],
-            mode="lines",
-            name=f"chance {chance:.3f} (1 / values)",
-            line={"dash": "dash", "color": "#444"},
-            hoverinfo="skip",
-        )
-    )
     at_chance = int(df["at_chance"].sum())
     apply_style(
         fig,
@@ -393,6 +349,31 @@ def length_ticks(lengths: list[int], min_ratio: float = 1.6) -> dict:
     return {"tickmode": "array", "tickvals": kept, "ticktext": [compact_count(n) for n in kept]}
 
 
+def build_kda_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(ka.distance_profile_table, ctx)
+    mean = df.groupby(["position", "distance"], as_index=False)["share"].mean()
+    table = mean.pivot(index="distance", columns="position", values="share").sort_index()
+    fig = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=[f"{p}+" for p in table.columns],
+            y=[f"{int(d)}+" for d in table.index],
+            colorscale=SEQUENTIAL,
+            zmin=0.0,
+            colorbar={"title": {"text": "share of |A|"}},
+            hovertemplate="queries from position %{x}<br>distance %{y}<br>share %{z:.3f}<extra></extra>",
+        )
+    )
+    apply_style(
+        fig,
+        f"KDA distance profile over position: share of |A| by distance bin (mean over KDA layers and heads) — "
+        f"{ctx.label}",
+        "query position bin (tokens, from)",
+        "distance t - s (bin, from)",
+    )
+    return fig, df
+
+
 VIEWS: list[View] = [
     View(
         "long_loss_by_position",
@@ -434,6 +415,16 @@ VIEWS: list[View] = [
         picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
     ),
     View(
+        "long_kda_distance",
+        "KDA distance profile over position",
+        SECTION,
+        build_kda_distance,
+        description="Share of KDA's implicit attention |A| by distance, for each query position bin.",
+        compare=Comparison(
+            difference=("share",), keys=("layer", "position", "distance"), reduce=("layer",), x="distance"
+        ),
+    ),
+    View(
         "long_recall_distance",
         "Recall by distance",
         SECTION,
@@ -442,6 +433,7 @@ VIEWS: list[View] = [
         description="MQAR-style recall of a key-value pair placed d tokens before its query.",
         compare=Comparison(difference=("accuracy",), keys=("distance",)),
     ),
+    MQAR_VIEW,
     View(
         "long_cost_length",
         "Seconds and memory per token",

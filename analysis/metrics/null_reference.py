@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -175,6 +176,16 @@ def chance_interval(candidates: int, trials: int, level: float = 0.95) -> tuple[
     lo = int(np.searchsorted(cdf, tail))
     hi = int(np.searchsorted(cdf, 1 - tail))
     return lo / n, min(hi, n) / n
+
+
+def with_chance_band(df: Any, trials: str, level: float = 0.95) -> Any:
+    """``df`` (columns accuracy, chance and ``trials``) with each row's chance interval (``chance_interval`` at
+    V = 1 / chance and that row's trial count) as chance_low / chance_high, and at_chance = accuracy <= chance_high:
+    the rows a guesser would reach as often as not."""
+    bands = [chance_interval(round(1 / float(c)), int(n), level) for c, n in zip(df["chance"], df[trials], strict=True)]
+    low = [b[0] for b in bands]
+    high = [b[1] for b in bands]
+    return df.assign(chance_low=low, chance_high=high, at_chance=df["accuracy"].to_numpy() <= np.array(high))
 
 
 def relative_to(value: float, reference: float, tolerance: float = AT_REFERENCE) -> str:

@@ -27,7 +27,13 @@ from k3core.interp.hooks import HookNames, hooks
 WINDOW = 1024  # bulky per-token arrays (hidden states, KDA decays) keep this many positions
 LENGTHS = tuple(1024 * 2**k for k in range(11))  # 1K .. 1M
 MEMORY_SHARE = 0.6  # of the memory available now: the most a long run may plan to use
-TRACE_VIEWS = ("long_loss_by_position", "long_kda_state", "long_decay_horizon", "long_mla_position")
+TRACE_VIEWS = (
+    "long_loss_by_position",
+    "long_kda_state",
+    "long_decay_horizon",
+    "long_mla_position",
+    "long_kda_distance",
+)
 
 
 def _available_bytes() -> int:

@@ -158,9 +158,10 @@ def test_k3lab_long_writes_the_long_context_report(tmp_path, capsys):
     said = capsys.readouterr()
     err = said.err + said.out
     assert code == 0, err
-    assert "estimate for 160 tokens of k3-full" in err and "6 figures, 0 not applicable, 0 failed" in err
+    assert "estimate for 160 tokens of k3-full" in err and "8 figures, 0 not applicable, 0 failed" in err
     html = (out / "report.html").read_text(encoding="utf-8")
     assert "Long context" in html and "Loss by position" in html and "Recall by distance" in html
+    assert "KDA distance profile over position" in html and "MQAR accuracy vs length" in html
     with pytest.raises(SystemExit, match="2"):  # the parser's range, stated in --help
         main(["long", "sample_checkpoints/k3-full", "--tokens", "1", "--out", str(tmp_path / "x")])
 
