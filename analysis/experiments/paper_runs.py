@@ -20,8 +20,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from analysis.metrics.intervals import wilson_interval
 from analysis.metrics.loss_noise import choose_window, loss_difference
-from analysis.metrics.routing_stats import wilson_interval
 from analysis.metrics.tidy import tidy
 from k3core.data.mqar import IGNORE_INDEX, make_mqar, mqar_chance
 from k3core.interp.edit_kinds import AttnResEdit

@@ -10,7 +10,7 @@
   is simulated (``balanced_routing_floor``, seeded), and CV is simulated alongside for its interval.
 - Independence of two experts' choices: the share of tokens choosing both is p_i p_j (p_i the diagonal share).
 - Chance recall: a guess uniform over V candidates is right with probability 1/V; an observed accuracy of n trials
-  carries its Wilson interval (``analysis.metrics.routing_stats.wilson_interval``).
+  carries its Wilson interval (``analysis.metrics.intervals.wilson_interval``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.metrics.expert_cache import POLICIES, hit_rate
-from analysis.metrics.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation, wilson_interval
+from analysis.metrics.intervals import wilson_interval
+from analysis.metrics.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation
 from analysis.survey.aggregates import EMPTY_ID
 from analysis.survey.folder import Survey
 from analysis.survey.plan import SurveyError
