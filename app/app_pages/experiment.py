@@ -23,6 +23,7 @@ from app.render.errors import plain
 from app.render.model_use import model_use
 from app.server import job_budget
 from app.state import experiment_choices as ex
+from app.state import inputs as inp
 from app.state import links, pickers
 from app.state.links import EDITS
 from k3core.interp.edit_kinds import EditError
@@ -421,7 +422,7 @@ def _token() -> None:
         stem = f"{cards.slug(loaded.ctx.label)}_mla_attention_from_{int(s['position'])}"
         cards.figure_card(fig, rows, key="k3lab_tok_mla_fig", stem=stem)
     elif trace.layer_indices("mla"):
-        st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
+        st.caption(f"MLA attention was not recorded: turn on *{inp.ATTENTION_CHECKBOX}* in the sidebar.")
     if len(detail.kda):
         st.markdown("KDA gates (beta, output gate mean, mean log decay g) per layer and head")
         rows, _, _ = pickers.table_pick(links.TOKEN_KDA, "KDA gates", detail.kda, "KDA")
