@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -44,13 +44,15 @@ def mqar_by_length(
     examples: int = 8,
     pairs: int = 16,
     seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> pd.DataFrame:
-    """MQAR accuracy per sequence length (module docstring). Columns: length, accuracy, correct, queries, ci_low,
-    ci_high, chance."""
+    """MQAR accuracy per sequence length (module docstring), one forward of ``examples`` sequences per length;
+    ``progress(done, total)`` after each. Columns: length, accuracy, correct, queries, ci_low, ci_high, chance."""
     vocab = int(model.config.vocab_size)
     device = next(iter(model.parameters()), torch.zeros(())).device
     rows = []
-    for T in sorted({int(t) for t in lengths}):
+    todo = sorted({int(t) for t in lengths})
+    for done, T in enumerate(todo, 1):
         batch = make_mqar(examples, T, pairs, vocab, generator=torch.Generator().manual_seed(seed + T))
         pred = _logits(model, batch.inputs.to(device)).argmax(-1).cpu()
         mask = batch.targets != IGNORE_INDEX
@@ -67,6 +69,8 @@ def mqar_by_length(
                 chance=mqar_chance(vocab),
             )
         )
+        if progress is not None:
+            progress(done, len(todo))
     return tidy(pd.DataFrame(rows), keys=["length"], value="accuracy")
 
 
@@ -78,10 +82,14 @@ def _token_nll(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
 
 @torch.no_grad()
 def attnres_source_effects(
-    model: torch.nn.Module, ids: torch.Tensor, sites: Iterable[str] | None = None
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    sites: Iterable[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> pd.DataFrame:
     """Per AttnRes site and source: mean routing weight and the loss change when the source is removed (module
-    docstring). Columns: site, source, name, weight, effect, noise (95% half-width), significant."""
+    docstring): one recorded forward, then one forward per (site, source); ``progress(done, total)`` after each.
+    Columns: site, source, name, weight, effect, noise (95% half-width), significant."""
     if not model.config.uses_attnres:
         raise ValueError(f"no AttnRes sites: the model's residual is {model.config.residual!r}")
     with record(model, what={"attnres"}, max_batch=ids.shape[0]) as trace:
@@ -89,6 +97,9 @@ def attnres_source_effects(
     labels = trace.meta.get(names.ATTNRES_SOURCES_META, {})
     chosen = list(labels) if sites is None else [str(s) for s in sites]
     window = choose_window(base.size)
+    total = 1 + sum(len(labels[site]) for site in chosen)
+    if progress is not None:
+        progress(1, total)
     rows: list[dict[str, Any]] = []
     for site in chosen:
         weights = np.asarray(trace[names.attnres(site)], dtype=np.float64)  # [batch, token, source]
@@ -107,4 +118,6 @@ def attnres_source_effects(
                     significant=abs(diff.delta) > diff.half_width,
                 )
             )
+            if progress is not None:
+                progress(len(rows) + 1, total)
     return tidy(pd.DataFrame(rows), keys=["site", "source"], value="effect")

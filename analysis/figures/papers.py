@@ -2,9 +2,13 @@
 papers' figures"): MQAR accuracy against sequence length (Kimi Linear report, Figure 4; a Long context view) and, per
 AttnRes site, each depth source's routing weight beside its causal effect (Block AttnRes read causally; an AttnRes
 view). The sink rate per layer and kind (Gu et al. 2024) is ``analysis.figures.attention_kinds``'
-``degradation_sink_rate``. Both views here run the model (``needs_model``)."""
+``degradation_sink_rate``. Both views here run the model (``needs_model``): ``MODEL_RUNS`` says, per view, what a
+run costs and computes its table once per context with progress, so the app measures each on its own button."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -15,6 +19,9 @@ from analysis.figures.style import RUN_COLORS, accuracy_with_interval, apply_sty
 from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import Comparison, NotApplicable, View
+from k3core.interp.trace_size import attnres_sources
+
+Progress = Callable[[int, int], None]
 
 
 def _model(ctx: AnalysisContext):
@@ -23,12 +30,64 @@ def _model(ctx: AnalysisContext):
     return ctx.model
 
 
-def mqar_table(ctx: AnalysisContext) -> pd.DataFrame:
+def _mqar_setup(ctx: AnalysisContext) -> tuple[tuple[int, ...], int]:
+    """(lengths, examples per length) of the MQAR run (options: mqar_lengths, mqar_examples)."""
+    return tuple(ctx.options.get("mqar_lengths") or pr.MQAR_LENGTHS), int(ctx.options.get("mqar_examples") or 8)
+
+
+def _mqar_key(ctx: AnalysisContext) -> tuple:
+    return ("mqar_length", *_mqar_setup(ctx))
+
+
+def mqar_table(ctx: AnalysisContext, progress: Progress | None = None) -> pd.DataFrame:
     """MQAR accuracy by length for this context's model, computed once (options: mqar_lengths, mqar_examples)."""
     model = _model(ctx)
-    lengths = tuple(ctx.options.get("mqar_lengths") or pr.MQAR_LENGTHS)
-    examples = int(ctx.options.get("mqar_examples") or 8)
-    return ctx.once(("mqar_length", lengths, examples), lambda: pr.mqar_by_length(model, lengths, examples))
+    lengths, examples = _mqar_setup(ctx)
+    return ctx.once(_mqar_key(ctx), lambda: pr.mqar_by_length(model, lengths, examples, progress=progress))
+
+
+def mqar_cost(ctx: AnalysisContext) -> str:
+    """What the MQAR run costs, in words, before it runs."""
+    lengths, examples = _mqar_setup(ctx)
+    return (
+        f"Runs the model on {examples} new MQAR sequences at each of {len(lengths)} lengths "
+        f"({', '.join(f'{n:,}' for n in sorted(lengths))} tokens): {len(lengths)} forward passes over "
+        f"{examples * sum(lengths):,} tokens in all; run once per run."
+    )
+
+
+def attnres_table(ctx: AnalysisContext, progress: Progress | None = None) -> pd.DataFrame:
+    """Routing weight and causal effect of every AttnRes site's sources on this context's tokens, computed once."""
+    model = _model(ctx)
+    if not model.config.uses_attnres:
+        raise NotApplicable(f"no AttnRes sites: the model's residual is {model.config.residual!r}")
+    return ctx.once(("attnres_causal",), lambda: pr.attnres_source_effects(model, ctx.input_ids, progress=progress))
+
+
+def attnres_cost(ctx: AnalysisContext) -> str:
+    """What the AttnRes causal run costs, in words, before it runs (sites: 2 per layer and the final norm's)."""
+    config = _model(ctx).config
+    if not config.uses_attnres:
+        raise NotApplicable(f"no AttnRes sites: the model's residual is {config.residual!r}")
+    forwards = 1 + (2 * config.num_hidden_layers + 1) * attnres_sources(config)
+    return (
+        f"One recorded forward, then one forward with each depth source removed in turn: at most {forwards:,} "
+        f"forward passes on the {int(ctx.input_ids.numel()):,} tokens; run once per run and text."
+    )
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """A view that runs the model, measured when the user asks: its button's label, its cost in words (before it
+    runs), its table (computed once per context, ``progress(done, total)`` as it goes) and whether that is done."""
+
+    button: str
+    cost: Callable[[AnalysisContext], str]
+    table: Callable[[AnalysisContext, Progress | None], pd.DataFrame]
+    key: Callable[[AnalysisContext], tuple]
+
+    def measured(self, ctx: AnalysisContext) -> bool:
+        return self.key(ctx) in ctx.shared
 
 
 def build_mqar_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
@@ -47,11 +106,7 @@ def build_mqar_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
 
 
 def build_attnres_causal(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    model = _model(ctx)
-    if not model.config.uses_attnres:
-        raise NotApplicable(f"no AttnRes sites: the model's residual is {model.config.residual!r}")
-    ids = ctx.input_ids
-    df = ctx.once(("attnres_causal",), lambda: pr.attnres_source_effects(model, ids))
+    df = attnres_table(ctx)
     sites = list(dict.fromkeys(df["site"]))
     fig = make_subplots(
         rows=1,
@@ -126,3 +181,11 @@ VIEWS: list[View] = [
         compare=Comparison(difference=("weight", "effect"), keys=("site", "source"), x="source"),
     ),
 ]
+
+#: the views above that run the model, by view key, each measured on its own button in the app
+MODEL_RUNS: dict[str, ModelRun] = {
+    MQAR_VIEW.key: ModelRun("Measure MQAR accuracy vs length", mqar_cost, mqar_table, _mqar_key),
+    "attnres_causal_sources": ModelRun(
+        "Measure AttnRes causal effects", attnres_cost, attnres_table, lambda ctx: ("attnres_causal",)
+    ),
+}

@@ -119,7 +119,7 @@ def draw(view) -> None:
             f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
         )
         return
-    if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
+    if view.needs_model and not (page.run_or_button(view, a) and page.run_or_button(view, b)):
         return
     cards.render_comparison(view, a, b)
 

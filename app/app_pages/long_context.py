@@ -3,8 +3,8 @@
 The length chooser offers powers of two up to the longest length whose estimated memory fits this machine
 (``analysis.experiments.long_runs.estimate_cost``: one calibration forward scaled by the FLOP model). The trace covers
 every position (bulky arrays windowed at WINDOW tokens, ``k3core.interp.recorder``); the views are
-``analysis.figures.long_context``. Recall by distance and cost by length run the model again, each on its own button
-with progress and Stop.
+``analysis.figures.long_context``. Recall by distance, cost by length and MQAR accuracy by length run the model again,
+each on its own button with progress and Stop.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import streamlit as st
 
 from analysis.experiments import long_runs as lr
 from analysis.figures import long_context as fl
+from analysis.figures.papers import MODEL_RUNS, MQAR_VIEW
 from analysis.output.format import format_bytes
 from analysis.runs import texts
 from analysis.runs.loading import trace_run
@@ -214,3 +215,7 @@ if lengths:
     )
     if st.session_state.get(cost_key):
         cards.render_view(views["long_cost_length"], Loaded(inputs.run, run, cost_ctx, (*state_key, cost_key), tokens))
+
+st.subheader(MQAR_VIEW.title)
+if page.model_run_or_button(MQAR_VIEW, MODEL_RUNS[MQAR_VIEW.key], loaded):
+    cards.render_view(MQAR_VIEW, loaded)

@@ -1,8 +1,9 @@
 """What every page does first: get the sidebar's inputs, load the run (or stop with a clear message), title.
 
 ``load_or_stop`` is the pages' one way to a traced run (``app.render.caching.load``); a bad checkpoint, text or
-device becomes an ``st.error`` and stops the page, never an exception. Long inputs and the importance
-ablations are run only when the user asks, with progress that says what is running; Streamlit's Stop
+device becomes an ``st.error`` and stops the page, never an exception. Long inputs, the importance
+ablations and each view that runs the model (``analysis.figures.papers.MODEL_RUNS``) are run only when the user
+asks, on their own button with their cost stated first and progress that says what is running; Streamlit's Stop
 (or any new input) cancels them between forward passes.
 """
 
@@ -14,12 +15,13 @@ from collections.abc import Callable
 
 import streamlit as st
 
+from analysis.figures.papers import MODEL_RUNS, ModelRun
 from analysis.metrics.importance import sublayer_importance
 from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import Run
 from analysis.runs.texts import Input
 from analysis.views.catalogue import all_views, section_views
-from analysis.views.view import View
+from analysis.views.view import NotApplicable, View
 from app import pages
 from app.library import memory_fit, run_messages
 from app.library.run_list import RunRef
@@ -308,9 +310,45 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
     return True
 
 
+def model_run_or_button(view: View, run: ModelRun, loaded: Loaded) -> bool:
+    """True when the model run of ``view`` is measured for this run and text (or does not apply: its card says why);
+    else a card with the run's cost and its own button, which runs it with a progress bar."""
+    ctx = loaded.ctx
+    if run.measured(ctx):
+        return True
+    try:
+        cost = run.cost(ctx)
+    except NotApplicable:
+        return True
+    with st.container(border=True):
+        st.markdown(f"**{view.title}**")
+        st.caption(f"{view.description} {cost}")
+        if not st.button(run.button, key=f"k3lab_run_{view.key}", type="primary"):
+            return False
+        with st.status(f"{run.button}...", expanded=True) as status:
+            bar = st.progress(0.0)
+
+            def progress(done: int, total: int) -> None:  # each update is where Streamlit's Stop ends the run
+                bar.progress(min(done / max(total, 1), 1.0), text=f"forward pass {done} of {total}")
+
+            start = time.perf_counter()
+            with model_use(loaded.model, exclusive=True):
+                run.table(ctx, progress)
+            status.update(label=f"{view.title}: measured in {time.perf_counter() - start:.1f} s", state="complete")
+    return True
+
+
+def run_or_button(view: View, loaded: Loaded) -> bool:
+    """For a view that runs the model: True when its numbers are there, else its button (its own run, or the
+    importance ablations)."""
+    if view.key in MODEL_RUNS:
+        return model_run_or_button(view, MODEL_RUNS[view.key], loaded)
+    return importance_or_button(view, loaded)
+
+
 def _render_view(view: View, loaded: Loaded) -> int:
     if view.needs_model and loaded.model is not None:
-        importance_card(view, loaded)
+        on_request_card(view, loaded)
         return 0
     return cards.render_view(view, loaded)
 
@@ -364,7 +402,7 @@ def render_section(section: str, loaded: Loaded, twin: Loaded | None = None) -> 
     if twin is not None:
 
         def draw(view: View) -> int:
-            if view.needs_model and not (importance_or_button(view, loaded) and importance_or_button(view, twin)):
+            if view.needs_model and not (run_or_button(view, loaded) and run_or_button(view, twin)):
                 return 0
             cards.render_comparison(view, loaded, twin)
             return 1
@@ -378,9 +416,9 @@ def render_section(section: str, loaded: Loaded, twin: Loaded | None = None) -> 
 
 
 @st.fragment
-def importance_card(view: View, loaded: Loaded) -> None:
-    """An importance view, measured on request; its button reruns only this card (st.fragment)."""
-    if importance_or_button(view, loaded):
+def on_request_card(view: View, loaded: Loaded) -> None:
+    """A view that runs the model, measured on request; its button reruns only this card (st.fragment)."""
+    if run_or_button(view, loaded):
         cards.render_view(view, loaded)
 
 

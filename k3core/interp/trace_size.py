@@ -52,7 +52,7 @@ def resolve_what(what: Iterable[str] | str | None) -> tuple[str, ...]:
     return (what,) if isinstance(what, str) else tuple(what)
 
 
-def _attnres_sources(config: Any) -> int:
+def attnres_sources(config: Any) -> int:
     """At most how many depth sources an AttnRes site mixes (the embedding, each completed block, the partial sum)."""
     sublayers = 2 * config.num_hidden_layers
     if config.residual == "block_attnres":
@@ -140,7 +140,7 @@ def record_bytes(
             per += B * W * (config.routed_expert_hidden_size or D) * F32
         items["moe"] = len(moe) * per
     if "attnres" in what and config.uses_attnres:
-        items["attnres"] = (2 * L + 1) * (B * n * _attnres_sources(config) * F32 + F32)
+        items["attnres"] = (2 * L + 1) * (B * n * attnres_sources(config) * F32 + F32)
     if "attnres" in what and config.residual == "scale_bias":
         items["attnres"] = 4 * L * D * F32
     return TraceSize(arrays=sum(items.values()), working=working, by_item=items)

@@ -82,3 +82,42 @@ def test_paper_views_build_on_a_model_and_say_when_they_cannot():
         raise AssertionError("a plain-residual model has no AttnRes site")
     except NotApplicable as exc:
         assert "AttnRes" in str(exc)
+
+
+class Stopped(Exception):
+    """Streamlit's Stop, as the app's progress bar raises it."""
+
+
+def test_model_runs_report_progress_and_a_stopped_run_keeps_nothing():
+    from analysis.figures import papers
+    from analysis.runs.loading import run_from_model, trace_run
+
+    model = nano_model(residual="block_attnres")
+    ctx = trace_run(run_from_model(model), random_ids(24, B=1), what="default", label="nano")
+    ctx.options.update(mqar_lengths=(64, 128, 256), mqar_examples=2)
+    seen: list[tuple[int, int]] = []
+
+    def stop_at_two(done: int, total: int) -> None:
+        seen.append((done, total))
+        if done == 2:
+            raise Stopped
+
+    def note(done: int, total: int) -> None:
+        seen.append((done, total))
+
+    for key, run in papers.MODEL_RUNS.items():
+        try:
+            run.table(ctx, stop_at_two)
+            raise AssertionError(f"{key}: the stop did not end the run")
+        except Stopped:
+            pass
+        assert not run.measured(ctx), key  # nothing kept: the next press runs it again
+        seen.clear()
+        table = run.table(ctx, note)
+        assert run.measured(ctx) and len(table) > 0, key
+        total = seen[-1][1]
+        assert seen == [(n, total) for n in range(1, total + 1)], (key, seen)
+        assert "forward passes" in run.cost(ctx)
+    attnres = papers.MODEL_RUNS["attnres_causal_sources"]
+    at_most = int(attnres.cost(ctx).split("at most ")[1].split()[0].replace(",", ""))
+    assert 1 + len(attnres.table(ctx, None)) <= at_most  # the cost stated first bounds the forwards run
