@@ -136,6 +136,17 @@ def test_overview_renders_by_default(app_env, runs):
     assert _charts(at) >= 1
 
 
+def test_the_recording_checkbox_says_what_it_records_and_what_it_costs(app_env, runs):
+    """It records KDA's implicit attention as well as the attention maps (not MLA only), and its label and help say
+    the cost."""
+    app_env(runs["good"])
+    at = _app().run()
+    box = at.checkbox(key="k3lab_record_attn")
+    assert box.label == inputs.ATTENTION_CHECKBOX and "KDA implicit attention" in box.label and "7x" in box.label
+    assert "MLA and KDA attention maps" in box.help and "O(T^2 K)" in box.help
+    assert "kda_attn" in caching.trace_items(True) and "kda_attn" not in caching.trace_items(False)
+
+
 def test_clear_cache_clears_the_kept_results(app_env, runs):
     """Streamlit's "Clear cache" (the menu, or C) runs cache_resource.clear() (AppSession._handle_clear_cache_request):
     the traced contexts and figures in app.server.kept_results, which no Streamlit cache holds, go with it."""
