@@ -69,9 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=arg_int(0, MAX_TRAIN_STEPS),
         help=f"linear warmup steps (default {d.warmup_steps})",
     )
-    g.add_argument(
-        "--weight-decay", type=arg_float(0, 100), help=f"AdamW decay on matrices (default {d.weight_decay})"
-    )
+    g.add_argument("--weight-decay", type=arg_float(0, 100), help=f"AdamW decay on matrices (default {d.weight_decay})")
     g.add_argument("--beta1", type=arg_float(0, 0.999999), help=f"AdamW beta1 (default {d.beta1})")
     g.add_argument("--beta2", type=arg_float(0, 0.999999), help=f"AdamW beta2 (default {d.beta2})")
     g.add_argument(

@@ -51,7 +51,7 @@ def _kind_statistics(trace: Trace) -> list[tuple[str, int, dict[str, np.ndarray]
     if not any(kind == "KDA" for kind, _, _ in out):
         raise MissingTraceData(
             "no KDA implicit-attention statistics in this trace: record with 'kda_attn' (in what='all'; in the app, "
-            "the sidebar's 'Record attention maps and KDA implicit attention')"
+            "'Record attention maps and KDA implicit attention')"
         )
     return sorted(out, key=lambda x: x[1])
 
