@@ -42,8 +42,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--prompt",
         default="ROMEO:\n",
-        help=f"prompt text (default: 'ROMEO:\\n'; at most {limits.MAX_PROMPT_TOKENS:,} tokens, as on the app's "
-        "Generate page)",
+        help=f"prompt text (default: 'ROMEO:\\n'; at most {limits.MAX_PROMPT_TOKENS:,} tokens, the app's cap too)",
     )
     parser.add_argument(
         "--tokens",
