@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import streamlit as st
 
@@ -289,25 +290,20 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
     if IMPORTANCE in ctx.shared:
         return True
     n_layers = loaded.run.config.num_hidden_layers
-    with st.container(border=True):
-        st.markdown(f"**{view.title}**")
-        st.caption(
-            f"{view.description} Needs {2 * n_layers + 1} forward passes (one per zeroed sub-layer) and one "
-            f"forward + backward on the {loaded.tokens.n:,} tokens; run once per run and text."
-        )
-        if not st.button("Measure layer importance", key=f"k3lab_importance_{view.key}", type="primary"):
-            return False
-        with st.status("Measuring layer importance...", expanded=True) as status:
-            bar = st.progress(0.0)
+    caption = (
+        f"{view.description} Needs {2 * n_layers + 1} forward passes (one per zeroed sub-layer) and one "
+        f"forward + backward on the {loaded.tokens.n:,} tokens; run once per run and text."
+    )
 
-            def progress(done: int, total: int, what: str) -> None:
-                bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
+    def measure(bar: Any) -> None:
+        def progress(done: int, total: int, what: str) -> None:
+            bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
 
-            start = time.perf_counter()
-            with model_use(loaded.model, exclusive=True):
-                ctx.once(IMPORTANCE, lambda: sublayer_importance(ctx.model, ctx.input_ids, progress=progress))
-            status.update(label=f"Layer importance measured in {time.perf_counter() - start:.1f} s", state="complete")
-    return True
+        ctx.once(IMPORTANCE, lambda: sublayer_importance(ctx.model, ctx.input_ids, progress=progress))
+
+    return _measure_card(
+        view, caption, "Measure layer importance", f"k3lab_importance_{view.key}", "Layer importance", measure, loaded
+    )
 
 
 def model_run_or_button(view: View, run: ModelRun, loaded: Loaded) -> bool:
@@ -320,21 +316,38 @@ def model_run_or_button(view: View, run: ModelRun, loaded: Loaded) -> bool:
         cost = run.cost(ctx)
     except NotApplicable:
         return True
-    with st.container(border=True):
+
+    def measure(bar: Any) -> None:
+        def progress(done: int, total: int) -> None:  # each update is where Streamlit's Stop ends the run
+            bar.progress(min(done / max(total, 1), 1.0), text=f"forward pass {done} of {total}")
+
+        run.table(ctx, progress)
+
+    return _measure_card(
+        view, f"{view.description} {cost}", run.button, f"k3lab_run_{view.key}", view.title, measure, loaded
+    )
+
+
+def _measure_card(
+    view: View, caption: str, label: str, key: str, done: str, measure: Callable[[Any], None], loaded: Loaded
+) -> bool:
+    """A card with the view's title, what measuring it costs and its button; False until the button is pressed.
+    Once pressed, the card goes (the figure drawn below takes its place; a card left above the finished figure
+    asked again for what was done) and ``measure(bar)`` runs under a status line with a progress bar."""
+    slot = st.empty()
+    with slot.container(border=True):
         st.markdown(f"**{view.title}**")
-        st.caption(f"{view.description} {cost}")
-        if not st.button(run.button, key=f"k3lab_run_{view.key}", type="primary"):
-            return False
-        with st.status(f"{run.button}...", expanded=True) as status:
-            bar = st.progress(0.0)
-
-            def progress(done: int, total: int) -> None:  # each update is where Streamlit's Stop ends the run
-                bar.progress(min(done / max(total, 1), 1.0), text=f"forward pass {done} of {total}")
-
-            start = time.perf_counter()
-            with model_use(loaded.model, exclusive=True):
-                run.table(ctx, progress)
-            status.update(label=f"{view.title}: measured in {time.perf_counter() - start:.1f} s", state="complete")
+        st.caption(caption)
+        pressed = st.button(label, key=key, type="primary")
+    if not pressed:
+        return False
+    slot.empty()
+    with st.status(f"{label}...", expanded=True) as status:
+        bar = st.progress(0.0)
+        start = time.perf_counter()
+        with model_use(loaded.model, exclusive=True):
+            measure(bar)
+        status.update(label=f"{done} measured in {time.perf_counter() - start:.1f} s", state="complete")
     return True
 
 

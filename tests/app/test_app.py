@@ -536,6 +536,7 @@ def test_options_without_the_model_never_rerun_it(app_env, runs, monkeypatch):
     button.click().run()
     assert not at.exception and _errors(at) == []
     assert calls == {"trace": 1, "importance": 1}
+    assert "Measure layer importance" not in [b.label for b in at.button]  # its card goes once it has run
     titles = lambda: [c.proto.spec for c in at.get("plotly_chart")]  # noqa: E731
     before = titles()
     at.select_slider(key="k3lab_seq_len").set_value(4096).run()

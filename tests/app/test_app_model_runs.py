@@ -66,6 +66,7 @@ def test_attnres_causal_effects_have_their_own_button_on_the_attnres_page(nano_a
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.error] == []
     assert sum("routing weight vs causal effect" in t for t in _titles(at)) == 1, _titles(at)
+    assert ATTNRES.button not in [b.label for b in at.button]  # the card goes in the run that measured it
     at = _page(at, "moe")
     at = _page(at, "attnres")  # measured once per run and text: drawn again without asking
     assert sum("routing weight vs causal effect" in t for t in _titles(at)) == 1
@@ -84,6 +85,7 @@ def test_mqar_by_length_has_its_own_button_on_the_long_context_page(nano_app):
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.error] == []
     assert sum("MQAR accuracy vs sequence length" in t for t in _titles(at)) == 1, _titles(at)
+    assert MQAR.button not in [b.label for b in at.button]  # the card goes in the run that measured it
     at = at.run()  # measured once per run: drawn again without asking
     assert sum("MQAR accuracy vs sequence length" in t for t in _titles(at)) == 1
     assert MQAR.button not in [b.label for b in at.button]
