@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
 from analysis.figures.style import DIVERGING, LAYER_TYPE_COLORS, SEQUENTIAL, apply_style
@@ -20,8 +21,6 @@ from analysis.runs.missing_data import MissingTraceData
 from analysis.views import picks as pk
 from analysis.views import view
 from analysis.views.view import Comparison, NotApplicable, View
-
-NULL = dict(line_dash="dot", line_color="#444")
 
 
 def _guard(fn, *args):
@@ -55,10 +54,26 @@ def _per_head_strip(df: pd.DataFrame, value: str, hover: str) -> go.Figure:
     return fig
 
 
+def _null_line(fig: go.Figure, df: pd.DataFrame, y: float, name: str) -> None:
+    """The null reference as a dotted line across the layers with its own legend entry (a note on the line would
+    sit over the heads' points)."""
+    lo, hi = float(df["layer"].min()) - 0.5, float(df["layer"].max()) + 0.5
+    fig.add_trace(
+        go.Scatter(
+            x=[lo, hi],
+            y=[y, y],
+            mode="lines",
+            name=name,
+            line={"dash": "dot", "color": "#444"},
+            hovertemplate=f"{name}<extra></extra>",
+        )
+    )
+
+
 def build_kinds_entropy(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = _guard(ka.head_statistics_table, ctx.trace)
     fig = _per_head_strip(df, "entropy_norm", "H / log(t+1)")
-    fig.add_hline(y=1.0, annotation_text="uniform causal attention (1)", annotation_position="bottom left", **NULL)
+    _null_line(fig, df, 1.0, "uniform causal attention (1)")
     apply_style(
         fig,
         f"Attention entropy per head, KDA (implicit, on |A|) and MLA, mean over queries — {ctx.label}",
@@ -72,7 +87,7 @@ def build_kinds_sink(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = _guard(ka.head_statistics_table, ctx.trace)
     fig = _per_head_strip(df, "first_token_mass", "first-token mass")
     null = df.attrs["null_first_token_mass"]
-    fig.add_hline(y=null, annotation_text=f"uniform causal attention (H_T/T = {null:.3f})", **NULL)
+    _null_line(fig, df, null, f"uniform causal attention (H_T/T = {null:.3f})")
     fig.add_hline(
         y=at.SINK_THRESHOLD,
         line_dash="dash",
@@ -101,7 +116,6 @@ def build_kinds_received(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
                 name=f"{kind} layer {layer}",
                 line={"color": LAYER_TYPE_COLORS[kind]},
                 marker={"size": 4},
-                legendgroup=kind,
                 hovertemplate=f"{kind} layer {layer}, key %{{x}}<br>received %{{y:.4f}}<extra></extra>",
             )
         )
@@ -142,6 +156,7 @@ def build_sink_rate(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         rows=1,
         cols=2,
         column_widths=[0.6, 0.4],
+        shared_yaxes=True,
         subplot_titles=(f"per layer at threshold {threshold:g}", "per kind against the threshold"),
     )
     grid = np.linspace(0.0, 1.0, 101)
@@ -183,8 +198,9 @@ def build_sink_rate(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         fig,
         f"Sink rate per layer and kind (Gu et al. 2024, arXiv 2410.10781) — {ctx.label}",
         None,
-        "share of heads with first-token mass > threshold",
+        None,
     )
+    fig.update_yaxes(title_text="share of heads that sink", row=1, col=1)
     return fig, df
 
 
@@ -231,23 +247,24 @@ def build_kda_reach(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     if heads.empty:
         raise NotApplicable("no KDA resting decay from the weights (no config.json: gate form unknown)")
     df = _guard(ka.reach_table, ctx.trace, heads)
-    fig = go.Figure(
-        go.Scatter(
-            x=df["half_life_median"],
-            y=df["reach_mean"],
-            mode="markers",
-            marker={
-                "color": df["layer"],
-                "colorscale": SEQUENTIAL,
-                "size": 10,
-                "colorbar": {"title": {"text": "layer"}},
-            },
-            customdata=df[["layer", "head", "reach_median"]].to_numpy(),
-            hovertemplate="layer %{customdata[0]} head %{customdata[1]}<br>resting half-life %{x:.3g} tokens<br>"
-            "reach: mean %{y:.3g}, median %{customdata[2]:.3g} tokens<extra></extra>",
-            name="KDA heads",
+    # one legend entry per layer (a colour bar per figure doubled up when two runs stand side by side)
+    fig = go.Figure()
+    layers = sorted(df["layer"].unique())
+    colours = sample_colorscale(SEQUENTIAL, [i / max(1, len(layers) - 1) for i in range(len(layers))])
+    for layer, colour in zip(layers, colours, strict=True):
+        part = df[df["layer"] == layer]
+        fig.add_trace(
+            go.Scatter(
+                x=part["half_life_median"],
+                y=part["reach_mean"],
+                mode="markers",
+                marker={"color": colour, "size": 10},
+                customdata=part[["layer", "head", "reach_median"]].to_numpy(),
+                hovertemplate="layer %{customdata[0]} head %{customdata[1]}<br>resting half-life %{x:.3g} tokens"
+                "<br>reach: mean %{y:.3g}, median %{customdata[2]:.3g} tokens<extra></extra>",
+                name=f"KDA layer {layer}",
+            )
         )
-    )
     lo = max(0.5, float(np.nanmin([df["half_life_median"].min(), df["reach_mean"].clip(lower=0.5).min()])))
     hi = float(np.nanmax([df["half_life_median"].max(), df["reach_mean"].max()])) * 1.2
     fig.add_trace(

@@ -130,15 +130,18 @@ def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFram
             top = max(float(df[df["panel"] == panel]["value"].max()), 2 * chance)
             queries = min((mqar_queries(m) or 0 for m in runs.values()), default=0)
             note = f"chance 1/{round(1 / chance)}"
+            hover = note
             if queries:  # the band a guesser reaches with the eval's own number of scored queries
                 low, high = nr.chance_interval(round(1 / chance), queries)
                 fig.add_hrect(y0=low, y1=high, fillcolor="#888", opacity=0.15, line_width=0, row=1, col=col)
-                note += f"; a guesser's 95% range over {queries} queries: {low:.3f}-{high:.3f}"
+                note += f" (95%: {low:.3f}-{high:.3f})"
+                hover = f"a guesser's 95% range over {queries} queries: {low:.3f}-{high:.3f}"
                 top = max(top, 1.2 * high)
             fig.add_hline(
                 y=chance,
                 line={"color": "#888", "dash": "dash", "width": 1},
                 annotation_text=note,
+                annotation_hovertext=hover,
                 annotation_position="top left",
                 row=1,
                 col=col,

@@ -115,6 +115,8 @@ def test_mqar_panel_shades_a_guessers_range_at_the_evals_query_count():
     assert 0.94 <= np.mean((sims >= low) & (sims <= high)) <= 1.0 and low < 1 / 64 < high
     bands = [s for s in fig.layout.shapes if s.type == "rect" and s.y0 == low and s.y1 == high]
     assert len(bands) == 1
-    assert any(f"over 256 queries: {low:.3f}-{high:.3f}" in a.text for a in fig.layout.annotations)
+    notes = [a for a in fig.layout.annotations if a.text.startswith("chance 1/64")]
+    assert len(notes) == 1 and f"(95%: {low:.3f}-{high:.3f})" in notes[0].text
+    assert f"over 256 queries: {low:.3f}-{high:.3f}" in notes[0].hovertext
     bare, _ = fig_hist.history_curves_figure({"run": {"val": val}})
     assert not [s for s in bare.layout.shapes if s.type == "rect"]
