@@ -239,7 +239,9 @@ def _run_label(text: str, sub: str | None) -> str:
     body = f"<b>{text}</b>"
     if not sub:
         return body
-    lines = wrap_to_px(sub, HALF_PX - 30, 11).replace("<br>", "</span><br><span style='font-size:11px'>")
+    # narrower than the half: the app draws the figure narrower than 900 px and the two labels are centred
+    # over their halves, so a line near the half's width ran into the other run's label
+    lines = wrap_to_px(sub, HALF_PX - 120, 11).replace("<br>", "</span><br><span style='font-size:11px'>")
     return body + f"<br><span style='font-size:11px'>{lines}</span>"
 
 
