@@ -30,6 +30,13 @@ def _model(ctx: AnalysisContext):
     return ctx.model
 
 
+def _ids(ctx: AnalysisContext):
+    """The tokens a causal run measures on; NotApplicable without them (a context built from a trace alone)."""
+    if ctx.input_ids is None:
+        raise NotApplicable("needs the tokens to rerun the model on (ctx.input_ids), and this context has none")
+    return ctx.input_ids
+
+
 def _mqar_setup(ctx: AnalysisContext) -> tuple[tuple[int, ...], int]:
     """(lengths, examples per length) of the MQAR run (options: mqar_lengths, mqar_examples)."""
     return tuple(ctx.options.get("mqar_lengths") or pr.MQAR_LENGTHS), int(ctx.options.get("mqar_examples") or 8)
@@ -61,7 +68,8 @@ def attnres_table(ctx: AnalysisContext, progress: Progress | None = None) -> pd.
     model = _model(ctx)
     if not model.config.uses_attnres:
         raise NotApplicable(f"no AttnRes sites: the model's residual is {model.config.residual!r}")
-    return ctx.once(("attnres_causal",), lambda: pr.attnres_source_effects(model, ctx.input_ids, progress=progress))
+    ids = _ids(ctx)
+    return ctx.once(("attnres_causal",), lambda: pr.attnres_source_effects(model, ids, progress=progress))
 
 
 def attnres_cost(ctx: AnalysisContext) -> str:
@@ -72,7 +80,7 @@ def attnres_cost(ctx: AnalysisContext) -> str:
     forwards = 1 + (2 * config.num_hidden_layers + 1) * attnres_sources(config)
     return (
         f"One recorded forward, then one forward with each depth source removed in turn: at most {forwards:,} "
-        f"forward passes on the {int(ctx.input_ids.numel()):,} tokens; run once per run and text."
+        f"forward passes on the {int(_ids(ctx).numel()):,} tokens; run once per run and text."
     )
 
 

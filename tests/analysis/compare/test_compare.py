@@ -356,7 +356,10 @@ def test_side_by_side_titles_name_runs_once(seeds):
     view = next(v for v in all_views() if v.key == "moe_imbalance")
     fig, _ = cmp.side_by_side(view, a, b)
     labels = [ann.text for ann in fig.layout.annotations if ann.name == "run label"]
-    assert labels == ["<b>seed0</b>", "<b>seed1</b>"]  # "— seed0" of each single title is not repeated
+    # each run named once, in bold; "— seed0" of each single title is not repeated. The subtitles under the names are
+    # each run's own title where the two differ (issue 39: the title counts the layers within the sampling floor)
+    assert [label.split("<br>")[0] for label in labels] == ["<b>seed0</b>", "<b>seed1</b>"]
+    assert not any("seed" in line for label in labels for line in label.split("<br>")[1:]), labels
     assert fig.layout.title.text == "Expert load imbalance: seed0 vs seed1"
 
 
