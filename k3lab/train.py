@@ -16,14 +16,17 @@ from typing import Any
 from k3core.config import ConfigError
 from k3core.training import TrainConfig, TrainError, load_metrics, parse_overrides, train
 from k3core.utils.files import OutputFolderError
-from k3core.utils.input_limits import MAX_TRAIN_STEPS
-from k3lab.options import arg_int
+from k3core.utils.input_limits import MAX_SEED, MAX_THREADS, MAX_TOKENS, MAX_TRAIN_STEPS
+from k3lab.options import Parser, arg_float, arg_int
+
+MAX_BATCH = 1 << 16  # sequences in one batch (training or validation)
+MAX_EVAL_ITEMS = 1 << 20  # validation windows, MQAR validation sequences
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``k3lab train`` argument parser (defaults shown in --help come from TrainConfig)."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="k3lab train",
         description="Train a K3 config on bytes (Shakespeare by default) on this machine, with periodic "
         "validation (bits per byte, MQAR accuracy), atomic checkpoints and exact resume.",
@@ -54,43 +57,76 @@ def build_parser() -> argparse.ArgumentParser:
         type=arg_int(1, MAX_TRAIN_STEPS),
         help=f"total optimizer steps (default {d.steps}, at most {MAX_TRAIN_STEPS:,})",
     )
-    g.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
-    g.add_argument("--seq-len", type=int, help=f"bytes per sequence (default {d.seq_len})")
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    g.add_argument("--min-lr-ratio", type=float, help=f"final lr / peak lr of the cosine (default {d.min_lr_ratio})")
-    g.add_argument("--warmup", dest="warmup_steps", type=int, help=f"linear warmup steps (default {d.warmup_steps})")
-    g.add_argument("--weight-decay", type=float, help=f"AdamW decay on matrices (default {d.weight_decay})")
-    g.add_argument("--beta1", type=float, help=f"AdamW beta1 (default {d.beta1})")
-    g.add_argument("--beta2", type=float, help=f"AdamW beta2 (default {d.beta2})")
-    g.add_argument("--grad-clip", type=float, help=f"global grad-norm clip, 0 = off (default {d.grad_clip})")
-    g.add_argument("--seed", type=int, help=f"seed for init and data order (default {d.seed})")
+    g.add_argument("--batch-size", type=arg_int(1, MAX_BATCH), help=f"sequences per step (default {d.batch_size})")
+    g.add_argument("--seq-len", type=arg_int(1, MAX_TOKENS), help=f"bytes per sequence (default {d.seq_len})")
+    g.add_argument("--lr", type=arg_float(1e-12, 10), help=f"peak learning rate (default {d.lr})")
     g.add_argument(
-        "--mqar-fraction", type=float, help=f"share of MQAR rows in training batches (default {d.mqar_fraction})"
+        "--min-lr-ratio", type=arg_float(0, 1), help=f"final lr / peak lr of the cosine (default {d.min_lr_ratio})"
     )
-    g.add_argument("--mqar-kv-pairs", type=int, help=f"MQAR key-value pairs (default {d.mqar_kv_pairs})")
+    g.add_argument(
+        "--warmup",
+        dest="warmup_steps",
+        type=arg_int(0, MAX_TRAIN_STEPS),
+        help=f"linear warmup steps (default {d.warmup_steps})",
+    )
+    g.add_argument("--weight-decay", type=arg_float(0, 100), help=f"AdamW decay on matrices (default {d.weight_decay})")
+    g.add_argument("--beta1", type=arg_float(0, 0.999999), help=f"AdamW beta1 (default {d.beta1})")
+    g.add_argument("--beta2", type=arg_float(0, 0.999999), help=f"AdamW beta2 (default {d.beta2})")
+    g.add_argument(
+        "--grad-clip", type=arg_float(0, 1_000_000), help=f"global grad-norm clip, 0 = off (default {d.grad_clip})"
+    )
+    g.add_argument("--seed", type=arg_int(0, MAX_SEED), help=f"seed for init and data order (default {d.seed})")
+    g.add_argument(
+        "--mqar-fraction",
+        type=arg_float(0, 1),
+        help=f"share of MQAR rows in training batches (default {d.mqar_fraction})",
+    )
+    g.add_argument(
+        "--mqar-kv-pairs", type=arg_int(1, MAX_TOKENS // 3), help=f"MQAR key-value pairs (default {d.mqar_kv_pairs})"
+    )
     e = p.add_argument_group("evaluation, logging, checkpoints")
     e.add_argument(
-        "--eval-every", type=int, help=f"validate every N steps, 0 = only at the end (default {d.eval_every})"
+        "--eval-every",
+        type=arg_int(0, MAX_TRAIN_STEPS),
+        help=f"validate every N steps, 0 = only at the end (default {d.eval_every})",
     )
-    e.add_argument("--eval-windows", type=int, help=f"validation windows (default {d.eval_windows})")
-    e.add_argument("--eval-batch-size", type=int, help=f"(default {d.eval_batch_size})")
-    e.add_argument("--mqar-eval-examples", type=int, help=f"MQAR validation sequences (default {d.mqar_eval_examples})")
-    e.add_argument("--log-every", type=int, help=f"history / MoE-load interval in steps (default {d.log_every})")
     e.add_argument(
-        "--save-every", type=int, help=f"checkpoint every N steps, 0 = only on exit (default {d.save_every})"
+        "--eval-windows", type=arg_int(1, MAX_EVAL_ITEMS), help=f"validation windows (default {d.eval_windows})"
     )
-    e.add_argument("--stop-at", type=int, help="save and stop after this step (resume later with --resume)")
+    e.add_argument("--eval-batch-size", type=arg_int(1, MAX_BATCH), help=f"(default {d.eval_batch_size})")
+    e.add_argument(
+        "--mqar-eval-examples",
+        type=arg_int(1, MAX_EVAL_ITEMS),
+        help=f"MQAR validation sequences (default {d.mqar_eval_examples})",
+    )
+    e.add_argument(
+        "--log-every",
+        type=arg_int(1, MAX_TRAIN_STEPS),
+        help=f"history / MoE-load interval in steps (default {d.log_every})",
+    )
+    e.add_argument(
+        "--save-every",
+        type=arg_int(0, MAX_TRAIN_STEPS),
+        help=f"checkpoint every N steps, 0 = only on exit (default {d.save_every})",
+    )
+    e.add_argument(
+        "--stop-at", type=arg_int(1, MAX_TRAIN_STEPS), help="save and stop after this step (resume later with --resume)"
+    )
     e.add_argument(
         "--keep-state",
         action="store_true",
         default=None,
         help="keep the optimizer/RNG resume state after the run finishes",
     )
-    e.add_argument("--sample-tokens", type=int, help=f"bytes generated for the model card (default {d.sample_tokens})")
+    e.add_argument(
+        "--sample-tokens",
+        type=arg_int(0, MAX_TOKENS),
+        help=f"bytes generated for the model card (default {d.sample_tokens})",
+    )
     e.add_argument("--prompt", dest="sample_prompt", help=f"prompt of the sample (default {d.sample_prompt!r})")
     r = p.add_argument_group("machine")
     r.add_argument("--device", help="cpu, cuda, cuda:1, or auto (default: cuda when available)")
-    r.add_argument("--threads", type=int, help="torch CPU threads")
+    r.add_argument("--threads", type=arg_int(1, MAX_THREADS), help="torch CPU threads")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     return p
 

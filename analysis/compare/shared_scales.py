@@ -246,6 +246,21 @@ def stacked_bar_ends(traces: list[dict], layout: dict) -> list[np.ndarray]:
     return out
 
 
+def shape_extents(layout: dict) -> list[tuple[str, np.ndarray]]:
+    """Per shape drawn in data coordinates (e.g. a band over an MLA layer), the axis name and the shape's ends on
+    it: a range over the traces alone would cut a band beyond the last trace (the half-life plot's MLA layer 7)."""
+    out = []
+    for shape in layout.get("shapes") or []:
+        for letter in ("x", "y"):
+            ref = shape.get(f"{letter}ref") or letter
+            if not isinstance(ref, str) or not ref.startswith(letter) or " " in ref:
+                continue  # paper or "x domain" coordinates: not a data range
+            ends = [shape.get(f"{letter}0"), shape.get(f"{letter}1")]
+            if all(isinstance(e, (int, float)) and math.isfinite(e) for e in ends):
+                out.append((axis_name(letter, _ref_number(ref, letter)), np.asarray(ends, dtype=np.float64)))
+    return out
+
+
 def _pin_to_top(traces: list[dict], layout: dict) -> None:
     """Markers flagged ``meta=AXIS_TOP`` (e.g. "unbounded memory" for full-attention layers) moved to the top of
     their y axis' final range, so every panel sharing the axis draws them at one height."""
@@ -314,6 +329,9 @@ def shared_axis_ranges(
                     unedged_axes.add(name)
             if tr.get("type") == "bar" and letter == _value_axis(tr) and vals.size and vals.dtype != object:
                 bar_axes.add(name)
+    for name, ends in shape_extents(layout):
+        values.setdefault(name, []).append(ends)
+        unedged_axes.add(name)
     names |= set(values)
     set_ranges: dict[str, list[float]] = {}
     for group in _groups(links, names):

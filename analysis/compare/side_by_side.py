@@ -124,6 +124,16 @@ def _place_refs(
     return out
 
 
+def _one_legend_entry_per_shape(shapes: list[dict]) -> None:
+    """Shapes named in the legend (e.g. the MLA bands of both halves) listed once per name, in place."""
+    seen: set[str] = set()
+    for shape in shapes:
+        if shape.get("showlegend") and shape.get("name"):
+            if shape["name"] in seen:
+                shape["showlegend"] = False
+            seen.add(shape["name"])
+
+
 def _buttons(menus: list | None) -> dict[str, dict]:
     """A figure's dropdown buttons by label (e.g. "layer 4"), from its first menu."""
     for menu in menus or []:
@@ -229,7 +239,9 @@ def _run_label(text: str, sub: str | None) -> str:
     body = f"<b>{text}</b>"
     if not sub:
         return body
-    lines = wrap_to_px(sub, HALF_PX - 30, 11).replace("<br>", "</span><br><span style='font-size:11px'>")
+    # narrower than the half: the app draws the figure narrower than 900 px and the two labels are centred
+    # over their halves, so a line near the half's width ran into the other run's label
+    lines = wrap_to_px(sub, HALF_PX - 120, 11).replace("<br>", "</span><br><span style='font-size:11px'>")
     return body + f"<br><span style='font-size:11px'>{lines}</span>"
 
 
@@ -262,6 +274,7 @@ def combine_side_by_side(
     layout["shapes"] = _place_refs(la.get("shapes"), offset_a, left, ("x0", "x1"), cols_a) + _place_refs(
         lb.get("shapes"), offset_b, RIGHT_DOMAIN, ("x0", "x1"), cols_b
     )
+    _one_legend_entry_per_shape(layout["shapes"])
     menus = _menus(la, lb, len(traces_a), len(traces_b))
 
     # Run labels (with each run's own title where the titles differ, e.g. per-run numbers, or where a dropdown

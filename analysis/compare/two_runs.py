@@ -105,13 +105,23 @@ def side_by_side(
     return fig, table
 
 
+def checkpoint_identity(ctx: AnalysisContext) -> str | None:
+    """What names a context's checkpoint: the traced run's saved fingerprint, or (a weights-only context, no trace)
+    the folder its weights were read from; None when neither is known."""
+    if ctx.trace is not None:
+        found = ((ctx.trace.meta or {}).get("run") or {}).get("fingerprint")
+        return found if found and found != "unsaved" else None
+    path = getattr(ctx.weights, "path", "")
+    return f"path:{Path(path).resolve()}" if path else None
+
+
 def same_weights(a: AnalysisContext, b: AnalysisContext) -> bool:
-    """Whether both contexts ran one checkpoint (the same model object, or one saved fingerprint)."""
+    """Whether both contexts ran one checkpoint (the same model object, one saved fingerprint, or one weights
+    folder)."""
     if a.model is not None and a.model is b.model:
         return True
-    fa = ((a.trace.meta or {}).get("run") or {}).get("fingerprint")
-    fb = ((b.trace.meta or {}).get("run") or {}).get("fingerprint")
-    return bool(fa) and fa == fb and fa != "unsaved"
+    fa, fb = checkpoint_identity(a), checkpoint_identity(b)
+    return fa is not None and fa == fb
 
 
 def has_difference(view: View) -> bool:

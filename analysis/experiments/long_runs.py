@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 
 from analysis.metrics.allocation import cache_bytes_by_length, sequence_mixing_flops
+from analysis.metrics.intervals import wilson_interval
 from analysis.metrics.tidy import tidy
 
 Progress = Callable[[int, int], None] | None
@@ -65,15 +66,6 @@ def peak_rss_growth(fn: Callable[[], Any], interval: float = 0.001) -> tuple[Any
         done.set()
         sampler.join()
     return result, max(0, peak[0] - before)
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion: ``(p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)``."""
-    if n == 0:
-        return float("nan"), float("nan")
-    p = successes / n
-    centre, spread = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (centre - spread) / (1 + z * z / n), (centre + spread) / (1 + z * z / n)
 
 
 def _value_ranges(vocab_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -124,7 +116,7 @@ def recall_by_distance(
             ids = batch["inputs"][s : s + per].to(device)
             logits = model(ids).logits[:, batch["query"]]
             correct += int((logits.argmax(-1).cpu() == batch["value"][s : s + per]).sum())
-        low, high = wilson_interval(correct, examples)
+        low, high = (float(v) for v in wilson_interval(correct, examples))
         rows.append(
             dict(
                 distance=d,

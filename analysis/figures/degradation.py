@@ -12,6 +12,7 @@ from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, ap
 from analysis.metrics import attention as at
 from analysis.metrics import hidden_states as hs
 from analysis.metrics import kda_memory as km
+from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
 from analysis.runs.missing_data import MissingTraceData
 from analysis.views import picks as pk
@@ -28,6 +29,7 @@ def _guard(fn, ctx: AnalysisContext) -> pd.DataFrame:
 
 #: normalised attention entropy at or above which every head is said to be near uniform
 NEAR_UNIFORM = 0.9
+UNIFORM_ROW = "uniform (null)"  # the sink profile's reference row
 
 
 def _heatmap(
@@ -61,6 +63,7 @@ def _heatmap(
 # ----------------------------------------------------------------------------- MLA attention
 def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     df = _guard(at.attention_entropy_table, ctx)
+    df = df.assign(uniform_entropy_norm=1.0)  # uniform causal attention (analysis.metrics.null_reference)
     fig = _heatmap(
         df,
         "entropy_norm",
@@ -115,7 +118,21 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         lines = df.groupby(["layer", "query"], as_index=False)["entropy_norm"].mean()
         lines["name"] = [f"MLA layer {v}" for v in lines["layer"]]
         what = "mean over heads"
+    df = df.assign(uniform_entropy_norm=nr.uniform_entropy_norm(df["query"].to_numpy()))
+    mean_norm = float(lines["entropy_norm"].mean())
+    level = nr.relative_to(mean_norm, 1.0, tolerance=0.05)  # within 5% of 1: as spread as uniform attention
     fig = go.Figure()
+    queries = np.sort(lines["query"].unique())
+    fig.add_trace(
+        go.Scatter(
+            x=queries,
+            y=nr.uniform_entropy_norm(queries),
+            mode="lines",
+            name="uniform causal attention (null reference)",
+            line={"color": "#888", "dash": "dash"},
+            hoverinfo="skip",
+        )
+    )
     for n, (name, part) in enumerate(lines.groupby("name", sort=False)):
         fig.add_trace(
             go.Scatter(
@@ -130,7 +147,8 @@ def build_entropy_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataF
         )
     apply_style(
         fig,
-        f"MLA attention entropy by query position ({what}) — {ctx.label}",
+        f"MLA attention entropy by query position ({what}; mean {mean_norm:.3f}: {level} the uniform level 1) — "
+        f"{ctx.label}",
         "query position (token)",
         "normalised entropy H / log(i+1)",
     )
@@ -162,11 +180,28 @@ def build_sink_mass(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         annotation_text=f"sink threshold {at.SINK_THRESHOLD}",
         annotation_position="top left",
     )
+    T = at.attention_tokens(ctx.trace)
+    uniform = nr.uniform_first_token_mass(max(T, 1))
+    fig.add_trace(  # a legend entry, not a note on the line: a note sat over the bars
+        go.Scatter(
+            x=labels,
+            y=[uniform] * len(labels),
+            mode="lines",
+            name=f"uniform attention H_T/T = {uniform:.3g}",
+            line={"color": "#2ca02c", "dash": "dot", "width": 2},
+            hoverinfo="skip",
+        )
+    )
+    fig.update_layout(showlegend=True, legend={"orientation": "h", "y": 1.02, "x": 1.0, "xanchor": "right"})
+    df = df.assign(uniform_mass=uniform, vs_uniform=[nr.relative_to(m, uniform) for m in df["first_token_mass"]])
+    at_uniform = int((df["vs_uniform"] == "at").sum())
     # from 0 (bars) to just above the larger of the data and the threshold: a fixed 0..1 squashed the bars
     top = max(float(df["first_token_mass"].max()), at.SINK_THRESHOLD)
     fig.update_yaxes(range=[0, min(1.0, top * 1.15)])
-    T = at.attention_tokens(ctx.trace)
-    title = f"Attention sink: first-token mass per MLA head{focus} (sink rate {rate:.0%}) — {ctx.label}"
+    title = (
+        f"Attention sink: first-token mass per MLA head{focus} (sink rate {rate:.0%}; {at_uniform} of {len(df)} "
+        f"heads at the uniform-attention level) — {ctx.label}"
+    )
     if T < at.MIN_SINK_TOKENS:
         # Query 0 sees only key 0, so s_0 >= 1/T: with T <= 3 every head is a 'sink' whatever the model does.
         title = f"Attention sink: first-token mass per MLA head{focus} — {ctx.label}"
@@ -194,9 +229,16 @@ def build_sink_profile(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     choices, layer, head = _mla_pick(ctx)
     df = pk.filter_picked(df, layer, head)
     focus = pk.pick_title(choices, layer, head)
-    df = df.assign(row=[f"L{r.layer} H{r.head}" for r in df.itertuples()])
+    T = int(df.attrs.get("total_keys", df["key"].max() + 1))
+    df = df.assign(
+        row=[f"L{r.layer} H{r.head}" for r in df.itertuples()],
+        uniform_received=nr.uniform_received(T, df["key"].to_numpy()),
+    )
     table = df.pivot(index="row", columns="key", values="received")
     table = table.loc[list(dict.fromkeys(df["row"]))]
+    # the first row: what uniform causal attention gives each key (analysis.metrics.null_reference.uniform_received)
+    reference = pd.DataFrame([nr.uniform_received(T, table.columns.to_numpy())], columns=table.columns)
+    table = pd.concat([reference.set_axis([UNIFORM_ROW]), table])
     fig = go.Figure(
         go.Heatmap(
             z=table.to_numpy(),

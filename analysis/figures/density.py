@@ -258,6 +258,17 @@ def _box_from_quantiles(
         fig.add_trace(trace)
     else:
         fig.add_trace(trace, row=row, col=1)
+    # a label under every box (plotly's own ticks drop every other one on a category axis of 20+ boxes); upright
+    # text, smaller, once they would no longer fit side by side
+    many = len(x) > 16
+    fig.update_xaxes(
+        type="category",
+        tickmode="array",
+        tickvals=list(x),
+        ticktext=list(x),
+        tickangle=-90 if many else 0,
+        tickfont={"size": 10 if many else 12},
+    )
 
 
 MAX_HEAD_BOXES = 64  # above this many KDA (layer, head) pairs, distributions are pooled per layer
@@ -437,6 +448,7 @@ VIEWS: list[View] = [
         "density",
         build_allocation,
         description="Parameters, active parameters, FLOPs per token and cache bytes per layer, from the config.",
+        from_config=True,
         compare=Comparison(difference=("params", "active_params", "flops", "cache_bytes"), keys=("part",)),
     ),
     View(
@@ -445,6 +457,7 @@ VIEWS: list[View] = [
         "density",
         build_cache_vs_length,
         description="Decode cache per sequence from 1K to 1M tokens: KDA state is flat, MLA latent grows linearly.",
+        from_config=True,
         compare=Comparison(difference=("bytes",), keys=("layer_type", "seq_len"), x="seq_len"),
     ),
     View(

@@ -12,9 +12,22 @@ from plotly.subplots import make_subplots
 
 from analysis.figures.style import RUN_COLORS, apply_style, subplot_spacing
 from analysis.metrics import history as hist
+from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import Comparison, NotApplicable, View
 from k3core.data.mqar import mqar_chance
+
+
+def mqar_queries(metrics: dict) -> int | None:
+    """How many MQAR queries each validation scored: eval.mqar's examples x key-value pairs (None when not recorded)."""
+    evaluation = metrics.get("eval")
+    mqar = evaluation.get("mqar") if isinstance(evaluation, dict) else None
+    if not isinstance(mqar, dict):  # older or hand-made metrics files keep other things under "eval"
+        return None
+    examples, pairs = mqar.get("examples"), mqar.get("num_kv_pairs")
+    if isinstance(examples, int) and isinstance(pairs, int) and examples > 0 and pairs > 0:
+        return examples * pairs
+    return None
 
 
 def runs_metrics(ctx: AnalysisContext) -> dict[str, dict]:
@@ -115,10 +128,20 @@ def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFram
             # a trend); the training data's MQAR rows draw values from 64 byte tokens (k3core.data.mqar)
             chance = mqar_chance()
             top = max(float(df[df["panel"] == panel]["value"].max()), 2 * chance)
+            queries = min((mqar_queries(m) or 0 for m in runs.values()), default=0)
+            note = f"chance 1/{round(1 / chance)}"
+            hover = note
+            if queries:  # the band a guesser reaches with the eval's own number of scored queries
+                low, high = nr.chance_interval(round(1 / chance), queries)
+                fig.add_hrect(y0=low, y1=high, fillcolor="#888", opacity=0.15, line_width=0, row=1, col=col)
+                note += f" (95%: {low:.3f}-{high:.3f})"
+                hover = f"a guesser's 95% range over {queries} queries: {low:.3f}-{high:.3f}"
+                top = max(top, 1.2 * high)
             fig.add_hline(
                 y=chance,
                 line={"color": "#888", "dash": "dash", "width": 1},
-                annotation_text=f"chance 1/{round(1 / chance)}",
+                annotation_text=note,
+                annotation_hovertext=hover,
                 annotation_position="top left",
                 row=1,
                 col=col,

@@ -1,7 +1,7 @@
 """Figures for long context (analysis.metrics.long_context from a trace, analysis.experiments.long_runs running the
 model): loss by position against the run's short-context loss, KDA state norm and rank over position, the decay horizon
-used, MLA entropy and sink mass over position, recall by distance, and seconds and memory per token against T.
-Every position axis is logarithmic (position bins double in width)."""
+used, MLA entropy and sink mass over position, KDA's implicit-attention distance profile, recall by distance, and
+seconds and memory per token against T. Every position axis is logarithmic (position bins double in width)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from analysis.experiments import long_runs as lr
-from analysis.figures.style import RUN_COLORS, apply_style
+from analysis.figures.papers import MQAR_VIEW
+from analysis.figures.style import RUN_COLORS, SEQUENTIAL, accuracy_with_interval, apply_style
+from analysis.metrics import kda_attention as ka
 from analysis.metrics import long_context as lc
+from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
 from analysis.runs.missing_data import MissingTraceData
 from analysis.views import picks as pk
@@ -76,6 +79,10 @@ def build_loss_by_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFram
     return fig, df
 
 
+LINE_DASHES = ("solid", "dash", "dot", "dashdot")
+LINE_MARKERS = ("circle", "square-open", "diamond", "x")
+
+
 def _lines(
     fig: go.Figure, df: pd.DataFrame, x: str, y: str, focused: bool, row: int | None, show_legend: bool, unit: str
 ) -> None:
@@ -93,7 +100,9 @@ def _lines(
             name=name,
             legendgroup=name,
             showlegend=show_legend,
-            line={"color": RUN_COLORS[n % len(RUN_COLORS)]},
+            # a dash and a marker per line: two layers that read the same (near-uniform sinks) stay both visible
+            line={"color": RUN_COLORS[n % len(RUN_COLORS)], "dash": LINE_DASHES[n % len(LINE_DASHES)]},
+            marker={"symbol": LINE_MARKERS[n % len(LINE_MARKERS)], "size": 7},
             hovertemplate=f"{name}<br>position %{{x:.0f}}<br>{unit} %{{y:.3f}}<extra></extra>",
         )
         fig.add_trace(trace, row=row, col=1) if row is not None else fig.add_trace(trace)
@@ -175,9 +184,17 @@ def build_decay_horizon(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 
 def build_mla_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
-    return _two_panels_over_position(
+    """Entropy and sink mass over position bins, with uniform causal attention drawn beside them (entropy 1; sink
+    mass 1/(i+1) at query i, its bin mean (H_stop - H_start) / (stop - start)): a sink mass falling as 1/(i+1) is
+    what uniform attention does anyway."""
+    df = _guard(lc.mla_by_position_table, ctx)
+    start, stop = df["start"].to_numpy(), df["stop"].to_numpy()
+    df = df.assign(
+        uniform_entropy_norm=1.0, uniform_sink_mass=(nr.harmonic(stop) - nr.harmonic(start)) / (stop - start)
+    )
+    fig, df = _two_panels_over_position(
         ctx,
-        _guard(lc.mla_by_position_table, ctx),
+        df,
         pk.mla_choices(ctx),
         "position",
         (
@@ -187,6 +204,23 @@ def build_mla_over_position(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFra
         "MLA attention over position ({what})",
         "query position (token, log scale)",
     )
+    bins = df.drop_duplicates("bin").sort_values("position")
+    for row, column in ((1, "uniform_entropy_norm"), (2, "uniform_sink_mass")):
+        fig.add_trace(
+            go.Scatter(
+                x=bins["position"],
+                y=bins[column],
+                mode="lines",
+                name="uniform causal attention (null reference)",
+                legendgroup="uniform",
+                showlegend=row == 1,
+                line={"color": "#888", "dash": "dash", "width": 2},
+                hovertemplate="uniform attention: %{y:.4g}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+    return fig, df
 
 
 def _model(ctx: AnalysisContext):
@@ -210,44 +244,14 @@ def build_recall_by_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFr
     df = recall_table(ctx)
     if df.empty:
         raise NotApplicable("the recall run was stopped before its first distance")
-    fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=np.r_[df["distance"], df["distance"][::-1]],
-            y=np.r_[df["ci_high"], df["ci_low"][::-1]],
-            fill="toself",
-            fillcolor="rgba(31,119,180,0.15)",
-            line={"width": 0},
-            name="95% interval (Wilson)",
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=df["distance"],
-            y=df["accuracy"],
-            mode="lines+markers",
-            name="recall accuracy",
-            line={"color": RUN_COLORS[0]},
-            customdata=np.stack([df["correct"], df["examples"]], axis=-1),
-            hovertemplate="distance %{x}<br>accuracy %{y:.2f} (%{customdata[0]} of %{customdata[1]})<extra></extra>",
-        )
-    )
-    chance = float(df["chance"].iloc[0])
-    fig.add_trace(  # a legend entry, not a note: a note on the line sat over the data and the ticks
-        go.Scatter(
-            x=[float(df["distance"].min()), float(df["distance"].max())],
-            y=[chance, chance],
-            mode="lines",
-            name=f"chance {chance:.3f} (1 / values)",
-            line={"dash": "dash", "color": "#444"},
-            hoverinfo="skip",
-        )
-    )
+    df = nr.with_chance_band(df, "examples")
+    fig = accuracy_with_interval(df["distance"].to_numpy(), df, "recall accuracy", "distance", "examples")
     n = int(df["examples"].iloc[0])
+    at_chance = int(df["at_chance"].sum())
     apply_style(
         fig,
-        f"Recall by distance: key-value pair d tokens before its query, {n} examples each — {ctx.label}",
+        f"Recall by distance: key-value pair d tokens before its query, {n} examples each ({at_chance} of "
+        f"{len(df)} distances within chance) — {ctx.label}",
         "distance from the value to the query (tokens, log scale)",
         "share recalled (argmax = value)",
     )
@@ -269,7 +273,10 @@ def build_cost_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     if df.empty:
         raise NotApplicable("the cost run was stopped before its first length")
     fig = make_subplots(
-        rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=("seconds per token (measured)", "bytes per token")
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.14,
+        subplot_titles=("milliseconds per token (measured, from 0)", "bytes per token (log scale)"),
     )
     fig.add_trace(
         go.Scatter(
@@ -315,8 +322,55 @@ def build_cost_by_length(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
         None,
         height=460,
     )
-    fig.update_xaxes(type="log", title_text="T (tokens, log scale)")
-    fig.update_yaxes(type="log")
+    lengths = sorted(int(v) for v in df["seq_len"].unique())
+    # a tenth of a decade either side: the first length's tick clear of the time axis' 0 in the corner
+    span = [np.log10(lengths[0]) - 0.1, np.log10(lengths[-1]) + 0.1]
+    fig.update_xaxes(type="log", title_text="T (tokens, log scale)", range=span, **length_ticks(lengths))
+    # time from zero on a linear axis: a few timings under load that differ by 10-20% are not drawn as a trend
+    fig.update_yaxes(type="linear", rangemode="tozero", title_text="ms per token", row=1, col=1)
+    fig.update_yaxes(type="log", row=1, col=2)  # its unit is the panel's title (an axis title sat on the left panel)
+    return fig, df
+
+
+def compact_count(n: int) -> str:
+    """A token count as a short tick label (K = 1000, M = 10^6, three significant digits): 512, 3K, 4.1K, 1.05M."""
+    if n >= 1_000_000:
+        return f"{n / 1e6:.3g}M"
+    return f"{n / 1e3:.3g}K" if n >= 1000 else str(n)
+
+
+def length_ticks(lengths: list[int], min_ratio: float = 1.6) -> dict:
+    """Tick values and labels for a log axis of lengths: each measured length, skipping one closer than
+    ``min_ratio`` to the last labelled (3000, 4000, 5000 drew "30004000 5000" with plotly's own ticks)."""
+    kept: list[int] = []
+    for n in lengths:
+        if not kept or n >= min_ratio * kept[-1]:
+            kept.append(n)
+    return {"tickmode": "array", "tickvals": kept, "ticktext": [compact_count(n) for n in kept]}
+
+
+def build_kda_distance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    df = _guard(ka.distance_profile_table, ctx)
+    mean = df.groupby(["position", "distance"], as_index=False)["share"].mean()
+    table = mean.pivot(index="distance", columns="position", values="share").sort_index()
+    fig = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=[f"{p}+" for p in table.columns],
+            y=[f"{int(d)}+" for d in table.index],
+            colorscale=SEQUENTIAL,
+            zmin=0.0,
+            colorbar={"title": {"text": "share of |A|"}},
+            hovertemplate="queries from position %{x}<br>distance %{y}<br>share %{z:.3f}<extra></extra>",
+        )
+    )
+    apply_style(
+        fig,
+        f"KDA distance profile over position: share of |A| by distance bin (mean over KDA layers and heads) — "
+        f"{ctx.label}",
+        "query position bin (tokens, from)",
+        "distance t - s (bin, from)",
+    )
     return fig, df
 
 
@@ -361,6 +415,16 @@ VIEWS: list[View] = [
         picks=view.Picks((view.LAYER, view.HEAD), pk.mla_choices),
     ),
     View(
+        "long_kda_distance",
+        "KDA distance profile over position",
+        SECTION,
+        build_kda_distance,
+        description="Share of KDA's implicit attention |A| by distance, for each query position bin.",
+        compare=Comparison(
+            difference=("share",), keys=("layer", "position", "distance"), reduce=("layer",), x="distance"
+        ),
+    ),
+    View(
         "long_recall_distance",
         "Recall by distance",
         SECTION,
@@ -369,6 +433,7 @@ VIEWS: list[View] = [
         description="MQAR-style recall of a key-value pair placed d tokens before its query.",
         compare=Comparison(difference=("accuracy",), keys=("distance",)),
     ),
+    MQAR_VIEW,
     View(
         "long_cost_length",
         "Seconds and memory per token",

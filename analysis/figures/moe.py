@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 
 from analysis.figures.style import RUN_COLORS, SEQUENTIAL, apply_style
 from analysis.metrics import moe as mo
+from analysis.metrics.null_reference import AT_REFERENCE, balanced_routing_floor
 from analysis.runs.context import AnalysisContext
 from analysis.views import picks as pk
 from analysis.views import view
@@ -96,6 +97,12 @@ def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     share = table.pivot(index="layer", columns="expert", values="share").sort_index()
     count = table.pivot(index="layer", columns="expert", values="count").sort_index()
     E = share.shape[1]
+    first = int(share.index[0])
+    k = mo.top_k_of(ctx.trace, first)
+    tokens = int(round(count.loc[first].sum() / k))
+    floor = balanced_routing_floor(tokens, k, E)
+    inside = float(((share >= floor.share_lo) & (share <= floor.share_hi)).to_numpy().mean())
+    table = table.assign(share_floor_lo=floor.share_lo, share_floor_hi=floor.share_hi)
     fig = go.Figure(
         go.Heatmap(
             z=share.to_numpy(),
@@ -111,7 +118,9 @@ def build_load_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     fig.update_yaxes(autorange="reversed")
     apply_style(
         fig,
-        f"Expert load per layer{pk.pick_title(choices, layer, None)} (uniform = {1 / E:.2%}) — {ctx.label}",
+        f"Expert load per layer{pk.pick_title(choices, layer, None)} (uniform = {1 / E:.2%}; balanced routing of "
+        f"{tokens:,} tokens spreads shares over {floor.share_lo:.2%}-{floor.share_hi:.2%} (95%): {inside:.0%} of "
+        f"cells lie within it) — {ctx.label}",
         "expert",
         "MoE layer",
         height=max(300, 90 + 24 * len(share)),
@@ -148,11 +157,37 @@ def build_imbalance(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
             row=row,
             col=1,
         )
+        if col in ("max_vio", "cv"):  # the sampling floor of perfectly balanced routing at this token count
+            mean, hi = table[f"{col}_floor"], table[f"{col}_floor_hi"]
+            fig.add_trace(
+                go.Scatter(
+                    x=table["layer"],
+                    y=mean,
+                    mode="markers",
+                    name="balanced routing: sampling floor (mean, bar to 97.5%)",
+                    legendgroup="floor",
+                    showlegend=row == 1,
+                    marker={"color": "#444", "symbol": "line-ew-open", "size": 14, "line": {"width": 2}},
+                    error_y={"type": "data", "symmetric": False, "array": hi - mean, "arrayminus": 0 * mean},
+                    hovertemplate=f"layer %{{x}}<br>{col.replace('_', ' ')} of balanced routing: mean %{{y:.3g}}"
+                    "<extra></extra>",
+                ),
+                row=row,
+                col=1,
+            )
         fig.update_yaxes(title_text=col.replace("_", " "), row=row, col=1)
     fig.update_yaxes(rangemode="nonnegative")
     fig.update_yaxes(range=[0, 1.02], row=3, col=1)
     fig.update_xaxes(title_text="MoE layer (0-based)", dtick=1 if len(table) <= 40 else None, row=len(panels), col=1)
-    apply_style(fig, f"Expert load imbalance per layer — {ctx.label}", height=720)
+    within = int(table["within_floor"].sum())
+    words = (
+        f"{within} of {len(table)} layers within the sampling floor of balanced routing at "
+        f"{int(table['tokens'].iloc[0]):,} tokens"
+        if len(table)
+        else ""
+    )
+    apply_style(fig, f"Expert load imbalance per layer ({words}) — {ctx.label}", height=720)
+    fig.update_layout(legend={"orientation": "h", "y": -0.08, "x": 0.0})
     return fig, table
 
 
@@ -202,6 +237,7 @@ def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         g = table[table["layer"] == layer]
         rate = g.pivot(index="expert_i", columns="expert_j", values="rate").to_numpy().copy()
         count = g.pivot(index="expert_i", columns="expert_j", values="count").to_numpy()
+        independent = g.pivot(index="expert_i", columns="expert_j", values="independent").to_numpy()
         off = rate.copy()
         np.fill_diagonal(off, np.nan)  # the diagonal (own frequency) would swamp the colour scale
         fig.add_trace(
@@ -212,15 +248,21 @@ def build_coactivation(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
                 colorscale=SEQUENTIAL,
                 zmin=0,
                 visible=n == 0,
-                customdata=np.stack([count, np.broadcast_to(np.diag(count), count.shape)], axis=-1),
+                customdata=np.stack([count, np.broadcast_to(np.diag(count), count.shape), independent], axis=-1),
                 colorbar={"title": {"text": "share of tokens"}},
                 hovertemplate=(
                     f"layer {layer}<br>experts %{{y}} and %{{x}}: %{{z:.2%}} of tokens "
-                    "(%{customdata[0]} tokens; expert %{y} chosen by %{customdata[1]})<extra></extra>"
+                    "(%{customdata[0]} tokens; expert %{y} chosen by %{customdata[1]})<br>"
+                    "independence p_i p_j: %{customdata[2]:.2%}<extra></extra>"
                 ),
             )
         )
-        titles.append(f"Expert co-activation, layer {layer} (diagonal blank) — {ctx.label}")
+        off_diag = ~np.eye(E, dtype=bool)
+        lift = np.abs(rate[off_diag] - independent[off_diag]) <= AT_REFERENCE * independent[off_diag]
+        titles.append(  # two short lines: the layer dropdown sits at the top right
+            f"Expert co-activation, layer {layer} — {ctx.label}<br>diagonal blank; {lift.mean():.0%} of pairs "
+            f"within {AT_REFERENCE:.0%} of independence p_i p_j"
+        )
     fig.update_yaxes(autorange="reversed")
     apply_style(fig, titles[0], "expert j", "expert i", height=520)
     _layer_dropdown(fig, shown, [1] * len(shown), titles)
@@ -384,7 +426,7 @@ VIEWS: list[View] = [
         compare=Comparison(
             difference=("rate",), keys=("layer", "expert_i", "expert_j"), x="expert_j", same_weights=True
         ),
-        picks=view.Picks((view.LAYER,), pk.moe_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_choices, one_at_a_time=True),
     ),
     View(
         "moe_reuse",
@@ -401,6 +443,6 @@ VIEWS: list[View] = [
         build_latent_pca,
         description="2-D PCA of the latent vectors routed to experts, coloured by top-1 expert.",
         compare=Comparison(no_difference="PCA axes of two runs are not the same directions: compare the two halves"),
-        picks=view.Picks((view.LAYER,), pk.moe_latent_choices),
+        picks=view.Picks((view.LAYER,), pk.moe_latent_choices, one_at_a_time=True),
     ),
 ]

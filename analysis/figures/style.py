@@ -387,7 +387,9 @@ def _as_list(value: Any) -> list | None:
 def _thin_ticks(axis: dict, max_ticks: int) -> dict:
     """At most ``max_ticks`` of an axis' explicit (tickmode "array") ticks: every k-th, the first kept. Plotly measures
     every tick label to place and turn them; 47 "position:token" labels cost ~0.1 s of drawing a chart, 16 ~0.02 s."""
-    if axis.get("tickmode") != "array":
+    if (
+        axis.get("tickmode") != "array" or axis.get("type") == "category"
+    ):  # each category its own label (a box per head)
         return axis
     vals, texts = _as_list(axis.get("tickvals")), _as_list(axis.get("ticktext"))
     if vals is None or len(vals) <= max_ticks:
@@ -418,3 +420,31 @@ def screen_figure(fig: go.Figure, digits: int = 5, max_ticks: int = SCREEN_MAX_T
         template = pio.templates[pio.templates.default].to_plotly_json()
     layout["template"] = _trimmed_template(template, data, layout)
     return go.Figure({"data": data, "layout": layout, "frames": spec.get("frames", [])}, skip_invalid=True)
+
+
+def accuracy_with_interval(x: Any, df: Any, name: str, what: str, trials: str, digits: int = 2) -> go.Figure:
+    """A share against ``x`` with its 95% Wilson band and the chance line (a legend entry, not a note: a note on the
+    line sat over the data and the ticks): ``df`` has accuracy, ci_low, ci_high, chance, correct and ``trials``
+    columns, and chance_low / chance_high (``null_reference.with_chance_band``) drawn as the band a chance guesser
+    reaches with the same trials; ``what`` names x in the hover. Recall by distance and MQAR by length draw it."""
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=np.r_[x, x[::-1]], y=np.r_[df["ci_high"], df["ci_low"][::-1]], fill="toself",
+                             fillcolor="rgba(31,119,180,0.15)", line={"width": 0}, name="95% interval (Wilson)",
+                             hoverinfo="skip"))  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=df["accuracy"], mode="lines+markers", name=name, line={"color": RUN_COLORS[0]},
+            customdata=np.stack([df["correct"], df[trials]], axis=-1),
+            hovertemplate=f"{what} %{{x}}<br>accuracy %{{y:.{digits}f}} (%{{customdata[0]}} of %{{customdata[1]}})"
+            "<extra></extra>",
+        )
+    )  # fmt: skip
+    n = int(np.min(df[trials]))
+    fig.add_trace(go.Scatter(x=np.r_[x, x[::-1]], y=np.r_[df["chance_high"], df["chance_low"][::-1]], fill="toself",
+                             fillcolor="rgba(68,68,68,0.12)", line={"width": 0},
+                             name=f"chance guesses of {n} {trials} (95%)", hoverinfo="skip"))  # fmt: skip
+    chance = float(df["chance"].iloc[0])
+    fig.add_trace(go.Scatter(x=[float(np.min(x)), float(np.max(x))], y=[chance, chance], mode="lines",
+                             name=f"chance {chance:.3f} (1 / values)", line={"dash": "dash", "color": "#444"},
+                             hoverinfo="skip"))  # fmt: skip
+    return fig

@@ -212,10 +212,41 @@ def compare_surveys(a: Survey, b: Survey, label_a: str = "A", label_b: str = "B"
     return fig, pd.concat(rows, ignore_index=True)
 
 
+def maxvio_scopes(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
+    """MaxVio per MoE layer, global / per batch / per sequence (loss-free balancing, arXiv 2408.15664)."""
+    survey = _survey(ctx)
+    df = st.maxvio_table(survey)
+    fig = go.Figure()
+    for n, scope in enumerate(("global", "batch", "sequence")):
+        part = df[df["scope"] == scope]
+        fig.add_trace(
+            go.Bar(
+                x=part.layer,
+                y=part.max_vio,
+                name=scope if scope == "global" else f"per {scope} (mean, sd)",
+                marker_color=RUN_COLORS[n],
+                error_y={"type": "data", "array": part["std"]},
+                customdata=part[["p50", "p90", "count"]].to_numpy(),
+                hovertemplate=f"layer %{{x}}, {scope}<br>MaxVio %{{y:.3f}}<br>median %{{customdata[0]:.2f}}, "
+                "p90 %{customdata[1]:.2f} (bin edges) over %{customdata[2]}<extra></extra>",
+            )
+        )
+    fig.update_xaxes(dtick=1)
+    apply_style(
+        fig,
+        f"MaxVio global / per batch / per sequence over {_tokens_note(survey)} (loss-free balancing, arXiv 2408.15664)",
+        "MoE layer",
+        "MaxVio = max load / mean load - 1",
+    )
+    df.attrs["keys"] = ["layer", "scope"]
+    return fig, df
+
+
 VIEWS = [
     View("survey_load_map", "Expert load over a corpus", "survey", load_map,
          description="Load share per layer x expert (select a mark to open its atlas card)"),
     View("survey_balance", "Load balance over a corpus", "survey", balance),
+    View("survey_maxvio", "MaxVio global, per batch, per sequence", "survey", maxvio_scopes),
     View("survey_cache", "Expert-cache hit rates", "survey", cache_curves,
          description="LRU, LFU and Belady hit rates by cache size, shared and per layer"),
     View("survey_margins", "Routing margins and cut-off gaps", "survey", cutoff_histograms),

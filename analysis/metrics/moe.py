@@ -91,16 +91,44 @@ def expert_load(trace: Trace) -> pd.DataFrame:
     )
 
 
+def top_k_of(trace: Trace, layer: int) -> int:
+    """k, the experts each token chooses in a MoE layer: the rank axis of ``moe.i.experts``, else the config."""
+    if names.moe_experts(layer) in trace:
+        return int(np.asarray(trace[names.moe_experts(layer)]).shape[-1])
+    return int(trace.config.get("num_experts_per_token") or 1)
+
+
+FLOOR_COLUMNS = ["tokens", "max_vio_floor", "max_vio_floor_hi", "cv_floor", "cv_floor_hi", "within_floor"]
+
+
 def imbalance_table(trace: Trace) -> pd.DataFrame:
-    """Per MoE layer: max_vio, cv, entropy, dead, min_over_mean, total, experts (see ``load_imbalance``)."""
+    """Per MoE layer: max_vio, cv, entropy, dead, min_over_mean, total, experts (see ``load_imbalance``), and their
+    sampling floor at the layer's token count (``analysis.metrics.null_reference.balanced_routing_floor``): the mean
+    and 97.5th percentile of MaxVio and CV under perfectly balanced routing, and whether both measured values lie
+    within it (``within_floor``)."""
+    from .null_reference import balanced_routing_floor
+
     load = expert_load(trace)
-    rows = [
-        dict(layer=int(layer), **load_imbalance(g.sort_values("expert")["count"].to_numpy()))
-        for layer, g in load.groupby("layer")
-    ]
-    return pd.DataFrame(
-        rows, columns=["layer", "max_vio", "cv", "entropy", "dead", "min_over_mean", "total", "experts"]
-    )
+    rows = []
+    for layer, g in load.groupby("layer"):
+        stats = load_imbalance(g.sort_values("expert")["count"].to_numpy())
+        k = top_k_of(trace, int(layer))
+        tokens = int(round(stats["total"] / k))
+        floor = balanced_routing_floor(tokens, k, stats["experts"]) if tokens >= 1 else None
+        rows.append(
+            dict(
+                layer=int(layer),
+                **stats,
+                tokens=tokens,
+                max_vio_floor=floor.max_vio_mean if floor else np.nan,
+                max_vio_floor_hi=floor.max_vio_hi if floor else np.nan,
+                cv_floor=floor.cv_mean if floor else np.nan,
+                cv_floor_hi=floor.cv_hi if floor else np.nan,
+                within_floor=bool(floor and floor.max_vio_within(stats["max_vio"]) and floor.cv_within(stats["cv"])),
+            )
+        )
+    columns = ["layer", "max_vio", "cv", "entropy", "dead", "min_over_mean", "total", "experts", *FLOOR_COLUMNS]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def weight_by_rank(trace: Trace) -> pd.DataFrame:
@@ -172,8 +200,11 @@ def reuse_table(trace: Trace) -> pd.DataFrame:
 def coactivation_table(trace: Trace, layers: list[int] | None = None) -> pd.DataFrame:
     """Tidy co-activation counts for the given MoE layers (default: all), diagonal included.
 
-    Columns: layer, expert_i, expert_j, count, rate (count / tokens).
+    Columns: layer, expert_i, expert_j, count, rate (count / tokens), independent (p_i p_j, the rate of both under
+    independent choices: ``analysis.metrics.null_reference.independent_coactivation``), lift (rate / independent).
     """
+    from .null_reference import independent_coactivation
+
     frames = []
     for i in moe_layers(trace) if layers is None else layers:
         e = trace.get(names.moe_experts(i))
@@ -182,6 +213,9 @@ def coactivation_table(trace: Trace, layers: list[int] | None = None) -> pd.Data
         E = num_experts_of(trace, i)
         C = coactivation(e, E)
         n_tok = int(np.prod(np.asarray(e).shape[:-1]))
+        independent = independent_coactivation(np.diag(C) / max(n_tok, 1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lift = (C / max(n_tok, 1)) / independent
         frames.append(
             pd.DataFrame(
                 dict(
@@ -190,13 +224,15 @@ def coactivation_table(trace: Trace, layers: list[int] | None = None) -> pd.Data
                     expert_j=np.tile(np.arange(E), E),
                     count=C.ravel(),
                     rate=C.ravel() / max(n_tok, 1),
+                    independent=independent.ravel(),
+                    lift=lift.ravel(),
                 )
             )
         )
     return (
         pd.concat(frames, ignore_index=True)
         if frames
-        else pd.DataFrame(columns=["layer", "expert_i", "expert_j", "count", "rate"])
+        else pd.DataFrame(columns=["layer", "expert_i", "expert_j", "count", "rate", "independent", "lift"])
     )
 
 

@@ -93,24 +93,38 @@ def data_records(df: pd.DataFrame) -> list[dict]:
     return [{str(k): _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
-def csv_with_provenance(df: pd.DataFrame, meta: dict) -> str:
-    """A table as CSV text led by one ``# key: value`` line per entry of ``meta`` (e.g. the run, the text and its
-    token count), so a downloaded result says what it was computed on; pandas reads it back with comment="#"."""
-    head = "".join(f"# {k}: {' '.join(str(v).split())}\n" for k, v in meta.items())
-    return head + df.to_csv(index=False)
+PROVENANCE_COLUMN_CHARS = 200  # a text in a provenance column: its first characters (the JSON has it whole)
+META_PREFIX = "meta_"  # provenance columns: "meta_run", "meta_text", "meta_tokens", "meta_run_A"
 
 
-def read_csv_with_provenance(path: str | Path) -> tuple[pd.DataFrame, dict[str, str]]:
-    """(table, meta) of a CSV written by ``csv_with_provenance``: its leading ``# key: value`` lines are the meta
-    (values as text); the rest is read as CSV, so a '#' inside the data (a token) is kept."""
-    meta: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.startswith("# "):
-                break
-            key, _, value = line[2:].rstrip("\n").partition(": ")
-            meta[key] = value
-    return pd.read_csv(path, skiprows=len(meta)), meta
+def with_provenance_columns(df: pd.DataFrame, meta: dict) -> pd.DataFrame:
+    """The table with ``meta`` (e.g. the run, the text and its token count) as leading columns ``meta_<key>``, one
+    value repeated on every row, so a single downloaded CSV says what it was computed on and a plain
+    ``pandas.read_csv`` reads it. Texts longer than PROVENANCE_COLUMN_CHARS are cut (and say so)."""
+    columns = {}
+    for key, value in meta.items():
+        if isinstance(value, str) and len(value) > PROVENANCE_COLUMN_CHARS:
+            value = f"{value[:PROVENANCE_COLUMN_CHARS]} [... cut: the JSON export has all of it]"
+        columns[META_PREFIX + "_".join(str(key).split())] = value
+    out = df.copy()
+    for i, (name, value) in enumerate(columns.items()):
+        if name not in out.columns:
+            out.insert(i, name, [value] * len(out))
+    return out
+
+
+def read_csv_with_provenance(path: str | Path) -> tuple[pd.DataFrame, dict]:
+    """(table, meta) of an exported CSV: a plain ``pandas.read_csv`` of it, the meta from the JSON written beside it
+    (``<stem>.json``: its keys other than columns/keys/rows), else from its ``meta_`` columns (which are dropped)."""
+    path = Path(path)
+    table = pd.read_csv(path)
+    sidecar = path.with_suffix(".json")
+    if sidecar.exists():
+        doc = json.loads(sidecar.read_text(encoding="utf-8"))
+        return table, {k: v for k, v in doc.items() if k not in ("columns", "keys", "rows")}
+    meta_cols = [c for c in table.columns if str(c).startswith(META_PREFIX)]
+    meta = {c[len(META_PREFIX) :]: table[c].iloc[0] for c in meta_cols if len(table)}
+    return table.drop(columns=meta_cols), meta
 
 
 PROVENANCE_TEXT_CHARS = 4000  # an exported file carries the text up to this many characters (and says when cut)
@@ -144,12 +158,10 @@ def provenance(*contexts: Any) -> dict:
 
 
 def write_csv(df: pd.DataFrame, path: str | Path, meta: dict | None = None) -> Path:
-    """The table as CSV, led by ``csv_with_provenance``'s ``# key: value`` lines when ``meta`` is given."""
+    """The table as a plain CSV (``pandas.read_csv`` reads it as it is); ``meta`` given, as leading columns
+    (``with_provenance_columns``). Where a JSON of the table is written beside it, the meta goes there instead."""
     path = Path(path)
-    if meta:
-        path.write_text(csv_with_provenance(df, meta))
-    else:
-        df.to_csv(path, index=False)
+    (with_provenance_columns(df, meta) if meta else df).to_csv(path, index=False)
     return path
 
 
@@ -253,8 +265,8 @@ def export_many(
     """Export several (figure, table, stem) at once: {stem: {format: Path or message}}.
 
     HTML/CSV/JSON are written per item; PNG/SVG for all items in one kaleido session. A table of None
-    skips CSV/JSON for that item (with a message). ``meta[stem]`` (e.g. ``provenance``) leads the item's CSV
-    (``# key: value`` lines) and its JSON (top-level keys)."""
+    skips CSV/JSON for that item (with a message). ``meta[stem]`` (e.g. ``provenance``) goes into the item's JSON
+    (top-level keys), the sidecar of its plain CSV; without a JSON, into the CSV's leading ``meta_`` columns."""
     formats = _check_formats(formats)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -272,8 +284,8 @@ def export_many(
                 elif fmt in ("csv", "json"):
                     if df is None:
                         res[fmt] = "no data table for this figure"
-                    elif fmt == "csv":
-                        res[fmt] = write_csv(df, path, (meta or {}).get(stem))
+                    elif fmt == "csv":  # the meta in the JSON beside it when there is one, else in columns
+                        res[fmt] = write_csv(df, path, None if "json" in formats else (meta or {}).get(stem))
                     else:
                         res[fmt] = write_json(df, path, (meta or {}).get(stem))
                 else:
@@ -302,7 +314,7 @@ def export_figure(
     meta: dict | None = None,
 ) -> dict[str, Path | str]:
     """Export one figure and its table: {format: written Path, or a message saying why not}; ``meta`` (e.g.
-    ``provenance``) leads the CSV and the JSON.
+    ``provenance``) goes into the JSON, and into the CSV's leading columns when the JSON is not written.
 
     PNG/SVG need Chromium (see ``static_export_available``); without it their entries are the
     ExportUnavailable message and the other formats are still written."""

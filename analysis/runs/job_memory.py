@@ -14,6 +14,9 @@ and conservative: a forward of 1,024 / 4,096 tokens measured +77 / +717 MB of RS
                   above 1,024 channels k x k sketches, k = 256: k3core.interp.trace_size.second_moment_bytes)
                   + (n_mla + 3) min(T, A)^2 H 4 when attention is recorded (A: its query window; the kept maps
                   and one layer's window being computed)
+                  + KDA's implicit attention, recorded with it: n_kda H_kda (min(T, A)^2 + min(T, A) + 6 T
+                  + n_bins n_dist) 4 (maps, per-position statistics, distance profiles) and the working memory
+                  of the attention statistics (k3core.interp.trace_size.record_bytes: its "kda_attn" item, working)
     experiment:   forward + 2 x 4 T V (the baseline's and the edited logits kept) + T^2 + 3 min(T, Q) T H 4 when
                   the MLA layers' key mask is written: the [T, T] boolean mask an edit writes, and a query block of
                   Q = k3core.ops.attention.QUERY_BLOCK rows of scores where SDPA falls back to its math path
@@ -40,7 +43,7 @@ import torch
 from plotly.basedatatypes import BaseFigure
 
 from k3core.interp.attention_stats import position_bins
-from k3core.interp.trace_size import second_moment_bytes
+from k3core.interp.trace_size import record_bytes, second_moment_bytes
 from k3core.ops.attention import QUERY_BLOCK
 
 
@@ -68,6 +71,10 @@ def trace_peak_bytes(config: Any, tokens: int, attention_len: int | None = None)
         a = min(t, int(attention_len))
         # the kept maps, and the work of one layer's window at a time (its scores, weights and probabilities)
         kept += (_mla_layers(config) + 3) * a * a * config.num_attention_heads * 4
+        # recorded attention brings KDA's implicit attention (WHAT_ALL): its maps and per-position statistics, and
+        # the working memory of the attention statistics (k3core.interp.trace_size.record_bytes, the one count)
+        kda = record_bytes(config, t, ("kda_attn", "attn_probs"), max_attn_len=a)
+        kept += kda.by_item.get("kda_attn", 0) + kda.working
     return forward_peak_bytes(config, t) + kept
 
 

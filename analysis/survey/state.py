@@ -27,7 +27,10 @@ EDGES = {
     "beta": np.linspace(0.0, 1.0, 21),
     "entropy": np.linspace(0.0, 1.0, 21),
     "sink": np.linspace(0.0, 1.0, 21),
+    "maxvio": np.linspace(0.0, 4.0, 41),
 }
+#: MaxVio scopes kept per MoE layer besides the corpus-wide load: over each batch, over each sequence
+MAXVIO_SCOPES = ("batch", "sequence")
 
 
 class SurveyState:
@@ -67,6 +70,9 @@ class SurveyState:
             for policy in POLICIES:
                 self._zeros(p + f"cache_{policy}", (len(L.layer_sizes),), np.int64)
             self._zeros(p + "accesses", (1,), np.int64)
+            for scope in MAXVIO_SCOPES:  # [count, sum, sum of squares] and a histogram of MaxVio per batch / sequence
+                self._zeros(p + f"maxvio_{scope}", (3,), np.float64)
+                self._zeros(p + f"maxvio_{scope}_hist", (len(EDGES["maxvio"]) + 1,), np.int64)
             self.tops[p + "top_contexts"] = TopK.empty(E, plan.top_contexts, width)
             self.tops[p + "reservoir"] = TopK.empty(E, plan.reservoir, width)
         if L.moe_layers:
@@ -163,6 +169,14 @@ class SurveyState:
         s[p + "load"] += np.bincount(flat_e, minlength=E)
         s[p + "gate_mass"] += np.bincount(flat_e, weights=weights.reshape(-1), minlength=E)
         s[p + "coactivation"] += coactivation(experts, E)
+        per_sequence = np.bincount(
+            (np.arange(experts.shape[0])[:, None] * E + experts.reshape(experts.shape[0], -1)).ravel(),
+            minlength=experts.shape[0] * E,
+        ).reshape(-1, E)
+        for scope, loads in (("batch", per_sequence.sum(0, keepdims=True)), ("sequence", per_sequence)):
+            vio = loads.max(-1) / loads.mean(-1) - 1.0  # moe_load_stats' MaxVio of each load row
+            s[p + f"maxvio_{scope}"] += [vio.size, vio.sum(), (vio * vio).sum()]
+            s[p + f"maxvio_{scope}_hist"] += grouped_histogram(vio, 0, 1, EDGES["maxvio"])[0]
         groups = np.arange(E)
         mask = np.zeros(scores.shape, dtype=bool)
         np.put_along_axis(mask, experts, True, axis=-1)

@@ -13,10 +13,12 @@ import numpy as np
 import pandas as pd
 
 from analysis.metrics.expert_cache import POLICIES, hit_rate
-from analysis.metrics.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation, wilson_interval
+from analysis.metrics.intervals import wilson_interval
+from analysis.metrics.routing_stats import TOKEN_CLASSES, lift, reap_saliency, specialisation
 from analysis.survey.aggregates import EMPTY_ID
 from analysis.survey.folder import Survey
 from analysis.survey.plan import SurveyError
+from analysis.survey.state import EDGES, MAXVIO_SCOPES
 from k3core.training.load_stats import moe_load_stats
 from k3core.utils.files import OutputFolderError, check_output_folder
 
@@ -54,6 +56,28 @@ def expert_table(survey: Survey) -> pd.DataFrame:
                 )
             )
     return pd.DataFrame(rows)
+
+
+def maxvio_table(survey: Survey) -> pd.DataFrame:
+    """Per MoE layer, MaxVio (max_e c / mean c - 1) at three scopes (loss-free balancing, arXiv 2408.15664): "global"
+    (the corpus's whole load), "batch" (each forward's load) and "sequence" (each sequence's load), the last two as
+    mean, std and the median / 90th percentile read from their fixed-bin histograms (bin upper edges).
+    Columns: layer, scope, max_vio (global: the value; else the mean), std, p50, p90, count."""
+    s, L = survey.state.sums, survey.layout
+    edges = np.r_[EDGES["maxvio"], np.inf]
+    rows = []
+    for i in L.moe_layers:
+        total = moe_load_stats(s[f"moe.{i}.load"])["max_vio"]
+        rows.append(dict(layer=i, scope="global", max_vio=total, std=0.0, p50=total, p90=total, count=1))
+        for scope in MAXVIO_SCOPES:
+            n, first, second = s[f"moe.{i}.maxvio_{scope}"]
+            hist = s[f"moe.{i}.maxvio_{scope}_hist"]
+            cum = np.cumsum(hist) / max(hist.sum(), 1)
+            mean = first / n if n else np.nan
+            std = float(np.sqrt(max(second / n - mean * mean, 0.0))) if n else np.nan
+            p50, p90 = (float(edges[np.searchsorted(cum, q)]) if n else np.nan for q in (0.5, 0.9))
+            rows.append(dict(layer=i, scope=scope, max_vio=mean, std=std, p50=p50, p90=p90, count=int(n)))
+    return pd.DataFrame(rows, columns=["layer", "scope", "max_vio", "std", "p50", "p90", "count"])
 
 
 def balance_table(survey: Survey) -> pd.DataFrame:

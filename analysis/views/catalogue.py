@@ -7,10 +7,21 @@ figure module's ``VIEWS``; a new figure module goes into ``MODULES`` below.
 
 from __future__ import annotations
 
-from analysis.figures import attnres, degradation, density, experiment, history, long_context, moe, weights
+from analysis.figures import (
+    attention_kinds,
+    attnres,
+    degradation,
+    density,
+    experiment,
+    history,
+    long_context,
+    moe,
+    papers,
+    weights,
+)
 from analysis.views.view import View
 
-MODULES = (density, attnres, moe, degradation, long_context, history, weights, experiment)
+MODULES = (density, attnres, moe, degradation, long_context, history, weights, experiment, attention_kinds, papers)
 
 
 def all_views() -> list[View]:

@@ -51,6 +51,15 @@ def kda_state_choices(ctx: AnalysisContext) -> PickChoices:
     return PickChoices("KDA", layers, _heads_of(ctx.trace, names.kda_state_norm(layers[0]), -1))
 
 
+def kda_attention_choices(ctx: AnalysisContext) -> PickChoices:
+    """KDA layers with an implicit-attention window map (``blocks.i.kda.attn``, recorded with "attn_probs"); heads
+    from its head axis (1)."""
+    layers = tuple(i for i in ctx.trace.layer_indices("kda") if names.kda_attn(i) in ctx.trace)
+    if not layers:
+        raise NotApplicable("no KDA attention map in this trace (no KDA layer, or recorded without 'attn_probs')")
+    return PickChoices("KDA", layers, _heads_of(ctx.trace, names.kda_attn(layers[0]), 1))
+
+
 def mla_choices(ctx: AnalysisContext) -> PickChoices:
     """MLA layers with attention statistics (``mla.i.entropy``, or an older trace's map ``mla.i.attn``); heads
     from that array's head axis (1 in both)."""

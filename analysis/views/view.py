@@ -78,6 +78,9 @@ class Picks:
 
     axes: tuple[str, ...]
     choices: Callable[[AnalysisContext], PickChoices]
+    # The figure shows one layer at a time: a picker offers no "all" (its first layer is the default), so the page
+    # has one layer selector, not a picker saying "all" beside a dropdown in the plot saying "layer 1".
+    one_at_a_time: bool = False
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.axes if a not in AXES]
@@ -97,6 +100,9 @@ class View:
     # Drawn from the checkpoint's weights alone (``ctx.weights``, or a loaded model's parameters), so it needs
     # no trace: the Weights page and ``k3lab weights`` draw every such view, whatever its section.
     from_weights: bool = False
+    # Drawn from the config alone (parameter and cache arithmetic), not measured on the text: a mechanism page opens
+    # with its measured views and draws these on request.
+    from_config: bool = False
     # Per layer / per head: the axes the view can focus on and their valid choices for a context
     # (``analysis.views.picks`` has the choices per mechanism and the checks); the build reads the pick from
     # ``ctx.options["layer"]`` / ``ctx.options["head"]`` and shows everything, as without picks, when none is given.

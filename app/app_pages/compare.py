@@ -13,6 +13,7 @@ from app import pages
 from app.library import run_list
 from app.render import cards, compare_experiment, page
 from app.render.errors import md_escape
+from app.render.twin import twin_loaded
 from app.state import links
 from app.state.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.state.links import EDITED, EDITS, TWO_RUNS, TWO_TEXTS
@@ -84,6 +85,18 @@ else:
     a = page.load_or_stop(inputs, label=label_a)
     b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b, run=a.run)
 
+if st.toggle(
+    "B = A's untrained twin",
+    key="k3lab_cmp_twin",
+    help="Compare run A with the same config on random weights (seeded), traced on A's text: what every view shows "
+    "before any training.",
+):
+    twin = twin_loaded(inputs, a)
+    if isinstance(twin, str):
+        st.info(twin)
+    else:
+        b = twin
+
 st.caption(  # labels and sources name files and texts: shown as text, never as Markdown
     f"**A** = {md_escape(a.ctx.label)}: {a.tokens.n:,} tokens of {md_escape(a.tokens.source)} · "
     f"**B** = {md_escape(b.ctx.label)}: {b.tokens.n:,} tokens of {md_escape(b.tokens.source)}"
@@ -106,7 +119,7 @@ def draw(view) -> None:
             f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
         )
         return
-    if view.needs_model and not (page.importance_or_button(view, a) and page.importance_or_button(view, b)):
+    if view.needs_model and not (page.run_or_button(view, a) and page.run_or_button(view, b)):
         return
     cards.render_comparison(view, a, b)
 

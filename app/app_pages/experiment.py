@@ -14,7 +14,7 @@ from analysis.experiments import attribution, effects, patching
 from analysis.experiments.attribution_inputs import AttributionError
 from analysis.figures import experiment as fx
 from analysis.metrics.token_detail import token_detail
-from analysis.output.export import csv_with_provenance, provenance
+from analysis.output.export import provenance, with_provenance_columns
 from analysis.runs import job_memory
 from app import pages
 from app.render import cards, page
@@ -23,6 +23,7 @@ from app.render.errors import plain
 from app.render.model_use import model_use
 from app.server import job_budget
 from app.state import experiment_choices as ex
+from app.state import inputs as inp
 from app.state import links, pickers
 from app.state.links import EDITS
 from k3core.interp.edit_kinds import EditError
@@ -72,7 +73,7 @@ def _download(df: pd.DataFrame, stem: str, label_text: str, **meta: object) -> N
     head = {**provenance(loaded.ctx), **meta}
     st.download_button(
         label_text,
-        data=csv_with_provenance(df, head),
+        data=with_provenance_columns(df, head).to_csv(index=False),
         file_name=f"k3lab-{stem}.csv",
         mime="text/csv",
         key=f"k3lab_exp_dl_{stem}",
@@ -363,13 +364,33 @@ def _lens() -> None:
             key=f"k3lab_lens_pos_{name}",
             format_func=_positions(list(range(T))).get,
         )
-        st.dataframe(table[table.position == where].drop(columns=["top_ids"]), hide_index=True)
+        shown = lens_rows(table[table.position == where])
+        st.dataframe(
+            shown,
+            hide_index=True,
+            column_config={"top predictions": st.column_config.TextColumn(width="large")},
+            **cards.DATAFRAME_KW,
+        )
+
+
+def lens_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The lens table as shown: each depth's top tokens and probabilities as one readable column ("␣the 0.412 ·
+    ..."), numbers to 4 significant digits (the CSV / JSON exports keep full precision)."""
+    top = [
+        " · ".join(f"{tok} {p:.3f}" for tok, p in zip(toks, probs))
+        for toks, probs in zip(rows["top_tokens"], rows["top_probs"])
+    ]
+    shown = rows.drop(columns=["top_ids", "top_tokens", "top_probs"]).assign(**{"top predictions": top})
+    for column in shown.select_dtypes("float").columns:
+        shown[column] = shown[column].map(lambda v: float(f"{v:.4g}"))
+    return shown
 
 
 def _token() -> None:
     trace = loaded.ctx.trace
     options = _positions(list(range(T)))
-    position = st.selectbox("Token", list(options), format_func=options.get, key="k3lab_tok_pos")
+    # opens on the last token with a next token (token 0's MLA attention is one full-height bar on key 0)
+    position = st.selectbox("Token", list(options), index=max(0, T - 2), format_func=options.get, key="k3lab_tok_pos")
     key = ("logits", loaded.key)
     if key not in results:
         with model_use(model):
@@ -380,7 +401,7 @@ def _token() -> None:
     st.markdown(f"**Token {s['position']}: `{s['token']}`** → next `{s['next_token']}` · loss {loss}")
     c1, c2 = st.columns(2)
     c1.markdown("Top-5 predictions")
-    c1.table(detail.top_k.set_index("rank"))
+    c1.table(detail.top_k.set_index("rank").assign(prob=lambda d: d["prob"].map("{:.4f}".format)))
     with c2:
         st.markdown("Experts per MoE layer (by weight rank)")
         experts = detail.experts
@@ -401,7 +422,7 @@ def _token() -> None:
         stem = f"{cards.slug(loaded.ctx.label)}_mla_attention_from_{int(s['position'])}"
         cards.figure_card(fig, rows, key="k3lab_tok_mla_fig", stem=stem)
     elif trace.layer_indices("mla"):
-        st.caption("MLA attention was not recorded: turn on attention recording in the sidebar.")
+        st.caption(f"MLA attention was not recorded: turn on *{inp.ATTENTION_CHECKBOX}* in the sidebar.")
     if len(detail.kda):
         st.markdown("KDA gates (beta, output gate mean, mean log decay g) per layer and head")
         rows, _, _ = pickers.table_pick(links.TOKEN_KDA, "KDA gates", detail.kda, "KDA")

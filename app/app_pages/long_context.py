@@ -3,8 +3,8 @@
 The length chooser offers powers of two up to the longest length whose estimated memory fits this machine
 (``analysis.experiments.long_runs.estimate_cost``: one calibration forward scaled by the FLOP model). The trace covers
 every position (bulky arrays windowed at WINDOW tokens, ``k3core.interp.recorder``); the views are
-``analysis.figures.long_context``. Recall by distance and cost by length run the model again, each on its own button
-with progress and Stop.
+``analysis.figures.long_context``. Recall by distance, cost by length and MQAR accuracy by length run the model again,
+each on its own button with progress and Stop.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import streamlit as st
 
 from analysis.experiments import long_runs as lr
 from analysis.figures import long_context as fl
+from analysis.figures.papers import MODEL_RUNS, MQAR_VIEW
 from analysis.output.format import format_bytes
 from analysis.runs import texts
 from analysis.runs.loading import trace_run
@@ -27,7 +28,13 @@ from k3core.interp.hooks import HookNames, hooks
 WINDOW = 1024  # bulky per-token arrays (hidden states, KDA decays) keep this many positions
 LENGTHS = tuple(1024 * 2**k for k in range(11))  # 1K .. 1M
 MEMORY_SHARE = 0.6  # of the memory available now: the most a long run may plan to use
-TRACE_VIEWS = ("long_loss_by_position", "long_kda_state", "long_decay_horizon", "long_mla_position")
+TRACE_VIEWS = (
+    "long_loss_by_position",
+    "long_kda_state",
+    "long_decay_horizon",
+    "long_mla_position",
+    "long_kda_distance",
+)
 
 
 def _available_bytes() -> int:
@@ -163,7 +170,7 @@ if ctx is None:
 loaded = Loaded(ref=inputs.run, run=run, ctx=ctx, key=state_key, tokens=tokens)
 loss = ctx.loss
 st.caption(
-    f"**{ctx.label}** · {tokens.n:,} tokens of {tokens.source}"
+    f"**{ctx.label}** · {tokens.n:,} tokens of {tokens.source or tokens.description or tokens.name}"
     + (f" · loss {loss:.3f} nats/token" if loss is not None else "")
     + f" · bulky arrays kept for the first {WINDOW:,} positions, every diagnostic over all {tokens.n:,}"
 )
@@ -208,3 +215,7 @@ if lengths:
     )
     if st.session_state.get(cost_key):
         cards.render_view(views["long_cost_length"], Loaded(inputs.run, run, cost_ctx, (*state_key, cost_key), tokens))
+
+st.subheader(MQAR_VIEW.title)
+if page.model_run_or_button(MQAR_VIEW, MODEL_RUNS[MQAR_VIEW.key], loaded):
+    cards.render_view(MQAR_VIEW, loaded)

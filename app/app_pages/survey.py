@@ -16,7 +16,7 @@ from analysis.survey.folder import is_survey_dir, read_survey
 from analysis.survey.plan import SURVEY_SAMPLES, SurveyError, corpus_ids, make_plan, sample_corpus_text
 from analysis.views.view import NotApplicable
 from app.render import page
-from app.render.cards import PLOTLY_CONFIG
+from app.render.cards import CHART_KW, PLOTLY_CONFIG
 from app.server import survey_jobs
 
 inputs = page.inputs_or_stop()
@@ -69,8 +69,7 @@ if b2.button("Stop", disabled=not (job and job.running)):
 
 def _chart(fig, key: str, **select):
     """A figure as every app page draws it: its own look (theme None), the lighter screen copy."""
-    return st.plotly_chart(screen_figure(fig), key=key, config=PLOTLY_CONFIG, theme=None, use_container_width=True,
-                           **select)  # fmt: skip
+    return st.plotly_chart(screen_figure(fig), key=key, config=PLOTLY_CONFIG, theme=None, **CHART_KW, **select)
 
 
 def _results(folder, job) -> None:

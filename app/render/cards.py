@@ -49,6 +49,27 @@ KEY_HEADLINES = (
 )
 
 
+SHORT_LABELS = {
+    "mla_entropy_norm_mean": "MLA entropy (norm.)",
+    "block_influence_mean": "Block Influence",
+    "moe_maxvio_max": "MoE MaxVio (max)",
+    "attnres_embedding_weight_mean": "AttnRes emb. weight",
+    "kda_half_life_median": "KDA half-life (median)",
+}
+
+
+def headline_reference(key: str, numbers: dict) -> str | None:
+    """The null reference shown under a headline metric, in words (analysis.metrics.null_reference), else None."""
+    value = numbers.get(key)
+    if key == "moe_maxvio_max" and numbers.get("moe_maxvio_floor") == numbers.get("moe_maxvio_floor"):  # not NaN
+        floor = float(numbers["moe_maxvio_floor"])
+        where = "within" if value is not None and value <= floor else "above"
+        return f"{where} the balanced-routing floor {floor:.3g}"
+    if key == "mla_entropy_norm_mean" and value == value and value is not None:
+        return "uniform attention = 1"
+    return None
+
+
 def _accepts(func, name: str) -> bool:
     try:
         return name in inspect.signature(func).parameters
@@ -58,7 +79,7 @@ def _accepts(func, name: str) -> bool:
 
 # Newer Streamlit builds the file of a download button only when it is clicked (data=callable).
 DEFERRED_DOWNLOADS = "callable" in (st.download_button.__doc__ or "")
-_CHART_KW = {"width": "stretch"} if _accepts(st.plotly_chart, "width") else {"use_container_width": True}
+CHART_KW = {"width": "stretch"} if _accepts(st.plotly_chart, "width") else {"use_container_width": True}
 _DOWNLOAD_KW = {"on_click": "ignore"} if DEFERRED_DOWNLOADS else {}
 NO_ARROW = {"delta_arrow": "off"} if _accepts(st.metric, "delta_arrow") else {}
 _POPOVER_KW = {"width": "stretch"} if _accepts(st.popover, "width") else {}
@@ -85,7 +106,8 @@ def static_export_status() -> tuple[bool, str]:
 
 def figure_bytes(fig, df, stem: str, fmt: str, meta: Any = None) -> bytes:
     """One export of a figure (analysis.output.export.export_figure into a temporary folder), as bytes; ``meta``
-    (analysis.output.export.provenance: run, text, tokens; or a function making it) leads its CSV / JSON."""
+    (analysis.output.export.provenance: run, text, tokens; or a function making it) goes into its JSON, or its CSV's
+    leading ``meta_`` columns."""
     if callable(meta):  # made on click (the text is decoded only for a download)
         meta = meta()
     with tempfile.TemporaryDirectory(prefix="k3lab-export-") as tmp:
@@ -165,7 +187,7 @@ def figure_card(fig, df, key: str, stem: str, description: str = "", meta: Any =
     with st.container(border=True):
         # theme=None: the figure keeps its own look (analysis.figures.style, the same as its exported files), and the
         # browser skips re-theming it (0.1-0.2 s less to draw a page of ten figures, measured in Chromium)
-        st.plotly_chart(screen_copy(fig), key=f"fig-{key}", config=PLOTLY_CONFIG, theme=None, **_CHART_KW)
+        st.plotly_chart(screen_copy(fig), key=f"fig-{key}", config=PLOTLY_CONFIG, theme=None, **CHART_KW)
         left, right = st.columns([5, 1])
         if description:
             left.caption(description)
@@ -224,7 +246,17 @@ def headline_metrics(loaded: Loaded) -> None:
     for start in range(0, len(keys), per_row):
         cols = st.columns(per_row)
         for col, key in zip(cols, keys[start : start + per_row]):
-            col.metric(HEADLINE_LABELS.get(key, key), format_number(numbers[key]), help=help_text.get(key))
+            # a short label that fits a quarter of the page (the full name is the help's first line)
+            full = HEADLINE_LABELS.get(key, key)
+            reference = headline_reference(key, numbers)
+            col.metric(
+                SHORT_LABELS.get(key, full),
+                format_number(numbers[key]),
+                reference,
+                delta_color="off",
+                help=f"{full}: {help_text.get(key, '')}",
+                **(NO_ARROW if reference else {}),
+            )
     rows = [
         {"metric": HEADLINE_LABELS.get(k, k), "definition": help_text.get(k, ""), "value": v, "key": k}
         for k, v in numbers.items()

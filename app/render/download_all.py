@@ -16,7 +16,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis.output.report import write_report
+from analysis.output.report import select_views, write_report
+from analysis.views.catalogue import all_views
 from app.library.run_list import RunRef
 from app.render.cards import slug
 from app.state.inputs import SAMPLE_OF_SOURCE, InputError, TextChoice
@@ -45,15 +46,45 @@ def zip_folder(folder: Path, root_name: str) -> bytes:
     return buf.getvalue()
 
 
-def report_zip(refs: list[RunRef], choice: TextChoice, static: bool = True, skip_model_views: bool = False) -> bytes:
-    """``k3lab report`` of one run (or two, compared) on this text, zipped. Raises InputError when it cannot run."""
+def report_steps(refs: list[RunRef], skip_model_views: bool) -> int:
+    """The steps ``write_report`` counts for these runs (as ``k3lab report``'s bar): loads, traces, views, writes."""
+    return 2 * len(refs) + len(select_views(all_views(), None, skip_model_views)) + 3
+
+
+class StepCount:
+    """``write_report``'s progress (``update(n)``) on a Streamlit progress bar: "step 12 of 41"."""
+
+    def __init__(self, bar, total: int) -> None:
+        self.bar, self.total, self.done = bar, max(total, 1), 0
+
+    def update(self, n: int = 1) -> None:
+        self.done = min(self.done + n, self.total)
+        self.bar.progress(self.done / self.total, text=f"step {self.done} of {self.total}")
+
+
+def report_zip(
+    refs: list[RunRef],
+    choice: TextChoice,
+    static: bool = True,
+    skip_model_views: bool = False,
+    progress: StepCount | None = None,
+) -> bytes:
+    """``k3lab report`` of one run (or two, compared) on this text, zipped; ``progress`` counts its steps. Raises
+    InputError when it cannot run."""
     with tempfile.TemporaryDirectory(prefix="k3lab-report-") as tmp:
         out = Path(tmp) / "report"
         # a trace folder reports on the recorded text picked in the sidebar (it has no model to read another)
         recorded = {"max_tokens": choice.max_tokens, "text_index": choice.recorded or 0}
         options = recorded if is_trace_dir(refs[0].path) else report_options(choice, out)
         try:
-            write_report([r.path for r in refs], out, static=static, skip_model_views=skip_model_views, **options)
+            write_report(
+                [r.path for r in refs],
+                out,
+                static=static,
+                skip_model_views=skip_model_views,
+                progress=progress,
+                **options,
+            )
         except (CheckpointError, ValueError, OSError) as exc:
             raise InputError(f"the report could not be written: {exc}") from exc
         return zip_folder(out, "report")
@@ -61,7 +92,8 @@ def report_zip(refs: list[RunRef], choice: TextChoice, static: bool = True, skip
 
 @st.fragment
 def download_all(refs: list[RunRef], choice: TextChoice, key: str = "k3lab_all") -> None:
-    """Options, a button that writes the report (with a status line), then the zip's download button."""
+    """Options, a button that writes the report (a status line and a bar counting its steps), then the zip's download
+    button."""
     ss = st.session_state
     c1, c2 = st.columns(2)
     static = c1.checkbox(
@@ -77,8 +109,9 @@ def download_all(refs: list[RunRef], choice: TextChoice, key: str = "k3lab_all")
     if st.button("Prepare the report zip", key=f"{key}_go", help="Writes what `k3lab report` writes, then zips it."):
         with st.status("Writing the report: every view, its data and the headline numbers...") as status:
             start = time.perf_counter()
+            steps = StepCount(st.progress(0.0, text="starting"), report_steps(refs, skip))
             try:
-                data = report_zip(refs, choice, static, skip)
+                data = report_zip(refs, choice, static, skip, steps)
             except InputError as exc:
                 status.update(label=f"No report: {exc}", state="error")
                 return

@@ -101,7 +101,16 @@ def shown_errors(where: str = "This page") -> Iterator[None]:
         st.error(f"{where} cannot be shown: {describe(exc)}")
 
 
+_BLANK_HEADER = re.compile(r"^\|(?:[ \t]*\|)+[ \t]*$(?=\n\|[ \t:-]*-)", re.MULTILINE)
+
+
+def _named_header(match: re.Match) -> str:
+    cells = match.group(0).count("|") - 1
+    return "| " + " | ".join(["item"] + ["value"] * (cells - 1)) + " |"
+
+
 def markdown_card(text: str) -> str:
     """A model card (README.md from a checkpoint folder) as Markdown that loads nothing from elsewhere:
-    images (``![alt](url)``, ``![alt][ref]``) become plain links, raw HTML is left to Streamlit, which escapes it."""
-    return re.sub(r"!(?=\[)", r"\\!", text)
+    images (``![alt](url)``, ``![alt][ref]``) become plain links, raw HTML is left to Streamlit, which escapes it.
+    A table whose header row is blank (``| | |``, drawn as an empty row) gets the header "item | value"."""
+    return _BLANK_HEADER.sub(_named_header, re.sub(r"!(?=\[)", r"\\!", text))

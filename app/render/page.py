@@ -1,8 +1,9 @@
 """What every page does first: get the sidebar's inputs, load the run (or stop with a clear message), title.
 
 ``load_or_stop`` is the pages' one way to a traced run (``app.render.caching.load``); a bad checkpoint, text or
-device becomes an ``st.error`` and stops the page, never an exception. Long inputs and the importance
-ablations are run only when the user asks, with progress that says what is running; Streamlit's Stop
+device becomes an ``st.error`` and stops the page, never an exception. Long inputs, the importance
+ablations and each view that runs the model (``analysis.figures.papers.MODEL_RUNS``) are run only when the user
+asks, on their own button with their cost stated first and progress that says what is running; Streamlit's Stop
 (or any new input) cancels them between forward passes.
 """
 
@@ -11,15 +12,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import streamlit as st
 
+from analysis.figures.papers import MODEL_RUNS, ModelRun
 from analysis.metrics.importance import sublayer_importance
 from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import Run
 from analysis.runs.texts import Input
 from analysis.views.catalogue import all_views, section_views
-from analysis.views.view import View
+from analysis.views.view import NotApplicable, View
 from app import pages
 from app.library import memory_fit, run_messages
 from app.library.run_list import RunRef
@@ -28,6 +31,7 @@ from app.render.caching import Loaded
 from app.render.errors import USER_ERRORS, describe, md_escape, plain
 from app.render.model_use import model_use
 from app.render.prefetch import prefetch
+from app.render.twin import twin_toggle
 from app.server import job_budget
 from app.state.inputs import (
     LONG_INPUT_TOKENS,
@@ -286,30 +290,78 @@ def importance_or_button(view: View, loaded: Loaded) -> bool:
     if IMPORTANCE in ctx.shared:
         return True
     n_layers = loaded.run.config.num_hidden_layers
-    with st.container(border=True):
+    caption = (
+        f"{view.description} Needs {2 * n_layers + 1} forward passes (one per zeroed sub-layer) and one "
+        f"forward + backward on the {loaded.tokens.n:,} tokens; run once per run and text."
+    )
+
+    def measure(bar: Any) -> None:
+        def progress(done: int, total: int, what: str) -> None:
+            bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
+
+        ctx.once(IMPORTANCE, lambda: sublayer_importance(ctx.model, ctx.input_ids, progress=progress))
+
+    return _measure_card(
+        view, caption, "Measure layer importance", f"k3lab_importance_{view.key}", "Layer importance", measure, loaded
+    )
+
+
+def model_run_or_button(view: View, run: ModelRun, loaded: Loaded) -> bool:
+    """True when the model run of ``view`` is measured for this run and text (or does not apply: its card says why);
+    else a card with the run's cost and its own button, which runs it with a progress bar."""
+    ctx = loaded.ctx
+    if run.measured(ctx):
+        return True
+    try:
+        cost = run.cost(ctx)
+    except NotApplicable:
+        return True
+
+    def measure(bar: Any) -> None:
+        def progress(done: int, total: int) -> None:  # each update is where Streamlit's Stop ends the run
+            bar.progress(min(done / max(total, 1), 1.0), text=f"forward pass {done} of {total}")
+
+        run.table(ctx, progress)
+
+    return _measure_card(
+        view, f"{view.description} {cost}", run.button, f"k3lab_run_{view.key}", view.title, measure, loaded
+    )
+
+
+def _measure_card(
+    view: View, caption: str, label: str, key: str, done: str, measure: Callable[[Any], None], loaded: Loaded
+) -> bool:
+    """A card with the view's title, what measuring it costs and its button; False until the button is pressed.
+    Once pressed, the card goes (the figure drawn below takes its place; a card left above the finished figure
+    asked again for what was done) and ``measure(bar)`` runs under a status line with a progress bar."""
+    slot = st.empty()
+    with slot.container(border=True):
         st.markdown(f"**{view.title}**")
-        st.caption(
-            f"{view.description} Needs {2 * n_layers + 1} forward passes (one per zeroed sub-layer) and one "
-            f"forward + backward on the {loaded.tokens.n:,} tokens; run once per run and text."
-        )
-        if not st.button("Measure layer importance", key=f"k3lab_importance_{view.key}", type="primary"):
-            return False
-        with st.status("Measuring layer importance...", expanded=True) as status:
-            bar = st.progress(0.0)
-
-            def progress(done: int, total: int, what: str) -> None:
-                bar.progress(min(done / max(total, 1), 1.0), text=f"{what} ({done}/{total})")
-
-            start = time.perf_counter()
-            with model_use(loaded.model, exclusive=True):
-                ctx.once(IMPORTANCE, lambda: sublayer_importance(ctx.model, ctx.input_ids, progress=progress))
-            status.update(label=f"Layer importance measured in {time.perf_counter() - start:.1f} s", state="complete")
+        st.caption(caption)
+        pressed = st.button(label, key=key, type="primary")
+    if not pressed:
+        return False
+    slot.empty()
+    with st.status(f"{label}...", expanded=True) as status:
+        bar = st.progress(0.0)
+        start = time.perf_counter()
+        with model_use(loaded.model, exclusive=True):
+            measure(bar)
+        status.update(label=f"{done} measured in {time.perf_counter() - start:.1f} s", state="complete")
     return True
+
+
+def run_or_button(view: View, loaded: Loaded) -> bool:
+    """For a view that runs the model: True when its numbers are there, else its button (its own run, or the
+    importance ablations)."""
+    if view.key in MODEL_RUNS:
+        return model_run_or_button(view, MODEL_RUNS[view.key], loaded)
+    return importance_or_button(view, loaded)
 
 
 def _render_view(view: View, loaded: Loaded) -> int:
     if view.needs_model and loaded.model is not None:
-        importance_card(view, loaded)
+        on_request_card(view, loaded)
         return 0
     return cards.render_view(view, loaded)
 
@@ -346,21 +398,40 @@ def draw_lazily(key: str, views: list[View], draw: Callable[[View], int | bool |
     return drawn
 
 
-def render_section(section: str, loaded: Loaded) -> int:
-    """Every View of a section, in catalogue order (importance on request); a section of more than LAZY_SECTION
-    views draws its first EAGER_VIEWS at once and the others on request (``draw_lazily``). Returns how many were
-    drawn."""
+def measured_first(views: list[View]) -> tuple[list[View], list[View]]:
+    """(views measured on the text, views drawn from the config or the weights alone), each in catalogue order."""
+    derived = [v for v in views if v.from_config or v.from_weights]
+    return [v for v in views if v not in derived], derived
+
+
+def render_section(section: str, loaded: Loaded, twin: Loaded | None = None) -> int:
+    """Every View of a section (importance on request): the views measured on the text at once, those drawn from the
+    config or the weights alone on request (a toggle naming them, kept per session). With ``twin`` (the run's
+    untrained twin, ``app.render.twin``), each view beside the twin's. Returns how many were drawn."""
     views = section_views(section)
     if not views:
         st.info(f"No figures are registered for the '{section}' section (analysis/figures/{section}.py).")
         return 0
-    return draw_lazily(section, views, lambda view: _render_view(view, loaded))
+    if twin is not None:
+
+        def draw(view: View) -> int:
+            if view.needs_model and not (run_or_button(view, loaded) and run_or_button(view, twin)):
+                return 0
+            cards.render_comparison(view, loaded, twin)
+            return 1
+    else:
+        draw = lambda view: _render_view(view, loaded)  # noqa: E731
+    measured, derived = measured_first(views)
+    drawn = sum(int(draw(v) or 0) for v in measured)
+    if derived and _show_the_rest(section, derived):
+        drawn += sum(int(draw(v) or 0) for v in derived)
+    return drawn
 
 
 @st.fragment
-def importance_card(view: View, loaded: Loaded) -> None:
-    """An importance view, measured on request; its button reruns only this card (st.fragment)."""
-    if importance_or_button(view, loaded):
+def on_request_card(view: View, loaded: Loaded) -> None:
+    """A view that runs the model, measured on request; its button reruns only this card (st.fragment)."""
+    if run_or_button(view, loaded):
         cards.render_view(view, loaded)
 
 
@@ -376,7 +447,8 @@ def section_page(name: str, intro: str) -> None:
     loaded = load_or_stop(inputs)
     show_input_notes(loaded)
     run_line(loaded)
-    render_section(pages.page(name).section, loaded)
+    twin = twin_toggle(inputs, loaded, name)
+    render_section(pages.page(name).section, loaded, twin)
     prefetch_sections(loaded)
 
 

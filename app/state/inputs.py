@@ -28,7 +28,9 @@ MAX_TEXT_CHARS = input_limits.MAX_TEXT_CHARS  # the Generate prompt (k3core.util
 # first MB (analysis.runs.texts.count_tokens), so it may be longer than a typed prompt, but not unbounded
 MAX_SIDEBAR_TEXT_CHARS = 64 * input_limits.MAX_TEXT_CHARS
 LONG_INPUT_TOKENS = 2048  # above this the page estimates the cost and asks before running the model
-MAX_ATTN_LEN = 1024  # MLA attention matrices are recorded for at most this many positions (quadratic)
+MAX_ATTN_LEN = 1024  # MLA and KDA attention maps are recorded for at most this many positions (quadratic)
+#: the sidebar checkbox that records the attention maps and KDA's implicit attention (its cost is in its help)
+ATTENTION_CHECKBOX = "Record attention maps and KDA implicit attention (slower: up to 7x a forward)"
 SEQ_LENS = tuple(1024 * 2**i for i in range(11))  # 1K .. 1M for the density cache view
 SEQ_LEN_DEFAULT = 131072
 

@@ -6,7 +6,7 @@ query parameters, written on every run and read on a session's first run:
     run      run label (sidebar)                 text     shakespeare | mqar | repeat | paste | upload
     tokens   max tokens                          seq      sequence length of the memory views
     device   cpu | cuda                          dtype    float32 | bfloat16 | float16
-    attn     0: do not record MLA attention      mode     compare: runs | texts
+    attn     0: no attention maps, no KDA stats  mode     compare: runs | texts
     b        compare: run B label                text_b   compare: text B (as ``text``)
     section  compare: one of app.pages.COMPARE_SECTIONS (density, attnres, ..., experiment)
     edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interp.interventions)

@@ -127,7 +127,7 @@ def view_pick(view: View, *loadeds: Loaded) -> tuple[dict[str, int], list[view_m
     choices = merged(each)
     if choices is None:
         return {}, each
-    return picker(view.key, view.title, choices, view.picks.axes), each
+    return picker(view.key, view.title, choices, view.picks.axes, allow_all=not view.picks.one_at_a_time), each
 
 
 def only_in(pick: dict[str, int], each: list[view_mod.PickChoices | None], labels: list[str]) -> str:

@@ -111,10 +111,11 @@ def sidebar() -> Inputs:
             "Changing it redraws those figures from the config; the model does not run again.",
         )
         record_attn = st.checkbox(
-            "Record MLA attention probabilities",
+            inp.ATTENTION_CHECKBOX,
             key="k3lab_record_attn",
-            help=f"Needed for entropy and sink views; quadratic in length, recorded for at "
-            f"most {inp.MAX_ATTN_LEN} positions.",
+            help=f"Adds the MLA and KDA attention maps (the first {inp.MAX_ATTN_LEN:,} positions: quadratic in "
+            "length) and KDA's implicit-attention statistics over the whole text (O(T^2 K) per head: about 7x a plain "
+            "forward's time at 16K tokens). MLA entropy and sink statistics are recorded without it.",
         )
 
     inputs = Inputs(

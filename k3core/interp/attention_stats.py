@@ -27,14 +27,14 @@ DEFAULT_BLOCK = 256  # [256, T] fp32 slabs: 64 MB each at 64K tokens; 128 was 20
 _HIDDEN = torch.finfo(torch.float32).min  # a hidden key's score: finite, so 0 x score stays 0 (not NaN)
 
 
-def position_bins(T: int) -> list[int]:
-    """Edges of the position bins of a T-token text: 0, 16, 32, 64, ... (powers of two below T), then T.
+def position_bins(T: int, first: int = 16) -> list[int]:
+    """Edges of the position bins of a T-token text: 0, 16, 32, 64, ... (``first`` doubling, below T), then T.
 
     Bin ``b`` holds positions ``edges[b] <= t < edges[b + 1]``; doubling widths suit a log-position axis.
     """
     if T < 1:
         raise ValueError(f"a text has at least one token, got T={T}")
-    edges, edge = [0], 16
+    edges, edge = [0], first
     while edge < T:
         edges.append(edge)
         edge *= 2

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from ..ops.kda import kda_recurrent
-from .attention_stats import blocked_attention_stats
+from ..ops.kda.implicit_attention import kda_attention_window
+from .attention_stats import blocked_attention_stats, position_bins
 from .catalogue import point_name, source_label
+from .kda_attention_stats import KDA_STATS, kda_attention_stats
 from .trace import TraceNames
 
 
@@ -31,25 +33,61 @@ class LayerReads:
 
     def _kda_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
         N = TraceNames
+        if "kda_attn" in self.what or "attn_probs" in self.what:
+            self._kda_attention_hooks(table, i, config)
+        if "kda" not in self.what:
+            return
         # A recorded prefix ending inside a chunk: that chunk's first recorded tokens, to step the state
         # from the chunk start to the prefix end (fewer than a chunk of tokens, only then).
         hold = {p: self._hold_partial_chunk(i, p, config.kda_chunk_size) for p in ("q", "k", "v", "g", "beta")}
-        table.update({point_name(f"kda.{p}", i): hold[p] for p in ("q", "k", "v")})
+        for p in ("q", "k", "v"):
+            _add(table, point_name(f"kda.{p}", i), hold[p])
 
         def decay(value, name, info):
             self.put(N.kda_g(i), self.clip_window(value), ("batch", "token", "head", "channel"))
             self.put_binned_mean(N.kda_g_bins(i), value, ("batch", "bin", "head", "channel"))
 
-        table[point_name("kda.g", i)] = [decay, hold["g"]]
-        table[point_name("kda.beta", i)] = [
+        _add(table, point_name("kda.g", i), decay, hold["g"])
+        _add(
+            table,
+            point_name("kda.beta", i),
             lambda v, n, info: self.put_tokens(N.kda_beta(i), v, ("batch", "token", "head")),
             hold["beta"],
-        ]
+        )
         table[point_name("kda.gate", i)] = lambda v, n, info: self.put_tokens(
             N.kda_gate(i), v.float().mean(-1), ("batch", "token", "head")
         )
         table[point_name("kda.chunk_state", i)] = lambda v, n, info: self._kda_chunk_state(i, v, info)
         table[point_name("kda.state", i)] = lambda v, n, info: self._kda_state(i, v, info)
+
+    def _kda_attention_hooks(self, table: dict[str, Any], i: int, config: Any) -> None:
+        """KDA's implicit attention from the forward's own q, k, g, beta (held until the core output, then dropped):
+        the per-position statistics with "kda_attn", the query window's map and its mass before with "attn_probs"."""
+        N, parts = TraceNames, ("q", "k", "g", "beta")
+        for p in parts:
+            _add(table, point_name(f"kda.{p}", i), self._hold(f"{i}.kda_attn.{p}"))
+
+        def statistics(value, name, info):
+            held = [self._held.pop(f"{i}.kda_attn.{p}", None) for p in parts]
+            if any(x is None for x in held):
+                return
+            n = self._limit(held[0].shape[1])
+            q, k, g, beta = (x[: self.max_batch, :n] for x in held)
+            C = config.kda_chunk_size
+            if "kda_attn" in self.what:
+                stats = kda_attention_stats(q, k, g, beta, position_bins(n), chunk_size=C)
+                for kind in KDA_STATS:
+                    self.put(N.kda_attn_stat(i, kind), stats[kind], ("batch", "head", "token"))
+                self.put(N.kda_attn_stat(i, "distance"), stats["distance"], ("batch", "head", "bin", "distance"))
+                self.put(N.kda_attn_stat(i, "distance_edges"), stats["distance_edges"], ("edge",))
+            if "attn_probs" in self.what and self.attn_window[0] < n:
+                window = (self.attn_window[0], min(n, self.attn_window[1]))
+                self.trace.meta["attn_window"] = list(window)
+                attn, before = kda_attention_window(q, k, g, beta, window, chunk_size=C)
+                self.put(N.kda_attn(i), attn, ("batch", "head", "query", "key"))
+                self.put(N.kda_attn_stat(i, "before"), before, ("batch", "head", "query"))
+
+        _add(table, point_name("kda.o", i), statistics)
 
     def _partial_chunk(self, T: int, chunk_size: int) -> tuple[int, int] | None:
         """[chunk start, prefix end) when the recorded prefix of T tokens ends inside a chunk, else None."""
@@ -183,6 +221,12 @@ class LayerReads:
                     if value.is_meta:  # a layer another pipeline rank holds (k3core.distributed.pipeline)
                         continue
                     self.put(TraceNames.residual(i, side, kind), value, ("hidden",))
+
+
+def _add(table: dict[str, Any], name: str, *hooks: Any) -> None:
+    """Add read hooks to a point's entry of a hook table (a point may have several readers)."""
+    have = table.get(name, [])
+    table[name] = [*(have if isinstance(have, list) else [have]), *hooks]
 
 
 def _rows_of(blocks: list[tuple[int, torch.Tensor]], n: int):

@@ -57,6 +57,15 @@ derived from a point adds a suffix; traces of the older names (``kda.i.g``, ...)
     blocks.i.kda.chunk_state.rank  [batch, step, head]          effective rank exp(H(sigma / sum sigma)) of S there
     blocks.i.kda.chunk_state.token [step]                       token position of each step
     blocks.i.kda.state       [batch, head, key, value]          the final state
+    blocks.i.kda.attn        [batch, head, query, key]          only with "attn_probs": KDA's implicit attention A
+                                                                (signed; o = A v), the query window over its keys
+    blocks.i.kda.attn.before [batch, head, query]               each window query's signed mass before the window
+    blocks.i.kda.attn.entropy|sink|received|negative|row_sum|half_distance  [batch, head, token]  with "kda_attn":
+                                                                per position on |A| normalised per query (nats,
+                                                                first-token share, column sum, negative share;
+                                                                signed row sum; distance holding half the mass)
+    blocks.i.kda.attn.distance  [batch, head, bin, distance]    |A| share by distance bin, summed per position bin
+    blocks.i.kda.attn.distance_edges  [edge]                    distance bin edges 0, 1, 2, 4, ... T
     blocks.i.mla.attn        [batch, head, query, key]          only with "attn_probs"; the query window
                                                                 (meta["attn_window"]; keys: the same range)
     blocks.i.mla.attn.entropy|sink|received  [batch, head, token]  per query: entropy (nats), mass on token 0;
@@ -258,7 +267,7 @@ class Recorder(LayerReads):
         for i in range(config.num_hidden_layers):
             if config.is_mla_layer(i):
                 self._mla_hooks(table, i, config)
-            elif "kda" in self.what:
+            else:
                 self._kda_hooks(table, i, config)
             if config.is_moe_layer(i) and "moe" in self.what:
                 self._moe_hooks(table, i, config)

@@ -25,6 +25,7 @@ from ..utils.files import open_for_reading, parse_json
 from .catalogue import POINTS
 from .hidden_moments import MOMENT_AXES
 from .hooks import HookNames
+from .kda_attention_stats import KDA_STATS
 from .trace_npz import NpzLimits, TraceError, npz_layout, read_npz
 
 MAX_HEADER_BYTES = 64 * 1024**2  # a trace's JSON header (meta + axes)
@@ -87,6 +88,21 @@ class TraceNames(HookNames):
     @staticmethod
     def kda_final_state(i: int) -> str:
         return TraceNames._at("kda.state", i)
+
+    @staticmethod
+    def kda_attn(i: int) -> str:
+        """KDA's implicit attention map of the query window (signed A; ``k3core.ops.kda.implicit_attention``)."""
+        return f"blocks.{i}.kda.attn"
+
+    @staticmethod
+    def kda_attn_stat(i: int, kind: str) -> str:
+        """KDA implicit-attention statistics of layer ``i``: "entropy" | "sink" | "received" | "negative" | "row_sum" |
+        "half_distance" ([batch, head, token]; ``k3core.interp.kda_attention_stats``), "distance" ([batch, head, bin,
+        distance]), "distance_edges" ([edge]) or "before" ([batch, head, query]: each window query's signed mass
+        before the window)."""
+        if kind not in (*KDA_STATS, "distance", "distance_edges", "before"):
+            raise ValueError(f"KDA attention statistic {kind!r} is not one of {KDA_STATS} or distance|before")
+        return f"{TraceNames.kda_attn(i)}.{kind}"
 
     @staticmethod
     def mla_attn(i: int) -> str:

@@ -16,13 +16,16 @@ from typing import Any
 
 from .attention_stats import DEFAULT_BLOCK, position_bins
 from .hidden_moments import GRAM_ITEM, SKETCH_DIM, uses_sketch
+from .kda_attention_stats import KDA_STATS, distance_bins
 
 F32, F64, I64 = 4, 8, 8
 
 #: The items ``record(model, what=...)`` knows; "all" is WHAT_ALL, the default everything but the attention maps
-#: (quadratic in length).
-WHAT_ALL = ("hidden", "kda", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
-WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w != "attn_probs")
+#: (quadratic in length). "attn_probs" (the attention maps) and "kda_attn" (KDA's implicit-attention statistics:
+#: O(T^2 K) per head, about 7x a plain forward's time at 16K tokens on k3-full; benchmarks/bench_kda_attention.py)
+#: are recorded when named.
+WHAT_ALL = ("hidden", "kda", "kda_attn", "mla", "attn_probs", "attnres", "moe", "latent", "loss")
+WHAT_DEFAULT = tuple(w for w in WHAT_ALL if w not in ("attn_probs", "kda_attn"))
 #: Items recorded only when named (not in "all"): the exact D x D hidden-state Gram matrices at any width.
 WHAT_ON_REQUEST = (GRAM_ITEM,)
 
@@ -49,7 +52,7 @@ def resolve_what(what: Iterable[str] | str | None) -> tuple[str, ...]:
     return (what,) if isinstance(what, str) else tuple(what)
 
 
-def _attnres_sources(config: Any) -> int:
+def attnres_sources(config: Any) -> int:
     """At most how many depth sources an AttnRes site mixes (the embedding, each completed block, the partial sum)."""
     sublayers = 2 * config.num_hidden_layers
     if config.residual == "block_attnres":
@@ -108,6 +111,19 @@ def record_bytes(
         steps = math.ceil(n / config.kda_chunk_size)
         per = B * H * (W * K + bins * K + 2 * n + 2 * steps + K * K) * F32 + steps * I64
         items["kda"] = len(kda) * per
+    if kda and ("kda_attn" in what or "attn_probs" in what):
+        H, K = config.kda_num_heads, config.kda_head_dim
+        per = 0
+        if "kda_attn" in what:
+            dist = len(distance_bins(n)) - 1
+            per += B * H * (len(KDA_STATS) * n + bins * dist) * F32 + (dist + 1) * I64
+            # one head at a time: the one-hot carry [K, T + C], a row block's rows, p, x log x, prefix sums [C, T]
+            working += (K * (n + config.kda_chunk_size) + 5 * config.kda_chunk_size * n) * F32
+        if "attn_probs" in what:
+            q = min(max_attn_len, n)
+            per += B * H * (q * q + q) * F32
+        items["kda_attn"] = len(kda) * per
+        working += B * n * H * (3 * K + 1) * F32  # a layer's q, k, g, beta held until its core output
     if mla and ("mla" in what or "attn_probs" in what):
         H = config.num_attention_heads
         per = B * n * H * F32 * (4 if "mla" in what else 0)  # entropy, sink, received; gate mean
@@ -124,7 +140,7 @@ def record_bytes(
             per += B * W * (config.routed_expert_hidden_size or D) * F32
         items["moe"] = len(moe) * per
     if "attnres" in what and config.uses_attnres:
-        items["attnres"] = (2 * L + 1) * (B * n * _attnres_sources(config) * F32 + F32)
+        items["attnres"] = (2 * L + 1) * (B * n * attnres_sources(config) * F32 + F32)
     if "attnres" in what and config.residual == "scale_bias":
         items["attnres"] = 4 * L * D * F32
     return TraceSize(arrays=sum(items.values()), working=working, by_item=items)

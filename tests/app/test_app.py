@@ -136,6 +136,17 @@ def test_overview_renders_by_default(app_env, runs):
     assert _charts(at) >= 1
 
 
+def test_the_recording_checkbox_says_what_it_records_and_what_it_costs(app_env, runs):
+    """It records KDA's implicit attention as well as the attention maps (not MLA only), and its label and help say
+    the cost."""
+    app_env(runs["good"])
+    at = _app().run()
+    box = at.checkbox(key="k3lab_record_attn")
+    assert box.label == inputs.ATTENTION_CHECKBOX and "KDA implicit attention" in box.label and "7x" in box.label
+    assert "MLA and KDA attention maps" in box.help and "O(T^2 K)" in box.help
+    assert "kda_attn" in caching.trace_items(True) and "kda_attn" not in caching.trace_items(False)
+
+
 def test_clear_cache_clears_the_kept_results(app_env, runs):
     """Streamlit's "Clear cache" (the menu, or C) runs cache_resource.clear() (AppSession._handle_clear_cache_request):
     the traced contexts and figures in app.server.kept_results, which no Streamlit cache holds, go with it."""
@@ -171,6 +182,19 @@ def test_compare_one_run_on_two_texts(app_env, runs):
     # MQAR scores its 6 answers only: too few for windows, and said so; one run on two texts has no seed noise
     notes = [m.value for m in (*at.info, *at.caption) if m.value.startswith("A - B =")]
     assert len(notes) == 1 and "too few tokens" in notes[0] and "seed" not in notes[0], notes
+
+
+def test_compare_b_can_be_the_untrained_twin_of_a(app_env, runs):
+    app_env(runs["good"], runs["other"])
+    at = _app()
+    at.session_state["k3lab_cmp_section"] = "degradation"
+    at.run()
+    _page(at, "compare")
+    at.toggle(key="k3lab_cmp_twin").set_value(True).run()
+    assert not at.exception and _errors(at) == []
+    assert any(c.value.startswith("**A** = nano") and "untrained twin" in c.value for c in at.caption)
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert titles and all("vs nano-a (untrained twin)" in t.replace("<br>", " ") for t in titles), titles[:2]
 
 
 def test_compare_builds_an_a_minus_b_chart_only_when_its_expander_is_opened(app_env, runs):
@@ -512,6 +536,7 @@ def test_options_without_the_model_never_rerun_it(app_env, runs, monkeypatch):
     button.click().run()
     assert not at.exception and _errors(at) == []
     assert calls == {"trace": 1, "importance": 1}
+    assert "Measure layer importance" not in [b.label for b in at.button]  # its card goes once it has run
     titles = lambda: [c.proto.spec for c in at.get("plotly_chart")]  # noqa: E731
     before = titles()
     at.select_slider(key="k3lab_seq_len").set_value(4096).run()
@@ -576,7 +601,16 @@ def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
 
     ref = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
     choice = inputs.TextChoice(inputs.TEXT_MQAR, 32)
-    data = download_all.report_zip([ref], choice, static=False, skip_model_views=True)
+
+    class Bar:  # what st.progress shows, step by step
+        texts: list[str] = []
+
+        def progress(self, value: float, text: str) -> None:
+            self.texts.append(text)
+
+    steps = download_all.StepCount(Bar(), download_all.report_steps([ref], skip_model_views=True))
+    data = download_all.report_zip([ref], choice, static=False, skip_model_views=True, progress=steps)
+    assert Bar.texts[0] == f"step 1 of {steps.total}" and Bar.texts[-1] == f"step {steps.total} of {steps.total}"
     out = tmp_path / "cli"
     assert report.main([str(runs["good"]), "--out", str(out), "--sample", "mqar", "--max-tokens", "32",
                         "--no-static", "--skip-model-views", "--quiet"]) == 0  # fmt: skip
@@ -698,13 +732,11 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
 
 
-def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env, runs):
-    """Degradation (10 views): the first EAGER_VIEWS at once, the others behind a toggle that names them and stays
-    on for the session when the user leaves the page and comes back."""
+def test_mechanism_pages_open_with_their_measured_views_and_draw_the_rest_on_request(app_env, runs):
+    """Degradation (every view measured on the text): all drawn at once, no toggle. LatentMoE: its measured views at
+    once, the weights-only router bias behind a toggle that names it and stays on for the session."""
     app_env(runs["good"])
     at = _app().run()
-    views = section_views("degradation")
-    assert len(views) > page_mod.LAZY_SECTION
 
     def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it
         notes = sum(1 for i in at.info if any(f"**{v.title}**" in i.value for v in shown))
@@ -712,18 +744,43 @@ def test_long_sections_draw_their_first_figures_and_the_rest_on_request(app_env,
 
     _page(at, "degradation")
     assert not at.exception and _errors(at) == []
+    views = section_views("degradation")
+    assert accounted(views) == len(views) and not [t for t in at.toggle if t.key.startswith("k3lab_show_all")]
+
+    _page(at, "moe")
+    assert not at.exception and _errors(at) == []
+    views = section_views("moe")
+    measured, derived = page_mod.measured_first(views)
+    assert measured and derived and all(v.from_weights or v.from_config for v in derived)
     first = [c.proto.spec for c in at.get("plotly_chart")]
-    assert accounted(views[: page_mod.EAGER_VIEWS]) == page_mod.EAGER_VIEWS
-    toggle = at.toggle(key="k3lab_show_all_degradation_toggle")
-    assert toggle.value is False
-    assert all(v.title in toggle.help for v in views[page_mod.EAGER_VIEWS :])
+    assert accounted(measured) == len(measured)
+    for key in ("moe_coactivation", "moe_latent_pca"):  # one layer at a time: one selector, no "all" beside a dropdown
+        box = at.selectbox(key=f"k3lab_pick_{key}_layer")
+        assert box.options and not any("all" in o for o in box.options) and box.value == 1, (key, box.options)
+    assert any("all" in o for o in at.selectbox(key="k3lab_pick_moe_load_heatmap_layer").options)
+    toggle = at.toggle(key="k3lab_show_all_moe_toggle")
+    assert toggle.value is False and all(v.title in toggle.help for v in derived)
     toggle.set_value(True).run()
     assert not at.exception and _errors(at) == []
     every = [c.proto.spec for c in at.get("plotly_chart")]
     assert every[: len(first)] == first and accounted(views) == len(views)
     _page(at, "attnres")
-    _page(at, "degradation")
+    _page(at, "moe")
     assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere
+
+
+def test_the_untrained_twin_toggle_draws_each_view_beside_the_twins(app_env, runs):
+    app_env(runs["good"])
+    at = _app().run()
+    _page(at, "degradation")
+    alone = _charts(at)
+    at.toggle(key="k3lab_twin_degradation").set_value(True).run()
+    assert not at.exception and _errors(at) == []
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert titles and all("(untrained twin)" in t for t in titles), titles[:3]
+    assert _charts(at) >= alone - len([i for i in at.info])
+    _page(at, "attnres")  # the choice is kept for the session
+    assert at.toggle(key="k3lab_twin_attnres").value is True and not at.exception
 
 
 def test_compares_default_b_is_not_a_quantised_copy_of_a():

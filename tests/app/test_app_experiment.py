@@ -102,7 +102,14 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     assert not at.exception and _errors(at) == []
     lens_rows = _table(at, "kl_to_final")
     assert len(lens_rows) == 3 and lens_rows.kl_to_final.iloc[-1] == pytest.approx(0, abs=1e-6)  # block AttnRes
+    # one readable column of top predictions, every number shown to 4 significant digits
+    assert "top predictions" in lens_rows and "top_probs" not in lens_rows
+    assert all(len(p.split(" · ")) == 5 for p in lens_rows["top predictions"])
+    floats = lens_rows.select_dtypes("float").to_numpy().ravel()
+    assert all(float(f"{v:.4g}") == v for v in floats if v == v)
     at.radio(key="k3lab_exp_section").set_value("Token").run()
+    assert at.selectbox(key="k3lab_tok_pos").value == 22  # opens on the last token with a next one, not token 0
+    assert all(len(p.split(".")[-1]) == 4 for p in _table(at, "prob")["prob"])  # probabilities to 4 decimals
     at.selectbox(key="k3lab_tok_pos").set_value(6).run()
     assert not at.exception and _errors(at) == []
     experts = _table(at, "expert")

@@ -217,6 +217,11 @@ def test_markdown_escaping_shows_the_text_exactly():
             assert tag not in html, (text, html)
         assert _shown(md_escape(text)) == text
     assert markdown_card("![a](http://x/y.png)") == "\\![a](http://x/y.png)"
+    # a blank header row (drawn as an empty first row) is named; a table with a header keeps it
+    card = (Path(__file__).resolve().parents[2] / "sample_checkpoints" / "k3-full" / "README.md").read_text()
+    html = COMMONMARK.render(markdown_card(card))
+    assert "<th>item</th>" in html and not re.search(r"<th>\s*</th>", html)
+    assert markdown_card("| a | b |\n|---|---|\n| 1 | 2 |") == "| a | b |\n|---|---|\n| 1 | 2 |"
     assert strip_paths("/srv/k3/runs/abc/config.json: bad; see /tmp/x/y") == "config.json: bad; see y"
     assert strip_paths("http://host/a/b and 2024/01/02") == "http://host/a/b and 2024/01/02"
     assert "secret" not in plain(FileNotFoundError(2, "No such file or directory", "/srv/secret/run"))

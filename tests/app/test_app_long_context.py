@@ -42,12 +42,12 @@ def test_long_context_page_estimates_first_then_runs_on_request(nano_app):
     run = next(b for b in at.button if b.label.startswith("Run on"))
     at = run.click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len(at.get("plotly_chart")) == 4, [e.value for e in at.info]  # loss, KDA state, horizon, MLA
+    assert len(at.get("plotly_chart")) == 5, [e.value for e in at.info]  # loss, KDA state, horizon, MLA, KDA distance
     at.multiselect(key="k3lab_long_cost_lengths").set_value([256]).run()
     cost = next(b for b in at.button if b.label.startswith("Measure one forward"))
     at = cost.click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len(at.get("plotly_chart")) == 5
+    assert len(at.get("plotly_chart")) == 6
     assert [e.value for e in at.error] == []
 
 
@@ -61,7 +61,7 @@ def test_the_run_button_is_gone_once_the_run_is_done(nano_app):
     at = nano_app
     at = next(b for b in at.button if b.label.startswith("Run on")).click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len(at.get("plotly_chart")) == 4
+    assert len(at.get("plotly_chart")) == 5
     _no_question_left(at)
 
 

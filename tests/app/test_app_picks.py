@@ -42,6 +42,11 @@ def _figure_titled(at, words: str) -> dict:
     return found[0]
 
 
+def _data(fig: dict) -> list[dict]:
+    """A drawn figure's data traces, without the null-reference lines beside them (issue 39)."""
+    return [t for t in fig["data"] if "null reference" not in t.get("name", "")]
+
+
 def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypatch):
     app_env(runs["good"])
     stems = {}
@@ -60,7 +65,7 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_layer").value == MLA
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
     fig = _figure_titled(at, "entropy by query position")
-    assert [t["name"] for t in fig["data"]] == [f"MLA layer {MLA} head {HEAD}"]
+    assert [t["name"] for t in _data(fig)] == [f"MLA layer {MLA} head {HEAD}"]
     assert at.query_params["pick"] == f"{VIEW}:L{MLA}H{HEAD}"
     assert stems[VIEW] == f"nano-a_{VIEW}_L{MLA}H{HEAD}"  # exports carry the pick
     assert stems["degradation_sink"] == "nano-a_degradation_sink"
@@ -102,7 +107,7 @@ def test_bad_picks_in_a_link_warn_and_the_page_keeps_running(app_env, runs):
     # every view still drawn, on all layers and heads
     assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value == "all"
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == "all"
-    assert len(_figure_titled(at, "entropy by query position")["data"]) == 1  # one MLA layer, mean over heads
+    assert len(_data(_figure_titled(at, "entropy by query position"))) == 1  # one MLA layer, mean over heads
 
 
 def test_compare_draws_one_pick_for_both_runs(app_env, runs):
@@ -114,10 +119,10 @@ def test_compare_draws_one_pick_for_both_runs(app_env, runs):
     assert not at.exception and _errors(at) == []
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
     fig = _figure_titled(at, f"Entropy by query position, MLA layer {MLA}, head {HEAD}: nano-a vs nano-b")
-    assert [t["name"] for t in fig["data"]] == [f"MLA layer {MLA} head {HEAD}"] * 2
+    assert [t["name"] for t in _data(fig)] == [f"MLA layer {MLA} head {HEAD}"] * 2
     assert any("One pick for both runs." in c.value for c in at.caption)
     # each half is that run's own head: the two runs' weights differ, so their curves do
-    a, b = (_values(t["y"]) for t in fig["data"])
+    a, b = (_values(t["y"]) for t in _data(fig))
     assert a.shape == b.shape and not np.allclose(a, b)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from app import pages
@@ -110,11 +111,9 @@ def test_cold_open_page_switches_and_export(server, browser, tmp_path):
             page.get_by_role("button", name="CSV").first.click()
         name = download.value.suggested_filename
         assert name.startswith(f"{SAMPLE}_moe") and name.endswith(".csv"), name
-        lines = Path(download.value.path()).read_text().splitlines()
-        head = [line for line in lines if line.startswith("# ")]  # the run, the text and its token count
-        assert {line.split(":")[0] for line in head} >= {"# run", "# text", "# tokens"}, lines[:4]
-        body = lines[len(head) :]
-        assert len(body) >= 2 and "," in body[0], body[:2]
+        table = pd.read_csv(download.value.path())  # a plain CSV, led by the run, the text and its token count
+        assert list(table.columns[:3]) == ["meta_run", "meta_text", "meta_tokens"], list(table.columns)
+        assert len(table) >= 1 and len(table.columns) > 3 and set(table["meta_run"]) == {SAMPLE}
     finally:
         page.context.close()
 

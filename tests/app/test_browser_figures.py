@@ -227,6 +227,16 @@ def _outside(request_url: str, host: str) -> bool:
     return parsed.scheme in ("http", "https", "ws", "wss") and parsed.netloc != host
 
 
+COST_JS = """() => {
+  const gd = document.querySelector('.st-key-fig-long_cost_length .js-plotly-plot');
+  const full = gd._fullLayout;
+  const axis = a => ({type: a.type, range: Array.from(a.range), title: (a.title && a.title.text) || '',
+                      ticktext: Array.from(a.ticktext || [])});
+  return {yaxis: axis(full.yaxis), xaxis: axis(full.xaxis), names: gd.data.map(t => t.name || ''),
+          titles: (full.annotations || []).map(a => a.text), points: gd._fullData[0]._length};
+}"""
+
+
 @pytest.mark.slow
 def test_long_context_page_draws_and_passes_the_figure_check(browser, tmp_path):
     """The Long context page on the k3-full sample: the estimate first, then (after Run) every trace view and the
@@ -254,6 +264,13 @@ def test_long_context_page_draws_and_passes_the_figure_check(browser, tmp_path):
             bad = {key: problems for key, problems in app_page_problems(page).items() if problems}
             assert set(app_page_problems(page)) >= {"fig-long_loss_by_position", "fig-long_cost_length"}
             assert not bad, bad
+            # the cost figure as drawn: one unit in its panel title, legend and axis (ms), time from zero on a linear
+            # axis (timings under load 10-20% apart are no trend), one tick label per measured length at most
+            cost = page.evaluate(COST_JS)
+            assert cost["yaxis"]["type"] == "linear" and cost["yaxis"]["range"][0] == 0, cost["yaxis"]
+            assert "milliseconds" in cost["titles"][0] and "ms per token" in cost["yaxis"]["title"]
+            assert all("ms" in name for name in cost["names"][:1]) and not any("seconds" in n for n in cost["names"])
+            assert cost["xaxis"]["type"] == "log" and 1 <= len(cost["xaxis"]["ticktext"]) <= cost["points"]
             _shot(page, os.environ.get("K3LAB_FIGURE_SHOTS"), "long_context")
         finally:
             page.context.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,12 +19,15 @@ from analysis.compare import two_runs as cmp
 from analysis.compare.shared_scales import AXIS_TOP
 from analysis.figures import degradation as fig_dg
 from analysis.figures import experiment as fx
+from analysis.figures import weights_kda as wt_figs
 from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import run_from_model, trace_run
-from analysis.views.catalogue import all_views
+from analysis.views.catalogue import all_views, section_views
 from analysis.views.view import Comparison, NotApplicable, View
 from k3core.model import K3ForCausalLM
 from k3core.presets import from_preset
+
+SAMPLES = Path(__file__).resolve().parents[3] / "sample_checkpoints"
 
 IDS = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
 METRICS_A = {
@@ -352,7 +356,10 @@ def test_side_by_side_titles_name_runs_once(seeds):
     view = next(v for v in all_views() if v.key == "moe_imbalance")
     fig, _ = cmp.side_by_side(view, a, b)
     labels = [ann.text for ann in fig.layout.annotations if ann.name == "run label"]
-    assert labels == ["<b>seed0</b>", "<b>seed1</b>"]  # "— seed0" of each single title is not repeated
+    # each run named once, in bold; "— seed0" of each single title is not repeated. The subtitles under the names are
+    # each run's own title where the two differ (issue 39: the title counts the layers within the sampling floor)
+    assert [label.split("<br>")[0] for label in labels] == ["<b>seed0</b>", "<b>seed1</b>"]
+    assert not any("seed" in line for label in labels for line in label.split("<br>")[1:]), labels
     assert fig.layout.title.text == "Expert load imbalance: seed0 vs seed1"
 
 
@@ -380,3 +387,23 @@ def test_a_placeholder_half_adds_no_title_under_the_other_label(seeds, scale_bia
     fig, _ = cmp.side_by_side(view, a, sb)
     labels = [ann.text for ann in fig.layout.annotations if ann.name == "run label"]
     assert labels == ["<b>seed0</b>", "<b>sb3</b>"]
+
+
+def test_weights_only_contexts_compare_and_keep_the_mla_band_and_one_legend_entry():
+    """The Weights page's "Compare with": two checkpoints read without a trace compare view by view (the issue's
+    AttributeError on ``trace.meta``), the half-life axis reaches the last MLA band (k3-full's layer 7) and the
+    band's legend entry is listed once, not once per half."""
+    summaries = [wt.read_weight_summary(SAMPLES / name) for name in ("k3-full", "plain-moe")]
+    a, b = (AnalysisContext(trace=None, config=s.config, label=s.label, weights=s) for s in summaries)
+    assert not cmp.same_weights(a, b) and cmp.same_weights(a, replace(a, label="again"))
+    for view in section_views("weights"):
+        for compare in (cmp.side_by_side, cmp.difference_view):
+            try:
+                compare(view, a, b)
+            except NotApplicable as exc:
+                assert "Error" not in str(exc), f"{view.key}: {exc}"
+    view = next(v for v in section_views("weights") if v.key == "weights_kda_half_life")
+    fig, _ = cmp.side_by_side(view, a, b)
+    last_mla = max(summaries[0].structure.query("mixer == 'mla'")["layer"])
+    assert fig.layout.xaxis.range[1] >= last_mla + 0.4 and fig.layout.xaxis2.range == fig.layout.xaxis.range
+    assert [s.name for s in fig.layout.shapes if s.showlegend] == [wt_figs.MLA_UNBOUNDED]

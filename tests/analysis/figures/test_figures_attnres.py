@@ -57,8 +57,13 @@ def test_hidden_rms_view_shows_the_hand_numbers():
 def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
     model, trace = block_run
     views = dict(VIEW)
-    assert set(views) == {v.key for v in fa.VIEWS} | {"attnres_query_norms", "attnres_scale_bias"}
-    block_ctx = AnalysisContext(trace=trace, config=model.config, model=model)
+    # issue 40 added the measured view attnres_causal_sources (analysis.figures.papers) to the AttnRes section
+    expected = {v.key for v in fa.VIEWS} | {"attnres_query_norms", "attnres_scale_bias", "attnres_causal_sources"}
+    assert set(views) == expected
+    block_ctx = AnalysisContext(trace=trace, config=model.config, model=model, input_ids=random_ids(24))
+    no_tokens = AnalysisContext(trace=trace, config=model.config, model=model)  # a causal run needs the tokens
+    with pytest.raises(NotApplicable, match="needs the tokens"):
+        views["attnres_causal_sources"].build(no_tokens)
     for key, view in views.items():
         if key == "attnres_scale_bias":
             with pytest.raises(NotApplicable):
@@ -68,13 +73,13 @@ def test_every_attnres_view_builds_or_is_not_applicable_as_it_should(block_run):
 
     for mode in ("plain", "scale_bias", "full_attnres"):
         m = nano_model(kda_chunk_size=16, residual=mode)
-        ctx = AnalysisContext(trace=traced(m, random_ids(24)), config=m.config, model=m)
+        ctx = AnalysisContext(trace=traced(m, random_ids(24)), config=m.config, model=m, input_ids=random_ids(24))
         for key, view in views.items():
             if key in ("attnres_hidden_rms", "attnres_scale_bias"):
                 applies = key == "attnres_hidden_rms" or mode == "scale_bias"
             elif key == "attnres_query_norms":  # from the weights: every AttnRes mode has pseudo-queries
                 applies = mode == "full_attnres"
-            else:  # the depth-weight views
+            else:  # the depth-weight views and the causal sources (which run the model with each source removed)
                 applies = mode == "full_attnres"
             if applies:
                 _check(view, ctx)

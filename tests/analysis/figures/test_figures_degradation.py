@@ -106,8 +106,17 @@ def test_attention_views_show_hand_computed_numbers():
     assert "sink rate 50%" in fig.layout.title.text
     fig, _ = fig_dg.build_sink_profile(ctx)
     z = np.asarray(fig.data[0].z, dtype=float)
-    assert z[1, 0] == 1.0 and z[1, 1] == 0.0  # the sink head: key 0 gets everything, key 1 nothing
-    assert z[0, T - 1] == pytest.approx(1 / T)  # the last key is seen only by the last query, with 1/T
+    assert fig.data[0].y[0] == fig_dg.UNIFORM_ROW  # the first row: uniform causal attention, the null reference
+    np.testing.assert_allclose(z[0], z[1], rtol=1e-12)  # the uniform head reads exactly its reference
+    assert z[2, 0] == 1.0 and z[2, 1] == 0.0  # the sink head: key 0 gets everything, key 1 nothing
+    assert z[1, T - 1] == pytest.approx(1 / T)  # the last key is seen only by the last query, with 1/T
+    fig, _ = fig_dg.build_entropy_by_position(ctx)  # mean of a uniform head (1) and a sink head (0)
+    assert "mean 0.500: below the uniform level 1" in fig.layout.title.text.replace("<br>", " ")
+    assert fig.data[0].name.startswith("uniform causal attention") and set(fig.data[0].y) == {1.0}
+    fig, table = fig_dg.build_sink_mass(ctx)
+    title = fig.layout.title.text.replace("<br>", " ")
+    assert list(table["vs_uniform"]) == ["at", "above"] and "1 of 2 heads at the uniform-attention level" in title
+    np.testing.assert_allclose(table["uniform_mass"], sum(1 / k for k in range(1, T + 1)) / T)
 
 
 def test_hidden_state_views_show_hand_computed_numbers():

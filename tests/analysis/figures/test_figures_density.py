@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from analysis.figures import density as fd
+from analysis.figures.style import screen_figure
 from analysis.metrics import kda_memory as km
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import NotApplicable
@@ -127,3 +128,17 @@ def test_state_norm_ticks_and_hovers_name_the_last_token_the_state_has_read(nano
     assert list(axis.ticktext) == ctx.position_labels([v - 1 for v in axis.tickvals])
     line = fig.data[0]
     assert list(line.text) == ctx.position_labels([x - 1 for x in line.x])
+
+
+def test_box_plots_label_every_head(nano_run):
+    """Every box has its own tick label (plotly's category ticks dropped every other head)."""
+    model, ids, trace = nano_run
+    ctx = AnalysisContext(trace=trace, config=model.config)
+    for build in (fd.build_kda_decay, fd.build_kda_beta):
+        fig, _ = build(ctx)
+        box = next(t for t in fig.data if t.type == "box")
+        axis = fig.layout.xaxis
+        assert axis.tickmode == "array" and list(axis.ticktext) == list(box.x) == list(axis.tickvals)
+        shown = screen_figure(fig, max_ticks=2).layout.xaxis  # the screen copy thins token ticks, never these
+        assert list(shown.ticktext) == list(box.x)
+        assert len(box.x) == len(set(box.x)) > 1

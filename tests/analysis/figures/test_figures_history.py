@@ -96,3 +96,27 @@ def test_mqar_accuracy_stands_against_its_chance_line_from_zero():
     assert axis.range[0] == 0 and axis.range[1] >= 2 / 64
     lines = [s for s in fig.layout.shapes if s.y0 == s.y1 == 1 / 64]
     assert len(lines) == 1 and any("chance 1/64" in t for t in titles)
+
+
+def test_mqar_panel_shades_a_guessers_range_at_the_evals_query_count():
+    """The band is Binomial(n, 1/64)'s central 95% over n = examples x pairs scored queries; a run that does not say
+    how many queries it scored gets the line only."""
+    import numpy as np
+
+    from analysis.metrics.null_reference import chance_interval
+
+    val = [{"step": s, "val_loss": 3.0, "mqar_accuracy": a} for s, a in ((0, 0.004), (50, 0.032))]
+    metrics = {"val": val, "eval": {"mqar": {"examples": 32, "num_kv_pairs": 8}}}
+    assert fig_hist.mqar_queries(metrics) == 256
+    fig, _ = fig_hist.history_curves_figure({"run": metrics})
+    low, high = chance_interval(64, 256)
+    rng = np.random.default_rng(0)
+    sims = rng.binomial(256, 1 / 64, size=200_000) / 256
+    assert 0.94 <= np.mean((sims >= low) & (sims <= high)) <= 1.0 and low < 1 / 64 < high
+    bands = [s for s in fig.layout.shapes if s.type == "rect" and s.y0 == low and s.y1 == high]
+    assert len(bands) == 1
+    notes = [a for a in fig.layout.annotations if a.text.startswith("chance 1/64")]
+    assert len(notes) == 1 and f"(95%: {low:.3f}-{high:.3f})" in notes[0].text
+    assert f"over 256 queries: {low:.3f}-{high:.3f}" in notes[0].hovertext
+    bare, _ = fig_hist.history_curves_figure({"run": {"val": val}})
+    assert not [s for s in bare.layout.shapes if s.type == "rect"]

@@ -15,6 +15,7 @@ from analysis.figures import long_context as fl
 from analysis.metrics import hidden_states as hs
 from analysis.metrics import long_context as lc
 from analysis.metrics.allocation import layer_cache_bytes
+from analysis.metrics.intervals import wilson_interval
 from analysis.runs.loading import run_from_model, trace_run
 from analysis.views.catalogue import all_views, section_views
 from tests.conftest import nano_model
@@ -100,8 +101,8 @@ def test_recall_inputs_and_accuracy_by_hand(ctx):
             row = table[table["distance"] == d].iloc[0]
             assert row["correct"] == hits and row["accuracy"] == pytest.approx(hits / 6)
     assert table["chance"].iloc[0] == pytest.approx(1 / 64)
-    low, high = lr.wilson_interval(5, 10)
-    assert (round(low, 4), round(high, 4)) == (0.2366, 0.7634)
+    low, high = wilson_interval(5, 10)
+    assert (round(float(low), 4), round(float(high), 4)) == (0.2366, 0.7634)
     with pytest.raises(ValueError, match="at least"):
         lr.recall_inputs(3, 1, 256, pairs=4)
 
@@ -158,9 +159,10 @@ def test_k3lab_long_writes_the_long_context_report(tmp_path, capsys):
     said = capsys.readouterr()
     err = said.err + said.out
     assert code == 0, err
-    assert "estimate for 160 tokens of k3-full" in err and "6 figures, 0 not applicable, 0 failed" in err
+    assert "estimate for 160 tokens of k3-full" in err and "8 figures, 0 not applicable, 0 failed" in err
     html = (out / "report.html").read_text(encoding="utf-8")
     assert "Long context" in html and "Loss by position" in html and "Recall by distance" in html
+    assert "KDA distance profile over position" in html and "MQAR accuracy vs length" in html
     with pytest.raises(SystemExit, match="2"):  # the parser's range, stated in --help
         main(["long", "sample_checkpoints/k3-full", "--tokens", "1", "--out", str(tmp_path / "x")])
 

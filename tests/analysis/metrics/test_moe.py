@@ -132,3 +132,23 @@ def test_moe_metrics_on_a_real_trace(nano_run):
     c = load[load["layer"] == 1]["count"].to_numpy(dtype=float)
     assert corr["load_corr"].iloc[0] == pytest.approx(np.corrcoef(np.arange(cfg.num_experts, dtype=float), c)[0, 1])
     assert np.isnan(mo.bias_load_correlation(bias.assign(bias=0.0), load)["load_corr"].iloc[0])  # constant bias
+
+
+def test_imbalance_says_whether_a_layer_sits_within_the_balanced_routing_floor():
+    """A router picking uniformly at random (balanced in expectation) reads MaxVio > 0 yet lies within the floor;
+    one sending half of all tokens to expert 0 does not. The co-activation table carries p_i p_j beside each rate."""
+    rng = np.random.default_rng(7)
+    E, k, T = 8, 2, 512
+    balanced = np.argsort(rng.random((1, T, E)), axis=-1)[..., :k]
+    row = mo.imbalance_table(_routing_trace(balanced, np.ones((1, T, k)), E)).iloc[0]
+    assert row["max_vio"] > 0 and row["tokens"] == T and bool(row["within_floor"])
+    assert 0 < row["max_vio_floor"] < row["max_vio_floor_hi"]
+    skewed = balanced.copy()
+    skewed[0, : T // 2, 0] = 0
+    skewed[0, : T // 2, 1] = np.where(skewed[0, : T // 2, 1] == 0, 1, skewed[0, : T // 2, 1])
+    assert not bool(mo.imbalance_table(_routing_trace(skewed, np.ones((1, T, k)), E)).iloc[0]["within_floor"])
+    co = mo.coactivation_table(_routing_trace(balanced, np.ones((1, T, k)), E))
+    diag = co[co.expert_i == co.expert_j].set_index("expert_i")["rate"]
+    pair = co[(co.expert_i == 0) & (co.expert_j == 1)].iloc[0]
+    assert pair["independent"] == pytest.approx(diag[0] * diag[1])
+    assert pair["lift"] == pytest.approx(pair["rate"] / pair["independent"])

@@ -134,11 +134,17 @@ def test_exported_tables_carry_the_text_and_token_count(tmp_path):
     df = pd.DataFrame({"position": [0, 1], "value": [0.5, 1.5]})
     fig = go.Figure(go.Scatter(x=df.position, y=df.value))
     written = ex.export_figure(fig, df, tmp_path, "v", ["csv", "json"], meta=made_on)
-    text = written["csv"].read_text()
-    assert text.startswith("# run: nano\n") and "# tokens: 24\n" in text
+    pd.testing.assert_frame_equal(pd.read_csv(written["csv"]), df)  # a plain CSV: the meta is in the JSON beside it
     back, head = ex.read_csv_with_provenance(written["csv"])
     pd.testing.assert_frame_equal(back, df)
-    assert head["tokens"] == "24" and head["run"] == "nano"
+    assert head["tokens"] == 24 and head["run"] == "nano"
+    alone = ex.export_figure(fig, df, tmp_path / "alone", "v", ["csv"], meta=made_on)["csv"]  # no JSON: in columns
+    plain = pd.read_csv(alone)
+    assert list(plain.columns) == ["meta_run", "meta_text", "meta_tokens", "position", "value"]
+    assert plain["meta_run"].tolist() == ["nano", "nano"] and plain["meta_tokens"].tolist() == [24, 24]
+    back, head = ex.read_csv_with_provenance(alone)
+    pd.testing.assert_frame_equal(back, df)
+    assert head["run"] == "nano" and head["text"].startswith(made_on["text"][:50])
     payload = json.loads(written["json"].read_text())
     assert payload["tokens"] == 24 and payload["text"] == made_on["text"] and len(payload["rows"]) == 2
     # a long text is cut, and says so

@@ -6,9 +6,11 @@ import html
 import json
 import re
 
+import pandas as pd
 import pytest
 import torch
 
+from analysis.output.export import read_csv_with_provenance
 from analysis.runs import loading as runs
 from analysis.runs import texts
 from analysis.views.catalogue import all_views
@@ -81,6 +83,14 @@ def test_single_run_report(ckpts, tmp_path, capsys):
             data = written.read_bytes()
             assert str(ckpts[0].resolve()).encode() not in data and str(ckpts[0]).encode() not in data, written
     assert headline["checkpoints"][0]["folder"] == ckpts[0].name
+    # every CSV is plain: pandas.read_csv with no options gets the columns its JSON names (the provenance is there)
+    csvs = sorted((out / "figures").glob("*.csv"))
+    assert len(csvs) >= 10
+    for path in csvs:
+        doc = json.loads(path.with_suffix(".json").read_text())
+        table = pd.read_csv(path)
+        assert list(table.columns) == doc["columns"] and len(table) == len(doc["rows"]), path.name
+        assert doc["runs"] == ["nano-a"] and "view" in doc, path.name
 
 
 def test_two_run_comparison_report(ckpts, tmp_path):
@@ -132,11 +142,11 @@ def test_report_on_a_text_file(ckpts, tmp_path):
     assert k3lab_main(["report", *args, "--device", "cpu", "--dtype", "float32", *FAST]) == 0
     page = (out / "report.html").read_text()
     assert "To be, or not to be" in page and 'id="fig-degradation_sink"' in page
-    # every figure file says what it was computed on: the text and its token count (analysis.output.export.provenance)
-    head = [line for line in (out / "figures" / "degradation_sink.csv").read_text().splitlines() if line[:1] == "#"]
+    # every figure file says what it was computed on: the text and its token count (analysis.output.export.provenance),
+    # in the JSON beside the plain CSV
     tokens = json.loads((out / "headline.json").read_text())["runs"][0]["tokens"]
-    assert any(line.startswith("# text: To be, or not to be") for line in head), head
-    assert f"# tokens: {tokens}" in head, head
+    table, head = read_csv_with_provenance(out / "figures" / "degradation_sink.csv")
+    assert head["text"].startswith("To be, or not to be") and head["tokens"] == tokens and len(table)
     meta = json.loads((out / "figures" / "degradation_sink.json").read_text())
     assert meta["text"].startswith("To be, or not to be") and meta["tokens"] == tokens
     assert 'id="fig-history_curves"' not in page  # not selected

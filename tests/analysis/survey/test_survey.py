@@ -20,6 +20,7 @@ from analysis.survey.plan import SurveyError, attnres_sites, batch_ids, corpus_i
 from analysis.survey.state import SurveyState
 from k3core.interp.catalogue import POINTS
 from k3core.interp.hooks import HookNames, hooks
+from k3core.training.load_stats import moe_load_stats
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
 TEXT = (
@@ -131,6 +132,11 @@ def test_every_statistic_equals_a_brute_force_computation(run, corpus, surveyed)
             for key, d in zip(trace, ec.reuse_distances(trace)):
                 want[p + "reuse_hist"][key, d + 1] += 1
             want[p + "accesses"] += len(trace)
+            # batches of one sequence: the batch's and the sequence's MaxVio are this sequence's load's (max/mean - 1)
+            vio = moe_load_stats(np.bincount(experts.reshape(-1), minlength=E))["max_vio"]
+            for scope in ("batch", "sequence"):
+                want[p + f"maxvio_{scope}"] += [1, vio, vio * vio]
+                want[p + f"maxvio_{scope}_hist"][_bin(vio, edges["maxvio"])] += 1
             per_layer_traces.append(experts)
         model_trace = ec.access_trace(np.stack(per_layer_traces), E).tolist()
         for policy in ec.POLICIES:
@@ -288,3 +294,38 @@ def test_a_streamed_runs_observed_hits_equal_its_lru_simulation(corpus, tmp_path
     assert check["capacity_experts"] == 40 and check["accesses"] > 7 * 2 * plan.sequences
     assert 0 < check["observed_hits"] == check["simulated_lru_hits"] < check["accesses"]
     assert check["observed_hits"] <= store.stats.hits  # the store also served the layout's 2-token probe forward
+
+
+def test_maxvio_at_three_scopes(surveyed, corpus):
+    """MaxVio global / per batch / per sequence (analysis.survey.tables.maxvio_table): on the survey of batches of one
+    sequence the batch and sequence scopes agree and count every sequence; on sums set by hand to known values the
+    mean, sd and percentiles are the known ones; the survey view draws the three scopes."""
+    import copy
+
+    from analysis.figures import survey as survey_figures
+    from analysis.runs.context import AnalysisContext
+    from analysis.survey.state import EDGES
+    from analysis.survey.tables import maxvio_table
+
+    _, plan = corpus
+    layer = surveyed.layout.moe_layers[0]
+    table = maxvio_table(surveyed).set_index(["layer", "scope"])
+    s = surveyed.state.sums
+    assert table.loc[(layer, "global"), "max_vio"] == moe_load_stats(s[f"moe.{layer}.load"])["max_vio"]
+    assert table.loc[(layer, "batch"), "count"] == table.loc[(layer, "sequence"), "count"] == plan.sequences
+    assert table.loc[(layer, "batch"), "max_vio"] == pytest.approx(table.loc[(layer, "sequence"), "max_vio"])
+    known = copy.copy(surveyed)
+    known.state = copy.deepcopy(surveyed.state)
+    edges = EDGES["maxvio"]
+    hist = np.zeros(len(edges) + 1, dtype=np.int64)
+    for v in (0.25, 0.25, 0.75, 0.75):  # mean 0.5, sd 0.5; half at or below 0.3, all at or below 0.8
+        hist[int(np.searchsorted(edges, v, side="right"))] += 1
+    known.state.sums[f"moe.{layer}.maxvio_sequence"] = np.array([4.0, 2.0, 1.25])
+    known.state.sums[f"moe.{layer}.maxvio_sequence_hist"] = hist
+    row = maxvio_table(known).set_index(["layer", "scope"]).loc[(layer, "sequence")]
+    assert row["max_vio"] == 0.5 and row["std"] == pytest.approx(0.25) and row["count"] == 4
+    assert row["p50"] == pytest.approx(0.3) and row["p90"] == pytest.approx(0.8)
+    ctx = AnalysisContext(trace=None, config=None, label="survey", options={"survey": surveyed})
+    fig, df = survey_figures.maxvio_scopes(ctx)
+    assert {t.name for t in fig.data} >= {"global", "per batch (mean, sd)", "per sequence (mean, sd)"}
+    assert "arXiv 2408.15664" in fig.layout.title.text

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from analysis.metrics import expert_cache as ec
+from analysis.metrics.intervals import wilson_interval
 from analysis.metrics.routing_stats import (
     byte_classes,
     chosen_mask,
@@ -19,7 +20,6 @@ from analysis.metrics.routing_stats import (
     selection_margin,
     specialisation,
     string_class,
-    wilson_interval,
 )
 from analysis.survey.aggregates import TopK, bin_index, grouped_histogram, uniform_hash
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from analysis.compare.two_runs import side_by_side
+from analysis.figures import degradation as fig_dg
 from analysis.metrics import attention as at
 from analysis.metrics import attnres as ar
 from analysis.metrics import kda_memory as km
@@ -35,6 +36,20 @@ def _build(key: str, ctx: AnalysisContext, **pick):
 
 def _last(choices: view_mod.PickChoices, axis: str) -> int:
     return choices.values(axis)[-1]
+
+
+def _data(fig) -> list:
+    """The figure's data traces: without the null-reference lines drawn beside them (issue 39), e.g. "uniform causal
+    attention (null reference)"."""
+    return [t for t in fig.data if "null reference" not in (t.name or "")]
+
+
+def _same_table(built, expected) -> None:
+    """The view's table is the analysis function's table, plus the null-reference columns issue 39 exports beside
+    it (e.g. uniform_entropy_norm, uniform_mass)."""
+    added = set(built.columns) - set(expected.columns)
+    assert all("uniform" in c for c in added), added
+    __import__("pandas").testing.assert_frame_equal(built[list(expected.columns)], expected)
 
 
 def test_views_declare_picks_with_choices_from_the_trace(ctx):
@@ -84,10 +99,12 @@ def test_entropy_by_position_pick_is_that_heads_row_entropy(ctx):
     layer, head = _last(choices, "layer"), _last(choices, "head")
     fig, table = _build("degradation_entropy_position", ctx, layer=layer, head=head)
     expected = at.causal_normalised_entropy(at.causal_row_entropy(ctx.trace[names.mla_attn(layer)])).mean(0)[head, 1:]
-    assert len(fig.data) == 1 and fig.data[0].name == f"MLA layer {layer} head {head}"
-    np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=np.float64), expected, rtol=1e-6)
+    (line,) = _data(fig)
+    assert line.name == f"MLA layer {layer} head {head}"
+    np.testing.assert_allclose(np.asarray(line.y, dtype=np.float64), expected, rtol=1e-6)
+    assert [t.name for t in fig.data if t not in _data(fig)] == ["uniform causal attention (null reference)"]
     fig, _ = _build("degradation_entropy_position", ctx, head=head)  # head h in every MLA layer
-    assert [t.name for t in fig.data] == [f"MLA layer {i} head {head}" for i in choices.layers]
+    assert [t.name for t in _data(fig)] == [f"MLA layer {i} head {head}" for i in choices.layers]
 
 
 def test_sink_views_pick_that_layer_and_head(ctx):
@@ -97,8 +114,10 @@ def test_sink_views_pick_that_layer_and_head(ctx):
     fig, table = _build("degradation_sink", ctx, layer=layer, head=head)
     np.testing.assert_allclose(fig.data[0].y, [received[head, 0]], rtol=1e-6)
     fig, table = _build("degradation_sink_profile", ctx, layer=layer)
-    assert list(fig.data[0].y) == [f"L{layer} H{h}" for h in choices.heads]
-    np.testing.assert_allclose(np.asarray(fig.data[0].z)[head], received[head, : table["key"].max() + 1], rtol=1e-6)
+    # the first row is uniform attention's reference (issue 39), then the picked layer's heads
+    assert list(fig.data[0].y) == [fig_dg.UNIFORM_ROW, *(f"L{layer} H{h}" for h in choices.heads)]
+    z = np.asarray(fig.data[0].z)
+    np.testing.assert_allclose(z[1 + head], received[head, : table["key"].max() + 1], rtol=1e-6)
 
 
 def test_moe_and_attnres_layer_picks(ctx):
@@ -152,13 +171,12 @@ def test_a_layer_without_the_mechanism_is_refused(ctx):
 
 def test_no_pick_shows_what_the_view_always_showed(ctx):
     """Without a pick the tables are the analysis functions' full tables (every layer and head)."""
-    pd_eq = __import__("pandas").testing.assert_frame_equal
-    pd_eq(_build("kda_state_norm", ctx)[1], km.kda_state_norms(ctx.trace))
-    pd_eq(_build("degradation_entropy_position", ctx)[1], at.entropy_by_position_table(ctx.trace))
-    pd_eq(_build("degradation_sink", ctx)[1], at.attention_sink_table(ctx.trace))
-    pd_eq(_build("attnres_depth_weights", ctx)[1], ar.depth_weights(ctx.trace))
+    _same_table(_build("kda_state_norm", ctx)[1], km.kda_state_norms(ctx.trace))
+    _same_table(_build("degradation_entropy_position", ctx)[1], at.entropy_by_position_table(ctx.trace))
+    _same_table(_build("degradation_sink", ctx)[1], at.attention_sink_table(ctx.trace))
+    _same_table(_build("attnres_depth_weights", ctx)[1], ar.depth_weights(ctx.trace))
     fig, _ = _build("degradation_entropy_position", ctx)
-    assert [t.name for t in fig.data] == [f"MLA layer {i}" for i in pk.mla_choices(ctx).layers]
+    assert [t.name for t in _data(fig)] == [f"MLA layer {i}" for i in pk.mla_choices(ctx).layers]
     for key in ("kda_state_norm", "degradation_sink", "moe_load_heatmap"):
         explicit = _build(key, ctx, layer=None, head=None)
         assert explicit[0].to_json() == _build(key, ctx)[0].to_json()
@@ -180,7 +198,7 @@ def test_compare_uses_one_pick_for_both_runs(ctx):
         assert set(rows["layer"]) == {layer} and set(rows["head"]) == {head}
         expected = at.causal_normalised_entropy(at.causal_row_entropy(c.trace[names.mla_attn(layer)])).mean(0)[head, 1:]
         np.testing.assert_allclose(rows["entropy_norm"], expected, rtol=1e-6)
-    assert len(fig.data) == 2
+    assert len(_data(fig)) == 2  # one line per run, each beside its run's uniform reference
     assert fig.layout.title.text.startswith(f"Entropy by query position, MLA layer {layer}, head {head}: nano vs other")
 
 

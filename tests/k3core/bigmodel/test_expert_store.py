@@ -4,6 +4,7 @@ chosen, hits and misses are counted, and a budget too small for one layer is a c
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,18 +32,45 @@ def _tight_budget(path: Path, dense: str, experts: int) -> int:
     return plan.resident_bytes + plan.working_bytes + experts * plan.expert_stored_bytes
 
 
+KDA_SHARES = re.compile(r"blocks\.(\d+)\.kda\.attn\.(entropy|sink|negative)$")
+
+
+def _share_tolerance(b, name: str, tol: float) -> np.ndarray | None:
+    """The tolerance of a KDA implicit-attention share at each query, from the map ``blocks.i.kda.attn`` (the whole
+    text here: its window starts at 0). A share p_ts = |A[t, s]| / z_t, z_t = sum_s |A[t, s]|, moves by about
+    dA / z_t when A moves by dA: its tolerance is the map's own (tol x its scale) over z_t. Rows whose weights
+    nearly vanish (z_t ~ 0.01 at query 1 of this text) make their shares ill-conditioned, not wrong."""
+    found = KDA_SHARES.match(name)
+    if not found:
+        return None
+    attn = np.abs(np.asarray(b[f"blocks.{found.group(1)}.kda.attn"], dtype=np.float64))  # [B, H, Q, K]
+    z = attn.sum(-1)
+    keys = attn.shape[-1]
+    bound = tol * max(1.0, float(attn.max())) / np.maximum(z, 1e-30)
+    if name.endswith("entropy"):
+        bound *= max(1.0, np.log(keys))  # dH = -sum (log p + 1) dp
+    return bound
+
+
 def _same_traces(a, b, tol: float = 1e-6) -> None:
+    """Every array within ``tol`` of its scale; the KDA shares within their conditioned tolerance
+    (``_share_tolerance``)."""
     assert sorted(a.names()) == sorted(b.names())
     for name in a.names():
         x, y = np.asarray(a[name], dtype=np.float64), np.asarray(b[name], dtype=np.float64)
         assert x.shape == y.shape, name
         scale = max(1.0, float(np.nanmax(np.abs(y)))) if y.size else 1.0
-        assert np.allclose(x, y, rtol=0, atol=tol * scale, equal_nan=True), name
+        atol = tol * scale
+        share = _share_tolerance(b, name, tol)
+        if share is not None and share.shape == y.shape:
+            atol = np.maximum(atol, share)
+        assert np.allclose(x, y, rtol=0, atol=atol, equal_nan=True), name
 
 
 @pytest.mark.parametrize("dense", ["stream", "resident"])
 def test_streamed_forward_is_the_resident_forward(dense):
-    """The MXFP4 sample (K3-shaped, experts stored back to back): every trace array within 1e-6."""
+    """The MXFP4 sample (K3-shaped, experts stored back to back): every trace array within 1e-6 of its scale (KDA's
+    implicit-attention shares within that over their row's total weight: ``_share_tolerance``)."""
     budget = _tight_budget(SAMPLE, dense, experts=3)
     resident = K3ForCausalLM.from_pretrained(SAMPLE).eval()
     streamed = load_streamed(SAMPLE, K3ForCausalLM, max_memory={"cpu": budget}, dense=dense)

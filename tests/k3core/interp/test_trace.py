@@ -37,7 +37,7 @@ def documented_arrays() -> list[tuple[str, tuple[str, ...]]]:
 
 def test_docstring_lists_the_arrays():
     names = [p for p, _ in documented_arrays()]
-    assert len(names) == 40  # 28 before the whole-text summaries (issue 24)
+    assert len(names) == 50  # 28 before the whole-text summaries (issue 24), 40 before KDA's implicit attention
     assert r"^blocks\.\d+\.kda\.g$" in names and r"^blocks\.\d+\.mlp_res\.bias$" in names
     assert r"^output_res\.weights$" in names
 
@@ -90,7 +90,8 @@ def test_every_documented_array_appears_with_its_axes(ids, residual):
     for i in kda:
         assert {n.removeprefix(f"blocks.{i}.kda.") for n in tr.names(f"blocks.{i}.kda.")} == {
             "g", "g.bins", "beta", "gate.mean", "chunk_state.norm", "chunk_state.rank", "chunk_state.token",
-            "state"}  # fmt: skip
+            "state", "attn", "attn.before", "attn.entropy", "attn.sink", "attn.received", "attn.negative",
+            "attn.row_sum", "attn.half_distance", "attn.distance", "attn.distance_edges"}  # fmt: skip
     if residual == "scale_bias":
         assert (
             len([n for n in tr.names("blocks.") if n.endswith(("_res.scale", "_res.bias"))])
@@ -290,6 +291,8 @@ def test_every_trace_name_builder_matches_a_documented_array():
     moments = ("count", "sum", "unit_sum", "gram", "cross_gram", "cos_sum")
     built += [N.POSITION_BINS] + [N.hidden_bins(k) for k in moments]
     built += [N.mla_stat(3, k) for k in ("entropy", "sink", "received")] + [N.kda_state_rank(3), N.kda_g_bins(3)]
+    kda_attn = ("entropy", "sink", "received", "negative", "row_sum", "half_distance", "distance", "distance_edges")
+    built += [N.kda_attn(3)] + [N.kda_attn_stat(3, k) for k in (*kda_attn, "before")]
     built += [f(3) for f in (N.kda_g, N.kda_beta, N.kda_gate, N.kda_state_norm, N.kda_state_steps,
                              N.kda_final_state, N.mla_attn, N.mla_gate, N.moe_scores, N.moe_experts,
                              N.moe_weights, N.moe_latent, N.moe_load, N.moe_bias)]  # fmt: skip

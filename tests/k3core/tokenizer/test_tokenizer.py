@@ -443,7 +443,8 @@ def test_token_axes_show_the_run_tokens(tmp_path):
     axis = fig.layout.xaxis
     assert list(axis.tickvals) == list(range(1, 40))  # query 0 has no entropy; 39 ticks: every one labelled
     assert list(axis.ticktext) == [f"{i}:{strings[i]}" for i in range(1, 40)]
-    assert fig.data[0].text[6] == "7:↵"
+    line = next(t for t in fig.data if t.name.startswith("MLA layer"))  # the first trace is the null reference
+    assert line.text[6] == "7:↵"
     fig, table = degradation.build_sink_profile(ctx)
     assert list(fig.data[0].customdata[0][:2]) == ["0:A", "1:N"]
     fig, _ = density.build_kda_state_norm(ctx)
@@ -458,7 +459,8 @@ def test_token_axes_show_the_run_tokens(tmp_path):
     bare = runs.trace_run(runs.run_from_model(run.model), sample, what="all")
     bare.tokenizer = None
     fig, _ = degradation.build_entropy_by_position(bare)
-    assert fig.layout.xaxis.ticktext is None and fig.data[0].text[6] == "7"
+    line = next(t for t in fig.data if t.name.startswith("MLA layer"))
+    assert fig.layout.xaxis.ticktext is None and line.text[6] == "7"
 
 
 def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):

@@ -1,0 +1,42 @@
+"""The Weights page's "Compare with" in a real browser (Playwright, system Chromium; skips without them): each
+shipped sample compared with another, every view drawn, and no error anywhere on the page (no error box, no
+exception, no "Error" in a caption such as "No difference view ...: AttributeError")."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks.bench_app import CHROMIUM, REPO, open_page, settle, show_the_rest
+from tests.app import test_browser
+
+pytestmark = pytest.mark.browser
+
+if not CHROMIUM.exists():
+    pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+
+server, browser = test_browser.server, test_browser.browser  # the same fixtures: a fresh server, Chromium
+SAMPLES = sorted(p.name for p in (REPO / "sample_checkpoints").iterdir() if (p / "config.json").exists())
+ERROR_TEXT = re.compile(r"\w+Error\b|Traceback|could not be (compared|drawn)")
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_weights_compare_with_another_sample_shows_no_error(server, browser, sample):
+    from tests.app.test_browser_experiment import _pick
+
+    url, log = server
+    other = SAMPLES[(SAMPLES.index(sample) + 1) % len(SAMPLES)]
+    page, _ = open_page(browser, f"{url}/weights?run={sample}")
+    try:
+        _pick(page, "Compare with", other)
+        settle(page)
+        show_the_rest(page)
+        test_browser._no_errors(page, log)
+        body = test_browser._body(page)
+        assert f"{sample} vs {other}" in page.content()  # the side-by-side figures are drawn
+        found = ERROR_TEXT.findall(body)
+        assert not found, [line for line in body.splitlines() if ERROR_TEXT.search(line)]
+    finally:
+        page.context.close()
