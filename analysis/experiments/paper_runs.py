@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from analysis.metrics.intervals import wilson_interval
 from analysis.metrics.loss_noise import choose_window, loss_difference
 from analysis.metrics.tidy import tidy
-from k3core.data.mqar import IGNORE_INDEX, make_mqar, mqar_chance
+from k3core.data.batches import IGNORE_INDEX
+from k3core.data.mqar import make_mqar, mqar_chance
 from k3core.interp.edit_kinds import AttnResEdit
 from k3core.interp.interventions import intervene
 from k3core.interp.recorder import record
