@@ -84,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--mqar-kv-pairs", type=arg_int(1, MAX_TOKENS // 3), help=f"MQAR key-value pairs (default {d.mqar_kv_pairs})"
     )
+    g.add_argument(
+        "--mqar-queries",
+        type=arg_int(1, MAX_TOKENS),
+        help="queries per MQAR training row (default: one per pair; more asks keys again, a denser recall signal; "
+        "validation always asks each pair once)",
+    )
+    g.add_argument(
+        "--mqar-loss-weight",
+        type=arg_float(1e-6, 1e6),
+        help=f"weight of an MQAR answer in the training loss, a text byte weighing 1 (default {d.mqar_loss_weight})",
+    )
     e = p.add_argument_group("evaluation, logging, checkpoints")
     e.add_argument(
         "--eval-every",

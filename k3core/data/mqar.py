@@ -110,10 +110,10 @@ def make_mqar(
     if num_kv_pairs > n_keys or num_kv_pairs > n_values:
         raise ValueError(f"num_kv_pairs={num_kv_pairs} exceeds the key ({n_keys}) or value ({n_values}) range size")
     q = num_kv_pairs if num_queries is None else int(num_queries)
-    if not 1 <= q <= num_kv_pairs:
-        raise ValueError(f"num_queries must be in [1, num_kv_pairs={num_kv_pairs}], got {q}")
     ctx = 2 * num_kv_pairs
     region = seq_len - ctx
+    if q < 1:
+        raise ValueError(f"num_queries must be >= 1, got {q}")
     if region < q:
         raise ValueError(f"seq_len={seq_len} too short: need 2*num_kv_pairs + num_queries = {ctx + q} positions")
     if query_placement not in ("random", "contiguous"):
@@ -122,7 +122,11 @@ def make_mqar(
     n = num_examples
     keys = _rand_perm_rows(n, n_keys, generator)[:, :num_kv_pairs] + k_lo
     values = _rand_perm_rows(n, n_values, generator)[:, :num_kv_pairs] + v_lo
-    which = _rand_perm_rows(n, num_kv_pairs, generator)[:, :q]  # which pairs get queried, in order
+    # which pairs get queried, in order: one permutation of the pairs per round of D queries
+    rounds = -(-q // num_kv_pairs)
+    which = torch.cat([_rand_perm_rows(n, num_kv_pairs, generator) for _ in range(rounds)], dim=1)[:, :q]
+    if rounds > 1:  # shuffled, so the repeats of a key are spread over the region, not one round after another
+        which = which.gather(1, _rand_perm_rows(n, q, generator))
     query_keys = keys.gather(1, which)
     query_values = values.gather(1, which)
     if query_placement == "random":

@@ -65,6 +65,8 @@ class TrainConfig:
     eval_batch_size: int = 16
     mqar_fraction: float = 0.0  # share of training rows replaced by MQAR sequences
     mqar_kv_pairs: int = 8
+    mqar_queries: int | None = None  # queries per MQAR training row (None: one per pair; more: keys asked again)
+    mqar_loss_weight: float = 1.0  # weight of an MQAR answer in the training loss, against 1 for a text byte
     mqar_eval_examples: int = 32
     log_every: int = 10
     save_every: int = 100  # checkpoint every N steps; 0: only on stop/interrupt/end
@@ -112,11 +114,16 @@ class TrainConfig:
             raise TrainError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
         if not 0 <= self.mqar_fraction <= 1:
             raise TrainError(f"mqar_fraction must be in [0, 1], got {self.mqar_fraction}")
-        if self.mqar_fraction > 0 and self.seq_len < 3 * self.mqar_kv_pairs:
+        queries = self.mqar_kv_pairs if self.mqar_queries is None else self.mqar_queries
+        if not isinstance(queries, int) or queries < 1:
+            raise TrainError(f"mqar_queries must be a positive integer, got {self.mqar_queries!r}")
+        if self.mqar_fraction > 0 and self.seq_len < 2 * self.mqar_kv_pairs + queries:
             raise TrainError(
-                f"seq_len={self.seq_len} is too short for MQAR with {self.mqar_kv_pairs} pairs "
-                f"(needs >= {3 * self.mqar_kv_pairs})"
+                f"seq_len={self.seq_len} is too short for MQAR with {self.mqar_kv_pairs} pairs and {queries} "
+                f"queries (needs >= {2 * self.mqar_kv_pairs + queries})"
             )
+        if not self.mqar_loss_weight > 0:
+            raise TrainError(f"mqar_loss_weight must be > 0, got {self.mqar_loss_weight}")
         if self.stop_at is not None and not 0 < self.stop_at:
             raise TrainError(f"stop_at must be a positive step number, got {self.stop_at}")
         if self.threads is not None and self.threads < 1:

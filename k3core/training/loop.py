@@ -3,7 +3,8 @@
 What a step does (``s`` = completed steps so far, ``N`` = ``steps``)::
 
     x, y  = text windows from the train split (+ MQAR rows, fraction ``mqar_fraction``)
-    loss  = CE(model(x), y)                    (+ aux_loss_coef * aux_loss when balancing="aux_loss")
+    loss  = CE(model(x), y)                    (+ aux_loss_coef * aux_loss when balancing="aux_loss"; MQAR answers
+                                                weighted mqar_loss_weight: weighted_recall_loss)
     g     = clip(grad loss, grad_clip)         (global L2 norm)
     theta = AdamW(theta, g, lr(s))             (decay only on >= 2-D weights; lr(s): k3core.training.schedule)
     e_bias updated (k3core.training.balancing.update_router_biases) when balancing is "sign" or "quantile"
@@ -29,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checkpoints.pretrained import save_pretrained
-from ..data import eval_window_starts, mix_mqar, random_batches
+from ..data import IGNORE_INDEX, eval_window_starts, mix_mqar, random_batches
 from ..generation.decode import generate_text
 from ..interp.recorder import record
 from ..model import K3ForCausalLM
@@ -64,6 +65,21 @@ from .rundir import (
 )
 from .schedule import lr_at
 from .tensorboard import TensorBoardLog
+
+
+def weighted_recall_loss(logits: torch.Tensor, targets: torch.Tensor, mqar_rows: int, weight: float) -> torch.Tensor:
+    """Cross-entropy with the MQAR answers (the last ``mqar_rows`` rows' scored targets) weighted ``weight``:
+    ``sum_i w_i * nll_i / sum_i w_i`` over scored targets, ``w_i = weight`` on an answer and 1 on a text byte.
+
+    With ``weight = 1`` this is the plain mean the model's ``loss`` is. An MQAR row scores only its queries, so
+    its share of the loss is small at any row share; the weight sets it directly.
+    """
+    nll = torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view_as(targets)
+    weights = (targets != IGNORE_INDEX).to(nll.dtype)
+    weights[targets.shape[0] - mqar_rows :] *= weight
+    return (weights * nll).sum() / weights.sum().clamp_min(1)
 
 
 class _Interrupted(Exception):
@@ -191,19 +207,22 @@ class Trainer:
             if layer.is_moe
         }
 
-    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(x, y, number of MQAR rows): the text windows, of which the last rows are replaced by MQAR."""
         cfg = self.cfg
         x, y = random_batches(self.corpus.train, cfg.batch_size, cfg.seq_len, generator=self.data_gen)
+        mqar_rows = 0
         if cfg.mqar_fraction > 0:
-            x, y, _ = mix_mqar(
+            x, y, mqar_rows = mix_mqar(
                 x,
                 y,
                 cfg.mqar_fraction,
                 cfg.mqar_kv_pairs,
                 generator=self.data_gen,
                 vocab_size=self.model_config.vocab_size,
+                num_queries=cfg.mqar_queries,
             )
-        return x.to(self.device), y.to(self.device)
+        return x.to(self.device), y.to(self.device), mqar_rows
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step; returns its loss, aux loss and gradient norm."""
@@ -211,9 +230,11 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = self._batch()
+        x, y, mqar_rows = self._batch()
         out = model(x, targets=y)
         loss = out.loss
+        if mqar_rows and cfg.mqar_loss_weight != 1.0:
+            loss = weighted_recall_loss(out.logits, y, mqar_rows, cfg.mqar_loss_weight)
         aux = None
         if mcfg.balancing == "aux_loss" and out.aux_loss is not None:
             aux = out.aux_loss

@@ -282,6 +282,30 @@ def test_mqar_deterministic_and_validation():
         make_mqar(2, 256, 100)  # more pairs than keys
 
 
+def test_mqar_dense_rows_ask_every_key_again_and_answers_stay_recall():
+    """num_queries > pairs: each key asked floor(Q/D) or ceil(Q/D) times, at distinct positions after the
+    context, each target the value bound to its key; the answers never appear in the input after the context."""
+    D, Q, T = 8, 60, 128
+    b = make_mqar(32, T, D, num_queries=Q, generator=torch.Generator().manual_seed(3))
+    assert b.query_positions.shape == (32, Q) and int(b.answer_mask.sum()) == 32 * Q
+    for i in range(32):
+        pos = b.query_positions[i]
+        assert len(set(pos.tolist())) == Q and int(pos.min()) >= 2 * D
+        counts = torch.bincount(b.query_keys[i] - 128, minlength=64)[b.keys[i] - 128]
+        assert int(counts.min()) == Q // D and int(counts.max()) == -(-Q // D) and int(counts.sum()) == Q
+        bound = dict(zip(b.keys[i].tolist(), b.values[i].tolist(), strict=True))
+        assert [bound[k] for k in b.inputs[i, pos].tolist()] == b.targets[i, pos].tolist()
+        assert not bool(((b.inputs[i, 2 * D :] >= 192)).any())  # no value is ever written after the context
+    # the repeats are shuffled: a key's second query is not always after every key's first
+    first_rounds = [b.query_keys[i, :D].unique().numel() for i in range(32)]
+    assert min(first_rounds) < D
+    # Q <= D draws exactly what it drew before (validation sets are unchanged)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(make_mqar(4, 64, 8, generator=g1).inputs, make_mqar(4, 64, 8, num_queries=8, generator=g2).inputs)
+    with pytest.raises(ValueError, match="too short"):
+        make_mqar(2, 40, 8, num_queries=30)
+
+
 def test_mqar_accuracy():
     g = torch.Generator().manual_seed(0)
     b = make_mqar(16, 48, 6, generator=g)

@@ -103,6 +103,33 @@ def test_config_validation():
         T.TrainConfig(mqar_fraction=1.5)
     with pytest.raises(T.TrainError, match="unknown training options"):
         T.TrainConfig.from_dict({"stpes": 3})
+    with pytest.raises(T.TrainError, match="too short for MQAR with 8 pairs and 250 queries"):
+        T.TrainConfig(mqar_fraction=0.1, mqar_queries=250)
+    with pytest.raises(T.TrainError, match="mqar_loss_weight"):
+        T.TrainConfig(mqar_loss_weight=0.0)
+
+
+def test_weighted_recall_loss_is_the_weighted_mean_of_token_losses():
+    from k3core.data import IGNORE_INDEX
+    from k3core.training.loop import weighted_recall_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=g)
+    targets = torch.randint(0, 11, (3, 5), generator=g)
+    targets[2, :3] = IGNORE_INDEX  # the MQAR row scores only its answers
+    nll = -torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
+    text, answers = nll[:2].flatten(), nll[2, 3:]
+    want = (text.sum() + 4.0 * answers.sum()) / (text.numel() + 4.0 * answers.numel())
+    assert float(weighted_recall_loss(logits, targets, 1, 4.0)) == pytest.approx(float(want), rel=1e-6)
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    assert float(weighted_recall_loss(logits, targets, 1, 1.0)) == pytest.approx(float(plain), rel=1e-6)
+
+
+def test_dense_weighted_recall_trains_and_is_recorded(tmp_path):
+    run = T.train(tiny(tmp_path, "dense", steps=3, eval_every=0, mqar_queries=20, mqar_loss_weight=5.0))
+    m = T.load_metrics(run)
+    assert m["train_config"]["mqar_queries"] == 20 and m["train_config"]["mqar_loss_weight"] == 5.0
+    assert math.isfinite(m["final"]["val_bpb"])
 
 
 # ------------------------------------------------------------------------------------------ training
