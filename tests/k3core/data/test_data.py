@@ -295,13 +295,15 @@ def test_mqar_dense_rows_ask_every_key_again_and_answers_stay_recall():
         assert int(counts.min()) == Q // D and int(counts.max()) == -(-Q // D) and int(counts.sum()) == Q
         bound = dict(zip(b.keys[i].tolist(), b.values[i].tolist(), strict=True))
         assert [bound[k] for k in b.inputs[i, pos].tolist()] == b.targets[i, pos].tolist()
-        assert not bool(((b.inputs[i, 2 * D :] >= 192)).any())  # no value is ever written after the context
+        assert not bool((b.inputs[i, 2 * D :] >= 192).any())  # no value is ever written after the context
     # the repeats are shuffled: a key's second query is not always after every key's first
     first_rounds = [b.query_keys[i, :D].unique().numel() for i in range(32)]
     assert min(first_rounds) < D
     # Q <= D draws exactly what it drew before (validation sets are unchanged)
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert torch.equal(make_mqar(4, 64, 8, generator=g1).inputs, make_mqar(4, 64, 8, num_queries=8, generator=g2).inputs)
+    assert torch.equal(
+        make_mqar(4, 64, 8, generator=g1).inputs, make_mqar(4, 64, 8, num_queries=8, generator=g2).inputs
+    )
     with pytest.raises(ValueError, match="too short"):
         make_mqar(2, 40, 8, num_queries=30)
 
