@@ -4,6 +4,7 @@
     python -m benchmarks --quick          # smaller sizes, a minute or two
     python -m benchmarks --only cache trace
     python -m benchmarks --only long      # T = 1K..64K in subprocesses (--full: 128K); not in the default run
+    python -m benchmarks --only compile   # torch.compile of a training step: speed-up, compile time, payback (minutes)
     python -m benchmarks --update-readme  # also write the table into benchmarks/README.md
 
 Every row compares a candidate with a reference measured in the same process, interleaved, best of
@@ -35,9 +36,11 @@ SUITES = {
     "decode": "bench_decode",
     "train": "bench_train",
     "long": "bench_long",
+    "compile": "bench_compile",
 }
-# Run only when asked for (--only long): tens of minutes, and up to 3 GiB per subprocess.
-ON_REQUEST = ("long",)
+# Run only when asked for: long (--only long) takes tens of minutes and up to 3 GiB per subprocess; compile
+# (--only compile) minutes of torch.compile.
+ON_REQUEST = ("long", "compile")
 README = Path(__file__).with_name("README.md")
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("machine")
     r.add_argument("--device", help="cpu, cuda, cuda:1, or auto (default: cuda when available)")
     r.add_argument("--threads", type=arg_int(1, MAX_THREADS), help="torch CPU threads")
+    r.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="train through torch.compile: the first step compiles (minutes on a CPU), later steps run faster; "
+        "pays back on runs of a few thousand steps (benchmarks/README, 'torch.compile')",
+    )
     r.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     return p
 

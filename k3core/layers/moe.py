@@ -180,6 +180,9 @@ class StackedExperts(nn.Module):
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(z).index_add_(0, token_of, out.to(z.dtype))
 
+    # Eager under torch.compile: its shapes are the routing's counts, so a compiled loop would recompile on every
+    # new count (and hit the recompile limit within a few steps of training).
+    @torch.compiler.disable
     def _experts_sorted_loop(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by expert, counts[e] rows for expert e: one matmul chain per active expert."""
         outputs, start = [], 0

@@ -73,6 +73,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # "auto": cuda when available, else cpu
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    compile: bool = False  # train through torch.compile (fused kernels; minutes to compile, then faster steps)
     sample_tokens: int = 400
     sample_prompt: str = "ROMEO:\n"
     sample_temperature: float = 0.8

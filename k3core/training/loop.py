@@ -129,6 +129,8 @@ class Trainer:
                 f"byte-level training needs vocab_size >= 256, the config has {self.model_config.vocab_size}"
             )
         self.model.train()
+        # The training forward; validation, recording and sampling use the eager model (same parameters).
+        self.train_forward = torch.compile(self.model) if cfg.compile else self.model
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         # param order in the optimizer must match self.opt_names (decay group first)
@@ -231,7 +233,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y, mqar_rows = self._batch()
-        out = model(x, targets=y)
+        out = self.train_forward(x, targets=y)
         loss = out.loss
         if mqar_rows and cfg.mqar_loss_weight != 1.0:
             loss = weighted_recall_loss(out.logits, y, mqar_rows, cfg.mqar_loss_weight)
