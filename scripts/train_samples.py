@@ -6,6 +6,14 @@
     python scripts/train_samples.py --table               # only rewrite sample_checkpoints/README.md
     python scripts/train_samples.py --stage /tmp/k3stage  # train there, copy into sample_checkpoints/ when done
 
+The campaign (recipe.json's "campaign": the sweeps and the runs that replace the shipped samples, each a unit that
+fits 2 hours of one core at the measured step speed, trained over as many sessions as it takes):
+
+    python scripts/train_samples.py --campaign                     # every unit, its budget and whether it is done
+    python scripts/train_samples.py --unit k3-full-s0 --print      # the unit's k3lab train command
+    nohup python scripts/train_samples.py --unit k3-full-s0 --stage /tmp/k3c &   # train one unit
+    python scripts/train_samples.py --record k3-full-s0 /tmp/k3c/k3-full-s0 --device "cpu, 1 thread"
+
 Each run is ``k3lab train <base_config> --set <its change> <common args> --out sample_checkpoints/<name>``
 (run here as ``python -m k3lab train``, the same entry point). Logs go to ``--log-dir``.
 """
@@ -19,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +122,116 @@ def publish(recipe: dict, run: dict, staged: Path, root: Path = SAMPLES) -> Path
     return dest
 
 
+# ---------------------------------------------------------------------------------------------------- campaign
+CORE_HOURS_PER_UNIT = 2.0  # a unit must fit this much time of one core at the recorded step speed
+RESULT_KEYS = ("val_bpb", "mqar_accuracy", "tokens_seen", "wall_time_s")
+
+
+def campaign_units(recipe: dict) -> list[dict]:
+    """Every unit of the campaign, sweeps' runs first, each with its ``kind`` ("sweep:<name>" or "run")."""
+    campaign = recipe.get("campaign")
+    if not campaign:
+        return []
+    units = [{**u, "kind": f"sweep:{sweep['name']}"} for sweep in campaign["sweeps"] for u in sweep["units"]]
+    units += [{**u, "kind": "run"} for u in campaign["runs"]]
+    names = [u["name"] for u in units]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"campaign: duplicate unit names {sorted(n for n in names if names.count(n) > 1)}")
+    return units
+
+
+def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
+    """``k3lab train`` arguments of one campaign unit: base config, its --set changes, the campaign's common
+    arguments (a sweep's own when it has them), the unit's arguments, its seed and ``--out out_root/name``."""
+    campaign = recipe["campaign"]
+    common = campaign["common_args"]
+    if unit["kind"].startswith("sweep:"):
+        sweep = next(s for s in campaign["sweeps"] if f"sweep:{s['name']}" == unit["kind"])
+        common = sweep.get("common_args", common)
+    args = [recipe["base_config"]]
+    for item in unit.get("set", []):
+        args += ["--set", item]
+    return (
+        args
+        + list(common)
+        + list(unit.get("args", []))
+        + ["--seed", str(unit["seed"]), "--out", f"{out_root}/{unit['name']}"]
+    )
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[len(args) - 1 - args[::-1].index(flag) + 1]  # the last occurrence wins, as in argparse
+
+
+def unit_tokens(recipe: dict, unit: dict) -> int:
+    args = unit_args(recipe, unit, "x")
+    return int(_arg(args, "--steps")) * int(_arg(args, "--batch-size")) * int(_arg(args, "--seq-len"))
+
+
+def unit_hours(recipe: dict, unit: dict) -> float:
+    """Estimated hours of one core: the unit's tokens at the campaign's recorded tokens/s (eager or compiled)."""
+    speed = recipe["campaign"]["speed"]
+    compiled = "--compile" in unit_args(recipe, unit, "x")
+    tok_s = speed["compiled_tokens_per_s"] if compiled else speed["eager_tokens_per_s"]
+    return unit_tokens(recipe, unit) / tok_s / 3600
+
+
+def campaign_table(recipe: dict) -> str:
+    """Markdown table of the campaign's units: budget, status, where trained and results."""
+    rows = [
+        "| unit | kind | seed | tokens | est. core-hours | status | trained on | val bits/byte | MQAR acc |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for unit in campaign_units(recipe):
+        done = unit.get("result") or {}
+        bpb = f"{done['val_bpb']:.3f}" if done else ""
+        mqar = f"{done['mqar_accuracy']:.3f}" if done else ""
+        rows.append(
+            f"| `{unit['name']}` | {unit['kind']} | {unit['seed']} | {unit_tokens(recipe, unit) / 1e6:.2f}M | "
+            f"{unit_hours(recipe, unit):.2f} | {unit['status']} | {unit.get('trained_on', '')} | {bpb} | {mqar} |"
+        )
+    return "\n".join(rows)
+
+
+def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str) -> dict:
+    """Mark a finished unit done in the recipe file: its results, code version, where and when it trained.
+
+    Refuses a run that did not finish (a unit cut off is trained again, never recorded) and a run whose
+    configuration is not the unit's (another schedule, seed or recipe)."""
+    from k3core.training import load_metrics
+
+    recipe = load_recipe(recipe_path)
+    unit = next((u for u in campaign_units(recipe) if u["name"] == name), None)
+    if unit is None:
+        raise SystemExit(f"{recipe_path}: no campaign unit named {name!r}")
+    metrics = load_metrics(run_dir)
+    if metrics["status"] != "finished":
+        raise SystemExit(f"{run_dir}: the run did not finish ({metrics['status']}); train the unit again")
+    tc, args = metrics["train_config"], unit_args(recipe, unit, "x")
+    planned = {"steps": int(_arg(args, "--steps")), "seed": int(unit["seed"])}
+    planned_tokens = unit_tokens(recipe, unit)
+    if any(tc[k] != v for k, v in planned.items()) or metrics["final"]["tokens_seen"] != planned_tokens:
+        raise SystemExit(f"{run_dir}: not unit {name!r} (planned {planned}, {planned_tokens:,} tokens)")
+    entry = {
+        "status": "done",
+        "trained_on": device,
+        "code_version": metrics["code_version"],
+        "started": metrics["created"],
+        "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "result": {k: metrics["final"][k] for k in RESULT_KEYS},
+        "val_curve": [
+            [e["step"], round(e["val_bpb"], 4), round(e["mqar_accuracy"], 4)] for e in metrics["history"]["val"]
+        ],
+    }
+    raw = json.loads(recipe_path.read_text())
+    campaign = raw["campaign"]
+    for target in [*campaign["runs"], *(u for s in campaign["sweeps"] for u in s["units"])]:
+        if target["name"] == name:
+            target.update(entry)
+    recipe_path.write_text(json.dumps(raw, indent=1) + "\n")
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", help="train only these runs")
@@ -122,8 +241,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="only rewrite the README table")
     p.add_argument("--recipe", default=str(RECIPE), help="recipe file (default sample_checkpoints/recipe.json)")
     p.add_argument("--stage", help="train into STAGE/<name>, then copy finished runs into sample_checkpoints/")
+    c = p.add_argument_group('campaign (recipe.json\'s "campaign")')
+    c.add_argument("--campaign", action="store_true", help="print every unit, its budget and status, and exit")
+    c.add_argument("--unit", help="train this campaign unit into --stage (with --print: its command only)")
+    c.add_argument("--record", nargs=2, metavar=("UNIT", "RUN_DIR"), help="mark a finished unit done in the recipe")
+    c.add_argument("--device", default="cpu, 1 thread", help="where a recorded unit trained (default 'cpu, 1 thread')")
     args = p.parse_args(argv)
     recipe = load_recipe(Path(args.recipe))
+    if args.campaign:
+        print(campaign_table(recipe))
+        return 0
+    if args.record:
+        entry = record_unit(Path(args.recipe), args.record[0], Path(args.record[1]), args.device)
+        print(f"recorded {args.record[0]}: {entry['result']}")
+        return 0
+    if args.unit:
+        unit = next((u for u in campaign_units(recipe) if u["name"] == args.unit), None)
+        if unit is None:
+            raise SystemExit(f"no campaign unit named {args.unit!r}; see --campaign")
+        stage = str(Path(args.stage or "/tmp/k3campaign").resolve())
+        cmd = [sys.executable, "-m", "k3lab", "train", *unit_args(recipe, unit, stage)]
+        print("k3lab train " + shlex.join(cmd[4:]), flush=True)
+        if args.print_only:
+            return 0
+        return subprocess.call(cmd, cwd=ROOT)
     runs = [r for r in recipe["runs"] if not args.only or r["name"] in args.only]
     if args.print_only:
         for run in runs:

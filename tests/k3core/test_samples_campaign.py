@@ -1,0 +1,105 @@
+"""The samples' training campaign (recipe.json's "campaign", scripts/train_samples.py): every unit fits its budget,
+done units carry their results and provenance, and recording a unit refuses what is not that unit finished."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3core import training as T
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+try:
+    import train_samples
+finally:
+    sys.path.pop(0)
+
+RECIPE = train_samples.load_recipe()
+
+
+def test_every_planned_unit_fits_two_core_hours_and_names_are_unique():
+    units = train_samples.campaign_units(RECIPE)
+    assert units, "recipe.json has no campaign"
+    for unit in units:
+        hours = train_samples.unit_hours(RECIPE, unit)
+        assert hours <= train_samples.CORE_HOURS_PER_UNIT, f"{unit['name']}: {hours:.2f} core-hours"
+        assert unit["status"] in ("planned", "done")
+        args = train_samples.unit_args(RECIPE, unit, "stage")
+        assert args[-2:] == ["--out", f"stage/{unit['name']}"] and "--seed" in args
+
+
+def test_done_units_carry_results_code_version_and_place():
+    done = [u for u in train_samples.campaign_units(RECIPE) if u["status"] == "done"]
+    for unit in done:
+        assert unit["trained_on"] and unit["code_version"]
+        assert set(train_samples.RESULT_KEYS) <= set(unit["result"])
+        assert unit["result"]["tokens_seen"] == train_samples.unit_tokens(RECIPE, unit)
+        assert 0.0 <= unit["result"]["mqar_accuracy"] <= 1.0 and unit["result"]["val_bpb"] > 0
+
+
+def test_campaign_table_lists_every_unit():
+    table = train_samples.campaign_table(RECIPE)
+    for unit in train_samples.campaign_units(RECIPE):
+        assert f"`{unit['name']}`" in table
+
+
+def _tiny_recipe(tmp_path: Path) -> Path:
+    recipe = {
+        "base_config": "k3-nano",
+        "common_args": [],
+        "runs": [],
+        "campaign": {
+            "speed": {"eager_tokens_per_s": 1000.0, "compiled_tokens_per_s": 1500.0},
+            "common_args": ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2"],
+            "sweeps": [],
+            "runs": [{"name": "tiny-s3", "seed": 3, "set": [], "status": "planned"}],
+        },
+    }
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+def _train(run_dir: Path, **changes) -> Path:
+    cfg = dict(
+        model="k3-nano", steps=2, batch_size=2, seq_len=32, eval_windows=2, eval_every=0, mqar_eval_examples=2,
+        sample_tokens=4, threads=1, progress=False, seed=3, out_dir=str(run_dir),
+    )  # fmt: skip
+    return T.train(T.TrainConfig(**{**cfg, **changes}))
+
+
+def test_record_marks_a_finished_unit_done_and_refuses_other_runs(tmp_path):
+    recipe_path = _tiny_recipe(tmp_path)
+    other_seed = _train(tmp_path / "other-seed", seed=4)
+    with pytest.raises(SystemExit, match="not unit 'tiny-s3'"):
+        train_samples.record_unit(recipe_path, "tiny-s3", other_seed, "cpu")
+    stopped = _train(tmp_path / "stopped", steps=2, stop_at=1)
+    with pytest.raises(SystemExit, match="did not finish"):
+        train_samples.record_unit(recipe_path, "tiny-s3", stopped, "cpu")
+    assert json.loads(recipe_path.read_text())["campaign"]["runs"][0]["status"] == "planned"
+
+    run = _train(tmp_path / "tiny-s3")
+    entry = train_samples.record_unit(recipe_path, "tiny-s3", run, "cpu, 1 thread")
+    stored = json.loads(recipe_path.read_text())["campaign"]["runs"][0]
+    assert stored["status"] == "done" and stored["trained_on"] == "cpu, 1 thread"
+    assert stored["result"] == entry["result"] and stored["result"]["tokens_seen"] == 2 * 2 * 32
+    assert stored["code_version"] == T.load_metrics(run)["code_version"]
+
+
+def test_unit_command_is_printed_with_the_units_seed_and_stage():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_samples.py"), "--campaign"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert out.startswith("| unit |")
+    name = train_samples.campaign_units(RECIPE)[0]["name"]
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_samples.py"), "--unit", name, "--print", "--stage", "/s"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert printed.startswith("k3lab train ") and f"--out /s/{name}" in printed
