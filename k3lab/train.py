@@ -91,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
         "validation always asks each pair once)",
     )
     g.add_argument(
+        "--mqar-curriculum",
+        dest="mqar_curriculum_steps",
+        type=arg_int(0, MAX_TRAIN_STEPS),
+        help="steps over which MQAR rows grow from --mqar-pairs-start pairs to --mqar-kv-pairs "
+        "(default 0: no curriculum)",
+    )
+    g.add_argument(
+        "--mqar-pairs-start",
+        dest="mqar_kv_pairs_start",
+        type=arg_int(1, MAX_TOKENS // 3),
+        help="MQAR pairs of a row at step 0 of the curriculum (default 1)",
+    )
+    g.add_argument(
         "--mqar-loss-weight",
         type=arg_float(1e-6, 1e6),
         help=f"weight of an MQAR answer in the training loss, a text byte weighing 1 (default {d.mqar_loss_weight})",

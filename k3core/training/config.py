@@ -67,6 +67,8 @@ class TrainConfig:
     mqar_kv_pairs: int = 8
     mqar_queries: int | None = None  # queries per MQAR training row (None: one per pair; more: keys asked again)
     mqar_loss_weight: float = 1.0  # weight of an MQAR answer in the training loss, against 1 for a text byte
+    mqar_curriculum_steps: int = 0  # MQAR pairs grow from mqar_kv_pairs_start to mqar_kv_pairs over these steps
+    mqar_kv_pairs_start: int = 1
     mqar_eval_examples: int = 32
     log_every: int = 10
     save_every: int = 100  # checkpoint every N steps; 0: only on stop/interrupt/end
@@ -101,7 +103,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TrainError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "save_every", "sample_tokens"):
+        for name in ("warmup_steps", "eval_every", "save_every", "sample_tokens", "mqar_curriculum_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise TrainError(f"{name} must be an integer >= 0, got {value!r}")
@@ -123,6 +125,11 @@ class TrainConfig:
                 f"seq_len={self.seq_len} is too short for MQAR with {self.mqar_kv_pairs} pairs and {queries} "
                 f"queries (needs >= {2 * self.mqar_kv_pairs + queries})"
             )
+        if not (isinstance(self.mqar_kv_pairs_start, int) and 1 <= self.mqar_kv_pairs_start <= self.mqar_kv_pairs):
+            raise TrainError(
+                f"mqar_kv_pairs_start must be in [1, mqar_kv_pairs={self.mqar_kv_pairs}], "
+                f"got {self.mqar_kv_pairs_start!r}"
+            )
         if not self.mqar_loss_weight > 0:
             raise TrainError(f"mqar_loss_weight must be > 0, got {self.mqar_loss_weight}")
         if self.stop_at is not None and not 0 < self.stop_at:
@@ -133,6 +140,14 @@ class TrainConfig:
             raise TrainError("sample_temperature must be >= 0 (0: greedy)")
         if not isinstance(self.overrides, dict):
             raise TrainError("overrides must be a dict of K3Config fields")
+
+    def mqar_pairs_at(self, step: int) -> int:
+        """MQAR pairs of a training row at ``step``: ``start + floor((D - start) * min(1, step / curriculum))``,
+        from ``mqar_kv_pairs_start`` to ``D = mqar_kv_pairs`` (always ``D`` without a curriculum)."""
+        if self.mqar_curriculum_steps == 0:
+            return self.mqar_kv_pairs
+        grown = (self.mqar_kv_pairs - self.mqar_kv_pairs_start) * min(step, self.mqar_curriculum_steps)
+        return self.mqar_kv_pairs_start + grown // self.mqar_curriculum_steps
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -219,7 +219,7 @@ class Trainer:
                 x,
                 y,
                 cfg.mqar_fraction,
-                cfg.mqar_kv_pairs,
+                cfg.mqar_pairs_at(self.step),
                 generator=self.data_gen,
                 vocab_size=self.model_config.vocab_size,
                 num_queries=cfg.mqar_queries,

@@ -109,6 +109,14 @@ def test_config_validation():
         T.TrainConfig(mqar_loss_weight=0.0)
 
 
+def test_mqar_curriculum_grows_pairs_linearly_to_the_target():
+    cfg = T.TrainConfig(mqar_kv_pairs=8, mqar_kv_pairs_start=2, mqar_curriculum_steps=600)
+    assert [cfg.mqar_pairs_at(s) for s in (0, 99, 100, 300, 599, 600, 10_000)] == [2, 2, 3, 5, 7, 8, 8]
+    assert T.TrainConfig(mqar_kv_pairs=8).mqar_pairs_at(0) == 8
+    with pytest.raises(T.TrainError, match="mqar_kv_pairs_start"):
+        T.TrainConfig(mqar_kv_pairs=8, mqar_kv_pairs_start=9)
+
+
 def test_weighted_recall_loss_is_the_weighted_mean_of_token_losses():
     from k3core.data import IGNORE_INDEX
     from k3core.training.loop import weighted_recall_loss
