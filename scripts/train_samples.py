@@ -83,16 +83,21 @@ def readme_table(recipe: dict, root: Path = SAMPLES) -> str:
     return "\n".join(rows)
 
 
-def write_table(recipe: dict, root: Path = SAMPLES) -> None:
-    """Replace the table between the TABLE markers of sample_checkpoints/README.md."""
-    readme = root / "README.md"
-    text = readme.read_text()
-    start, end = "<!-- TABLE START -->", "<!-- TABLE END -->"
+def _replace_between(text: str, marker: str, body: str, where: Path) -> str:
+    start, end = f"<!-- {marker} START -->", f"<!-- {marker} END -->"
     if start not in text or end not in text:
-        raise SystemExit(f"{readme}: missing the {start} / {end} markers")
+        raise SystemExit(f"{where}: missing the {start} / {end} markers")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{readme_table(recipe, root)}\n{end}{tail}")
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def write_table(recipe: dict, root: Path = SAMPLES) -> None:
+    """Replace the shipped runs' table (TABLE markers) and the campaign's (CAMPAIGN markers) in the README."""
+    readme = root / "README.md"
+    text = _replace_between(readme.read_text(), "TABLE", readme_table(recipe, root), readme)
+    text = _replace_between(text, "CAMPAIGN", campaign_table(recipe), readme)
+    readme.write_text(text)
 
 
 def publish(recipe: dict, run: dict, staged: Path, root: Path = SAMPLES) -> Path:
@@ -254,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         entry = record_unit(Path(args.recipe), args.record[0], Path(args.record[1]), args.device)
         print(f"recorded {args.record[0]}: {entry['result']}")
+        write_table(load_recipe(Path(args.recipe)))
         return 0
     if args.unit:
         unit = next((u for u in campaign_units(recipe) if u["name"] == args.unit), None)

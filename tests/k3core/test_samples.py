@@ -86,5 +86,6 @@ def test_readme_table_is_current():
         sys.path.pop(0)
     readme = (SAMPLES / "README.md").read_text()
     assert train_samples.readme_table(train_samples.load_recipe()) in readme
+    assert train_samples.campaign_table(train_samples.load_recipe()) in readme
     for run in RECIPE["runs"]:
         assert train_samples.command(RECIPE, run) in readme
