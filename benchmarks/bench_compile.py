@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from k3core.training.balancing import update_router_biases
+
 from .bench_train import setup, train_step
 from .common import Row, side_by_side
 
@@ -28,7 +30,7 @@ LOSS_RTOL = 1e-4
 AGREEMENT_STEPS = 5
 
 
-def _first_call_seconds(fn) -> float:
+def _first_call_seconds(fn) -> float:  # wall time: inductor compiles in worker processes
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -42,19 +44,27 @@ def measure(batch: int = 8, T: int = 256, repeat: int = 3) -> dict[str, float]:
     k3_compiled = torch.compile(k3_twin)
     gpt_compiled = torch.compile(gpt)
 
-    def k3_loss(model) -> float:
-        return float(model(x, targets=y).loss.detach())
+    def k3_step_loss(forward, model, optimizer) -> float:
+        """``train_step`` for K3 through ``forward`` (the model or its compiled wrapper), returning the step's loss
+        (read from the training forward itself: a no-grad forward would compile a second, gradient-free graph)."""
+        loss = forward(x, targets=y).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        update_router_biases(model)
+        return float(loss.detach())
 
-    eager_step = _first_call_seconds(lambda: train_step(k3, opt_k3, x, y, True))
-    k3_compile = _first_call_seconds(lambda: train_step(k3_compiled, opt_twin, x, y, True)) - eager_step
-    # Agreement from one init: the two copies have each taken one step on the same batch; go on side by side.
-    worst = 0.0
-    for _ in range(AGREEMENT_STEPS):
-        with torch.no_grad():
-            a, b = k3_loss(k3), k3_loss(k3_compiled)
-        worst = max(worst, abs(a - b) / abs(a))
-        train_step(k3, opt_k3, x, y, True)
-        train_step(k3_compiled, opt_twin, x, y, True)
+    t0 = time.perf_counter()
+    eager_loss = k3_step_loss(k3, k3, opt_k3)
+    eager_step = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    losses = [(eager_loss, k3_step_loss(k3_compiled, k3_twin, opt_twin))]
+    k3_compile = time.perf_counter() - t0 - eager_step
+    # Agreement from one init, step by step on the same batch.
+    for _ in range(AGREEMENT_STEPS - 1):
+        losses.append((k3_step_loss(k3, k3, opt_k3), k3_step_loss(k3_compiled, k3_twin, opt_twin)))
+    worst = max(abs(a - b) / abs(a) for a, b in losses)
     gpt_eager = _first_call_seconds(lambda: train_step(gpt, opt_gpt, x, y, False))
     gpt_compile = _first_call_seconds(lambda: train_step(gpt_compiled, opt_gpt, x, y, False)) - gpt_eager
     times = side_by_side(
