@@ -8,7 +8,7 @@ full depth; compressed-tensors MXFP4 experts back to back, BF16/F32 elsewhere, l
 vision tensors, config with quantization_config inside text_config) and plants only what makes the forward
 do real work (embedding rows of the prompt, norms, KDA gates, routers favouring 24 experts per layer, a
 few random MXFP4 experts); the rest are file holes. A child process loads it with
-``k3core.bigmodel.streamed_run.load_streamed`` under ``--budget``, records a trace (``--what``, default the default
+``k3core.loading.streamed_run.load_streamed`` under ``--budget``, records a trace (``--what``, default the default
 ``record(model)``; the test of 2 layers uses "all") of one forward over ``--tokens`` tokens, and reports: seconds,
 seconds per token, bytes read (and per token), expert hits / misses, peak RSS (``VmHWM``, interpreter and imports
 included), and bytes read against the floor
@@ -60,11 +60,11 @@ def run_child(
     import numpy as np
     import torch
 
-    from k3core.bigmodel.streamed_run import EXPERT_RE, load_streamed
     from k3core.interp.recorder import record
     from k3core.interp.trace import Trace, TraceNames
     from k3core.interp.trace_size import record_bytes
-    from k3core.model import K3ForCausalLM
+    from k3core.loading.streamed_run import EXPERT_RE, load_streamed
+    from k3core.modeling.model import K3ForCausalLM
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     peaks: dict[int, int] = {}  # VmHWM before each decoder layer: where the peak was reached

@@ -9,11 +9,11 @@ import streamlit  # noqa: F401 - before analysis: importing streamlit sets plotl
 import torch
 
 from app.server.settings import STREAMLIT_OPTIONS
-from k3core.config import K3Config
 from k3core.interp.recorder import record
 from k3core.interp.trace import Trace
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.config import K3Config
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 # The tests run tiny models on a small shared CPU: with several threads per process every small op pays for
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.

@@ -114,7 +114,7 @@ class Replica:
     @property
     def params(self) -> int:
         """Parameters under k3lab's rule (``checkpoint_files.PARAMETER_RULE``: the router selection bias is not one)."""
-        from k3core.checkpoints.names import counts_as_parameter
+        from k3core.loading.names import counts_as_parameter
 
         return sum(math.prod(s) for n, s in self.shapes.items() if counts_as_parameter(n))
 
@@ -236,9 +236,9 @@ def k3_config_json(num_layers: int | None = None) -> dict:
 def model_shapes(config_json: dict) -> dict[str, tuple]:
     """Canonical tensor names and logical shapes of the model a config.json describes, as published
     (A_log padded to 128 entries)."""
-    from k3core.checkpoints.pretrained import build_meta_model, published_shapes
-    from k3core.hf_config import config_from_hf
-    from k3core.model import K3ForCausalLM
+    from k3core.loading.pretrained import build_meta_model, published_shapes
+    from k3core.modeling.hf_config import config_from_hf
+    from k3core.modeling.model import K3ForCausalLM
 
     shapes = published_shapes(build_meta_model(K3ForCausalLM, config_from_hf(config_json), None))
     for name in list(shapes):

@@ -57,10 +57,10 @@ from app.state.inputs import (
     current_inputs,
     options_key,
 )
-from k3core.checkpoints.folder import folder_fingerprint
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace_folder import is_trace_dir, trace_dir_fingerprint
 from k3core.interp.trace_size import WHAT_ALL, WHAT_DEFAULT
+from k3core.loading.folder import folder_fingerprint
+from k3core.loading.tensor_info import CheckpointError
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -70,7 +70,7 @@ def _fingerprint(path: str, stamp: tuple) -> str:
 
 
 def run_fingerprint(path: str | Path) -> str:
-    """k3core.checkpoints.folder.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
+    """k3core.loading.folder.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
     file's size or mtime changes (``app.library.run_folders.folder_stamp``)."""
     path = Path(path)
     try:
@@ -110,7 +110,7 @@ def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: st
 def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memory: str | None = None) -> Run:
     """The run (model shared across sessions), via analysis.runs.loading.load_run, with a progress bar while it loads.
     ``max_memory`` (default: the sidebar's memory budget): run it from its files within that budget
-    (k3core.bigmodel.streamed_run). Raises CheckpointError / InputError."""
+    (k3core.loading.streamed_run). Raises CheckpointError / InputError."""
     check_device(device, dtype)
     if max_memory is None:
         inputs = current_inputs()
@@ -120,7 +120,7 @@ def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memor
 
 @st.cache_resource(show_spinner=False, max_entries=8)
 def _shape_model(fingerprint: str, _config: Any) -> Any:
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     return K3ForCausalLM.from_config(_config, device="meta")
 

@@ -29,7 +29,7 @@ from app.render.caching import Loaded
 from app.render.errors import md_escape
 from app.state import pickers
 from app.state.inputs import InputError
-from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.loading.tensor_info import CheckpointError
 
 log = logging.getLogger("k3lab.app")
 

@@ -43,9 +43,9 @@ from app.state.inputs import (
     current_inputs,
     options_key,
 )
-from k3core.checkpoints.pretrained import load_config
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
+from k3core.loading.pretrained import load_config
+from k3core.loading.tensor_info import CheckpointError
 
 log = logging.getLogger("k3lab.app")
 

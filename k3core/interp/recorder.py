@@ -6,7 +6,7 @@
     trace.axes["blocks.0.kda.g"]     # ("batch", "token", "head", "channel")
     trace.save("run.trace.npz"); Trace.load("run.trace.npz")
 
-The recorder is one consumer of the model's hook points (``k3core.interp.hooks``): ``record`` adds read hooks
+The recorder is one consumer of the model's hook points (``k3core.modeling.hooks``): ``record`` adds read hooks
 for the items asked for and turns what they see into these arrays; with no hook context active the
 forward runs at full speed. The hook context lives in a ``contextvars`` variable, so each thread (each
 app session) records its own model without seeing another's. Recording inside ``intervene`` shows the
@@ -96,6 +96,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..modeling.hooks import active, hooks
 from .attention_stats import DEFAULT_BLOCK, position_bins
 from .catalogue import point_name
 from .hidden_moments import (
@@ -106,7 +107,6 @@ from .hidden_moments import (
     sketch_projection,
     uses_sketch,
 )
-from .hooks import active, hooks
 from .layer_reads import LayerReads
 from .trace import Trace, TraceNames
 from .trace_size import WHAT_ALL, WHAT_ON_REQUEST, resolve_what

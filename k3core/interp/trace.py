@@ -21,10 +21,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from ..modeling.hooks import HookNames
 from ..utils.files import open_for_reading, parse_json
 from .catalogue import POINTS
 from .hidden_moments import MOMENT_AXES
-from .hooks import HookNames
 from .kda_attention_stats import KDA_STATS
 from .trace_npz import NpzLimits, TraceError, npz_layout, read_npz
 

@@ -3,7 +3,7 @@
 ``record_bytes`` adds up every array ``k3core.interp.recorder.record`` keeps (their shapes follow from the config,
 ``T`` and the recorder's options; see the recorder's list) and the working bytes it holds while recording (the
 float64 copies of a depth's states and its carry to the next depth, the Gram sketch's projection, the stacking of the
-per-depth moments at the end). The streamed plan (``k3core.bigmodel.streamed_run.plan_streaming``) counts it against
+per-depth moments at the end). The streamed plan (``k3core.loading.streamed_run.plan_streaming``) counts it against
 the memory budget; tests/k3core/interp/test_trace_size.py holds it against what recordings hold.
 """
 

@@ -33,7 +33,7 @@ from app.server import job_budget
 from app.server.settings import HOME_ENV
 from app.state import inputs
 from k3core.data.batches import IGNORE_INDEX
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
 TIMEOUT = 180  # seconds per script run: generous for a loaded CI machine; typical runs take 1-5 s

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from k3core.checkpoints.folder import CheckpointFiles
-from k3core.checkpoints.names import counts_as_parameter
-from k3core.model import K3ForCausalLM
+from k3core.loading.folder import CheckpointFiles
+from k3core.loading.names import counts_as_parameter
+from k3core.modeling.model import K3ForCausalLM
 
 from ..k3_replica import EXPERT_RE, VISION, k3_config_json, model_shapes, write_replica
 

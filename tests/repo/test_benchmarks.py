@@ -9,13 +9,13 @@ from benchmarks import bench_cache, bench_forward, bench_moe, gpu_check, run_all
 from benchmarks.bench_decode import generate_uncached
 from benchmarks.common import Row, side_by_side
 from k3core.generation import decode
-from k3core.generation.cache import K3Cache
 from k3core.generation.decode import generate
 from k3core.interp.recorder import record
-from k3core.layers.kda import l2_norm
-from k3core.model import K3ForCausalLM
+from k3core.modeling.cache import K3Cache
+from k3core.modeling.layers.kda import l2_norm
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 from k3core.ops.kda import kda_recurrent
-from k3core.presets import from_preset
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,8 @@ from analysis.views.view import NotApplicable
 from k3core.interp.attention_stats import position_bins
 from k3core.interp.kda_attention_stats import distance_bins
 from k3core.interp.trace import Trace, names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import run_from_model, trace_run
 from analysis.views.view import NotApplicable
 from k3core.interp.trace import Trace, names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 
 @pytest.fixture(scope="module")

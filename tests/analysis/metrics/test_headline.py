@@ -12,8 +12,8 @@ from analysis.metrics import headline as hl
 from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import run_from_model, trace_run
 from k3core.interp.trace import Trace, names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 METRICS = {"history": [{"step": 10, "val_bpb": 3.2}, {"step": 20, "val_bpb": 2.9}]}
 

@@ -12,8 +12,8 @@ from analysis.metrics import headline as hl
 from analysis.metrics import loss_noise as ln
 from analysis.runs.loading import run_from_model, trace_run
 from k3core.interp.trace import names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 
 def test_paired_ci_matches_a_hand_computation():

@@ -19,7 +19,7 @@ from analysis.survey.folder import CARD_NAME, STATE_NAME, read_survey
 from analysis.survey.plan import SurveyError, attnres_sites, batch_ids, corpus_ids, make_plan
 from analysis.survey.state import SurveyState
 from k3core.interp.catalogue import POINTS
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 from k3core.training.load_stats import moe_load_stats
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"

@@ -19,8 +19,8 @@ from analysis.views import picks as pk
 from analysis.views import view as view_mod
 from analysis.views.catalogue import all_views
 from k3core.interp.trace import names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 from ..figures import test_figures_degradation
 

@@ -1,4 +1,4 @@
-"""Hook points (k3core.interp.hooks, declared in the modules that produce them, collected by
+"""Hook points (k3core.modeling.hooks, declared in the modules that produce them, collected by
 k3core.interp.catalogue): every declared point fires with its axes and nothing undeclared fires, the docs table is
 the declarations', the module docstring's example runs, writes replace values, an empty context changes nothing,
 and the layers hold computation only."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from k3core.interp import catalogue
-from k3core.interp import hooks as hooks_mod
 from k3core.interp.catalogue import hook_points
-from k3core.interp.hooks import HookContext, HookNames, hooks
+from k3core.modeling import hooks as hooks_mod
+from k3core.modeling.hooks import HookContext, HookNames, hooks
 from tests.conftest import nano_model, random_ids
 
 ROOT = Path(__file__).resolve().parents[3]
