@@ -62,7 +62,7 @@ def run_child(
 
     from k3core.interp.recorder import record
     from k3core.interp.trace import Trace, TraceNames
-    from k3core.interp.trace_size import record_bytes
+    from k3core.interp.trace_size import record_bytes, trace_estimate
     from k3core.loading.streamed_run import EXPERT_RE, load_streamed
     from k3core.modeling.model import K3ForCausalLM
 
@@ -75,7 +75,7 @@ def run_child(
     t0 = time.perf_counter()
     model = load_streamed(
         folder, K3ForCausalLM, dtype=getattr(torch, dtype), max_memory={"cpu": budget}, skip_holes=skip_holes,
-        progress=progress,
+        progress=progress, trace_estimate=trace_estimate,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     loaded_peak = peak_rss()

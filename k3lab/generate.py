@@ -16,10 +16,13 @@ def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, ma
     from k3core.modeling.model import K3ForCausalLM
 
     if max_memory:
+        from k3core.interp.trace_size import trace_estimate
         from k3core.loading.streamed_run import plan_for_path
 
         device = "cpu" if device == "auto" else device
-        plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=DTYPES[dtype_name(dtype)], max_memory=max_memory)
+        dtype = DTYPES[dtype_name(dtype)]
+        plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=dtype, max_memory=max_memory,
+                             trace_estimate=trace_estimate)  # fmt: skip
         print(f"{prog}: streaming plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
               file=sys.stderr)  # fmt: skip
         return

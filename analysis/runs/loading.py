@@ -23,6 +23,7 @@ from analysis.runs.context import AnalysisContext
 from analysis.runs.texts import REPEAT_START, Input
 from k3core.interp.trace_folder import TraceDir, is_trace_dir, read_trace_dir, trace_dir_fingerprint
 from k3core.interp.trace_npz import TraceError
+from k3core.interp.trace_size import trace_estimate
 from k3core.loading.folder import folder_fingerprint
 from k3core.loading.tensor_info import DTYPES as STORED
 from k3core.loading.tensor_info import CheckpointError
@@ -135,7 +136,12 @@ def load_run(
     if max_memory:
         budget_device = "cpu" if str(device) == "auto" else str(device)
         model = K3ForCausalLM.from_pretrained(
-            path, device=budget_device, dtype=DTYPES[dtype], max_memory={budget_device: max_memory}, stream=True
+            path,
+            device=budget_device,
+            dtype=DTYPES[dtype],
+            max_memory={budget_device: max_memory},
+            stream=True,
+            trace_estimate=trace_estimate,
         )
     else:
         model = K3ForCausalLM.from_pretrained(

@@ -71,6 +71,12 @@ def second_moment_bytes(width: int, layers: int, bins: int, what: Iterable[str] 
     return (2 * layers + 1) * bins * k * k * F64 + (layers + 1) * bins * (k + 1) * F64
 
 
+def trace_estimate(config: Any, tokens: int) -> int:
+    """The bytes a default trace (``record(model)``) of one sequence of ``tokens`` tokens holds: what a streamed
+    plan keeps room for (``k3core.loading.streamed_run.plan_streaming(trace_estimate=...)``)."""
+    return record_bytes(config, tokens).total
+
+
 def record_bytes(
     config: Any,
     T: int,

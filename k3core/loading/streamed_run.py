@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..interp.trace_size import TraceSize, record_bytes
 from .expert_store import (
     LM_HEAD_CHUNK_BYTES,
     MARGIN_BYTES,
@@ -61,6 +61,9 @@ def streamed_module_of(name: str) -> str | None:
     return None
 
 
+TraceEstimate = Callable[[Any, int], int]  # (config, tokens) -> bytes a default trace of one sequence holds
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
@@ -90,16 +93,13 @@ class StreamPlan:
     parameters: int = 0
     trace_bytes: int = 0  # the part of working_bytes kept for a default trace of trace_tokens tokens of one sequence
     trace_tokens: int = 0
-    config: Any = field(default=None, repr=False)  # the model's config (for trace_size)
-
-    def trace_size(self, tokens: int, what: Any = None) -> TraceSize:
-        """What ``record(model, what)`` holds over a ``tokens``-token forward of one sequence
-        (``k3core.interp.trace_size.record_bytes``)."""
-        return record_bytes(self.config, tokens, what)
+    config: Any = field(default=None, repr=False)  # the model's config (for trace_estimate)
+    trace_estimate: TraceEstimate | None = field(default=None, repr=False)
 
     def trace_line(self, tokens: int) -> str:
         """The plan's word on a default trace of ``tokens`` tokens: its bytes against what the budget keeps for it."""
-        need = self.trace_size(tokens).total if self.config is not None else self.trace_bytes
+        estimate = self.trace_estimate
+        need = estimate(self.config, tokens) if estimate is not None and self.config is not None else self.trace_bytes
         spare = self.trace_bytes + self.expert_cache_bytes
         verdict = (
             "within the working set" if need <= self.trace_bytes
@@ -171,11 +171,14 @@ def plan_streaming(
     dense: str = "auto",
     read_speed: float | None = None,
     trace_tokens: int = TRACE_TOKENS,
+    trace_estimate: TraceEstimate | None = None,
 ) -> StreamPlan:
     """The plan of a streamed run of ``model`` (meta device, in its compute dtypes) from ``files`` within
-    ``budget`` bytes. ``dense``: "auto" (resident when it fits), "resident" or "stream". The working set keeps room
-    for a default trace (``record(model)``) of ``trace_tokens`` tokens of one sequence. Raises
-    CheckpointError when the budget cannot hold one layer."""
+    ``budget`` bytes. ``dense``: "auto" (resident when it fits), "resident" or "stream". With ``trace_estimate``
+    (the recorder's count, ``k3core.interp.trace_size.trace_estimate``, passed in by whoever will record: loading
+    does not know the recorder) the working set keeps room for a default trace (``record(model)``) of
+    ``trace_tokens`` tokens of one sequence; without it, none. Raises CheckpointError when the budget cannot hold one
+    layer."""
     if dense not in ("auto", "resident", "stream"):
         raise ValueError(f"dense must be 'auto', 'resident' or 'stream', got {dense!r}")
     cfg = model.config
@@ -212,7 +215,7 @@ def plan_streaming(
     # A default trace of one sequence of trace_tokens tokens, estimated from the config (its arrays and what the
     # recorder holds while recording: k3core.interp.trace_size; Kimi K3: 69 KDA final states of 6.3 MB, the hidden
     # states and their moments, sketched at this width)
-    trace = record_bytes(cfg, trace_tokens).total
+    trace = trace_estimate(cfg, trace_tokens) if trace_estimate is not None else 0
     lm = modules.get(LM_HEAD, 0) or modules.get(EMBED, 0)
     lm_chunk = min(LM_HEAD_CHUNK_BYTES, lm)
     layer_modules = {k: v for k, v in modules.items() if k not in (EMBED, LM_HEAD)}
@@ -259,6 +262,7 @@ def plan_streaming(
         trace_bytes=trace,
         trace_tokens=trace_tokens,
         config=cfg,
+        trace_estimate=trace_estimate,
     )
 
 
@@ -422,13 +426,14 @@ def load_streamed(
     progress: ProgressFn | None = None,
     plan: StreamPlan | None = None,
     skip_holes: bool = False,
+    trace_estimate: TraceEstimate | None = None,
 ) -> nn.Module:
     """A model that computes from the checkpoint files under ``max_memory`` (see the module docstring).
 
     ``progress(info)`` is called before each decoder layer with {"layer", "layers", "bytes_read",
     "expert_hits", "expert_misses", ...}; a truthy return stops the forward (StreamStopped). ``skip_holes``:
-    holes of sparse files (test replicas) read as zeros without a read (counted as read all the same). Raises
-    CheckpointError (a budget too small for one layer included)."""
+    holes of sparse files (test replicas) read as zeros without a read (counted as read all the same).
+    ``trace_estimate``: see ``plan_streaming``. Raises CheckpointError (a budget too small for one layer included)."""
     from .into_parameters import published_tensors
     from .pretrained import build_meta_model, check_headers, refuse_quantised_config
 
@@ -437,7 +442,9 @@ def load_streamed(
     model = build_meta_model(model_cls, files.config, dtype)
     check_headers(files, published_tensors(model))
     device = torch.device(device)
-    plan = plan or plan_streaming(files, model, device, budget_for(max_memory, device), dense)
+    plan = plan or plan_streaming(
+        files, model, device, budget_for(max_memory, device), dense, trace_estimate=trace_estimate
+    )
     return_freed_memory()
     reader = FileReader(skip_holes=skip_holes)
     filler = Filler(model, files, reader, device)
@@ -473,6 +480,7 @@ def plan_for_path(
     dtype: torch.dtype | None = None,
     max_memory: dict[Any, int | str] | int | str = "8GB",
     dense: str = "auto",
+    trace_estimate: TraceEstimate | None = None,
 ) -> StreamPlan:
     """``plan_streaming`` for a checkpoint folder (headers only, plus a 64 MB read-speed probe)."""
     from .pretrained import build_meta_model
@@ -480,4 +488,4 @@ def plan_for_path(
     files = CheckpointFiles.open(path)
     model = build_meta_model(model_cls, files.config, dtype)
     device = torch.device(device)
-    return plan_streaming(files, model, device, budget_for(max_memory, device), dense)
+    return plan_streaming(files, model, device, budget_for(max_memory, device), dense, trace_estimate=trace_estimate)

@@ -257,6 +257,7 @@ class K3ForCausalLM(nn.Module):
         max_memory: dict[Any, int | str] | None = None,
         offload_folder: str | Path | None = None,
         stream: bool = False,
+        trace_estimate: Callable[[Any, int], int] | None = None,
     ) -> K3ForCausalLM:
         """Stream a checkpoint folder in (any size; see ``k3core.loading.pretrained.load_pretrained``).
 
@@ -265,13 +266,15 @@ class K3ForCausalLM(nn.Module):
         callback, or True for a tqdm bar. ``stream=True``: run from the checkpoint files within
         ``max_memory`` (e.g. ``{"cpu": "8GB"}``) on ``device``: routed experts read as the router chooses them,
         dense parts resident when they fit, else read module by module; nothing copied anywhere
-        (``k3core.loading.streamed_run.load_streamed``; the plan is ``model.streaming.plan``). Raises
-        CheckpointError."""
+        (``k3core.loading.streamed_run.load_streamed``; the plan is ``model.streaming.plan``, which keeps room
+        for a default trace when given the recorder's ``trace_estimate``). Raises CheckpointError."""
         # The loading stack is imported when a checkpoint is loaded, not with the model.
         if stream:
             from ..loading.streamed_run import load_streamed
 
-            return load_streamed(path, cls, device=device, dtype=dtype, max_memory=max_memory or "8GB")
+            return load_streamed(
+                path, cls, device=device, dtype=dtype, max_memory=max_memory or "8GB", trace_estimate=trace_estimate
+            )
         if str(device) == "auto" or max_memory is not None:
             from ..loading.placement import load_placed
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from k3core.interp.trace import TraceNames
+from k3core.interp.trace_size import trace_estimate
 from k3core.loading.expert_store import StreamStopped, budget_for
 from k3core.loading.folder import CheckpointFiles
 from k3core.loading.streamed_run import load_streamed, plan_for_path
@@ -28,7 +29,7 @@ SAMPLE = ROOT / "sample_checkpoints" / "k3-mxfp4"
 
 def _tight_budget(path: Path, dense: str, experts: int) -> int:
     """A budget that holds the working set and ``experts`` cached experts, no more."""
-    plan = plan_for_path(path, K3ForCausalLM, max_memory=10**12, dense=dense)
+    plan = plan_for_path(path, K3ForCausalLM, max_memory=10**12, dense=dense, trace_estimate=trace_estimate)
     return plan.resident_bytes + plan.working_bytes + experts * plan.expert_stored_bytes
 
 
@@ -73,7 +74,9 @@ def test_streamed_forward_is_the_resident_forward(dense):
     implicit-attention shares within that over their row's total weight: ``_share_tolerance``)."""
     budget = _tight_budget(SAMPLE, dense, experts=3)
     resident = K3ForCausalLM.from_pretrained(SAMPLE).eval()
-    streamed = load_streamed(SAMPLE, K3ForCausalLM, max_memory={"cpu": budget}, dense=dense)
+    streamed = load_streamed(
+        SAMPLE, K3ForCausalLM, max_memory={"cpu": budget}, dense=dense, trace_estimate=trace_estimate
+    )
     session = streamed.streaming
     assert session.plan.dense_resident == (dense == "resident")
     total_experts = 7 * 8
@@ -101,7 +104,9 @@ def test_streamed_unquantised_model_matches(tmp_path):
     model = nano_model(seed=2)
     model.save_pretrained(tmp_path / "nano")
     budget = _tight_budget(tmp_path / "nano", "stream", experts=2)
-    streamed = K3ForCausalLM.from_pretrained(tmp_path / "nano", max_memory={"cpu": budget}, stream=True)
+    streamed = K3ForCausalLM.from_pretrained(
+        tmp_path / "nano", max_memory={"cpu": budget}, stream=True, trace_estimate=trace_estimate
+    )
     ids = random_ids(T=24, B=2, seed=3)
     _same_traces(traced(streamed, ids), traced(model, ids))
     stats = streamed.streaming.stats()
@@ -112,7 +117,9 @@ def test_streamed_unquantised_model_matches(tmp_path):
     assert streamed.streaming.stats()["expert_misses"] == 2 * stats["expert_misses"]
     # ... with room for every expert, the second forward reads no expert at all
     roomy = _tight_budget(tmp_path / "nano", "stream", experts=10**4)
-    cached = K3ForCausalLM.from_pretrained(tmp_path / "nano", max_memory={"cpu": roomy}, stream=True)
+    cached = K3ForCausalLM.from_pretrained(
+        tmp_path / "nano", max_memory={"cpu": roomy}, stream=True, trace_estimate=trace_estimate
+    )
     with torch.no_grad():
         first = cached(ids).logits
         read = cached.streaming.stats()["expert_bytes_read"]
@@ -122,7 +129,7 @@ def test_streamed_unquantised_model_matches(tmp_path):
 
 
 def test_plan_reads_what_it_says(tmp_path):
-    plan = plan_for_path(SAMPLE, K3ForCausalLM, max_memory="2GB", dense="stream")
+    plan = plan_for_path(SAMPLE, K3ForCausalLM, max_memory="2GB", dense="stream", trace_estimate=trace_estimate)
     text = plan.describe(tokens=8)
     assert "routed experts" in text and "reads up to" in text and "MXFP4" in text
     files = CheckpointFiles.open(SAMPLE)
@@ -143,7 +150,7 @@ def test_plan_reads_what_it_says(tmp_path):
 
 def test_budget_too_small_for_one_layer_is_named():
     with pytest.raises(CheckpointError, match=r"budget of 0\.10 GB is too small for one layer.*needs at least"):
-        load_streamed(SAMPLE, K3ForCausalLM, max_memory={"cpu": "100MB"})
+        load_streamed(SAMPLE, K3ForCausalLM, max_memory={"cpu": "100MB"}, trace_estimate=trace_estimate)
     with pytest.raises(ValueError, match="cannot read the memory budget"):
         budget_for({"cpu": "lots"}, "cpu")
     assert parse_bytes("6GB") == 6 * 10**9 and parse_bytes("1.5GiB") == 3 * 2**29
@@ -156,7 +163,9 @@ def test_progress_reports_layers_and_stop():
         seen.append(info)
         return info["layer"] == 3
 
-    model = load_streamed(SAMPLE, K3ForCausalLM, max_memory="2GB", dense="stream", progress=progress)
+    model = load_streamed(
+        SAMPLE, K3ForCausalLM, max_memory="2GB", dense="stream", progress=progress, trace_estimate=trace_estimate
+    )
     with pytest.raises(StreamStopped, match="layer 3 of 8"):
         model(torch.tensor([list(b"abc")]))
     assert [i["layer"] for i in seen] == [0, 1, 2, 3]

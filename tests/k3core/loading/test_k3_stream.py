@@ -120,13 +120,15 @@ def test_the_streamed_plan_counts_a_default_trace(replica):
     budget) and says, before a run, what a trace of the prompt holds against it."""
     import torch
 
-    from k3core.interp.trace_size import record_bytes
+    from k3core.interp.trace_size import record_bytes, trace_estimate
     from k3core.loading.pretrained import load_config
     from k3core.loading.streamed_run import plan_for_path
     from k3core.modeling.model import K3ForCausalLM
 
     folder, _ = replica
-    plan = plan_for_path(folder, K3ForCausalLM, dtype=torch.bfloat16, max_memory={"cpu": "6GiB"})
+    plan = plan_for_path(
+        folder, K3ForCausalLM, dtype=torch.bfloat16, max_memory={"cpu": "6GiB"}, trace_estimate=trace_estimate
+    )
     config = load_config(folder)
     assert plan.trace_tokens == 8 and plan.trace_bytes == record_bytes(config, 8).total
     assert plan.trace_bytes <= plan.working_bytes
