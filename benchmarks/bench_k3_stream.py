@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.bench_k3_stream                       # 93 layers, 4 tokens, 8 GB
     .venv/bin/python -m benchmarks.bench_k3_stream --layers 3 --tokens 8 --budget 6GB --json
 
-The replica (tests/k3_replica.py) declares every tensor of the published checkpoint (96 shards, 1.56 TB at
+The replica (benchmarks/k3_replica.py) declares every tensor of the published checkpoint (96 shards, 1.56 TB at
 full depth; compressed-tensors MXFP4 experts back to back, BF16/F32 elsewhere, language_model. prefix,
 vision tensors, config with quantization_config inside text_config) and plants only what makes the forward
 do real work (embedding rows of the prompt, norms, KDA gates, routers favouring 24 experts per layer, a
@@ -44,7 +44,7 @@ QUOTED = {"c_engine_gb_per_token": 25.83, "c_engine_s_per_token": 26.5, "mlx_tok
 def build(folder: Path, layers: int, seed: int = 0) -> dict:
     """Write the sparse replica (``layers`` deep) into ``folder``; its description."""
     sys.path.insert(0, str(ROOT))
-    from tests.k3_replica import forward_plants, k3_config_json, model_shapes, write_replica
+    from benchmarks.k3_replica import forward_plants, k3_config_json, model_shapes, write_replica
 
     config = k3_config_json(num_layers=None if layers == 93 else layers)
     shapes = model_shapes(config)

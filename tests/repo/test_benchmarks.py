@@ -208,3 +208,17 @@ def test_train_profile_names_every_part_of_a_k3_step():
     text = train_profile.format_side_by_side({"K3": table, "GPT": {}}, {"K3": total, "GPT": 0.0}, {"K3": 1, "GPT": 1})
     row = next(line for line in text.splitlines() if line.startswith("kda_chunk"))
     assert f"{table['kda_chunk']['ops']:6d}" in row and "sum of parts" in text
+
+
+def test_benchmarks_import_no_test_code():
+    """Tests may import the benchmarks' helpers (benchmarks/k3_replica.py), never the other way round."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}:{node.lineno}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert found == []

@@ -133,7 +133,7 @@ def test_mutated_headers(work, valid_header, entry, field, value, length_delta, 
 
 # ----------------------------------------------------------------------------------------- config.json
 def _configs() -> dict[str, dict]:
-    from tests.conftest import kimi_k3_hf_dict
+    from benchmarks.k3_replica import kimi_k3_hf_dict
     from tests.k3core.modeling.test_hf_config import kimi_linear_hf_dict
 
     return {"own": from_preset("k3-nano").to_dict(), "kimi_linear": kimi_linear_hf_dict(), "kimi_k3": kimi_k3_hf_dict()}

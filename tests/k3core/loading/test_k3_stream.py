@@ -1,5 +1,5 @@
 """Kimi K3 at full width (hidden 7168, 896 MXFP4 experts per layer), depth-truncated to its dense first layer
-and one MoE layer (tests/k3_replica.py, planted by benchmarks/bench_k3_stream.build): `weights --experts`
+and one MoE layer (benchmarks/k3_replica.py, planted by benchmarks/bench_k3_stream.build): `weights --experts`
 reports the planted MXFP4 expert norms exactly, and a traced forward of 8 tokens (bf16, as a real run would
 compute; the replica's holes are not read, which changes no byte count) runs under a 6 GB budget with peak
 RSS <= 7 GB, reading no more than 1.05 x what it must (dense bytes of the layers, the LM head, the prompt's
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.k3_replica import mxfp4_decode
+from benchmarks.k3_replica import mxfp4_decode
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -33,7 +33,7 @@ def replica(tmp_path_factory):
 
 def _planted_experts(folder: Path) -> dict[tuple[int, int], dict[str, tuple[np.ndarray, np.ndarray]]]:
     from benchmarks.bench_k3_stream import TOKENS
-    from tests.k3_replica import forward_plants, k3_config_json, model_shapes
+    from benchmarks.k3_replica import forward_plants, k3_config_json, model_shapes
 
     config = k3_config_json(num_layers=2)
     return forward_plants(config, model_shapes(config), TOKENS)[1]

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
+from benchmarks.k3_replica import kimi_k3_hf_dict
 from k3core.modeling.config import ConfigError, K3Config
 from k3core.modeling.hf_config import config_from_hf, config_to_hf, is_hf_config
 from k3core.modeling.presets import from_preset
-from tests.conftest import kimi_k3_hf_dict
 
 
 def kimi_linear_hf_dict() -> dict:

@@ -3,9 +3,9 @@ compressed-tensors MXFP4 routed experts (``weight_packed`` U8 [out, in/2] + ``we
 the six tensors of an expert back to back), everything else BF16 but the F32 tensors, ``language_model.``
 prefix, vision tensors, an index, and a config.json with ``quantization_config`` inside ``text_config``.
 
-Every tensor is declared with its published shape; only the planted ones get real bytes, the rest are file
-holes (a 1.56 TB replica takes a few MB of disk). Used by the tests and by benchmarks/bench_k3_stream.py.
-An independent numpy MXFP4 codec (``mxfp4_encode`` / ``mxfp4_decode``) lets tests plant experts and
+Every tensor is declared with its published shape; only the planted ones get real bytes, the rest are file holes (a
+1.56 TB replica takes a few MB of disk). Used by benchmarks/bench_k3_stream.py and by the tests (benchmarks import
+no test code). An independent numpy MXFP4 codec (``mxfp4_encode`` / ``mxfp4_decode``) lets tests plant experts and
 compute what k3lab must report without k3lab's own decoder.
 """
 
@@ -217,10 +217,61 @@ def write_replica(
     return Replica(folder, dict(shapes), stored, dict(planted), dict(experts))
 
 
+def kimi_k3_hf_dict() -> dict:
+    """A Kimi K3 config.json (multimodal wrapper, text_config inside) with the published values."""
+    full = list(range(4, 93, 4)) + [93]
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "vision_config": {"hidden_size": 1152},
+        "text_config": {
+            "model_type": "kimi_k3_text",
+            "vocab_size": 163840,
+            "hidden_size": 7168,
+            "num_hidden_layers": 93,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 96,
+            "intermediate_size": 33792,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 1048576,
+            "tie_word_embeddings": False,
+            "hidden_act": "situ",
+            "activation_situ_beta": 4.0,
+            "activation_situ_linear_beta": 25.0,
+            "linear_attn_config": {
+                "full_attn_layers": full,
+                "kda_layers": [i for i in range(1, 94) if i not in full],
+                "num_heads": 96,
+                "head_dim": 128,
+                "short_conv_kernel_size": 4,
+                "gate_lower_bound": -5.0,
+                "use_full_rank_gate": True,
+            },
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "mla_use_nope": True,
+            "mla_use_output_gate": True,
+            "num_experts": 896,
+            "num_experts_per_token": 16,
+            "num_shared_experts": 2,
+            "moe_intermediate_size": 3072,
+            "routed_expert_hidden_size": 3584,
+            "latent_moe_use_norm": True,
+            "moe_renormalize": True,
+            "moe_router_activation_func": "sigmoid",
+            "routed_scaling_factor": 1.0,
+            "first_k_dense_replace": 1,
+            "attn_res_block_size": 12,
+        },
+    }
+
+
 def k3_config_json(num_layers: int | None = None) -> dict:
-    """The published config.json (``tests.conftest.kimi_k3_hf_dict``) with ``quantization_config`` inside
+    """The published config.json (``kimi_k3_hf_dict``) with ``quantization_config`` inside
     ``text_config``; ``num_layers`` truncates the depth (MLA layers kept where they fall)."""
-    from .conftest import kimi_k3_hf_dict
 
     data = kimi_k3_hf_dict()
     text = data["text_config"]
