@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..modeling.hooks import AttnResSite
 from ..ops.kda import kda_recurrent
 from ..ops.kda.implicit_attention import kda_attention_window
 from .attention_stats import blocked_attention_stats, position_bins
@@ -204,9 +205,10 @@ class LayerReads:
         ]
         if self.model is not None:
             inner = self.model.model
-            owner = inner if site == TraceNames.OUTPUT_SITE else inner.layers[int(site.split(".")[0])]
-            proj = owner.output_attn_res_proj if site == TraceNames.OUTPUT_SITE else (
-                owner.self_attention_res_proj if site.endswith(".attn") else owner.mlp_res_proj
+            where = AttnResSite.parse(site)
+            owner = inner if where.is_output else inner.layers[where.layer]
+            proj = owner.output_attn_res_proj if where.is_output else (
+                owner.self_attention_res_proj if where.sublayer == "attn" else owner.mlp_res_proj
             )  # fmt: skip
             self.put(TraceNames.attnres_query_norm(site), proj.weight.detach().float().norm().reshape(()), ())
 

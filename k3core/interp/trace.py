@@ -92,7 +92,7 @@ class TraceNames(HookNames):
     @staticmethod
     def kda_attn(i: int) -> str:
         """KDA's implicit attention map of the query window (signed A; ``k3core.ops.kda.implicit_attention``)."""
-        return f"blocks.{i}.kda.attn"
+        return TraceNames.block(i, "kda.attn")
 
     @staticmethod
     def kda_attn_stat(i: int, kind: str) -> str:
@@ -107,7 +107,7 @@ class TraceNames(HookNames):
     @staticmethod
     def mla_attn(i: int) -> str:
         """The attention map of a query window (computed from the layer's q and k)."""
-        return f"blocks.{i}.mla.attn"
+        return TraceNames.block(i, "mla.attn")
 
     @staticmethod
     def mla_stat(i: int, kind: str) -> str:

@@ -70,15 +70,72 @@ class HookPoint:
         if self.per_layer:
             if layer is None:
                 raise ValueError(f"hook point {self.name!r} is per layer: give the layer")
-            return f"blocks.{layer}.{self.name}"
+            return HookNames.block(layer, self.name)
         return self.name
 
 
-class HookNames:
-    """Hook point names from their parts (``i``: 0-based layer index).
+_SUBLAYERS = ("attn", "mlp")
+_SITE_POINT = re.compile(r"blocks\.(\d+)\.(attn|mlp)_res\.")
 
-    AttnRes sites are ``"{i}.attn"``, ``"{i}.mlp"`` and ``"output"`` (the edit kinds' and the recorder's site
-    names)."""
+
+@dataclass(frozen=True)
+class AttnResSite:
+    """Where an AttnRes mix happens: before the attention (``"attn"``) or the MLP (``"mlp"``) sub-layer of decoder
+    layer ``layer``, or the final mix before the output norm (``OUTPUT``: layer None, sublayer ``"output"``).
+
+    Written ``"3.attn"``, ``"3.mlp"`` or ``"output"`` (``str(site)``; the edit kinds', the recorder's and the
+    trace meta's form) and read back by ``parse``, the one reader of that form."""
+
+    layer: int | None
+    sublayer: str
+
+    def __post_init__(self) -> None:
+        ok = (self.layer is None and self.sublayer == "output") or (
+            isinstance(self.layer, int) and self.layer >= 0 and self.sublayer in _SUBLAYERS
+        )
+        if not ok:
+            raise ValueError(f"AttnRes site must be layer >= 0 with 'attn' or 'mlp', or the output, got {self!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> AttnResSite:
+        """``"3.attn"`` -> AttnResSite(3, "attn"); ``"output"`` -> OUTPUT. Raises ValueError."""
+        if text == "output":
+            return cls(None, "output")
+        layer, _, side = str(text).partition(".")
+        if not layer.isdigit() or side not in _SUBLAYERS:
+            raise ValueError(f"AttnRes site must be 'i.attn', 'i.mlp' or 'output', got {text!r}")
+        return cls(int(layer), side)
+
+    @classmethod
+    def of_point(cls, name: str) -> AttnResSite | None:
+        """The site of a hook name made by ``point`` ("blocks.3.mlp_res.weights" -> 3.mlp), else None."""
+        if name.startswith("output_res."):
+            return cls(None, "output")
+        m = _SITE_POINT.match(name)
+        return cls(int(m.group(1)), m.group(2)) if m else None
+
+    @property
+    def is_output(self) -> bool:
+        return self.layer is None
+
+    def point(self, what: str) -> str:
+        """The hook name of ``what`` at this site: "weights" (depth weights), "mix" (mixed output), or a quantity
+        recorded beside them ("query_norm", "scale", "bias")."""
+        if not what.replace("_", "").isalpha():
+            raise ValueError(f"AttnRes item must be a word, got {what!r}")
+        if self.layer is None:
+            return f"output_res.{what}"
+        return HookNames.block(self.layer, f"{self.sublayer}_res.{what}")
+
+    def __str__(self) -> str:
+        return "output" if self.layer is None else f"{self.layer}.{self.sublayer}"
+
+
+class HookNames:
+    """Hook point names from their parts (``i``: 0-based layer index); the one place they are spelt.
+
+    AttnRes sites are ``AttnResSite`` values, written ``"{i}.attn"``, ``"{i}.mlp"`` and ``"output"`` (the edit
+    kinds' and the recorder's site names); the string forms below go through it."""
 
     OUTPUT_SITE = "output"
 
@@ -90,31 +147,21 @@ class HookNames:
     @staticmethod
     def attnres_site(i: int, side: str) -> str:
         """The AttnRes site of decoder layer ``i``; ``side`` is "attn" or "mlp"."""
-        if side not in ("attn", "mlp"):
+        if side not in _SUBLAYERS:
             raise ValueError(f"AttnRes side must be 'attn' or 'mlp', got {side!r}")
-        return f"{i}.{side}"
+        return str(AttnResSite(i, side))
 
     @staticmethod
-    def attnres_point(site: str, what: str) -> str:
-        """The hook point of an AttnRes site: ``what`` "weights" (depth weights), "mix" (mixed output), or a
-        quantity recorded beside them ("query_norm", "scale", "bias")."""
-        if not what.replace("_", "").isalpha():
-            raise ValueError(f"AttnRes item must be a word, got {what!r}")
-        if site == HookNames.OUTPUT_SITE:
-            return f"output_res.{what}"
-        layer, _, side = site.partition(".")
-        if not layer.isdigit() or side not in ("attn", "mlp"):
-            raise ValueError(f"AttnRes site must be 'i.attn', 'i.mlp' or 'output', got {site!r}")
-        return f"blocks.{layer}.{side}_res.{what}"
+    def attnres_point(site: str | AttnResSite, what: str) -> str:
+        """The hook point of an AttnRes site (``AttnResSite.point``)."""
+        return (site if isinstance(site, AttnResSite) else AttnResSite.parse(site)).point(what)
 
     @staticmethod
     def site_of(name: str) -> str | None:
         """The AttnRes site of a name made by ``attnres_point`` ("blocks.3.mlp_res.weights" -> "3.mlp",
         "output_res.mix" -> "output"), else None."""
-        if name.startswith("output_res."):
-            return HookNames.OUTPUT_SITE
-        m = re.match(r"blocks\.(\d+)\.(attn|mlp)_res\.", name)
-        return f"{m.group(1)}.{m.group(2)}" if m else None
+        site = AttnResSite.of_point(name)
+        return None if site is None else str(site)
 
     @staticmethod
     def layer_of(name: str) -> int | None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ...ops.attnres import attnres_combine, attnres_mix
 from ..config import ATTNRES_MODES, K3Config
-from ..hooks import HookContext, HookNames, HookPoint, point
+from ..hooks import AttnResSite, HookContext, HookNames, HookPoint, point
 from .norm import RMSNorm
 
 _DEPTH = ("source", "batch", "token", "hidden")
@@ -159,9 +159,9 @@ def depth_mix(
     stacked = torch.stack([s.to(dev) for s in sources])
     if hooks is None:
         return attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps)
-    layer, _, side = site.rpartition(".")
-    at = int(layer) if layer else None
-    weights_point, mix_point = SITE_POINTS[side]
+    where = AttnResSite.parse(site)
+    at = where.layer
+    weights_point, mix_point = SITE_POINTS[where.sublayer]
     mixed, p = attnres_mix(proj.weight[0], stacked, norm.weight, norm.eps, return_weights=True)
     weights = p.permute(1, 2, 0)
     new = point(hooks, weights_point.at(at), weights, sources=names, site=site)
