@@ -79,7 +79,7 @@ def run_child(
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     loaded_peak = peak_rss()
-    session = model.streaming
+    session = model.loading.streaming
     plan = session.plan
     ids = torch.tensor([TOKENS[:tokens]])
     before = session.stats()

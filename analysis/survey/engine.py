@@ -236,7 +236,8 @@ class StreamedCacheCheck:
 
     @classmethod
     def of(cls, run: Any, layout: Layout) -> StreamedCacheCheck | None:
-        session = getattr(run.model, "streaming", None)
+        loading = getattr(run.model, "loading", None)  # run.model is None for a trace folder
+        session = loading.streaming if loading is not None else None
         if session is None or not layout.moe_layers or len(set(layout.expert_bytes)) != 1:
             return None
         return cls(session.store, session.store.budget // layout.expert_bytes[0], layout)

@@ -280,7 +280,8 @@ class ExpertStore:
 
 
 class LayerExperts:
-    """One MoE layer's view of an ExpertStore: what ``StackedExperts.weight_source`` expects."""
+    """One MoE layer's view of an ExpertStore: an ``ExpertWeightSource`` (``k3core.modeling.loading_state``), what
+    ``StackedExperts.weight_source`` expects."""
 
     def __init__(self, store: ExpertStore, layer: int) -> None:
         self.store = store

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..modeling.loading_state import LoadingState
 from ..utils.files import OutputFolderError, check_output_folder
 from .folder import CheckpointFiles
 from .into_parameters import ProgressFn, published_tensors, stream_weights, tqdm_progress
@@ -282,9 +283,7 @@ def load_placed(
                 offload_index=index or None,
                 offload_buffers=False,
             )
-    model.placement = plan
-    model.offload_folder = folder
-    model.skipped_tensors = list(files.skipped)
+    model.loading = LoadingState(skipped_tensors=list(files.skipped), placement=plan, offload_folder=folder)
     if folder is not None and offload_folder is None:
         weakref.finalize(model, shutil.rmtree, folder, True)  # our temporary folder goes with the model
     return model.eval()

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..modeling.config import K3Config
 from ..modeling.hf_config import config_to_hf, hf_incompatibility
+from ..modeling.loading_state import LoadingState
 from ..utils.files import atomic_write_bytes
 from .folder import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, CheckpointFiles, read_config, read_quantization_config
 from .into_parameters import ProgressFn, materialise, published_tensors, stream_weights, tqdm_progress
@@ -287,5 +288,5 @@ def load_pretrained(
     finally:
         if close is not None:
             close()
-    model.skipped_tensors = list(files.skipped)  # stored tensors that are not the text model (vision, ...)
+    model.loading = LoadingState(skipped_tensors=list(files.skipped))  # stored tensors not of the text model
     return model.eval()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modeling.loading_state import LoadingState
 from .expert_store import (
     LM_HEAD_CHUNK_BYTES,
     MARGIN_BYTES,
@@ -316,7 +317,7 @@ class Filler:
 
 @dataclass
 class StreamSession:
-    """What a streamed model carries (``model.streaming``): its plan, expert store, reader and progress."""
+    """What a streamed model carries (``model.loading.streaming``): its plan, expert store, reader and progress."""
 
     plan: StreamPlan
     store: ExpertStore
@@ -468,8 +469,7 @@ def load_streamed(
         _attach_dense_streaming(model, filler, streamed, plan)
     session = StreamSession(plan, store, reader, progress)
     _attach_progress(model, session)
-    model.streaming = session
-    model.skipped_tensors = list(files.skipped)
+    model.loading = LoadingState(skipped_tensors=list(files.skipped), streaming=session)
     return model.eval()
 
 

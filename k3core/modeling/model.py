@@ -46,6 +46,7 @@ from .layers.residual import (
     read_input,
     scale_bias_init,
 )
+from .loading_state import LoadingState
 from .presets import PRESETS, from_preset
 
 if TYPE_CHECKING:
@@ -183,6 +184,9 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
+    # what loading attached (skipped tensors, placement, offload folder, streaming); None when built from a config
+    loading: LoadingState | None = None
+
     def __init__(self, config: K3Config):
         super().__init__()
         self.config = config
@@ -266,7 +270,7 @@ class K3ForCausalLM(nn.Module):
         callback, or True for a tqdm bar. ``stream=True``: run from the checkpoint files within
         ``max_memory`` (e.g. ``{"cpu": "8GB"}``) on ``device``: routed experts read as the router chooses them,
         dense parts resident when they fit, else read module by module; nothing copied anywhere
-        (``k3core.loading.streamed_run.load_streamed``; the plan is ``model.streaming.plan``, which keeps room
+        (``k3core.loading.streamed_run.load_streamed``; the plan is ``model.loading.streaming.plan``, which keeps room
         for a default trace when given the recorder's ``trace_estimate``). Raises CheckpointError."""
         # The loading stack is imported when a checkpoint is loaded, not with the model.
         if stream:

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import K3Config
 from ..hooks import HookPoint, active, point
+from ..loading_state import ExpertWeightSource
 from .ffn import GatedMLP, activation
 from .norm import RMSNorm
 
@@ -116,9 +117,9 @@ class StackedExperts(nn.Module):
     """E gated FFNs, weights stacked: w1 (gate) [E, m, L], w3 (up) [E, m, L], w2 (down) [E, L, m]."""
 
     WEIGHTS = ("w1", "w2", "w3")
-    # Optional source of expert weights (k3core.loading.expert_store.LayerExperts): experts read from the checkpoint
-    # on demand instead of the stacked parameters (which then stay on the meta device).
-    weight_source = None
+    # Optional source of expert weights: experts read on demand instead of the stacked parameters (which then stay
+    # on the meta device); the model knows only its interface (k3core.modeling.loading_state.ExpertWeightSource)
+    weight_source: ExpertWeightSource | None = None
 
     def __init__(self, config: K3Config, num_experts: int, width: int, intermediate: int):
         super().__init__()

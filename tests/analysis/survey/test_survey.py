@@ -287,7 +287,7 @@ def test_a_streamed_runs_observed_hits_equal_its_lru_simulation(corpus, tmp_path
     ids, _ = corpus
     plan = make_plan(ids[:49], "romeo", "x", 4, batch_size=1)  # 4 tokens a forward: 2..8 experts per layer
     streamed = load_run(SAMPLE, max_memory="560MB")
-    store = streamed.model.streaming.store
+    store = streamed.model.loading.streaming.store
     store.budget = 40 * 30720  # 40 of the 56 experts: hits and misses both happen
     sv.run_survey(streamed, ids, plan, tmp_path / "s")
     check = read_survey(tmp_path / "s").card["run"]["streamed"]

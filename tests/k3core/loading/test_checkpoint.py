@@ -521,7 +521,7 @@ def test_multimodal_tensors_are_skipped_and_listed(saved, tmp_path, tokens):
     loaded = load_pretrained(tmp_path)
     _assert_same_model(model, loaded, tokens)
     listed = ["mm_projector.linear_1.weight", "vision_tower.blocks.0.attn.qkv.weight"]
-    assert CheckpointFiles.open(tmp_path).skipped == listed and loaded.skipped_tensors == listed
+    assert CheckpointFiles.open(tmp_path).skipped == listed and loaded.loading.skipped_tensors == listed
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ def test_streamed_forward_is_the_resident_forward(dense):
     streamed = load_streamed(
         SAMPLE, K3ForCausalLM, max_memory={"cpu": budget}, dense=dense, trace_estimate=trace_estimate
     )
-    session = streamed.streaming
+    session = streamed.loading.streaming
     assert session.plan.dense_resident == (dense == "resident")
     total_experts = 7 * 8
     assert session.plan.cache_experts == 3 < total_experts
@@ -109,12 +109,12 @@ def test_streamed_unquantised_model_matches(tmp_path):
     )
     ids = random_ids(T=24, B=2, seed=3)
     _same_traces(traced(streamed, ids), traced(model, ids))
-    stats = streamed.streaming.stats()
+    stats = streamed.loading.streaming.stats()
     assert stats["expert_hits"] == 0 and stats["expert_misses"] > 0
     # a second forward: with 2 experts cached per store, a layer-by-layer sweep finds none of its own (LRU) ...
     with torch.no_grad():
         streamed(ids)
-    assert streamed.streaming.stats()["expert_misses"] == 2 * stats["expert_misses"]
+    assert streamed.loading.streaming.stats()["expert_misses"] == 2 * stats["expert_misses"]
     # ... with room for every expert, the second forward reads no expert at all
     roomy = _tight_budget(tmp_path / "nano", "stream", experts=10**4)
     cached = K3ForCausalLM.from_pretrained(
@@ -122,9 +122,9 @@ def test_streamed_unquantised_model_matches(tmp_path):
     )
     with torch.no_grad():
         first = cached(ids).logits
-        read = cached.streaming.stats()["expert_bytes_read"]
+        read = cached.loading.streaming.stats()["expert_bytes_read"]
         assert torch.equal(cached(ids).logits, first)
-    again = cached.streaming.stats()
+    again = cached.loading.streaming.stats()
     assert again["expert_hits"] == stats["expert_misses"] and again["expert_bytes_read"] == read
 
 
@@ -229,7 +229,7 @@ def test_app_runs_a_checkpoint_streamed_within_a_memory_budget(monkeypatch, tmp_
     from app.render import caching
 
     run = caching._cached_run(caching.run_fingerprint(str(SAMPLE)), "cpu", "float32", str(SAMPLE), "", "1GB")
-    stats = run.model.streaming.stats()
+    stats = run.model.loading.streaming.stats()
     assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
     # Stop: the next rerun asks again before it runs anything
     at.button(key="k3lab_stream_stop").click().run()

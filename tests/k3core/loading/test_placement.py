@@ -84,7 +84,7 @@ def test_disk_offload_gives_identical_logits_and_traces(saved, tmp_path, tokens)
     placed = K3ForCausalLM.from_pretrained(
         path, device="auto", max_memory={"cpu": _cpu_budget(path)}, offload_folder=offload
     )
-    assert placed.placement.offloaded and any(offload.glob("*.dat"))
+    assert placed.loading.placement.offloaded and any(offload.glob("*.dat"))
     # offloaded parameters hold no storage in the model itself
     assert any(p.is_meta for p in placed.parameters())
     t1, l1 = _trace_and_logits(plain, tokens)
@@ -101,7 +101,7 @@ def test_tied_embeddings_offload(tmp_path, tokens):
     model = nano_model(tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "ckpt")
     placed = K3ForCausalLM.from_pretrained(tmp_path / "ckpt", max_memory={"cpu": 1}, offload_folder=tmp_path / "o")
-    assert placed.placement.offloaded and placed.lm_head.weight is placed.model.embed_tokens.weight
+    assert placed.loading.placement.offloaded and placed.lm_head.weight is placed.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(placed(tokens).logits, model(tokens).logits)
 
@@ -111,7 +111,7 @@ def test_temporary_offload_folder_goes_with_the_model(saved):
 
     _, path = saved
     placed = K3ForCausalLM.from_pretrained(path, max_memory={"cpu": _cpu_budget(path)})
-    folder = placed.offload_folder
+    folder = placed.loading.offload_folder
     assert folder is not None and any(folder.glob("*.dat"))
     del placed
     gc.collect()
