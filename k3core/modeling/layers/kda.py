@@ -78,8 +78,7 @@ class ShortConvolution(nn.Conv1d):
         Returns SiLU(conv) [B, T, C] (contiguous) and the new tail [B, C, kernel-1]. The depthwise conv is
         computed as kernel shifted multiply-adds over time in x's own [B, T, C] layout: tap j reads the input
         kernel-1-j steps back. F.conv1d needed [B, C, T] in and gave a transposed view out, which made every
-        later op on q, k, v strided (the conv, SiLU and L2 norm of k3-small's 4096 x 768: 38 -> 11 ms; with
-        the backward 98 -> 41 ms)."""
+        later op on q, k, v strided (measured: benchmarks/README.md, "Timings behind the code")."""
         B, T, C = x.shape
         pad = self.kernel_size[0] - 1
         w = self.weight.view(C, pad + 1)
