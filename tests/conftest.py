@@ -68,9 +68,11 @@ def nano_config(**overrides) -> K3Config:
     return from_preset("k3-nano", **overrides)
 
 
-def nano_model(seed: int = 0, **overrides) -> K3ForCausalLM:
-    """A freshly initialised k3-nano (eval mode), deterministic for a given seed."""
-    torch.manual_seed(seed)
+def nano_model(seed: int | None = 0, **overrides) -> K3ForCausalLM:
+    """A freshly initialised k3-nano (eval mode; ``nano_config``), deterministic for a given seed (None: the global
+    generator as it stands). The one small test model: tests build it here rather than spelling the config out."""
+    if seed is not None:
+        torch.manual_seed(seed)
     return K3ForCausalLM.from_config(nano_config(**overrides)).eval()
 
 
