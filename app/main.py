@@ -21,7 +21,7 @@ from analysis.figures.style import use_k3lab_template  # noqa: E402
 from app import pages  # noqa: E402
 from app.library import run_list  # noqa: E402
 from app.library.roots import descriptor_check  # noqa: E402
-from app.render import caching, prefetch  # noqa: E402
+from app.render import prefetch, view_cache  # noqa: E402
 from app.render.errors import shown_errors  # noqa: E402
 from app.state import links, sidebar  # noqa: E402
 from k3core.utils.files import checked_opens  # noqa: E402
@@ -65,7 +65,7 @@ def _navigation() -> dict[str, list]:
 # expanded: with more than twelve pages Streamlit shows ten and hides the rest behind "View N more" (Survey, Generate
 # and the Runs library were hidden)
 navigation = st.navigation(_navigation(), expanded=True)
-caching.kept_results_follow_clear_cache()  # "Clear cache" clears the kept traces and figures too
+view_cache.kept_results_follow_clear_cache()  # "Clear cache" clears the kept traces and figures too
 # Every checkpoint file this script run opens is checked on its descriptor: a regular file with one link,
 # inside the folders the app may read (a link or hard link swapped in after a check is refused at open).
 with prefetch.script_run(), checked_opens(descriptor_check(run_list.readable_folders)):

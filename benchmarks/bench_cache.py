@@ -13,9 +13,9 @@ KDA caches do not depend on length). No formula is involved.
 
 from __future__ import annotations
 
-from k3core.config import K3Config
 from k3core.generation.decode import decode_cache_bytes
-from k3core.presets import from_preset
+from k3core.modeling.config import K3Config
+from k3core.modeling.presets import from_preset
 
 from .common import Row
 

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3core.config import K3Config
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.config import K3Config
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 from .common import Row, inference, side_by_side
 

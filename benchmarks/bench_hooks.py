@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from k3core.interp.catalogue import hook_points
-from k3core.interp.hooks import hooks
 from k3core.interp.recorder import record
-from k3core.model import K3ForCausalLM
+from k3core.modeling.hooks import hooks
+from k3core.modeling.model import K3ForCausalLM
 
 from .common import Row, side_by_side
 

@@ -3,12 +3,12 @@
     .venv/bin/python -m benchmarks.bench_k3_stream                       # 93 layers, 4 tokens, 8 GB
     .venv/bin/python -m benchmarks.bench_k3_stream --layers 3 --tokens 8 --budget 6GB --json
 
-The replica (tests/k3_replica.py) declares every tensor of the published checkpoint (96 shards, 1.56 TB at
+The replica (benchmarks/k3_replica.py) declares every tensor of the published checkpoint (96 shards, 1.56 TB at
 full depth; compressed-tensors MXFP4 experts back to back, BF16/F32 elsewhere, language_model. prefix,
 vision tensors, config with quantization_config inside text_config) and plants only what makes the forward
 do real work (embedding rows of the prompt, norms, KDA gates, routers favouring 24 experts per layer, a
 few random MXFP4 experts); the rest are file holes. A child process loads it with
-``k3core.bigmodel.streamed_run.load_streamed`` under ``--budget``, records a trace (``--what``, default the default
+``k3core.loading.streamed_run.load_streamed`` under ``--budget``, records a trace (``--what``, default the default
 ``record(model)``; the test of 2 layers uses "all") of one forward over ``--tokens`` tokens, and reports: seconds,
 seconds per token, bytes read (and per token), expert hits / misses, peak RSS (``VmHWM``, interpreter and imports
 included), and bytes read against the floor
@@ -44,7 +44,7 @@ QUOTED = {"c_engine_gb_per_token": 25.83, "c_engine_s_per_token": 26.5, "mlx_tok
 def build(folder: Path, layers: int, seed: int = 0) -> dict:
     """Write the sparse replica (``layers`` deep) into ``folder``; its description."""
     sys.path.insert(0, str(ROOT))
-    from tests.k3_replica import forward_plants, k3_config_json, model_shapes, write_replica
+    from benchmarks.k3_replica import forward_plants, k3_config_json, model_shapes, write_replica
 
     config = k3_config_json(num_layers=None if layers == 93 else layers)
     shapes = model_shapes(config)
@@ -60,11 +60,11 @@ def run_child(
     import numpy as np
     import torch
 
-    from k3core.bigmodel.streamed_run import EXPERT_RE, load_streamed
     from k3core.interp.recorder import record
     from k3core.interp.trace import Trace, TraceNames
-    from k3core.interp.trace_size import record_bytes
-    from k3core.model import K3ForCausalLM
+    from k3core.interp.trace_size import record_bytes, trace_estimate
+    from k3core.loading.streamed_run import EXPERT_RE, load_streamed
+    from k3core.modeling.model import K3ForCausalLM
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     peaks: dict[int, int] = {}  # VmHWM before each decoder layer: where the peak was reached
@@ -75,11 +75,11 @@ def run_child(
     t0 = time.perf_counter()
     model = load_streamed(
         folder, K3ForCausalLM, dtype=getattr(torch, dtype), max_memory={"cpu": budget}, skip_holes=skip_holes,
-        progress=progress,
+        progress=progress, trace_estimate=trace_estimate,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     loaded_peak = peak_rss()
-    session = model.streaming
+    session = model.loading.streaming
     plan = session.plan
     ids = torch.tensor([TOKENS[:tokens]])
     before = session.stats()

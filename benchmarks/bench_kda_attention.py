@@ -35,7 +35,7 @@ def _child(mode: str, T: int) -> dict:
     from benchmarks.bench_long import _tokens
     from k3core.interp.recorder import record
     from k3core.interp.trace import names
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     model = K3ForCausalLM.from_pretrained(str(SAMPLE)).eval()
     ids = _tokens(T, model.config.vocab_size)

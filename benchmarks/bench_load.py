@@ -64,7 +64,7 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 if which == "k3lab":
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
     c0, t0 = cpu(), time.perf_counter()
     model = K3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
 else:

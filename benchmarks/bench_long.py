@@ -75,7 +75,7 @@ def _child(model_name: str, mode: str, T: int, folder: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     if model_name == "k3-full":
         model = K3ForCausalLM.from_pretrained(SAMPLE)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3core.layers.moe import StackedExperts
-from k3core.presets import from_preset
+from k3core.modeling.layers.moe import StackedExperts
+from k3core.modeling.presets import from_preset
 
 from .common import Row, inference, side_by_side
 

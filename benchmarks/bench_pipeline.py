@@ -53,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from analysis.runs.texts import shakespeare_passage
-    from k3core.checkpoints.folder import CheckpointFiles
-    from k3core.model import K3ForCausalLM
-    from k3core.presets import from_preset
+    from k3core.loading.folder import CheckpointFiles
+    from k3core.modeling.model import K3ForCausalLM
+    from k3core.modeling.presets import from_preset
 
     with tempfile.TemporaryDirectory(prefix="k3lab-bench-pipeline-") as tmp:
         root = Path(tmp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3core.interp.recorder import record
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 from .common import Row, side_by_side
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from k3core.config import K3Config
-from k3core.model import K3ForCausalLM
+from k3core.modeling.config import K3Config
+from k3core.modeling.model import K3ForCausalLM
 from k3core.training.balancing import update_router_biases
 
 from . import bench_kda_ratio, train_profile

@@ -37,13 +37,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from k3core.config import K3Config  # noqa: E402
-from k3core.generation.cache import K3Cache  # noqa: E402
-from k3core.layers.moe import grouped_mm_available  # noqa: E402
-from k3core.model import K3ForCausalLM  # noqa: E402
+from k3core.modeling.cache import K3Cache  # noqa: E402
+from k3core.modeling.config import K3Config  # noqa: E402
+from k3core.modeling.layers.moe import grouped_mm_available  # noqa: E402
+from k3core.modeling.model import K3ForCausalLM  # noqa: E402
+from k3core.modeling.presets import from_preset  # noqa: E402
 from k3core.ops.kda import kda_chunk, kda_recurrent  # noqa: E402
 from k3core.ops.kda.chunk import _fla_chunk_kda  # noqa: E402
-from k3core.presets import from_preset  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 _STREAM_CHILD = r"""
 import json, sys, time, torch
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from k3core.interp.recorder import record
 path, device, dtype, T = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3]), int(sys.argv[4])
 t0 = time.perf_counter()

@@ -27,8 +27,8 @@ if __package__ in (None, ""):
 from analysis.runs import loading as runs_mod  # noqa: E402
 from analysis.runs import texts  # noqa: E402
 from k3core.interp.trace_folder import read_trace_dir  # noqa: E402
-from k3core.model import K3ForCausalLM  # noqa: E402
-from k3core.presets import from_preset  # noqa: E402
+from k3core.modeling.model import K3ForCausalLM  # noqa: E402
+from k3core.modeling.presets import from_preset  # noqa: E402
 
 TOLERANCE = 1e-5
 

@@ -31,9 +31,9 @@ def k3_parts(model: nn.Module) -> dict[nn.Module, str]:
     """Part names of a K3ForCausalLM's modules (KDA layers split into projections, short conv, kda_chunk,
     output norm; what a KDA layer does outside those, the gates, L2 norms and output gate, is "kda other";
     a decoder layer's own ops, the AttnRes depth mixes and residual adds, are "attnres + residual")."""
-    from k3core.layers.kda import KimiDeltaAttention, ShortConvolution
-    from k3core.layers.mla import MultiHeadLatentAttention
-    from k3core.layers.moe import LatentMoE
+    from k3core.modeling.layers.kda import KimiDeltaAttention, ShortConvolution
+    from k3core.modeling.layers.mla import MultiHeadLatentAttention
+    from k3core.modeling.layers.moe import LatentMoE
 
     parts: dict[nn.Module, str] = {model: "lm head + loss", model.model: "output mix + final norm"}
     parts[model.model.embed_tokens] = "embedding"
@@ -59,7 +59,7 @@ def k3_parts(model: nn.Module) -> dict[nn.Module, str]:
 
 def k3_functions() -> dict[tuple[object, str], str]:
     """Functions scoped as parts of their own: the delta-rule op as the KDA layer calls it."""
-    import k3core.layers.kda as kda_layer
+    import k3core.modeling.layers.kda as kda_layer
 
     return {(kda_layer, "kda_chunk"): "kda_chunk"}
 

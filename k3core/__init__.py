@@ -1,9 +1,9 @@
 """k3core: the K3 model, its hook points, recording and interventions.
 
     from k3core import K3ForCausalLM, record, intervene, MoEEdit
-    from k3core.interp.hooks import hooks        # read / write hook points directly
+    from k3core.modeling.hooks import hooks        # read / write hook points directly
 
-The names below are imported on first use (``import k3core.checkpoints.folder`` alone stays free of the
+The names below are imported on first use (``import k3core.loading.folder`` alone stays free of the
 model and of torch's start-up cost).
 """
 
@@ -13,19 +13,19 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "K3ForCausalLM": "model",
-    "K3Model": "model",
-    "K3DecoderLayer": "model",
-    "K3Output": "model",
-    "K3Config": "config",
-    "from_preset": "presets",
-    "PRESETS": "presets",
-    "K3Cache": "generation.cache",
+    "K3ForCausalLM": "modeling.model",
+    "K3Model": "modeling.model",
+    "K3DecoderLayer": "modeling.model",
+    "K3Output": "modeling.model",
+    "K3Config": "modeling.config",
+    "from_preset": "modeling.presets",
+    "PRESETS": "modeling.presets",
+    "K3Cache": "modeling.cache",
     "record": "interp.recorder",
     "Trace": "interp.trace",
     "TraceNames": "interp.trace",
     "names": "interp.trace",
-    "HookNames": "interp.hooks",
+    "HookNames": "modeling.hooks",
     "hook_points": "interp.catalogue",
     "intervene": "interp.interventions",
     "parse_edit": "interp.interventions",

@@ -9,18 +9,19 @@ k3lab weights PATH --out DIR   weight-only diagnostics of a checkpoint of any si
 k3lab generate RUN         sample text from a checkpoint                                      k3lab/generate.py
 k3lab presets              list the named configurations and their sizes                      k3lab/presets.py
 k3lab experiment RUN --edit E --text T --out DIR   an edited forward beside the baseline          k3lab/experiment.py
-k3lab patch RUN --clean A --corrupted B --out DIR  activation patching                            k3lab/patch.py
-k3lab attribute RUN --prompt P --target Y --out DIR  Captum attribution per output x input token  k3lab/attribute.py
+k3lab patch RUN --clean A --corrupted B --out DIR  activation patching                            k3lab/experiment.py
+k3lab attribute RUN --prompt P --target Y --out DIR  Captum attribution per output x input token  k3lab/experiment.py
 k3lab survey RUN --sample NAME --out DIR   statistics over a corpus: expert atlas, expert cache   k3lab/survey.py
 
-Each command module has ``main(argv) -> exit code`` and imports its heavy libraries (torch) inside it, so
-``k3lab --help`` stays instant.
+Each command module has ``main(argv) -> exit code`` (k3lab/experiment.py one per command it serves: ``ENTRY``)
+and imports its heavy libraries (torch) inside it, so ``k3lab --help`` stays instant.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 
 COMMANDS = {
     "app": "open the Streamlit app",
@@ -37,6 +38,16 @@ COMMANDS = {
     "attribute": "attribution of a continuation to the prompt's tokens (Captum)",
     "survey": "statistics over a corpus: MoE load, expert atlas, expert-cache hit rates (resumable, torchrun)",
 }
+
+
+# commands served by a function other than their own module's ``main``: "module:function"
+ENTRY = {"patch": "experiment:patch_main", "attribute": "experiment:attribute_main"}
+
+
+def entry(command: str) -> Callable[[list[str]], int]:
+    """The function that runs ``command`` (its arguments in, exit code out); imported on call."""
+    module, _, function = ENTRY.get(command, f"{command}:main").partition(":")
+    return getattr(importlib.import_module(f"k3lab.{module}"), function)
 
 
 def _usage() -> str:
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"k3lab: unknown command {shown(command)}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return importlib.import_module(f"k3lab.{command}").main(rest)
+    return entry(command)(rest)
 
 
 if __name__ == "__main__":

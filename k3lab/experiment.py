@@ -205,9 +205,9 @@ def main(argv: list[str]) -> int:
     from analysis.figures.experiment import lens_figure, loss_change_figure
     from analysis.metrics import lens
     from analysis.runs import texts
-    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.interp.edit_kinds import EditError
     from k3core.interp.interventions import intervene, parse_edit
+    from k3core.loading.tensor_info import CheckpointError
 
     try:
         edits = [parse_edit(e) for e in args.edit]
@@ -261,7 +261,7 @@ def patch_main(argv: list[str]) -> int:
     from analysis.experiments import patching
     from analysis.figures.experiment import patching_figure
     from analysis.runs import texts
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
 
     try:
         run = _load(args, "patching.json")
@@ -313,7 +313,7 @@ def attribute_main(argv: list[str]) -> int:
     from analysis.experiments.layer_attribution import layer_attribution
     from analysis.figures.experiment import attribution_figure, layer_attribution_figure
     from analysis.runs import texts
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
 
     methods = attr.METHODS if args.method == "all" else (args.method,)
     try:

@@ -13,13 +13,16 @@ def print_placement_plan(run: str, device: str, dtype: str | None, prog: str, ma
     """With ``--max-memory``, the streaming plan (what stays, what streams, bytes and expected time per prompt);
     with ``--device auto``, the placement plan (bytes and layers per device); on stderr before loading."""
     from analysis.runs.loading import DTYPES, dtype_name
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     if max_memory:
-        from k3core.bigmodel.streamed_run import plan_for_path
+        from k3core.interp.trace_size import trace_estimate
+        from k3core.loading.streamed_run import plan_for_path
 
         device = "cpu" if device == "auto" else device
-        plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=DTYPES[dtype_name(dtype)], max_memory=max_memory)
+        dtype = DTYPES[dtype_name(dtype)]
+        plan = plan_for_path(run, K3ForCausalLM, device=device, dtype=dtype, max_memory=max_memory,
+                             trace_estimate=trace_estimate)  # fmt: skip
         print(f"{prog}: streaming plan\n" + "\n".join("  " + line for line in plan.describe().splitlines()),
               file=sys.stderr)  # fmt: skip
         return
@@ -64,9 +67,9 @@ def main(argv: list[str]) -> int:
         return 2
 
     from analysis.runs.loading import load_run, run_tokenizer
-    from k3core.checkpoints.pretrained import load_config
-    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.generation.decode import generate_text, prompt_ids
+    from k3core.loading.pretrained import load_config
+    from k3core.loading.tensor_info import CheckpointError
 
     try:  # the prompt's cap first, from the folder's config and tokenizer: no model loaded for a refused prompt
         tokenizer, _ = run_tokenizer(args.run, load_config(args.run).vocab_size)

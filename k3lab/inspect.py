@@ -20,7 +20,7 @@ from typing import Any
 
 from analysis.output.format import format_bytes, format_count, format_number
 from analysis.weights.checkpoint_summary import config_summary, layer_map
-from k3core.config import K3Config
+from k3core.modeling.config import K3Config
 from k3core.utils import input_limits as limits
 from k3lab.options import Parser, add_device_options, arg_int
 
@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     from analysis.runs import loading as runs_mod
     from analysis.runs import texts
     from analysis.weights.checkpoint_summary import checkpoint_summary, header_breakdown, parameter_breakdown
-    from k3core.checkpoints.folder import CheckpointFiles
-    from k3core.checkpoints.tensor_info import CheckpointError
-    from k3core.model import K3ForCausalLM
-    from k3core.presets import PRESETS
+    from k3core.loading.folder import CheckpointFiles
+    from k3core.loading.tensor_info import CheckpointError
+    from k3core.modeling.model import K3ForCausalLM
+    from k3core.modeling.presets import PRESETS
 
     path = Path(args.run)
     training = headline = checkpoint = None
@@ -240,8 +240,8 @@ def format_plan(plan, source: str, dtype: str, gpus_per_node: int) -> str:
 def print_plan(args) -> int:
     """``k3lab inspect RUN --plan``: the rank plan of a resident run (k3core.distributed.rank_plan), headers only."""
     from analysis.runs.loading import DTYPES
-    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.distributed.rank_plan import plan_for, sizes_of
+    from k3core.loading.tensor_info import CheckpointError
 
     dtype = args.dtype or "bfloat16"
     try:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print("k3lab long: --tokens must be at least 2", file=sys.stderr)
         return 2
     from analysis.output.report import check_report_folder
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
 
     try:
         if not args.estimate_only:

@@ -8,8 +8,8 @@ from k3lab.options import Parser
 def main(argv: list[str]) -> int:
     Parser(prog="k3lab presets", description="List the named configurations.").parse_args(argv)
     from analysis.output.format import format_count
-    from k3core.model import K3ForCausalLM
-    from k3core.presets import PRESETS
+    from k3core.modeling.model import K3ForCausalLM
+    from k3core.modeling.presets import PRESETS
 
     print(f"{'preset':18s} {'layers':>6s} {'width':>6s} {'total':>12s} {'active':>12s}  layout")
     for name in PRESETS:

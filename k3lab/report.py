@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from analysis.output.report import check_report_folder
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
     from k3core.utils.files import check_output_folder
 
     try:
@@ -163,7 +163,7 @@ def _report(args: argparse.Namespace, out: str | Path, text_index: int | None) -
 
     from analysis.output.report import select_views, write_report
     from analysis.views.catalogue import all_views
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
 
     steps = 2 * len(args.runs) + len(select_views(all_views(), args.views, args.skip_model_views)) + 3
     progress = tqdm(total=steps, desc="k3lab report", unit="step", disable=args.quiet, file=sys.stderr, leave=False)

@@ -113,7 +113,7 @@ def _survey(args: argparse.Namespace) -> int:
     from analysis.runs.texts import text_tokenizer
     from analysis.survey import engine as sv
     from analysis.survey.plan import SurveyError, corpus_ids, make_plan, sample_corpus_text
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:

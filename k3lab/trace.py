@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from analysis.runs import loading as runs_mod
     from analysis.runs.trace_writer import read_inputs, write_run_traces
-    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.interp.trace_folder import check_out_dir
+    from k3core.loading.tensor_info import CheckpointError
 
     try:
         check_out_dir(args.out)
@@ -105,8 +105,8 @@ def _pipeline(args) -> int:
     """One rank of the pipeline-parallel trace; a failure ends the process at once (no teardown that could wait on
     a dead peer)."""
     from analysis.runs.trace_writer import write_pipeline_traces
-    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.distributed.pipeline import PipelineError
+    from k3core.loading.tensor_info import CheckpointError
 
     rank = os.environ.get("RANK", "?")
     try:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from k3core.config import ConfigError
+from k3core.modeling.config import ConfigError
 from k3core.training import TrainConfig, TrainError, load_metrics, parse_overrides, train
 from k3core.utils.files import OutputFolderError
 from k3core.utils.input_limits import MAX_SEED, MAX_THREADS, MAX_TOKENS, MAX_TRAIN_STEPS

@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     from analysis import weights as wt
     from analysis.output.format import format_bytes
     from analysis.output.weights_folder import check_weights_folder, write_outputs
-    from k3core.checkpoints.tensor_info import CheckpointError
+    from k3core.loading.tensor_info import CheckpointError
 
     started = time.perf_counter()
     try:

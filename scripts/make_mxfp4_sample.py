@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from k3core.checkpoints.names import keep_fp32  # noqa: E402
-from k3core.config import K3Config  # noqa: E402
-from k3core.model import K3ForCausalLM  # noqa: E402
+from k3core.loading.names import keep_fp32  # noqa: E402
+from k3core.modeling.config import K3Config  # noqa: E402
+from k3core.modeling.model import K3ForCausalLM  # noqa: E402
 
 WIDTH = 64  # expert width after padding: a multiple of MXFP4's group of 32
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
@@ -36,7 +36,7 @@ MXFP4_ARGS = dict(num_bits=4, type="float", strategy="group", group_size=32, sca
 
 
 def text_config(cfg: K3Config) -> dict:
-    """The Hugging Face Kimi K3 ``text_config`` of a K3Config (the fields k3core.hf_config reads)."""
+    """The Hugging Face Kimi K3 ``text_config`` of a K3Config (the fields k3core.modeling.hf_config reads)."""
     full = list(cfg.full_attn_layers)
     return {
         "model_type": "kimi_linear",

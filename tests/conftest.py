@@ -9,11 +9,11 @@ import streamlit  # noqa: F401 - before analysis: importing streamlit sets plotl
 import torch
 
 from app.server.settings import STREAMLIT_OPTIONS
-from k3core.config import K3Config
 from k3core.interp.recorder import record
 from k3core.interp.trace import Trace
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.config import K3Config
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 # The tests run tiny models on a small shared CPU: with several threads per process every small op pays for
 # thread hand-offs (measured 20-50x slower under load), so the suite uses one thread unless told otherwise.
@@ -68,9 +68,11 @@ def nano_config(**overrides) -> K3Config:
     return from_preset("k3-nano", **overrides)
 
 
-def nano_model(seed: int = 0, **overrides) -> K3ForCausalLM:
-    """A freshly initialised k3-nano (eval mode), deterministic for a given seed."""
-    torch.manual_seed(seed)
+def nano_model(seed: int | None = 0, **overrides) -> K3ForCausalLM:
+    """A freshly initialised k3-nano (eval mode; ``nano_config``), deterministic for a given seed (None: the global
+    generator as it stands). The one small test model: tests build it here rather than spelling the config out."""
+    if seed is not None:
+        torch.manual_seed(seed)
     return K3ForCausalLM.from_config(nano_config(**overrides)).eval()
 
 
@@ -128,55 +130,3 @@ def sparse_k3(tmp_path_factory):
 def tokens() -> torch.Tensor:
     """[2, 7] random byte ids."""
     return torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(123))
-
-
-def kimi_k3_hf_dict() -> dict:
-    """A Kimi K3 config.json (multimodal wrapper, text_config inside) with the published values."""
-    full = list(range(4, 93, 4)) + [93]
-    return {
-        "model_type": "kimi_k3",
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "vision_config": {"hidden_size": 1152},
-        "text_config": {
-            "model_type": "kimi_k3_text",
-            "vocab_size": 163840,
-            "hidden_size": 7168,
-            "num_hidden_layers": 93,
-            "num_attention_heads": 96,
-            "num_key_value_heads": 96,
-            "intermediate_size": 33792,
-            "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 1048576,
-            "tie_word_embeddings": False,
-            "hidden_act": "situ",
-            "activation_situ_beta": 4.0,
-            "activation_situ_linear_beta": 25.0,
-            "linear_attn_config": {
-                "full_attn_layers": full,
-                "kda_layers": [i for i in range(1, 94) if i not in full],
-                "num_heads": 96,
-                "head_dim": 128,
-                "short_conv_kernel_size": 4,
-                "gate_lower_bound": -5.0,
-                "use_full_rank_gate": True,
-            },
-            "q_lora_rank": 1536,
-            "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-            "mla_use_nope": True,
-            "mla_use_output_gate": True,
-            "num_experts": 896,
-            "num_experts_per_token": 16,
-            "num_shared_experts": 2,
-            "moe_intermediate_size": 3072,
-            "routed_expert_hidden_size": 3584,
-            "latent_moe_use_norm": True,
-            "moe_renormalize": True,
-            "moe_router_activation_func": "sigmoid",
-            "routed_scaling_factor": 1.0,
-            "first_k_dense_replace": 1,
-            "attn_res_block_size": 12,
-        },
-    }

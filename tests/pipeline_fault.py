@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from k3core.model import K3DecoderLayer
+from k3core.modeling.model import K3DecoderLayer
 from k3lab.cli import main as k3lab
 
 

@@ -34,7 +34,7 @@ def quantised_copy(folder_a: str | Path, folder_b: str | Path) -> bool:
     experts, layer types, residual; widths may differ: MXFP4 pads them to its 32-value blocks, e.g. the samples'
     k3-full 40 -> k3-mxfp4 64). Their differences are rounding (~1e-5), not two trained runs (no seed noise between
     them), nor a comparison anyone means by default. False when a config cannot be read."""
-    from k3core.checkpoints.folder import read_config
+    from k3core.loading.folder import read_config
 
     shape = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "full_attn_layers", "residual")
     folders = (Path(folder_a), Path(folder_b))

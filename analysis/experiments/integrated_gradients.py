@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from analysis.experiments.attribution_inputs import AttributionError
-from k3core.interp.hooks import HookNames, hooks
-from k3core.model import EMBED
+from k3core.modeling.hooks import HookNames, hooks
+from k3core.modeling.model import EMBED
 
 
 def _moe_points(config: Any, name: str) -> list[str]:

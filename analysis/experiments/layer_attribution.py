@@ -1,6 +1,6 @@
 """Layer attribution (``layer_attribution``): Captum ``IntegratedGradients`` on one multiplier per element of
 every sub-layer output (the KDA / MLA mixer outputs, dense FFN outputs, routed-expert and shared-expert
-outputs, hook points of ``k3core.interp.hooks``), from all multipliers 0 (every sub-layer output removed) to 1
+outputs, hook points of ``k3core.modeling.hooks``), from all multipliers 0 (every sub-layer output removed) to 1
 (the model as it is), for f = sum_j log p(y_j | x, y_<j). Each output's attribution, summed over its
 elements, says how much of f flows through it; grouped by mixer type (KDA vs MLA) and FFN kind (dense,
 routed, shared). Completeness again: the sum over everything = f(model) - f(no sub-layers) + delta.
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from analysis.experiments.attribution_inputs import check_ids
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 
 
 def layer_points(config: Any) -> list[tuple[int, str, str, str]]:

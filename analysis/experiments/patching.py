@@ -2,7 +2,7 @@
 
 Two inputs of the same length, clean and corrupted, and a metric m of the logits. Each activation of
 the clean forward at a (layer, site), and per position on request, is written into the corrupted
-forward (``k3core.interp.hooks`` write hooks); the table reports
+forward (``k3core.modeling.hooks`` write hooks); the table reports
 
     fraction_restored = (m(patched) - m(corrupted)) / (m(clean) - m(corrupted))
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.interp.catalogue import hook_points, point_axes
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 
 SITES = ("resid", "mixer_out", "ffn_out", "depth_weights")
 #: the clean - corrupted gap below which fractions restored are ratios of noise (units of the metric)

@@ -13,6 +13,7 @@ from analysis.runs.context import AnalysisContext
 from analysis.views import picks as pk
 from analysis.views import view
 from analysis.views.view import Comparison, NotApplicable, View
+from k3core.modeling.hooks import AttnResSite
 
 
 def _require_attnres(ctx: AnalysisContext) -> None:
@@ -29,7 +30,7 @@ def _require_attnres(ctx: AnalysisContext) -> None:
 def attnres_choices(ctx: AnalysisContext) -> view.PickChoices:
     """Decoder layers with AttnRes sites in the trace (the output mix is not a layer)."""
     _require_attnres(ctx)
-    layers = sorted({int(site.split(".")[0]) for site in ar.sites(ctx.trace) if site != "output"})
+    layers = sorted({where.layer for site in ar.sites(ctx.trace) if not (where := AttnResSite.parse(site)).is_output})
     return view.PickChoices("AttnRes", tuple(layers))
 
 

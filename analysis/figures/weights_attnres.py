@@ -11,7 +11,7 @@ from analysis.figures.style import RUN_COLORS, apply_style
 from analysis.figures.weights_source import run_label, weights_of
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import NotApplicable
-from k3core.layers.residual import scale_bias_init
+from k3core.modeling.layers.residual import scale_bias_init
 
 
 def build_query_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
@@ -46,7 +46,7 @@ def build_query_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
 
 def build_scale_bias(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
     """Scale/bias residual: mean scale and bias per depth and site, bars = std over channels; the initial scale
-    (``k3core.layers.residual.scale_bias_init``) dashed."""
+    (``k3core.modeling.layers.residual.scale_bias_init``) dashed."""
     s = weights_of(ctx)
     table = s.scale_bias
     if table.empty:

@@ -1,7 +1,7 @@
 """Layer density allocated by a config: parameters, FLOPs per token and decode cache per layer (no data).
 
 - parameters of each layer by kind (``params_by_kind``: the one definition of "parameters of layer i by
-  kind", under ``k3core.checkpoints.names.PARAMETER_RULE``: the router selection bias is not counted);
+  kind", under ``k3core.loading.names.PARAMETER_RULE``: the router selection bias is not counted);
   ``analysis.weights.layout.params_by_depth`` counts the same from stored shapes, checked equal on every
   sample and preset by tests/analysis/metrics/test_allocation.py; the allocation table's ``params`` are their sum per
   layer (``K3ForCausalLM.num_parameters`` in total) and ``active_params`` count k of E routed experts;
@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.weights.layout import KINDS, depth_label
-from k3core.config import K3Config
+from k3core.modeling.config import K3Config
 
 DEFAULT_LENGTHS = tuple(2**p for p in range(10, 21))  # 1K .. 1M tokens
 

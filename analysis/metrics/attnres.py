@@ -18,14 +18,15 @@ import pandas as pd
 
 from analysis.metrics.entropy import normalised_entropy
 from k3core.interp.trace import Trace, names
+from k3core.modeling.hooks import AttnResSite
 
 
 def site_order(site: str, num_layers: int | None = None) -> tuple[int, int]:
     """Sort key: (layer, 0 for attn / 1 for mlp); the output site sorts last."""
-    if site == "output":
+    where = AttnResSite.parse(site)
+    if where.is_output:
         return (num_layers if num_layers is not None else 10**9, 0)
-    layer, side = site.split(".")
-    return (int(layer), 0 if side == "attn" else 1)
+    return (where.layer, 0 if where.sublayer == "attn" else 1)
 
 
 def sites(trace: Trace) -> list[str]:
@@ -35,10 +36,8 @@ def sites(trace: Trace) -> list[str]:
 
 
 def _site_parts(site: str, num_layers: int) -> tuple[int, str]:
-    if site == "output":
-        return num_layers, "output"
-    layer, side = site.split(".")
-    return int(layer), side
+    where = AttnResSite.parse(site)
+    return (num_layers if where.is_output else where.layer), where.sublayer
 
 
 def _source_names(trace: Trace, site: str, n: int) -> list[str]:

@@ -202,7 +202,7 @@ def hit_rate(hits: np.ndarray, accesses: int) -> np.ndarray:
 
 
 def forward_access_trace(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """The expert reads of one batched forward of a streamed run (``k3core.bigmodel.expert_store``): layer by layer,
+    """The expert reads of one batched forward of a streamed run (``k3core.loading.expert_store``): layer by layer,
     each layer's distinct chosen experts in ascending order (the sorted dispatch runs each active expert once).
     ``experts`` [layer, ...token axes, rank] -> keys ``layer * E + expert``."""
     experts = np.asarray(experts, dtype=np.int64)

@@ -21,8 +21,8 @@ import pandas as pd
 import torch
 
 from k3core.interp.catalogue import source_label
-from k3core.interp.hooks import active, hooks
-from k3core.layers.residual import FINAL_STREAM, STREAM
+from k3core.modeling.hooks import active, hooks
+from k3core.modeling.layers.residual import FINAL_STREAM, STREAM
 
 
 def boundary_layers(config: object) -> list[int]:

@@ -15,7 +15,7 @@ picker (``View.picks``) on that layer / head; their files are named ``<view>_L3H
 that layer or head is listed as not applicable with the valid ones. Without picks nothing changes.
 
 Bad input (unreadable checkpoint, missing text file, unknown sample, runs that cannot read the same text)
-raises ``k3core.checkpoints.tensor_info.CheckpointError``, ``ValueError`` or ``OSError`` before anything is written.
+raises ``k3core.loading.tensor_info.CheckpointError``, ``ValueError`` or ``OSError`` before anything is written.
 """
 
 from __future__ import annotations

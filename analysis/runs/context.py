@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from k3core.config import K3Config
 from k3core.interp.trace import Trace
+from k3core.modeling.config import K3Config
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Loading a run (a checkpoint folder) and tracing it on a text: the shared entry of report, inspect and app.
 
-A run folder holds ``config.json`` + ``model.safetensors`` (Hugging Face layout, see k3core.checkpoints.pretrained)
+A run folder holds ``config.json`` + ``model.safetensors`` (Hugging Face layout, see k3core.loading.pretrained)
 and optionally ``metrics.json`` (the training history, see analysis.metrics.history) and a ``README.md`` model
-card. ``load_run`` raises ``k3core.checkpoints.tensor_info.CheckpointError`` for anything wrong with the checkpoint;
+card. ``load_run`` raises ``k3core.loading.tensor_info.CheckpointError`` for anything wrong with the checkpoint;
 a missing or unreadable ``metrics.json`` is not an error (``Run.metrics`` is None and
 ``Run.card["notes"]`` says why).
 
@@ -21,24 +21,25 @@ import torch
 
 from analysis.runs.context import AnalysisContext
 from analysis.runs.texts import REPEAT_START, Input
-from k3core.checkpoints.folder import folder_fingerprint
-from k3core.checkpoints.tensor_info import DTYPES as STORED
-from k3core.checkpoints.tensor_info import CheckpointError
-from k3core.config import K3Config
 from k3core.interp.trace_folder import TraceDir, is_trace_dir, read_trace_dir, trace_dir_fingerprint
 from k3core.interp.trace_npz import TraceError
+from k3core.interp.trace_size import trace_estimate
+from k3core.loading.folder import folder_fingerprint
+from k3core.loading.tensor_info import DTYPES as STORED
+from k3core.loading.tensor_info import CheckpointError
+from k3core.modeling.config import K3Config
 from k3core.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 from k3core.utils.files import open_for_reading, parse_json, read_bytes_limited
 from k3core.utils.runtime import configure_threads
 
 if TYPE_CHECKING:  # imported where a run is loaded (load_run), not when this module is
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
 METRICS_NAME = "metrics.json"
 MAX_METRICS_BYTES = 64 * 1024**2
 CARD_NAMES = ("README.md", "MODEL_CARD.md", "model_card.md")
 #: the dtypes a run computes in, by the names the app, the CLI and links use ("float32"): a choice of the one table of
-#: torch dtypes, k3core.checkpoints.tensor_info.DTYPES
+#: torch dtypes, k3core.loading.tensor_info.DTYPES
 DTYPES: dict[str, torch.dtype] = {str(STORED[k]).removeprefix("torch."): STORED[k] for k in ("F32", "BF16", "F16")}
 
 
@@ -116,12 +117,12 @@ def load_run(
     """Load a checkpoint folder (config.json + weights [+ metrics.json, README.md, tokenizer]) into a Run.
 
     The model is in eval mode on ``device`` in ``dtype``; torch's thread count is set for its size
-    (``k3core.utils.runtime.configure_threads``). ``fingerprint`` (``k3core.checkpoints.folder.folder_fingerprint``)
+    (``k3core.utils.runtime.configure_threads``). ``fingerprint`` (``k3core.loading.folder.folder_fingerprint``)
     may be passed when the caller already has it; ``progress`` is a (bytes done, total) callback or True for a tqdm bar;
     ``offload_folder`` is where ``device="auto"`` puts weights that fit on no device; ``max_memory`` (e.g. "8GB"):
-    run it from the checkpoint files within that budget on ``device`` (``k3core.bigmodel.streamed_run``). Raises
+    run it from the checkpoint files within that budget on ``device`` (``k3core.loading.streamed_run``). Raises
     CheckpointError (missing folder, bad config, bad weights) and ValueError (unknown dtype)."""
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     path = Path(path)
     if is_trace_dir(path):
@@ -135,7 +136,12 @@ def load_run(
     if max_memory:
         budget_device = "cpu" if str(device) == "auto" else str(device)
         model = K3ForCausalLM.from_pretrained(
-            path, device=budget_device, dtype=DTYPES[dtype], max_memory={budget_device: max_memory}, stream=True
+            path,
+            device=budget_device,
+            dtype=DTYPES[dtype],
+            max_memory={budget_device: max_memory},
+            stream=True,
+            trace_estimate=trace_estimate,
         )
     else:
         model = K3ForCausalLM.from_pretrained(

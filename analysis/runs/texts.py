@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from k3core.config import K3Config
+from k3core.modeling.config import K3Config
 from k3core.tokenizer import ByteTokenizer, Tokenizer
 
 SAMPLES = ("shakespeare", "mqar", "repeat")

@@ -16,9 +16,9 @@ from typing import Any
 
 from analysis.runs import loading as runs_mod
 from analysis.runs import texts
-from k3core.config import K3Config
 from k3core.interp.trace import Trace
 from k3core.interp.trace_folder import write_trace_dir
+from k3core.modeling.config import K3Config
 from k3core.training.rundir import code_version
 
 
@@ -134,11 +134,11 @@ def write_pipeline_traces(
     summary {rank, layers, bytes_read, seconds}. Raises PipelineError, CheckpointError, ValueError."""
     import torch.distributed as dist
 
-    from k3core.checkpoints.folder import folder_fingerprint
-    from k3core.checkpoints.pretrained import load_config
-    from k3core.checkpoints.tensor_info import CheckpointError
     from k3core.distributed import pipeline as pp
-    from k3core.model import K3ForCausalLM
+    from k3core.loading.folder import folder_fingerprint
+    from k3core.loading.pretrained import load_config
+    from k3core.loading.tensor_info import CheckpointError
+    from k3core.modeling.model import K3ForCausalLM
 
     t0 = time.perf_counter()
     rank, world, device = pp.init_from_env(timeout)

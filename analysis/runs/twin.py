@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from analysis.runs.loading import Run
-from k3core.config import K3Config
+from k3core.modeling.config import K3Config
 
 #: a twin is built only up to this many parameters (fp32: 4 bytes each, 2 GB at the limit)
 TWIN_MAX_PARAMETERS = 500_000_000
@@ -25,7 +25,7 @@ TWIN_SUFFIX = " (untrained twin)"
 
 def config_parameters(config: K3Config) -> int:
     """The parameter count of a config, from a shapes-only model (no memory for the weights)."""
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     return int(K3ForCausalLM.from_config(config, device="meta").num_parameters())
 
@@ -49,7 +49,7 @@ def config_digest(config: K3Config) -> str:
 
 @lru_cache(maxsize=4)
 def _twin_model(digest: str, config_json: str, seed: int):
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     config = K3Config.from_dict(json.loads(config_json))
     generator_state = torch.random.get_rng_state()

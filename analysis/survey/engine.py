@@ -4,7 +4,7 @@ This module runs them: the forward of one batch with read hooks (``survey_batch`
 
     corpus token ids --sequences of seq_len (+1 for the targets)--> batches (fixed: batch b = sequences
         [b * batch_size, (b + 1) * batch_size); analysis.survey.plan) --forward with read hooks
-        (k3core.interp.hooks)--> per-batch numpy --SurveyState.add_batch (analysis.survey.state)--> counts, sums,
+        (k3core.modeling.hooks)--> per-batch numpy --SurveyState.add_batch (analysis.survey.state)--> counts, sums,
         fixed-bin histograms, top-k tables (analysis.survey.aggregates) --save_survey (analysis.survey.folder)-->
         DIR/survey.json (the plan, progress, layer tables, bins) + DIR/state.npz (arrays)
 
@@ -54,7 +54,7 @@ from analysis.survey.plan import Layout, SurveyError, SurveyPlan, attnres_sites,
 from analysis.survey.state import SurveyState
 from k3core.interp.attention_stats import blocked_attention_stats
 from k3core.interp.catalogue import POINTS
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 
 MLA_QUERY_BLOCK = 128  # MLA statistics are computed [block, T] at a time, never T x T per head and batch at once
 
@@ -223,7 +223,7 @@ def _survey_batches(
 
 
 class StreamedCacheCheck:
-    """A streamed run's expert cache (``k3core.bigmodel.expert_store``, LRU over stored bytes) beside its simulation:
+    """A streamed run's expert cache (``k3core.loading.expert_store``, LRU over stored bytes) beside its simulation:
     the LRU of the same capacity in experts fed the forward's expert reads (``forward_access_trace``). Counted over
     the batches run in this process (a continued survey counts from where it continued)."""
 
@@ -236,7 +236,8 @@ class StreamedCacheCheck:
 
     @classmethod
     def of(cls, run: Any, layout: Layout) -> StreamedCacheCheck | None:
-        session = getattr(run.model, "streaming", None)
+        loading = getattr(run.model, "loading", None)  # run.model is None for a trace folder
+        session = loading.streaming if loading is not None else None
         if session is None or not layout.moe_layers or len(set(layout.expert_bytes)) != 1:
             return None
         return cls(session.store, session.store.budget // layout.expert_bytes[0], layout)

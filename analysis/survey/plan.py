@@ -18,7 +18,7 @@ import torch
 from analysis.metrics.expert_cache import cache_sizes
 from analysis.metrics.routing_stats import TOKEN_CLASSES, byte_classes, string_class
 from k3core.interp.catalogue import attnres_has_attn_site
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 
 MAX_TOKEN_COUNTS = 4096  # per-expert token counts kept for vocabularies up to this size (byte models: 256)
 
@@ -164,8 +164,8 @@ def attnres_sites(config: Any) -> dict[str, str]:
 def expert_bytes_of(run: Any) -> list[int]:
     """Stored bytes of one routed expert (w1 + w2 + w3) per MoE layer, at the checkpoint's storage format (its
     headers); from the parameters when the run has no checkpoint files."""
-    from k3core.bigmodel.expert_store import EXPERT_NAME, WEIGHTS
-    from k3core.checkpoints.folder import CheckpointFiles
+    from k3core.loading.expert_store import EXPERT_NAME, WEIGHTS
+    from k3core.loading.folder import CheckpointFiles
 
     layers = [i for i in range(run.config.num_hidden_layers) if run.config.is_moe_layer(i)]
     try:

@@ -5,7 +5,7 @@ The key config fields, parameter counts (total and active per token, by componen
 map (per layer: KDA/MLA, dense FFN/MoE, width multiplier, parameters, AttnRes block boundaries) and
 headline numbers: the final training numbers from metrics.json when present, and with ``--text`` /
 ``--sample`` those of a quick trace (analysis.metrics.headline.headline_numbers). A checkpoint folder is read
-through ``k3core.checkpoints.folder.CheckpointFiles``: config.json and the safetensors headers only
+through ``k3core.loading.folder.CheckpointFiles``: config.json and the safetensors headers only
 (parameter counts from shapes, bytes by dtype, skipped multimodal tensors, names and shapes checked
 against the config), so a 5 TB checkpoint answers in seconds; only ``--text`` / ``--sample`` load
 weights. RUN may also be a preset name (``k3lab inspect kimi-k3``): its shapes are built on the meta
@@ -18,12 +18,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from analysis.weights.layout import COMPONENTS, layer_structure, num_layers_of, params_by_depth, tensor_kind
-from k3core.checkpoints.folder import CheckpointFiles
-from k3core.checkpoints.names import counts_as_parameter, layer_of
-from k3core.config import K3Config
+from k3core.loading.folder import CheckpointFiles
+from k3core.loading.names import counts_as_parameter, layer_of
+from k3core.modeling.config import K3Config
 
-if TYPE_CHECKING:  # k3core.model imports torch: loaded only where a model is built
-    from k3core.model import K3ForCausalLM
+if TYPE_CHECKING:  # k3core.modeling.model imports torch: loaded only where a model is built
+    from k3core.modeling.model import K3ForCausalLM
 
 
 def config_summary(cfg: K3Config) -> dict[str, Any]:
@@ -110,8 +110,8 @@ def params_by_layer(files: CheckpointFiles) -> dict[int, int]:
 
 def header_check(files: CheckpointFiles, cfg: K3Config) -> dict[str, Any]:
     """How the headers compare with the config: tensor names missing / unexpected, shapes that differ."""
-    from k3core.checkpoints.pretrained import build_meta_model, published_shapes, stored_shape_ok
-    from k3core.model import K3ForCausalLM
+    from k3core.loading.pretrained import build_meta_model, published_shapes, stored_shape_ok
+    from k3core.modeling.model import K3ForCausalLM
 
     expected = published_shapes(build_meta_model(K3ForCausalLM, cfg, None))
     missing = sorted(set(expected) - set(files.tensors))

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from analysis.metrics.kda_memory import half_life
-from k3core.config import K3Config
+from k3core.modeling.config import K3Config
 from k3core.ops.kda.gate import kda_decay_gate
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-from k3core.checkpoints.names import counts_as_parameter, layer_of
-from k3core.config import K3Config
+from k3core.loading.names import counts_as_parameter, layer_of
+from k3core.modeling.config import K3Config
 
 EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 COMPONENTS = (  # what ``tensor_kind`` answers, in reading order

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.checkpoints.names import layer_of
+from k3core.loading.names import layer_of
 
 from .layout import EXPERT_RE, expert_tensor_names, layer_structure, small_tensor_names
 from .source import StateDictSource, open_source

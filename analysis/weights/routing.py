@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from k3core.checkpoints.names import layer_of
+from k3core.loading.names import layer_of
 
 from .layout import EXPERT_RE
 

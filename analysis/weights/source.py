@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3core.checkpoints.folder import CheckpointFiles
-from k3core.checkpoints.tensor_info import stored_dtype_name
-from k3core.config import K3Config
+from k3core.loading.folder import CheckpointFiles
+from k3core.loading.tensor_info import stored_dtype_name
+from k3core.modeling.config import K3Config
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ class StateDictSource:
 
 
 def open_source(path: str | Path) -> Any:
-    """A checkpoint folder (or one .safetensors file) opened header-only (``k3core.checkpoints.folder``);
+    """A checkpoint folder (or one .safetensors file) opened header-only (``k3core.loading.folder``);
     config.json is read when present (without it the KDA gate form is unknown, everything else works).
 
-    Raises ``k3core.checkpoints.tensor_info.CheckpointError`` for anything wrong with it."""
+    Raises ``k3core.loading.tensor_info.CheckpointError`` for anything wrong with it."""
     return CheckpointFiles.open(path, require_config=False)

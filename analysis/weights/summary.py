@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from k3core.checkpoints.names import counts_as_parameter
-from k3core.config import K3Config
+from k3core.loading.names import counts_as_parameter
+from k3core.modeling.config import K3Config
 
 from .decay import kda_tables
 from .layout import layer_structure, numel, params_by_depth

@@ -11,7 +11,7 @@ from app.render import page
 from app.render.errors import md_escape, plain
 from app.render.model_use import model_use
 from app.state.inputs import MAX_TEXT_CHARS
-from k3core.generation.cache import K3Cache
+from k3core.modeling.cache import K3Cache
 from k3core.utils.input_limits import MAX_PROMPT_TOKENS
 
 inputs = page.inputs_or_stop()

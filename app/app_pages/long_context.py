@@ -23,7 +23,7 @@ from app.render import caching, cards, page
 from app.render.caching import Loaded
 from app.render.model_use import model_use
 from app.state.inputs import SAMPLE_OF_SOURCE, TEXT_SHAKESPEARE
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 
 WINDOW = 1024  # bulky per-token arrays (hidden states, KDA decays) keep this many positions
 LENGTHS = tuple(1024 * 2**k for k in range(11))  # 1K .. 1M

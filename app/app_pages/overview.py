@@ -11,7 +11,7 @@ from analysis.weights.checkpoint_summary import config_summary, layer_map, param
 from app.render import caching, cards, page
 from app.render.download_all import download_all
 from app.render.errors import markdown_card, md_escape
-from k3core.checkpoints.names import PARAMETER_RULE
+from k3core.loading.names import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 

@@ -211,8 +211,8 @@ with tab_preset:
 
     @st.cache_data(show_spinner=False)
     def _preset_sizes() -> dict[str, int]:
-        from k3core.model import K3ForCausalLM
-        from k3core.presets import PRESETS
+        from k3core.modeling.model import K3ForCausalLM
+        from k3core.modeling.presets import PRESETS
 
         return {p: K3ForCausalLM.from_config(p, device="meta").num_parameters() for p in PRESETS}
 

@@ -121,10 +121,12 @@ def _results(folder, job) -> None:
     budget = None
     if inputs.max_memory:
         try:
-            from k3core.bigmodel.streamed_run import plan_for_path
-            from k3core.model import K3ForCausalLM
+            from k3core.interp.trace_size import trace_estimate
+            from k3core.loading.streamed_run import plan_for_path
+            from k3core.modeling.model import K3ForCausalLM
 
-            budget = plan_for_path(run.path, K3ForCausalLM, max_memory=inputs.max_memory).expert_cache_bytes
+            plan = plan_for_path(run.path, K3ForCausalLM, max_memory=inputs.max_memory, trace_estimate=trace_estimate)
+            budget = plan.expert_cache_bytes
         except Exception:  # noqa: BLE001 - no budget mark then
             budget = None
     fig, cache = fs.cache_curves(ctx.with_options(budget_bytes=budget))

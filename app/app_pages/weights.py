@@ -13,8 +13,8 @@ from analysis.views.catalogue import section_views
 from app.library import run_messages
 from app.library.run_folders import human_count
 from app.render import caching, cards, page
-from k3core.checkpoints.names import PARAMETER_RULE
-from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.loading.names import PARAMETER_RULE
+from k3core.loading.tensor_info import CheckpointError
 
 
 def weights_or_stop(ref, experts: bool = False, progress=None) -> caching.Loaded:

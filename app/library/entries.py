@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3core.checkpoints.folder import CONFIG_NAME
+from k3core.loading.folder import CONFIG_NAME
 from k3core.utils.files import parse_json, read_bytes_limited
 
 SOURCES = ("upload", "path", "preset")

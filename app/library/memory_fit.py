@@ -35,7 +35,7 @@ def available_memory(device: str) -> int | None:
 @st.cache_data(show_spinner=False, max_entries=64)
 def _plan(path: str, stamp: tuple, device: str, dtype: str):
     from analysis.runs.loading import DTYPES
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     return K3ForCausalLM.plan_placement(path, device, DTYPES[dtype])
 
@@ -50,10 +50,13 @@ def placement_plan(path: str | Path, device: str, dtype: str):
 @st.cache_data(show_spinner=False, max_entries=32)
 def _stream_plan(path: str, stamp: tuple, device: str, dtype: str, max_memory: str):
     from analysis.runs.loading import DTYPES
-    from k3core.bigmodel.streamed_run import plan_for_path
-    from k3core.model import K3ForCausalLM
+    from k3core.interp.trace_size import trace_estimate
+    from k3core.loading.streamed_run import plan_for_path
+    from k3core.modeling.model import K3ForCausalLM
 
-    return plan_for_path(path, K3ForCausalLM, device=device, dtype=DTYPES[dtype], max_memory=max_memory)
+    return plan_for_path(
+        path, K3ForCausalLM, device=device, dtype=DTYPES[dtype], max_memory=max_memory, trace_estimate=trace_estimate
+    )
 
 
 def stream_plan(path: str | Path, device: str, dtype: str, max_memory: str):

@@ -14,7 +14,7 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.loading.tensor_info import CheckpointError
 
 
 class PathRefused(ValueError):

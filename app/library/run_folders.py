@@ -16,11 +16,11 @@ from typing import Any
 
 from analysis.output.format import format_count
 from analysis.weights.checkpoint_summary import config_summary
-from k3core.checkpoints.folder import CheckpointFiles, folder_fingerprint
-from k3core.checkpoints.tensor_info import CheckpointError
-from k3core.config import K3Config
 from k3core.interp.trace_folder import is_trace_dir, read_trace_dir, trace_dir_fingerprint
 from k3core.interp.trace_npz import TraceError
+from k3core.loading.folder import CheckpointFiles, folder_fingerprint
+from k3core.loading.tensor_info import CheckpointError
+from k3core.modeling.config import K3Config
 
 _CHUNK = 1 << 20
 

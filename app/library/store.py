@@ -58,7 +58,7 @@ from app.library.upload_checks import (
     write_limited,
 )
 from app.server.settings import DEFAULT_MAX_UPLOAD_MB, home_dir, max_upload_mb
-from k3core.checkpoints.folder import INDEX_NAME
+from k3core.loading.folder import INDEX_NAME
 from k3core.utils.files import OutputFolderError, atomic_write_text, check_output_folder
 
 STALE_TMP_SECONDS = 60  # a row file's temporary lives for milliseconds; one this old was left by a killed write
@@ -378,8 +378,8 @@ class RunsLibrary:
         """A freshly initialised model of a named configuration (seeded), saved into the library."""
         import torch
 
-        from k3core.model import K3ForCausalLM
-        from k3core.presets import PRESETS
+        from k3core.modeling.model import K3ForCausalLM
+        from k3core.modeling.presets import PRESETS
 
         if preset not in PRESETS:
             raise LibraryError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

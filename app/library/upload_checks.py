@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from app.library.run_folders import FolderInfo, LibraryError, run_message
-from k3core.checkpoints.folder import (
+from k3core.interp.trace_folder import CARD_NAME, is_trace_dir, read_trace_dir
+from k3core.interp.trace_npz import TraceError
+from k3core.loading.folder import (
     CONFIG_NAME,
     INDEX_NAME,
     MAX_INDEX_BYTES,
@@ -17,8 +19,6 @@ from k3core.checkpoints.folder import (
     TOKENIZER_FILES,
     WEIGHTS_NAME,
 )
-from k3core.interp.trace_folder import CARD_NAME, is_trace_dir, read_trace_dir
-from k3core.interp.trace_npz import TraceError
 from k3core.utils.files import parse_json, read_bytes_limited
 
 EXTRA_NAMES = ("metrics.json", "README.md", "generation_config.json", "special_tokens_map.json", *TOKENIZER_FILES)

@@ -39,7 +39,6 @@ from analysis.runs import loading as runs
 from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import Run
 from analysis.runs.texts import Input
-from analysis.views.view import NotApplicable
 from analysis.weights import WeightSummary, read_weight_summary
 from app.library.run_folders import folder_stamp
 from app.library.run_list import RunRef
@@ -57,10 +56,10 @@ from app.state.inputs import (
     current_inputs,
     options_key,
 )
-from k3core.checkpoints.folder import folder_fingerprint
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace_folder import is_trace_dir, trace_dir_fingerprint
 from k3core.interp.trace_size import WHAT_ALL, WHAT_DEFAULT
+from k3core.loading.folder import folder_fingerprint
+from k3core.loading.tensor_info import CheckpointError
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -70,7 +69,7 @@ def _fingerprint(path: str, stamp: tuple) -> str:
 
 
 def run_fingerprint(path: str | Path) -> str:
-    """k3core.checkpoints.folder.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
+    """k3core.loading.folder.folder_fingerprint of a folder (the one checkpoint key), recomputed only when a
     file's size or mtime changes (``app.library.run_folders.folder_stamp``)."""
     path = Path(path)
     try:
@@ -110,7 +109,7 @@ def _cached_run(fingerprint: str, device: str, dtype: str, _path: str, label: st
 def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memory: str | None = None) -> Run:
     """The run (model shared across sessions), via analysis.runs.loading.load_run, with a progress bar while it loads.
     ``max_memory`` (default: the sidebar's memory budget): run it from its files within that budget
-    (k3core.bigmodel.streamed_run). Raises CheckpointError / InputError."""
+    (k3core.loading.streamed_run). Raises CheckpointError / InputError."""
     check_device(device, dtype)
     if max_memory is None:
         inputs = current_inputs()
@@ -120,7 +119,7 @@ def load_run(ref: RunRef, device: str = "cpu", dtype: str = "float32", max_memor
 
 @st.cache_resource(show_spinner=False, max_entries=8)
 def _shape_model(fingerprint: str, _config: Any) -> Any:
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     return K3ForCausalLM.from_config(_config, device="meta")
 
@@ -464,107 +463,3 @@ def load_weights(ref: RunRef, experts: bool = False, progress=None) -> Loaded:
     summary = _weight_summary(fingerprint, str(ref.path), experts, progress)
     ctx = AnalysisContext(trace=None, config=summary.config, label=ref.label, weights=summary)
     return Loaded(ref=ref, run=None, ctx=ctx, key=("weights", fingerprint, experts, ref.label), tokens=None)
-
-
-# ----------------------------------------------------------------------------------------- views
-def _cached_view(view_key: str, key: tuple, build, ctx) -> tuple:
-    """(figure, table, None) of a view on a context, or (None, None, why it does not apply), kept among the server's
-    finished results. The reason is kept as text, not as the exception: a raised exception's traceback holds the
-    frames of the build, whose locals hold the context and its trace."""
-
-    def make() -> tuple:
-        try:
-            fig, df = build(ctx)
-        except NotApplicable as exc:  # kept too: "does not apply" is an answer, not a failure
-            return None, None, str(exc)
-        return fig, df, None
-
-    return job_budget.budget().kept.get(("view", view_key, key), make, job_memory.held_bytes)
-
-
-def build_view(view, loaded: Loaded):
-    """(figure, table) of a View for a loaded run, cached per (view, run key). Raises NotApplicable."""
-    if view.needs_model and loaded.model is not None:
-        with model_use(loaded.model, exclusive=True):  # importance views hook into the shared model
-            fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
-    else:
-        fig, df, na = _cached_view(view.key, loaded.key, view.build, loaded.ctx)
-    if na is not None:
-        raise NotApplicable(na)
-    return fig, df
-
-
-@st.cache_resource(show_spinner=False, max_entries=64)
-def _cached_headline(key: tuple, _ctx) -> dict[str, Any]:
-    from analysis.metrics.headline import headline_numbers
-
-    return headline_numbers(_ctx)
-
-
-def headline(loaded: Loaded) -> dict[str, Any]:
-    """analysis.metrics.headline.headline_numbers of a loaded run, cached per run key."""
-    return _cached_headline(loaded.key, loaded.ctx)
-
-
-def cached_build(view, *loadeds: Loaded):
-    """The same View, its build served from the figure cache for these loaded runs' contexts.
-
-    Lets analysis.compare.two_runs build side-by-side and difference figures without recomputing a view."""
-    by_ctx = {id(loaded.ctx): loaded for loaded in loadeds}
-
-    def build(ctx):
-        loaded = by_ctx.get(id(ctx))
-        return build_view(view, loaded) if loaded is not None else view.build(ctx)
-
-    return replace(view, build=build)
-
-
-def _cached_both(view, a: Loaded, b: Loaded) -> list:
-    """analysis.compare.two_runs.build_both: each run's figure (or its NotApplicable), asked of the figure cache once
-    for both comparisons, side by side and difference (as ``analysis.output.report`` builds them); kept among the
-    server's finished results."""
-    from analysis.compare import two_runs as compare
-
-    def make() -> list:  # a NotApplicable as a fresh one, never raised: no traceback keeps a context alive
-        built = compare.build_both(cached_build(view, a, b), a.ctx, b.ctx)
-        return [NotApplicable(str(r)) if isinstance(r, NotApplicable) else r for r in built]
-
-    return job_budget.budget().kept.get(("both", view.key, a.key, b.key), make, job_memory.held_bytes)
-
-
-def _cached_pair(kind: str, view, a: Loaded, b: Loaded) -> tuple:
-    from analysis.compare import two_runs as compare
-
-    def make() -> tuple:
-        fn = compare.side_by_side if kind == "side" else compare.difference_view
-        built = None if view.compare.overlay else _cached_both(view, a, b)
-        try:
-            fig, df = fn(cached_build(view, a, b), a.ctx, b.ctx, built=built)
-        except NotApplicable as exc:
-            return None, None, str(exc)
-        return fig, df, None
-
-    return job_budget.budget().kept.get(("pair", kind, view.key, a.key, b.key), make, job_memory.held_bytes)
-
-
-def compare_view(kind: str, view, a: Loaded, b: Loaded):
-    """analysis.compare.two_runs.side_by_side (kind "side") or difference_view (kind "diff"), cached. May raise
-    NotApplicable."""
-    if kind not in ("side", "diff"):
-        raise InputError(f"unknown comparison {kind!r}")
-    fig, df, na = _cached_pair(kind, view, a, b)
-    if na is not None:
-        raise NotApplicable(na)
-    return fig, df
-
-
-def _clear_kept(_: object) -> None:
-    job_budget.budget().kept.clear()
-
-
-@st.cache_resource(show_spinner=False, on_release=_clear_kept)
-def kept_results_follow_clear_cache() -> bool:
-    """Ties the kept results to Streamlit's "Clear cache" (the app menu, or C): that clears every ``st.cache_resource``
-    (``st.cache_resource.clear()``) and releases this one's entry, whose release clears the kept results, which no
-    Streamlit cache holds. Called on every script run (app/main.py), so that each clear finds it registered again."""
-    return True

@@ -24,12 +24,12 @@ from analysis.output.export import export_figure, provenance, static_export_avai
 from analysis.output.format import format_number
 from analysis.views.picks import pick_text
 from analysis.views.view import NotApplicable, View
-from app.render import caching
+from app.render import view_cache
 from app.render.caching import Loaded
 from app.render.errors import md_escape
 from app.state import pickers
 from app.state.inputs import InputError
-from k3core.checkpoints.tensor_info import CheckpointError
+from k3core.loading.tensor_info import CheckpointError
 
 log = logging.getLogger("k3lab.app")
 
@@ -202,7 +202,7 @@ def render_view(view: View, loaded: Loaded, key: str | None = None) -> bool:
     pick, _ = pickers.view_pick(view, loaded)
     loaded = pickers.focused(loaded, pick)
     try:
-        fig, df = caching.build_view(view, loaded)
+        fig, df = view_cache.build_view(view, loaded)
     except NotApplicable as exc:
         st.info(f"**{view.title}**: {exc}")
         return False
@@ -235,7 +235,7 @@ def _pick_suffix(pick: dict[str, int]) -> str:
 def headline_metrics(loaded: Loaded) -> None:
     """analysis.metrics.headline.headline_numbers of the run: the key ones as metrics, all of them in a table."""
     try:
-        numbers = caching.headline(loaded)
+        numbers = view_cache.headline(loaded)
     except Exception as exc:  # noqa: BLE001
         log.exception("headline numbers failed")
         st.error(f"Headline numbers could not be computed: {type(exc).__name__}: {exc}")
@@ -276,7 +276,7 @@ def headline_delta(a: Loaded, b: Loaded, separate_training: bool = False) -> Non
     and its sentence, first) with CSV/JSON export; ``separate_training``: two trained checkpoints, whose seed noise
     the note adds."""
     try:
-        both = compare_headlines(a.ctx, b.ctx, caching.headline(a), caching.headline(b), separate_training)
+        both = compare_headlines(a.ctx, b.ctx, view_cache.headline(a), view_cache.headline(b), separate_training)
     except Exception as exc:  # noqa: BLE001
         log.exception("headline table failed")
         st.error(f"Headline numbers could not be compared: {type(exc).__name__}: {exc}")
@@ -315,7 +315,7 @@ def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
         a, b = pickers.focused(a, pick), pickers.focused(b, pick)
     stem = f"{slug(a.ctx.label)}_vs_{slug(b.ctx.label)}_{view.key}{_pick_suffix(pick)}"
     try:
-        fig, df = caching.compare_view("side", view, a, b)
+        fig, df = view_cache.compare_view("side", view, a, b)
     except NotApplicable as exc:
         st.info(f"**{view.title}**: {exc}")
         return
@@ -326,7 +326,7 @@ def render_comparison(view: View, a: Loaded, b: Loaded) -> None:
     meta = functools.partial(provenance, a.ctx, b.ctx)
     figure_card(fig, df, key=f"cmp-{view.key}", stem=stem, description=view.description, meta=meta)
     try:
-        dfig, ddf = caching.compare_view("diff", view, a, b)
+        dfig, ddf = view_cache.compare_view("diff", view, a, b)
     except NotApplicable as exc:
         st.caption(f"No difference view for {view.title}: {exc}")
         return

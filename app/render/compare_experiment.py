@@ -228,7 +228,7 @@ def section(a: Loaded, b: Loaded, edits: list[dict], edited_mode: bool) -> None:
             st.error(f"The experiment could not run: {plain(exc)}")
             return
         done.add(key)
-    # the results are kept on the contexts; a dropped one is computed again by the build (caching.build_view holds
+    # the results are kept on the contexts; a dropped one is computed again by the build (view_cache.build_view holds
     # the model for a view that runs it)
     for view in section_views("experiment"):
         in_a, in_b = (view.key in p.specs for p in plans)

@@ -21,8 +21,8 @@ from analysis.views.catalogue import all_views
 from app.library.run_list import RunRef
 from app.render.cards import slug
 from app.state.inputs import SAMPLE_OF_SOURCE, InputError, TextChoice
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace_folder import is_trace_dir
+from k3core.loading.tensor_info import CheckpointError
 
 
 def report_options(choice: TextChoice, out: Path) -> dict:

@@ -8,9 +8,9 @@ import streamlit as st
 
 from app.render.errors import plain
 from app.state import experiment_choices as ex
-from k3core.config import K3Config
 from k3core.interp.edit_kinds import EditError, KDAEdit
 from k3core.interp.interventions import compile_edits, edit_from_dict
+from k3core.modeling.config import K3Config
 
 
 def position_range(T: int, key: str, what: str = "Positions") -> tuple[list[int] | None, str | None]:

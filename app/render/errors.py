@@ -26,9 +26,9 @@ from app.library.run_folders import LibraryError
 from app.library.safe_zip import ZipRefused
 from app.server.job_budget import JobRefused
 from app.state.inputs import InputError
-from k3core.checkpoints.tensor_info import CheckpointError
-from k3core.config import ConfigError
 from k3core.interp.edit_kinds import EditError
+from k3core.loading.tensor_info import CheckpointError
+from k3core.modeling.config import ConfigError
 from k3core.tokenizer import TokenizerError
 
 log = logging.getLogger("k3lab.app")

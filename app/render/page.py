@@ -43,9 +43,9 @@ from app.state.inputs import (
     current_inputs,
     options_key,
 )
-from k3core.checkpoints.pretrained import load_config
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
+from k3core.loading.pretrained import load_config
+from k3core.loading.tensor_info import CheckpointError
 
 log = logging.getLogger("k3lab.app")
 
@@ -149,7 +149,8 @@ def _confirm_streamed(inputs: Inputs, ref: RunRef) -> None:
 
 def _streaming_progress(run: Run):
     """A progress bar (layer i of N, bytes read, expert cache hits) on a streamed run's forward; its remover."""
-    session = getattr(run.model, "streaming", None)
+    loading = getattr(run.model, "loading", None)  # run.model is None for a trace folder
+    session = loading.streaming if loading is not None else None
     if session is None:
         return lambda: None
     bar = st.empty()

@@ -1,7 +1,7 @@
 """Figures built in the background while nobody waits: the first visit to a page finds them cached.
 
 A page that has drawn its own figures calls ``prefetch(views, loaded)``: one thread per (run, text,
-options) builds those views through the same cache the pages use (``app.render.caching.build_view``'s
+options) builds those views through the same cache the pages use (``app.render.view_cache.build_view``'s
 ``st.cache_resource``). The thread works only while no script run is in progress (``main.py`` wraps each
 run in ``script_run()``) and checks between views, so it never slows the page someone is waiting for (a page queued
 for job memory is not working: the builds go on, and free the result it may be waiting for).
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from analysis.views.view import View
-from app.render import caching
+from app.render import view_cache
 from app.render.caching import Loaded
 from app.server import job_budget
 
@@ -63,7 +63,7 @@ def prefetch(views: list[View], loaded: Loaded) -> None:
         for view in todo:
             _wait_idle()
             try:
-                caching.build_view(view, loaded)
+                view_cache.build_view(view, loaded)
             except Exception:  # noqa: BLE001, S112 - the page that shows the view reports its error
                 continue
 

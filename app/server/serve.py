@@ -35,7 +35,7 @@ def preload() -> None:
     from analysis.runs.context import AnalysisContext
     from analysis.views.catalogue import all_views
     from k3core.interp.trace import Trace
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     all_views()
     model = K3ForCausalLM.from_config("k3-nano", device="meta", dtype=torch.float32)

@@ -12,7 +12,7 @@ from analysis.experiments import effects
 from analysis.runs import texts
 from app.state.inputs import options_key
 from k3core.interp.catalogue import hook_points
-from k3core.interp.hooks import HookNames
+from k3core.modeling.hooks import HookNames
 from k3core.utils.input_limits import shown
 
 KINDS = {

@@ -108,7 +108,7 @@ class Inputs:
     record_attn: bool = True
     problems: tuple[str, ...] = ()
     max_memory: str = (
-        ""  # a memory budget ("8GB"): run from the checkpoint files within it (k3core.bigmodel.streamed_run)
+        ""  # a memory budget ("8GB"): run from the checkpoint files within it (k3core.loading.streamed_run)
     )
 
     def options(self) -> dict[str, Any]:

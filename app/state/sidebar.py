@@ -20,8 +20,8 @@ from app.render.errors import md_escape
 from app.state import inputs as inp
 from app.state import links
 from app.state.inputs import InputError, Inputs, TextChoice
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace_folder import is_trace_dir
+from k3core.loading.tensor_info import CheckpointError
 from k3core.utils.input_limits import shown
 
 ORIGIN_TAGS = {

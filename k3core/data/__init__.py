@@ -4,10 +4,8 @@
   train / val, plus the byte-unigram baselines a model's bits/byte is compared against.
 * ``batches``: windows of bytes for training (random starts) and validation (fixed, spread starts).
 * ``mqar``: multi-query associative recall sequences, their accuracy, and mixing them into batches.
-* ``ByteTokenizer`` is re-exported from ``k3core.tokenizer`` (all tokenizers live there).
 """
 
-from ..tokenizer import ByteTokenizer
 from .batches import IGNORE_INDEX, eval_window_starts, random_batches, windows
 from .corpus import (
     DEFAULT_VAL_PLAYS,
@@ -24,7 +22,6 @@ from .mqar import MQARBatch, make_mqar, mix_mqar, mqar_accuracy
 __all__ = [
     "IGNORE_INDEX",
     "DEFAULT_VAL_PLAYS",
-    "ByteTokenizer",
     "Corpus",
     "MQARBatch",
     "clean_play_markdown",

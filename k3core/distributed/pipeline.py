@@ -32,18 +32,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoints.folder import CONFIG_NAME, INDEX_NAME, MAX_INDEX_BYTES, TOKENIZER_FILES, CheckpointFiles
-from ..checkpoints.into_parameters import published_tensors, stream_weights
-from ..checkpoints.names import canonical_name
-from ..checkpoints.pretrained import build_meta_model, check_headers, load_config
-from ..checkpoints.tensor_info import CheckpointError
-from ..config import K3Config
 from ..interp.hidden_moments import MOMENT_AXES, PAIR_KINDS, SKETCH_META, depth_moments, sketch_projection
-from ..interp.hooks import active, point
 from ..interp.recorder import record
 from ..interp.trace import Trace, TraceNames
-from ..layers.residual import DepthStream, Source
-from ..model import TOKENS, K3ForCausalLM
+from ..loading.folder import CONFIG_NAME, INDEX_NAME, MAX_INDEX_BYTES, TOKENIZER_FILES, CheckpointFiles
+from ..loading.into_parameters import published_tensors, stream_weights
+from ..loading.names import canonical_name
+from ..loading.pretrained import build_meta_model, check_headers, load_config
+from ..loading.tensor_info import CheckpointError
+from ..modeling.config import K3Config
+from ..modeling.hooks import active, point
+from ..modeling.layers.residual import DepthStream, Source
+from ..modeling.model import TOKENS, K3ForCausalLM
 from ..utils.files import parse_json, read_bytes_limited
 from .rank_plan import RankPlan, model_sizes, plan_for
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.names import keep_fp32, layer_of
+from ..loading.names import keep_fp32, layer_of
 
 FIRST_NAMES = ("model.embed_tokens.",)  # on the first rank; every other non-layer tensor goes on the last
 
@@ -174,13 +174,13 @@ def sizes_of(source: str, dtype: torch.dtype) -> tuple[dict[str, int], int]:
     """({name: resident bytes}, decoder layers) of a checkpoint folder (headers only) or a preset name (shapes)."""
     from pathlib import Path
 
-    from ..checkpoints.folder import CheckpointFiles
+    from ..loading.folder import CheckpointFiles
 
     path = Path(source)
     if path.exists():
         files = CheckpointFiles.open(path)
         return tensor_sizes(files, dtype), files.config.num_hidden_layers
-    from ..model import K3ForCausalLM
+    from ..modeling.model import K3ForCausalLM
 
     model = K3ForCausalLM.from_config(source, device="meta")
     return model_sizes(model, dtype), model.config.num_hidden_layers

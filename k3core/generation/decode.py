@@ -3,7 +3,7 @@
     prefill:  logits, cache = model(prompt, cache=K3Cache.for_config(cfg))     one forward, KDA chunked
     decode:   for each new token x_t:  logits, cache = model(x_t, cache)       one token per step
 
-What the cache holds per layer (see ``k3core/layers``):
+What the cache holds per layer (see ``k3core/modeling/layers``):
 
 - KDA layer: the last ``kernel-1`` inputs of its q/k/v short convolutions ([B, 3*H*d, kernel-1], model
   dtype) and the recurrent state S ([B, H, d, d], fp32). Constant size, whatever the length.
@@ -23,12 +23,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import K3Config
-from ..layers.kda import KDACache, KimiDeltaAttention
-from ..layers.mla import MLACache, MultiHeadLatentAttention
-from ..presets import from_preset
+from ..modeling.cache import K3Cache
+from ..modeling.config import K3Config
+from ..modeling.layers.kda import KDACache, KimiDeltaAttention
+from ..modeling.layers.mla import MLACache, MultiHeadLatentAttention
+from ..modeling.presets import from_preset
 from ..tokenizer import ByteTokenizer, Tokenizer
-from .cache import K3Cache
 
 __all__ = ["filter_logits", "next_token", "generate", "generate_text", "build_decode_cache", "decode_cache_bytes"]
 

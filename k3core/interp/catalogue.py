@@ -1,19 +1,20 @@
 """The hook point catalogue: every ``HookPoint`` the model declares, collected from the modules that produce them.
 
-Declarations live beside the code that produces each activation (``k3core.model``: tokens, embed, the decoder
-layer's sub-layer inputs and outputs, the output; ``k3core.layers.residual``: the depth state and AttnRes mixes;
-``k3core.layers.kda``, ``mla``, ``moe``: their layers' internals). Everything else is derived from them here:
-``hook_points(config)`` (a model's points, in forward order), ``POINT_AXES`` / ``point_axes`` (axes by name), the
-points offered on request, and ``points_table()`` (the table in docs/ARCHITECTURE.md, checked by a test).
+Declarations live beside the code that produces each activation (``k3core.modeling.model``: tokens, embed, the
+decoder layer's sub-layer inputs and outputs, the output; ``k3core.modeling.layers.residual``: the depth state and
+AttnRes mixes; ``k3core.modeling.layers.kda``, ``mla``, ``moe``: their layers' internals). Everything else is
+derived from them here: ``hook_points(config)`` (a model's points, in forward order), ``POINT_AXES`` /
+``point_axes`` (axes by name), the points offered on request, and ``points_table()`` (the table in
+docs/ARCHITECTURE.md, checked by a test).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import model as decoder
-from ..layers import kda, mla, moe, residual
-from .hooks import HookNames, HookPoint
+from ..modeling import model as decoder
+from ..modeling.hooks import HookNames, HookPoint
+from ..modeling.layers import kda, mla, moe, residual
 
 #: every declared point: the decoder's, the residual stream's, then each layer kind's
 ALL_POINTS: tuple[HookPoint, ...] = (

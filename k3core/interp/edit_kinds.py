@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..modeling.hooks import HookNames
 from ..utils import input_limits as limits
 from .catalogue import POINT_AXES, hook_points, source_label
-from .hooks import HookNames
 
 # A g far below the chunked kernel's floor: exp(g) is 0 in the recurrent path and ~1e-26 in the chunked one.
 RESET_G = -1.0e4

@@ -6,7 +6,7 @@
     edits_to_json(edits)   # -> '[{"kind": "moe", "op": "ban", ...}, ...]'; edits_from_json() reads it back
 
 Every edit is a dataclass (``to_dict`` / ``edit_from_dict``, JSON through ``edits_to_json`` /
-``edits_from_json``) that becomes write hooks on named hook points (``k3core.interp.hooks``); the kinds
+``edits_from_json``) that becomes write hooks on named hook points (``k3core.modeling.hooks``); the kinds
 themselves live in ``k3core.interp.edit_kinds``, this module reads them and applies them:
 
 - ``ValueEdit``: zero / scale / replace / add a vector at any hook point, in chosen layers, on a token
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
+from ..modeling.hooks import hooks
 from ..utils import input_limits as limits
 from ..utils.files import parse_json
 from .edit_kinds import EDIT_KINDS, Edit, EditError
-from .hooks import hooks
 
 __all__ = ["compile_edits", "edit_from_dict", "edits_from_json", "edits_to_json", "intervene", "parse_edit"]
 

@@ -6,7 +6,7 @@
     trace.axes["blocks.0.kda.g"]     # ("batch", "token", "head", "channel")
     trace.save("run.trace.npz"); Trace.load("run.trace.npz")
 
-The recorder is one consumer of the model's hook points (``k3core.interp.hooks``): ``record`` adds read hooks
+The recorder is one consumer of the model's hook points (``k3core.modeling.hooks``): ``record`` adds read hooks
 for the items asked for and turns what they see into these arrays; with no hook context active the
 forward runs at full speed. The hook context lives in a ``contextvars`` variable, so each thread (each
 app session) records its own model without seeing another's. Recording inside ``intervene`` shows the
@@ -96,6 +96,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..modeling.hooks import active, hooks
 from .attention_stats import DEFAULT_BLOCK, position_bins
 from .catalogue import point_name
 from .hidden_moments import (
@@ -106,8 +107,7 @@ from .hidden_moments import (
     sketch_projection,
     uses_sketch,
 )
-from .hooks import active, hooks
-from .layer_reads import LayerReads
+from .layer_reads import KDAReads, MLAReads, MoEReads, ResidualReads
 from .trace import Trace, TraceNames
 from .trace_size import WHAT_ALL, WHAT_ON_REQUEST, resolve_what
 
@@ -120,9 +120,10 @@ def current() -> Recorder | None:
     return None if ctx is None else ctx.owners.get(_RECORDER)
 
 
-class Recorder(LayerReads):
+class Recorder:
     """Turns what the model's hook points show into a Trace (read hooks only). Created by ``record``; the
-    per-layer read hooks (KDA, MLA, MoE, AttnRes) are ``k3core.interp.layer_reads.LayerReads``'s."""
+    per-layer read hooks (KDA, MLA, MoE, AttnRes) are ``k3core.interp.layer_reads``' readers, one per kind, each
+    using the recorder's public part (``RecordingTarget``: ``what``, ``held``, ``limit``, ``put``, ...)."""
 
     def __init__(
         self,
@@ -153,21 +154,21 @@ class Recorder(LayerReads):
         self.model = model
         self.trace = Trace()
         self._hidden: list[torch.Tensor] = []
-        self._held: dict[str, Any] = {}  # per layer q, k, ... until the point that needs them
+        self.held: dict[str, Any] = {}  # per layer q, k, ... until the point that needs them
         self._bins: list[int] = [0, 1]
         self._projection: torch.Tensor | None = None  # the hidden-state sketch's R (k3core.interp.hidden_moments)
 
     def wants(self, item: str) -> bool:
         return item in self.what
 
-    def _limit(self, T: int) -> int:
+    def limit(self, T: int) -> int:
         """How many positions of a T-token forward are recorded."""
         return T if self.max_tokens is None else min(T, self.max_tokens)
 
     def clip(self, x: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
         """First max_batch sequences, first max_tokens positions (all of them when max_tokens is None)."""
         x = x[: self.max_batch]
-        return x.narrow(token_dim, 0, self._limit(x.shape[token_dim]))
+        return x.narrow(token_dim, 0, self.limit(x.shape[token_dim]))
 
     def clip_window(self, x: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
         """A bulky per-token item: the first ``window`` recorded positions."""
@@ -190,23 +191,23 @@ class Recorder(LayerReads):
     def start_forward(self, input_ids: torch.Tensor) -> None:
         """A new forward begins: earlier per-forward data is dropped (the last forward wins)."""
         self._hidden = []
-        self._held = {}
+        self.held = {}
         self.trace.arrays.clear()
         self.trace.axes.clear()
         self.trace.meta.pop(TraceNames.ATTNRES_SOURCES_META, None)
         self.trace.meta.pop(SKETCH_META, None)
-        self._bins = position_bins(self._limit(input_ids.shape[1]))
+        self._bins = position_bins(self.limit(input_ids.shape[1]))
         self.put_tokens(TraceNames.TOKENS, input_ids, ("batch", "token"))
         self.put(TraceNames.POSITION_BINS, torch.tensor(self._bins), ("edge",))
         if "attnres" in self.what and self.model is not None:
-            self._residual_parameters()
+            ResidualReads(self).residual_parameters()
 
     @torch.no_grad()
     def hidden(self, h: torch.Tensor) -> None:
         if "hidden" not in self.what:
             return
         x = self.clip(h).detach()
-        self._held.setdefault("hidden_rms", []).append(x.float().pow(2).mean(-1).sqrt().cpu())
+        self.held.setdefault("hidden_rms", []).append(x.float().pow(2).mean(-1).sqrt().cpu())
         self._hidden.append(self.clip_window(x).float().cpu())
         self._hidden_moments(x.double().cpu())
 
@@ -217,25 +218,25 @@ class Recorder(LayerReads):
             if self._projection is None:  # made once per recorder (seeded: the same R in every process)
                 self._projection = sketch_projection(x.shape[-1])
             self.trace.meta[SKETCH_META] = sketch_meta()
-        moments, carry = depth_moments(x, self._held.get("hidden_prev"), self._bins, self._projection)
-        held = self._held.setdefault("hidden_moments", {})
+        moments, carry = depth_moments(x, self.held.get("hidden_prev"), self._bins, self._projection)
+        held = self.held.setdefault("hidden_moments", {})
         for kind, value in moments.items():
             held.setdefault(kind, []).append(value)
-        self._held["hidden_prev"] = carry
+        self.held["hidden_prev"] = carry
 
     def finish(self) -> None:
         N = TraceNames
         if self._hidden:
             self.trace.add(N.HIDDEN, torch.stack(self._hidden), ("depth", "batch", "token", "hidden"))
-            self.trace.add(N.HIDDEN_RMS, torch.stack(self._held.pop("hidden_rms")), ("depth", "batch", "token"))
+            self.trace.add(N.HIDDEN_RMS, torch.stack(self.held.pop("hidden_rms")), ("depth", "batch", "token"))
             self._hidden = []
-            moments = self._held.pop("hidden_moments", {})
+            moments = self.held.pop("hidden_moments", {})
             edges = np.asarray(self._bins)
             self.put(N.hidden_bins("count"), np.diff(edges), ("bin",))
             for kind, values in moments.items():
                 # float64 numpy, not the Trace's fp32: a Gram sum over 64K tokens needs the precision
                 self.put(N.hidden_bins(kind), torch.stack(values).numpy(), MOMENT_AXES[kind])
-        self._held = {}
+        self.held = {}
         self.trace.meta["coverage"] = self._coverage()
 
     def _coverage(self) -> dict[str, list[int]]:
@@ -264,17 +265,15 @@ class Recorder(LayerReads):
             table[point_name("final_resid")] = lambda v, n, info: self.hidden(v)
         if "loss" in self.what:
             table[point_name("token_nll")] = lambda v, n, info: self.put_tokens(N.TOKEN_NLL, v, ("batch", "token"))
+        kda, mla, moe, residual = KDAReads(self), MLAReads(self), MoEReads(self), ResidualReads(self)
         for i in range(config.num_hidden_layers):
-            if config.is_mla_layer(i):
-                self._mla_hooks(table, i, config)
-            else:
-                self._kda_hooks(table, i, config)
+            (mla if config.is_mla_layer(i) else kda).hooks(table, i, config)
             if config.is_moe_layer(i) and "moe" in self.what:
-                self._moe_hooks(table, i, config)
+                moe.hooks(table, i, config)
         if "attnres" in self.what and config.uses_attnres:
             sites = [N.attnres_site(i, side) for i in range(config.num_hidden_layers) for side in ("attn", "mlp")]
             for site in [*sites, N.OUTPUT_SITE]:
-                table[N.attnres_point(site, "weights")] = self._attnres_weights
+                table[N.attnres_point(site, "weights")] = residual.attnres_weights
         return table
 
 

@@ -21,10 +21,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from ..modeling.hooks import HookNames
 from ..utils.files import open_for_reading, parse_json
 from .catalogue import POINTS
 from .hidden_moments import MOMENT_AXES
-from .hooks import HookNames
 from .kda_attention_stats import KDA_STATS
 from .trace_npz import NpzLimits, TraceError, npz_layout, read_npz
 
@@ -92,7 +92,7 @@ class TraceNames(HookNames):
     @staticmethod
     def kda_attn(i: int) -> str:
         """KDA's implicit attention map of the query window (signed A; ``k3core.ops.kda.implicit_attention``)."""
-        return f"blocks.{i}.kda.attn"
+        return TraceNames.block(i, "kda.attn")
 
     @staticmethod
     def kda_attn_stat(i: int, kind: str) -> str:
@@ -107,7 +107,7 @@ class TraceNames(HookNames):
     @staticmethod
     def mla_attn(i: int) -> str:
         """The attention map of a query window (computed from the layer's q and k)."""
-        return f"blocks.{i}.mla.attn"
+        return TraceNames.block(i, "mla.attn")
 
     @staticmethod
     def mla_stat(i: int, kind: str) -> str:

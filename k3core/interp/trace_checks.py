@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import K3Config
+from ..modeling.config import K3Config
 from ..utils.input_limits import MAX_TOKENS
 from .trace import Trace, TraceNames
 from .trace_npz import TraceError

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import K3Config
+from ..modeling.config import K3Config
 from ..utils.files import check_output_folder, fsync_dir, open_for_reading, parse_json, read_bytes_limited
 from .trace import Trace, TraceLayout
 from .trace_checks import check_card, check_layout, check_trace

@@ -3,7 +3,7 @@
 ``record_bytes`` adds up every array ``k3core.interp.recorder.record`` keeps (their shapes follow from the config,
 ``T`` and the recorder's options; see the recorder's list) and the working bytes it holds while recording (the
 float64 copies of a depth's states and its carry to the next depth, the Gram sketch's projection, the stacking of the
-per-depth moments at the end). The streamed plan (``k3core.bigmodel.streamed_run.plan_streaming``) counts it against
+per-depth moments at the end). The streamed plan (``k3core.loading.streamed_run.plan_streaming``) counts it against
 the memory budget; tests/k3core/interp/test_trace_size.py holds it against what recordings hold.
 """
 
@@ -69,6 +69,12 @@ def second_moment_bytes(width: int, layers: int, bins: int, what: Iterable[str] 
         return (2 * layers + 1) * bins * width * width * F64
     k = SKETCH_DIM
     return (2 * layers + 1) * bins * k * k * F64 + (layers + 1) * bins * (k + 1) * F64
+
+
+def trace_estimate(config: Any, tokens: int) -> int:
+    """The bytes a default trace (``record(model)``) of one sequence of ``tokens`` tokens holds: what a streamed
+    plan keeps room for (``k3core.loading.streamed_run.plan_streaming(trace_estimate=...)``)."""
+    return record_bytes(config, tokens).total
 
 
 def record_bytes(

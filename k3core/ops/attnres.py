@@ -26,9 +26,8 @@ def attnres_mix(
     Returns the mix [..., D] (dtype of sources) and, when ``return_weights``, p: [N, ...] (fp32).
 
     The normalised keys are never formed: <w, norm_w * v / rms(v)> = (v . (w * norm_w)) / rms(v), one
-    matrix-vector product and one norm per source (1 / rms(v) is RMSNorm's ``k3core.ops.norm.inverse_rms``).
-    On k3-small's shapes (5 x 4096 x 768) this and the in-place mix took the mix from 98 ms to 9 ms without
-    autograd.
+    matrix-vector product and one norm per source (1 / rms(v) is RMSNorm's ``k3core.ops.norm.inverse_rms``),
+    and the mix is summed in place (measured: benchmarks/README.md, "Timings behind the code").
     """
     mixed, p = _DepthMix.apply(sources.float(), query.float() * norm_weight.float(), eps)
     mixed = mixed.to(sources.dtype)
@@ -43,9 +42,9 @@ class _DepthMix(torch.autograd.Function):
         gp_i = g . v_i + g_p_i,   gl_i = p_i (gp_i - sum_j p_j gp_j)          (softmax)
         dv_i = p_i g + gl_i r_i w - gl_i d_i r_i^3 v_i / D                   (d r_i / d v_i = -r_i^3 v_i / D)
         dw   = sum_i gl_i r_i v_i
-    Three passes over the sources instead of autograd's chain (k3-full's training shape 4 x 8 x 256 x 128:
-    5.1 -> 2.7 ms forward + backward; 5 x 4096 x 768: 231 -> 99 ms); tests/k3core/ops/test_ops_attnres.py checks
-    it against autograd of the formula in fp64."""
+    Three passes over the sources instead of autograd's chain, which keeps every intermediate (measured:
+    benchmarks/README.md, "Timings behind the code"); tests/k3core/ops/test_ops_attnres.py checks it against
+    autograd of the formula in fp64."""
 
     @staticmethod
     def forward(ctx, src32: torch.Tensor, w: torch.Tensor, eps: float):

@@ -1,4 +1,4 @@
-"""RMSNorm, the functional form (``k3core.layers.norm.RMSNorm`` is the module; AttnRes scales its keys with
+"""RMSNorm, the functional form (``k3core.modeling.layers.norm.RMSNorm`` is the module; AttnRes scales its keys with
 :func:`inverse_rms`)."""
 
 from __future__ import annotations

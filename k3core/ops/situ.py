@@ -20,8 +20,8 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
         out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
         return out.to(gate.dtype)
     # No autograd: the same products in place, block by block (tests/k3core/ops/test_ops_situ.py), with
-    # tanh from expm1 (torch's CPU tanh took 3.4 ms per 1.5M floats, expm1 1.2 ms). On 4096 x 384 (k3-small's
-    # expert width) 10.6 -> 5.1 ms, on 16384 x 64 5.6 -> 3.2 ms (one thread).
+    # tanh from expm1, which torch computes faster on the CPU than tanh; no temporaries of the whole size
+    # (measured: benchmarks/README.md, "Timings behind the code").
     out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     g_flat, u_flat, out_flat = g.reshape(-1), u.reshape(-1), out.view(-1)
     for i in range(0, out_flat.numel(), _BLOCK):

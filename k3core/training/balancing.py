@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.moe import LatentMoE
+from ..modeling.layers.moe import LatentMoE
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import K3Config
+from ..modeling.config import K3Config
 
 
 def model_card(metrics: dict[str, Any]) -> str:

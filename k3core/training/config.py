@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.folder import config_from_json
-from ..config import ConfigError, K3Config
 from ..data import Corpus, load_shakespeare, load_text_path
-from ..presets import PRESETS, from_preset
+from ..loading.folder import config_from_json
+from ..modeling.config import ConfigError, K3Config
+from ..modeling.presets import PRESETS, from_preset
 
 #: TrainConfig fields that may change when resuming: they do not change the weights a run ends with.
 RUNTIME_FIELDS = frozenset(

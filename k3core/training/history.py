@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ATTNRES_MODES
 from ..data import Corpus, unigram_cross_entropy_bits
 from ..interp.trace import Trace, TraceNames
+from ..modeling.config import ATTNRES_MODES
 from .config import TrainConfig
 from .evaluate import LN2, MQAR_EVAL_SEED
 from .load_stats import moe_load_stats

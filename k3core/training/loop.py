@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoints.pretrained import save_pretrained
 from ..data import IGNORE_INDEX, eval_window_starts, mix_mqar, random_batches
 from ..generation.decode import generate_text
 from ..interp.recorder import record
-from ..model import K3ForCausalLM
+from ..loading.pretrained import save_pretrained
+from ..modeling.model import K3ForCausalLM
 from ..utils.files import atomic_write_text, check_output_folder
 from .balancing import update_router_biases
 from .card import model_card

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from ..checkpoints.pretrained import save_pretrained
+from ..loading.pretrained import save_pretrained
 from ..utils.files import atomic_write_bytes, atomic_write_text, fsync_dir
 from .config import TrainError
 

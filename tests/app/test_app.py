@@ -26,14 +26,14 @@ from analysis.runs import texts
 from analysis.views.catalogue import section_views
 from app import pages
 from app.library import run_list
-from app.render import caching, cards
+from app.render import caching, cards, view_cache
 from app.render import page as page_mod
 from app.render.model_use import model_use
 from app.server import job_budget
 from app.server.settings import HOME_ENV
 from app.state import inputs
 from k3core.data.batches import IGNORE_INDEX
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
 TIMEOUT = 180  # seconds per script run: generous for a loaded CI machine; typical runs take 1-5 s
@@ -400,7 +400,7 @@ def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch
         # The export files themselves (built on click in the browser) hold the figure's data.
         run = run_list.RunRef("nano-a", str(runs["good"]), "preloaded")
         loaded = caching.load(run, inputs.TextChoice(inputs.TEXT_SHAKESPEARE, 32))
-        fig, df = caching.build_view(section_views("attnres")[0], loaded)
+        fig, df = view_cache.build_view(section_views("attnres")[0], loaded)
         assert cards.figure_bytes(fig, df, "t", "csv").decode().splitlines()[0].split(",") == list(df.columns)
         assert b"<html" in cards.figure_bytes(fig, df, "t", "html")[:500].lower()
     finally:
@@ -703,7 +703,7 @@ def test_prefetch_builds_in_the_background_only_while_no_page_is_drawn(runs):
         prefetch.prefetch([view], loaded)
         assert not built.wait(0.3) and calls == []
     assert built.wait(10) and calls == ["nano-a"]
-    fig, df = caching.build_view(view, loaded)  # the page then finds it in the cache
+    fig, df = view_cache.build_view(view, loaded)  # the page then finds it in the cache
     assert calls == ["nano-a"] and df["n"].tolist() == [34]
     prefetch.prefetch([view], loaded)  # once per run key
     assert calls == ["nano-a"]

@@ -12,8 +12,8 @@ import torch
 from analysis.experiments import patching
 from app.state import links
 from k3core.interp.edit_kinds import MoEEdit
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 from . import test_app
 from .test_app import _app, _errors, _page, _save_nano

@@ -115,7 +115,7 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     experts = _table(at, "expert")
     from analysis.runs.texts import sample_input
     from k3core.interp.recorder import record
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     model = K3ForCausalLM.from_pretrained(nano_run).eval()
     ids = sample_input("shakespeare", model.config, 24).input_ids
@@ -131,8 +131,8 @@ def nano_chunked(tmp_path_factory):
     """k3-nano with KDA chunks of 8 tokens, so a 24-token text has three chunks (ends 8, 16, 24)."""
     from dataclasses import replace
 
-    from k3core.model import K3ForCausalLM
-    from k3core.presets import from_preset
+    from k3core.modeling.model import K3ForCausalLM
+    from k3core.modeling.presets import from_preset
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("runs") / "nano-chunked"

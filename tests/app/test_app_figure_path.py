@@ -26,7 +26,7 @@ from app.library import run_list
 from app.render import caching
 from app.render import page as page_mod
 from app.server.settings import HOME_ENV
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
 SECTION = "attnres"  # a section without the importance button, drawn whole here (its "show the rest" turned on)

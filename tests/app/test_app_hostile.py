@@ -22,8 +22,8 @@ from streamlit.testing.v1 import AppTest
 from app.library import home as library_home
 from app.library.store import RunsLibrary
 from app.render.errors import ZERO_WIDTH, markdown_card, md_escape, plain, strip_paths
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 from tests.app.serving import serve_only
 from tests.repo.test_hostile_inputs import (
     _deflated_pickle,

@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from app.library import run_list
 from app.server.settings import HOME_ENV
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from tests.app.serving import serve_only
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"

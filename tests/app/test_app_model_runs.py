@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 from analysis.figures.papers import MODEL_RUNS, MQAR_VIEW
 from app import pages
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from tests.app.serving import serve_only
 
 APP = Path(__file__).resolve().parents[2] / "app" / "main.py"

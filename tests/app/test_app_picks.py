@@ -11,7 +11,7 @@ import numpy as np
 
 from app.render import cards
 from app.state.links import picks_from_param, picks_param
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
 
 from . import test_app
 from .test_app import _app, _errors, _page
@@ -140,7 +140,7 @@ def test_experiment_token_pickers_show_that_layer_and_head_from_the_trace(app_en
     from analysis.runs.texts import sample_input
     from k3core.interp.recorder import record
     from k3core.interp.trace import names
-    from k3core.model import K3ForCausalLM
+    from k3core.modeling.model import K3ForCausalLM
 
     from .test_app_experiment import _table
 

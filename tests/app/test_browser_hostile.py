@@ -17,7 +17,7 @@ import torch
 
 from app.library.store import RunsLibrary
 from benchmarks.bench_app import CHROMIUM, EXCEPTION, RENDER_TIMEOUT_MS, settle
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from tests.app.library.test_browser_library import DROPZONE, _k3lab_app, _wait_text, chromium, open_library_page
 from tests.repo.test_hostile_inputs import _deflated_pickle, _own, _tiktoken_files, _zip_of_zeros
 

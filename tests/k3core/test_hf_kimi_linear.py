@@ -16,10 +16,10 @@ import re
 import pytest
 import torch
 
-from k3core.config import K3Config
-from k3core.hf_config import hf_incompatibility
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.config import K3Config
+from k3core.modeling.hf_config import hf_incompatibility
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -224,7 +224,7 @@ def test_non_kimi_linear_configs_keep_the_k3lab_config(tmp_path):
 
 def test_l2_norm_is_the_reference_form():
     """q, k are divided by sqrt(|x|^2 + 1e-6) (fla / transformers), not max(|x|, 1e-6) (F.normalize)."""
-    from k3core.layers.kda import l2_norm
+    from k3core.modeling.layers.kda import l2_norm
 
     x = torch.tensor([[3e-4, 4e-4], [3.0, 4.0]])
     got = l2_norm(x)
@@ -236,8 +236,8 @@ def test_l2_norm_is_the_reference_form():
 def test_transformers_bf16_shards_load_with_their_fp32_tensors(tmp_path):
     """transformers' own bf16 save, sharded with an index: k3lab reads it in bf16 keeping the F32 tensors
     in fp32, and in fp32 it gives transformers' fp32 logits from the same files."""
-    from k3core.checkpoints.folder import CheckpointFiles
-    from k3core.checkpoints.names import keep_fp32
+    from k3core.loading.folder import CheckpointFiles
+    from k3core.loading.names import keep_fp32
 
     torch.manual_seed(3)
     model = KimiLinearForCausalLM(hf_config(**HF_CASES["q_lora"])).eval()

@@ -1,4 +1,4 @@
-"""The published Kimi K3 checkpoint's layout (tests/k3_replica.py: compressed-tensors MXFP4 experts, BF16 and F32
+"""The published Kimi K3 checkpoint's layout (benchmarks/k3_replica.py: compressed-tensors MXFP4 experts, BF16 and F32
 tensors, language_model. prefix, vision tensors, index, quantization_config inside text_config), every tensor of
 its 2.78T parameters declared, as file holes: what `k3lab inspect`, `k3lab weights` and the placement plan say."""
 
@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from k3core.checkpoints.folder import CheckpointFiles
-from k3core.checkpoints.names import counts_as_parameter
-from k3core.model import K3ForCausalLM
-
-from ..k3_replica import EXPERT_RE, VISION, k3_config_json, model_shapes, write_replica
+from benchmarks.k3_replica import EXPERT_RE, VISION, k3_config_json, model_shapes, write_replica
+from k3core.loading.folder import CheckpointFiles
+from k3core.loading.names import counts_as_parameter
+from k3core.modeling.model import K3ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERT_BYTES = 17_547_264  # the six stored tensors of one routed expert

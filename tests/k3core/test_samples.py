@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from k3core.config import K3Config
-from k3core.model import K3ForCausalLM
+from k3core.modeling.config import K3Config
+from k3core.modeling.model import K3ForCausalLM
 from k3core.training import TrainConfig, evaluate_bits_per_byte, load_corpus, load_metrics, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,6 @@ in --help. Each refusal within 2 s and 200 MB (``bounded``)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 import pytest
@@ -110,7 +109,7 @@ def _parsers(monkeypatch) -> dict[str, argparse.ArgumentParser]:
     found = {}
     for command in cli.COMMANDS:
         with pytest.raises(_Parsed) as info:
-            importlib.import_module(f"k3lab.{command}").main(["x"])
+            cli.entry(command)(["x"])
         found[command] = info.value.parser
     return found
 

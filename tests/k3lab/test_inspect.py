@@ -14,12 +14,12 @@ import struct
 import pytest
 import torch
 
-from k3core.checkpoints.names import keep_fp32
-from k3core.checkpoints.pretrained import build_meta_model
-from k3core.config import K3Config
-from k3core.hf_config import config_to_hf
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.loading.names import keep_fp32
+from k3core.loading.pretrained import build_meta_model
+from k3core.modeling.config import K3Config
+from k3core.modeling.hf_config import config_to_hf
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 from k3lab import inspect as insp
 
 SHARD_BYTES = 5 * 10**9
@@ -147,8 +147,8 @@ def test_breakdowns_of_a_model_and_of_its_headers_agree(tmp_path):
     """One per-component count for a model and for its headers (k3core PARAMETER_RULE: the stored router-bias
     buffers are not counted)."""
     from analysis.weights.checkpoint_summary import header_breakdown, parameter_breakdown
-    from k3core.checkpoints.folder import CheckpointFiles
-    from k3core.checkpoints.names import counts_as_parameter
+    from k3core.loading.folder import CheckpointFiles
+    from k3core.loading.names import counts_as_parameter
 
     torch.manual_seed(0)
     model = K3ForCausalLM.from_config("k3-nano")

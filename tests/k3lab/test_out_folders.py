@@ -4,7 +4,6 @@ root of the file system and a home folder, within 2 s, with a message naming the
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from pathlib import Path
@@ -12,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from k3core.utils.files import OutputFolderError, check_output_folder
+from k3lab.cli import entry
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = str(ROOT / "sample_checkpoints" / "k3-full")
 
-# command -> (module, argv with {out} for the folder it writes)
+# case -> (command, argv with {out} for the folder it writes)
 COMMANDS = {
     "train": ("train", ["k3-nano", "--steps", "1", "--out", "{out}"]),
     "train --resume": ("train", ["--resume", "{out}"]),
@@ -39,8 +39,8 @@ def _snapshot(folder: Path) -> dict[str, bytes | None]:
 
 
 def _refused(command: str, out: Path, capsys) -> str:
-    module, argv = COMMANDS[command]
-    main = importlib.import_module(f"k3lab.{module}").main
+    name, argv = COMMANDS[command]
+    main = entry(name)
     start = time.perf_counter()
     code = main([a.replace("{out}", str(out)) for a in argv])
     elapsed = time.perf_counter() - start

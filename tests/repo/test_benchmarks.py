@@ -9,13 +9,13 @@ from benchmarks import bench_cache, bench_forward, bench_moe, gpu_check, run_all
 from benchmarks.bench_decode import generate_uncached
 from benchmarks.common import Row, side_by_side
 from k3core.generation import decode
-from k3core.generation.cache import K3Cache
 from k3core.generation.decode import generate
 from k3core.interp.recorder import record
-from k3core.layers.kda import l2_norm
-from k3core.model import K3ForCausalLM
+from k3core.modeling.cache import K3Cache
+from k3core.modeling.layers.kda import l2_norm
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 from k3core.ops.kda import kda_recurrent
-from k3core.presets import from_preset
 
 
 @pytest.fixture(autouse=True)
@@ -208,3 +208,17 @@ def test_train_profile_names_every_part_of_a_k3_step():
     text = train_profile.format_side_by_side({"K3": table, "GPT": {}}, {"K3": total, "GPT": 0.0}, {"K3": 1, "GPT": 1})
     row = next(line for line in text.splitlines() if line.startswith("kda_chunk"))
     assert f"{table['kda_chunk']['ops']:6d}" in row and "sum of parts" in text
+
+
+def test_benchmarks_import_no_test_code():
+    """Tests may import the benchmarks' helpers (benchmarks/k3_replica.py), never the other way round."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}:{node.lineno}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert found == []

@@ -101,9 +101,9 @@ def test_architecture_names_every_package_folder():
 
 
 def test_the_checks_find_what_is_missing():
-    tree = "    k3core/    the model\n      config.py    K3Config\n      nowhere.py, ops/   gone\n" \
+    tree = "    k3core/    the model\n      __init__.py    the front\n      nowhere.py, ops/   gone\n" \
            "      ops/\n        norm.py, lost.py\n                   wrapped text, not names\n"  # fmt: skip
-    assert tree_paths(tree) == ["k3core/", "k3core/config.py", "k3core/nowhere.py", "k3core/ops/", "k3core/ops/",
+    assert tree_paths(tree) == ["k3core/", "k3core/__init__.py", "k3core/nowhere.py", "k3core/ops/", "k3core/ops/",
                                 "k3core/ops/norm.py", "k3core/ops/lost.py"]  # fmt: skip
     assert missing_paths("see analysis/nothing.py", tree) == ["analysis/nothing.py", "k3core/nowhere.py",
                                                               "k3core/ops/lost.py"]  # fmt: skip

@@ -34,11 +34,11 @@ from app.library.roots import PathRefused, confine_folder, descriptor_check
 from app.library.run_folders import LibraryError, describe_folder
 from app.library.safe_zip import ZipRefused, extract_run_zip
 from app.library.store import RunsLibrary
-from k3core.checkpoints.folder import CheckpointFiles, folder_fingerprint, read_config
-from k3core.checkpoints.safetensors_header import MAX_DIMS, read_safetensors_header
-from k3core.checkpoints.tensor_info import CheckpointError
-from k3core.config import LIMITS
-from k3core.model import K3ForCausalLM
+from k3core.loading.folder import CheckpointFiles, folder_fingerprint, read_config
+from k3core.loading.safetensors_header import MAX_DIMS, read_safetensors_header
+from k3core.loading.tensor_info import CheckpointError
+from k3core.modeling.config import LIMITS
+from k3core.modeling.model import K3ForCausalLM
 from k3core.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from k3core.tokenizer.kimi_tiktoken import TiktokenTokenizer
 from k3core.utils.files import checked_opens
@@ -212,13 +212,13 @@ def test_parameter_counting_is_linear_in_the_header(tmp_path):
 
 # ----------------------------------------------------------------------------------------- config.json
 def _hf_config() -> dict:
-    from tests.k3core.test_hf_config import kimi_linear_hf_dict
+    from tests.k3core.modeling.test_hf_config import kimi_linear_hf_dict
 
     return kimi_linear_hf_dict()
 
 
 def _own(**changes) -> dict:
-    from k3core.presets import from_preset
+    from k3core.modeling.presets import from_preset
 
     data = from_preset("k3-nano").to_dict()
     data.update(changes)
@@ -265,7 +265,7 @@ def test_hostile_config_json_fails_fast(case, nano, tmp_path, library):
 
 
 def test_config_limits_admit_the_published_architectures():
-    from k3core.presets import PRESETS, from_preset
+    from k3core.modeling.presets import PRESETS, from_preset
 
     for name in PRESETS:
         cfg = from_preset(name)

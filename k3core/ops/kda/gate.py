@@ -1,5 +1,5 @@
 """The KDA decay gate: log decay g <= 0 per token, head and key channel (the one definition, used by the
-layer ``k3core.layers.kda`` and by the weight-only analysis ``analysis.weights.decay``)."""
+layer ``k3core.modeling.layers.kda`` and by the weight-only analysis ``analysis.weights.decay``)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import run_from_model, trace_run
 from analysis.views.catalogue import all_views, section_views
 from analysis.views.view import Comparison, NotApplicable, View
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 SAMPLES = Path(__file__).resolve().parents[3] / "sample_checkpoints"
 

@@ -10,7 +10,7 @@ import torch
 from analysis.experiments import attribution
 from analysis.experiments.attribution_inputs import AttributionError
 from analysis.experiments.layer_attribution import layer_attribution
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def test_patching_clean_into_clean_changes_no_logit():
     clean, _ = _pair()
     points = [p for layer in range(4) for s in patching.SITES for p in patching.site_points(model.config, layer, s)]
     cache = patching.record_activations(model, clean, points)
-    from k3core.interp.hooks import hooks
+    from k3core.modeling.hooks import hooks
 
     with torch.no_grad(), hooks(write={p: (lambda v, n, info: cache[n].clone()) for p in points}):
         again = model(clean).logits

@@ -16,14 +16,14 @@ from analysis.views.view import NotApplicable
 from k3core.interp.attention_stats import position_bins
 from k3core.interp.kda_attention_stats import distance_bins
 from k3core.interp.trace import Trace, names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
+from tests.conftest import nano_model
 
 
 @pytest.fixture(scope="module")
 def nano_ctx() -> AnalysisContext:
     torch.manual_seed(0)
-    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()
+    model = nano_model(seed=None, kda_chunk_size=16)
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     return trace_run(run_from_model(model), ids, what="all", label="nano")
 

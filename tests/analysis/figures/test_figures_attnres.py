@@ -10,7 +10,7 @@ from analysis.runs.context import AnalysisContext
 from analysis.views.catalogue import section_views
 from analysis.views.view import NotApplicable
 from k3core.interp.trace import Trace, names
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
 from tests.analysis.metrics.test_attnres import _hand_trace
 from tests.conftest import nano_model, random_ids, randomize_attnres_queries, traced
 

@@ -12,7 +12,7 @@ from analysis.runs.context import AnalysisContext
 from analysis.views.view import NotApplicable
 from k3core.interp.recorder import record
 from k3core.interp.trace import Trace, names
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
 from tests.conftest import nano_model, random_ids, traced_nano
 
 

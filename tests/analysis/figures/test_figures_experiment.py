@@ -29,7 +29,7 @@ def test_mla_attention_keys_are_numbers_in_position_order():
 
 def test_the_config_table_numbers_layers_from_zero_like_the_layer_map():
     from analysis.weights.checkpoint_summary import config_summary
-    from k3core.presets import from_preset
+    from k3core.modeling.presets import from_preset
 
     cfg = from_preset("k3-nano")
     summary = config_summary(cfg)

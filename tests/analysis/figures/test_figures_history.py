@@ -8,7 +8,7 @@ from analysis.figures import history as fig_hist
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import NotApplicable
 from k3core.interp.trace import Trace
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
 from tests.analysis.metrics.test_history import METRICS, NATIVE
 
 CONFIG = from_preset("k3-nano")

@@ -13,7 +13,7 @@ from analysis.views.catalogue import section_views
 from analysis.views.view import NotApplicable
 from analysis.weights import summary_of_model
 from k3core.interp.trace import Trace, names
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
 from tests.conftest import traced_nano
 
 VIEW = {v.key: v for v in fm.VIEWS}

@@ -174,7 +174,7 @@ def test_differences_are_readable_and_never_all_zero(runs):
 def test_one_parameter_count_everywhere():
     from analysis.runs import loading as runs_mod
     from analysis.weights.checkpoint_summary import header_breakdown
-    from k3core.checkpoints.folder import CheckpointFiles
+    from k3core.loading.folder import CheckpointFiles
 
     path = SAMPLE_DIR / "k3-full"
     card = runs_mod.load_run(path).card["parameters"]

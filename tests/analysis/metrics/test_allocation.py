@@ -12,12 +12,12 @@ import torch
 
 from analysis.metrics import allocation as al
 from analysis.weights.layout import layer_structure, params_by_depth
-from k3core.checkpoints.folder import CheckpointFiles
-from k3core.checkpoints.names import counts_as_parameter
-from k3core.checkpoints.pretrained import build_meta_model, published_shapes
-from k3core.generation.cache import K3Cache
-from k3core.model import K3ForCausalLM
-from k3core.presets import PRESETS, from_preset
+from k3core.loading.folder import CheckpointFiles
+from k3core.loading.names import counts_as_parameter
+from k3core.loading.pretrained import build_meta_model, published_shapes
+from k3core.modeling.cache import K3Cache
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import PRESETS, from_preset
 from tests.conftest import nano_model, random_ids
 
 VARIANTS = [

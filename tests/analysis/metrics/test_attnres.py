@@ -9,7 +9,7 @@ import torch
 from analysis.metrics import attnres as ar
 from analysis.metrics.entropy import normalised_entropy
 from k3core.interp.trace import Trace
-from k3core.layers.residual import scale_bias_init
+from k3core.modeling.layers.residual import scale_bias_init
 from tests.conftest import nano_model, random_ids, randomize_attnres_queries, traced, traced_nano
 
 

@@ -12,8 +12,8 @@ from analysis.metrics import headline as hl
 from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import run_from_model, trace_run
 from k3core.interp.trace import Trace, names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.presets import from_preset
+from tests.conftest import nano_model
 
 METRICS = {"history": [{"step": 10, "val_bpb": 3.2}, {"step": 20, "val_bpb": 2.9}]}
 
@@ -56,7 +56,7 @@ def test_attnres_embedding_weight_hand_case():
 
 def test_headline_numbers_of_a_real_trace():
     torch.manual_seed(0)
-    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()
+    model = nano_model(seed=None, kda_chunk_size=16)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     ctx = trace_run(run_from_model(model, metrics=METRICS), ids, label="A")
     h = hl.headline_numbers(ctx)

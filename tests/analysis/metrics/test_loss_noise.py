@@ -12,8 +12,7 @@ from analysis.metrics import headline as hl
 from analysis.metrics import loss_noise as ln
 from analysis.runs.loading import run_from_model, trace_run
 from k3core.interp.trace import names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from tests.conftest import nano_model
 
 
 def test_paired_ci_matches_a_hand_computation():
@@ -86,7 +85,7 @@ def test_statement_says_the_interval_the_flag_and_the_seed_noise():
 
 def _ctx(seed: int, ids: torch.Tensor, label: str):
     torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()
+    model = nano_model(seed=None, kda_chunk_size=16)
     return trace_run(run_from_model(model), ids, label=label)
 
 

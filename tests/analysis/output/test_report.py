@@ -15,10 +15,10 @@ from analysis.runs import loading as runs
 from analysis.runs import texts
 from analysis.views.catalogue import all_views
 from analysis.weights import checkpoint_summary
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.data.batches import IGNORE_INDEX
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.loading.tensor_info import CheckpointError
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 from k3lab import inspect as insp
 from k3lab import report
 

@@ -19,7 +19,7 @@ from analysis.survey.folder import CARD_NAME, STATE_NAME, read_survey
 from analysis.survey.plan import SurveyError, attnres_sites, batch_ids, corpus_ids, make_plan
 from analysis.survey.state import SurveyState
 from k3core.interp.catalogue import POINTS
-from k3core.interp.hooks import HookNames, hooks
+from k3core.modeling.hooks import HookNames, hooks
 from k3core.training.load_stats import moe_load_stats
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
@@ -287,7 +287,7 @@ def test_a_streamed_runs_observed_hits_equal_its_lru_simulation(corpus, tmp_path
     ids, _ = corpus
     plan = make_plan(ids[:49], "romeo", "x", 4, batch_size=1)  # 4 tokens a forward: 2..8 experts per layer
     streamed = load_run(SAMPLE, max_memory="560MB")
-    store = streamed.model.streaming.store
+    store = streamed.model.loading.streaming.store
     store.budget = 40 * 30720  # 40 of the 56 experts: hits and misses both happen
     sv.run_survey(streamed, ids, plan, tmp_path / "s")
     check = read_survey(tmp_path / "s").card["run"]["streamed"]

@@ -19,8 +19,7 @@ from analysis.views import picks as pk
 from analysis.views import view as view_mod
 from analysis.views.catalogue import all_views
 from k3core.interp.trace import names
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from tests.conftest import nano_model
 
 from ..figures import test_figures_degradation
 
@@ -184,7 +183,7 @@ def test_no_pick_shows_what_the_view_always_showed(ctx):
 
 def test_compare_uses_one_pick_for_both_runs(ctx):
     other = trace_run(
-        run_from_model(K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16)).eval()),
+        run_from_model(nano_model(seed=None, kda_chunk_size=16)),
         torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1)),
         what="all",
         label="other",
@@ -215,7 +214,7 @@ def test_compare_a_pick_only_one_run_has_says_so_in_the_other_half(ctx):
     """Run B has its MLA layer elsewhere: the pick of A's MLA layer draws A's half and B's half names B's layers."""
     from app.state.pickers import merged, only_in
 
-    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16, full_attn_layers=[2])).eval()
+    model = nano_model(seed=None, kda_chunk_size=16, full_attn_layers=[2])
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     other = trace_run(run_from_model(model), ids, what="all", label="other")
     layer = pk.mla_choices(ctx).layers[0]

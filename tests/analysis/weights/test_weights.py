@@ -22,13 +22,12 @@ from analysis import weights as wt
 from analysis.runs.context import AnalysisContext
 from analysis.views.catalogue import section_views
 from analysis.views.view import NotApplicable
-from k3core.checkpoints.names import counts_as_parameter
-from k3core.config import K3Config
-from k3core.hf_config import config_from_hf
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
-from tests.conftest import kimi_k3_hf_dict
-from tests.k3_replica import no_gc
+from benchmarks.k3_replica import kimi_k3_hf_dict, no_gc
+from k3core.loading.names import counts_as_parameter
+from k3core.modeling.config import K3Config
+from k3core.modeling.hf_config import config_from_hf
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLES = sorted(p for p in (ROOT / "sample_checkpoints").iterdir() if (p / "config.json").is_file())

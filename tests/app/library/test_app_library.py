@@ -18,7 +18,7 @@ from app.library import home as library_home
 from app.library import memory_fit, run_list, run_messages
 from app.library.store import RunsLibrary
 from app.server.settings import HOME_ENV, ROOTS_ENV
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 APP = Path(__file__).resolve().parents[3] / "app" / "main.py"
 TIMEOUT = 180

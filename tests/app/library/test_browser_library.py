@@ -26,7 +26,7 @@ from benchmarks.bench_app import (
     served_group,
     settle,
 )
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 
 pytestmark = pytest.mark.browser
 

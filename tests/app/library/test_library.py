@@ -22,7 +22,7 @@ from app.library.run_folders import LibraryError, human_count, summary_text
 from app.library.store import RunsLibrary
 from app.library.upload_checks import accepted_name, clean_name
 from app.server.settings import DEFAULT_MAX_UPLOAD_MB, HOME_ENV, MAX_UPLOAD_ENV, home_dir, max_upload_mb
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from tests.conftest import nano_model
 
 

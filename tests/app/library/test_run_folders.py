@@ -6,7 +6,7 @@ import pytest
 
 from analysis.runs.loading import load_run
 from app.library.run_folders import LibraryError, content_fingerprint, describe_folder, human_count, summary_text
-from k3core.checkpoints.folder import CheckpointFiles, folder_fingerprint
+from k3core.loading.folder import CheckpointFiles, folder_fingerprint
 from tests.conftest import nano_model
 
 

@@ -19,11 +19,11 @@ import torch
 
 from analysis.runs import loading as runs_mod
 from analysis.runs.trace_writer import read_inputs
-from k3core.checkpoints.folder import CheckpointFiles
 from k3core.distributed.pipeline import stage_plan
 from k3core.interp.trace_folder import read_trace_dir
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.loading.folder import CheckpointFiles
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 from tests.k3core.test_hf_kimi_linear import kimi_linear_type
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,7 +33,7 @@ LAUNCH_TIMEOUT = 240
 KIMI_MXFP4 = "kimi-linear-5-mxfp4"
 # With issue 18's quantised checkpoints (and compressed-tensors to write one) the Kimi-Linear-shaped case has MXFP4
 # routed experts; without them it is dense, and every other case still runs.
-QUANTISED = all(importlib.util.find_spec(m) is not None for m in ("k3core.checkpoints.quantized", "compressed_tensors"))
+QUANTISED = all(importlib.util.find_spec(m) is not None for m in ("k3core.loading.quantized", "compressed_tensors"))
 KIMI = KIMI_MXFP4 if QUANTISED else "kimi-linear-5"
 pytestmark = pytest.mark.slow  # torchrun launches 2-3 processes per test
 GRACE = 10  # seconds for torchrun to notice the exits and stop the hung rank, on a loaded 2-core machine
@@ -60,7 +60,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     for i, text in enumerate(TEXTS):
         (root / f"text{i}.txt").write_text(text)
     if QUANTISED:  # the Kimi-Linear-shaped layers with MXFP4 routed experts (compressed-tensors' own compressor)
-        from tests.k3core.checkpoints.test_quantized import quantise_folder
+        from tests.k3core.loading.test_quantized import quantise_folder
 
         widths = dict(hidden_size=64, moe_intermediate_size=32, q_lora_rank=None)  # MXFP4 groups of 32
         cfg = kimi_linear_type(name="kimi-linear-5", vocab_size=256, num_hidden_layers=5, full_attn_layers=[2, 5],

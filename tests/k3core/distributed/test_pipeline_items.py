@@ -20,8 +20,8 @@ from analysis.runs.trace_writer import read_inputs, write_run_traces
 from k3core.interp.hidden_moments import EXACT_GRAM_MAX_WIDTH
 from k3core.interp.trace import names
 from k3core.interp.trace_folder import read_trace_dir
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 REPO = Path(__file__).resolve().parents[3]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun."

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3core.distributed.rank_plan import layer_bytes, plan_for, ranks_needed, sizes_of, split_layers
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from k3lab.cli import main as k3lab
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"

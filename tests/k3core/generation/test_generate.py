@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3core.generation.cache import K3Cache
 from k3core.generation.decode import (
     build_decode_cache,
     decode_cache_bytes,
@@ -14,10 +13,11 @@ from k3core.generation.decode import (
     generate_text,
     next_token,
 )
-from k3core.layers.kda import KDACache
-from k3core.layers.mla import MLACache
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.cache import K3Cache
+from k3core.modeling.layers.kda import KDACache
+from k3core.modeling.layers.mla import MLACache
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
 # fp32. Cached decoding and the full forward take different code paths (recurrent vs chunked KDA, conv tails,

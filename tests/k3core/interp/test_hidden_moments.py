@@ -19,8 +19,8 @@ from k3core.interp.hidden_moments import (
 from k3core.interp.recorder import record
 from k3core.interp.trace import names
 from k3core.interp.trace_size import WHAT_DEFAULT, record_bytes
-from k3core.model import K3ForCausalLM
-from k3core.presets import from_preset
+from k3core.modeling.model import K3ForCausalLM
+from k3core.modeling.presets import from_preset
 
 WIDE = EXACT_GRAM_MAX_WIDTH + 16
 T = 600

@@ -1,4 +1,4 @@
-"""Hook points (k3core.interp.hooks, declared in the modules that produce them, collected by
+"""Hook points (k3core.modeling.hooks, declared in the modules that produce them, collected by
 k3core.interp.catalogue): every declared point fires with its axes and nothing undeclared fires, the docs table is
 the declarations', the module docstring's example runs, writes replace values, an empty context changes nothing,
 and the layers hold computation only."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from k3core.interp import catalogue
-from k3core.interp import hooks as hooks_mod
 from k3core.interp.catalogue import hook_points
-from k3core.interp.hooks import HookContext, HookNames, hooks
+from k3core.modeling import hooks as hooks_mod
+from k3core.modeling.hooks import HookContext, HookNames, hooks
 from tests.conftest import nano_model, random_ids
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -156,8 +156,9 @@ def test_a_stream_write_replaces_every_source():
 
 
 def test_layers_import_no_tracing_and_hold_no_diagnostics():
-    layers = Path(__file__).resolve().parents[3] / "k3core" / "layers"
-    for path in layers.glob("*.py"):
+    layers = sorted((Path(__file__).resolve().parents[3] / "k3core" / "modeling" / "layers").glob("*.py"))
+    assert len(layers) >= 6  # the layers were found
+    for path in layers:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -168,3 +169,21 @@ def test_layers_import_no_tracing_and_hold_no_diagnostics():
         text = path.read_text()
         for diagnostic in ("state_norm", "put_tokens", "_record", ".softmax(", "torch.softmax", "chunk_end"):
             assert diagnostic not in text, (path.name, diagnostic)
+
+
+def test_an_attnres_site_is_a_value_written_and_read_in_one_place():
+    from k3core.modeling.hooks import AttnResSite, HookNames
+
+    for text, site in (("3.attn", AttnResSite(3, "attn")), ("0.mlp", AttnResSite(0, "mlp")),
+                       ("output", AttnResSite(None, "output"))):  # fmt: skip
+        assert AttnResSite.parse(text) == site and str(site) == text
+        for what in ("weights", "mix", "query_norm"):
+            name = site.point(what)
+            assert AttnResSite.of_point(name) == site and HookNames.attnres_point(text, what) == name
+    assert AttnResSite(3, "mlp").point("weights") == "blocks.3.mlp_res.weights"
+    assert AttnResSite.of_point("blocks.3.kda.g") is None
+    for bad in ("3", "x.attn", "3.ffn", "-1.attn", ""):
+        with pytest.raises(ValueError):
+            AttnResSite.parse(bad)
+    with pytest.raises(ValueError):
+        AttnResSite(None, "attn")

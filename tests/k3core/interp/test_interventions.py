@@ -11,9 +11,9 @@ import torch
 
 from analysis.metrics import importance as im
 from k3core.interp.edit_kinds import AttnResEdit, EditError, KDAEdit, MLAEdit, MoEEdit, ValueEdit
-from k3core.interp.hooks import HookNames, hooks
 from k3core.interp.interventions import edit_from_dict, edits_from_json, edits_to_json, intervene
 from k3core.interp.recorder import record
+from k3core.modeling.hooks import HookNames, hooks
 from k3core.ops.kda import kda_recurrent
 from tests.conftest import nano_model, random_ids, randomize_attnres_queries
 

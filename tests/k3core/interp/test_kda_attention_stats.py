@@ -75,10 +75,10 @@ def test_recorded_items_are_the_layer_own_implicit_attention():
     """record(what={"kda_attn", "attn_probs"}) on a real model: the window map, its mass before and the statistics
     equal the reference A of the q, k, g, beta that the same forward showed at its hook points; the window's rows
     plus their mass before are the whole rows' sums."""
-    from k3core.interp.hooks import hooks
     from k3core.interp.recorder import record
     from k3core.interp.trace import names
     from k3core.interp.trace_size import record_bytes
+    from k3core.modeling.hooks import hooks
     from tests.conftest import nano_model, random_ids
 
     model, ids = nano_model(), random_ids(70)

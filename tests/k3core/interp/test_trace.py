@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import k3core.interp.recorder as trace_mod
-from k3core.config import ATTNRES_MODES
 from k3core.interp import trace
 from k3core.interp.recorder import Recorder, record
 from k3core.interp.trace import Trace
 from k3core.interp.trace_npz import TraceError
+from k3core.modeling.config import ATTNRES_MODES
 from tests.conftest import nano_model
 
 

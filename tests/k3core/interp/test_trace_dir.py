@@ -14,9 +14,9 @@ import torch
 from analysis.runs import loading as runs_mod
 from analysis.runs import texts as texts_mod
 from analysis.runs.trace_writer import read_inputs
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
 from k3core.interp.trace_folder import CARD_NAME, is_trace_dir, read_trace_dir, write_trace_dir
+from k3core.loading.tensor_info import CheckpointError
 from k3lab.cli import main as k3lab
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"

@@ -26,11 +26,11 @@ from analysis.runs import loading as runs_mod
 from app.library.roots import descriptor_check
 from app.library.run_folders import LibraryError
 from app.library.store import RunsLibrary
-from k3core.checkpoints.tensor_info import CheckpointError
 from k3core.interp.trace import Trace
 from k3core.interp.trace_checks import MAX_TEXT_TOKENS, check_layout
 from k3core.interp.trace_folder import CARD_NAME, read_trace_dir
 from k3core.interp.trace_npz import MAX_INFLATE_RATIO, NpzLimits, TraceError, read_npz
+from k3core.loading.tensor_info import CheckpointError
 from k3core.utils.files import checked_opens
 from k3lab.cli import main as k3lab
 from tests.repo.test_hostile_inputs import bounded

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3core.config import K3Config
-from k3core.layers import kda as kda_layer
-from k3core.model import K3ForCausalLM
+from k3core.modeling.config import K3Config
+from k3core.modeling.layers import kda as kda_layer
+from k3core.modeling.model import K3ForCausalLM
 from k3core.ops.kda import kda_chunk, kda_recurrent
 from k3core.ops.kda.gate import kda_decay_gate
 

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from k3core.generation.cache import K3Cache
 from k3core.interp.catalogue import point_axes
 from k3core.interp.edit_kinds import EditError, KDAEdit, ValueEdit
-from k3core.interp.hooks import HookNames, hooks
 from k3core.interp.interventions import edits_from_json, edits_to_json, intervene, parse_edit
 from k3core.interp.recorder import record
 from k3core.interp.trace import names
-from k3core.layers.kda import delta_rule
-from k3core.model import K3ForCausalLM
+from k3core.modeling.cache import K3Cache
+from k3core.modeling.hooks import HookNames, hooks
+from k3core.modeling.layers.kda import delta_rule
+from k3core.modeling.model import K3ForCausalLM
 from k3core.ops.kda import chunk as kda_ops
 from k3core.ops.kda import kda_chunk, kda_chunk_end_states, kda_recurrent
 from tests.conftest import nano_model, random_ids
@@ -79,7 +79,8 @@ def test_chunk_states_equal_the_recurrence_at_chunk_ends(small_groups, dtype, to
 
 
 def _hooked_delta_rule(qkvgb, hook, initial=None):
-    """The KDA layer's delta rule with a write hook on its chunk-state point (``k3core.layers.kda.delta_rule``)."""
+    """The KDA layer's delta rule with a write hook on its chunk-state point
+    (``k3core.modeling.layers.kda.delta_rule``)."""
     with hooks(write={"chunk_state": hook}) as ctx:
         return delta_rule(ctx, "chunk_state", qkvgb, initial, True, 0, C)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3core.interp.hooks import hooks
+from k3core.modeling.hooks import hooks
 from k3core.ops.kda import implicit_attention, kda_chunk, kda_recurrent
 from k3core.ops.kda.implicit_attention import kda_attention_blocks, kda_attention_reference, kda_attention_window
 from tests.conftest import nano_model, random_ids

@@ -131,8 +131,8 @@ def test_fused_cpu_kernel_runs_for_unequal_head_dims():
 
 def _mla_layer_outputs(model, ids, per_head_mask):
     """The last MLA layer's output for a prefill, a cached two-step decode and a written key mask."""
-    from k3core.generation.cache import K3Cache
-    from k3core.interp.hooks import HookNames, hooks
+    from k3core.modeling.cache import K3Cache
+    from k3core.modeling.hooks import HookNames, hooks
 
     layer = max(i for i in range(model.config.num_hidden_layers) if model.config.is_mla_layer(i))
     seen: dict[str, torch.Tensor] = {}
@@ -164,7 +164,7 @@ def _mla_layer_outputs(model, ids, per_head_mask):
 @pytest.mark.parametrize("per_head_mask", [False, True])
 def test_mla_layer_equals_todays_path(monkeypatch, v_head_dim, per_head_mask):
     """The model's MLA layer on the new op vs the same layer on today's path: prefill, cached decode, key mask."""
-    import k3core.layers.mla as mla
+    import k3core.modeling.layers.mla as mla
     from tests.conftest import nano_model, random_ids
 
     model = nano_model(v_head_dim=v_head_dim)
@@ -185,7 +185,7 @@ def test_mask_rows_per_query_block_equal_the_whole_mask_bitwise(past):
     exactly attention with the [T, S] mask those rows stack to (the path a whole mask took before), and the rows
     function sees only one block of queries at a time."""
     from k3core.interp.edit_kinds import MLAEdit
-    from k3core.presets import from_preset
+    from k3core.modeling.presets import from_preset
 
     gen = torch.Generator().manual_seed(4)
     B, H, T, S = 2, 4, 21, 21 + past
@@ -212,7 +212,7 @@ def test_mask_rows_per_query_block_equal_the_whole_mask_bitwise(past):
 
 def test_a_written_key_mask_is_never_handed_over_whole():
     """At T > QUERY_BLOCK the layer's key-mask point sees one query block of rows at a time."""
-    from k3core.interp.hooks import HookNames, hooks
+    from k3core.modeling.hooks import HookNames, hooks
     from k3core.ops.attention import QUERY_BLOCK
     from tests.conftest import nano_model, random_ids
 

@@ -1,4 +1,4 @@
-"""k3core.ops.situ (SiTU, SwiGLU) and the gated MLP that uses them (k3core.layers.ffn)."""
+"""k3core.ops.situ (SiTU, SwiGLU) and the gated MLP that uses them (k3core.modeling.layers.ffn)."""
 
 from __future__ import annotations
 

@@ -64,10 +64,10 @@ def test_byte_tokenizer_strings_and_range():
             tok.decode(bad)
 
 
-def test_data_module_reexports_the_one_byte_tokenizer():
+def test_the_byte_tokenizer_lives_in_the_tokenizer_package_only():
     import k3core.data as data
 
-    assert data.ByteTokenizer is ByteTokenizer
+    assert not hasattr(data, "ByteTokenizer")
 
 
 # ----------------------------------------------------------------------------- tokenizer.json
@@ -336,8 +336,8 @@ def test_digest_follows_the_files(tmp_path, bpe_folder):
 # ----------------------------------------------------------------------------- a run's tokenizer
 # (analysis.runs.loading)
 def _save_nano(folder: Path, vocab_size: int) -> Path:
-    from k3core.model import K3ForCausalLM
-    from k3core.presets import from_preset
+    from k3core.modeling.model import K3ForCausalLM
+    from k3core.modeling.presets import from_preset
 
     torch.manual_seed(0)
     cfg = from_preset("k3-nano", kda_chunk_size=16, vocab_size=vocab_size)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3core import training as T
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from k3core.training import rundir
 from k3core.utils import files as files_mod
 from k3lab import train as train_cli

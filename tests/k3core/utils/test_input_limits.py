@@ -16,7 +16,7 @@ import torch
 from app.state.links import from_params
 from k3core.interp.edit_kinds import EditError, ValueEdit
 from k3core.interp.interventions import edits_from_json, intervene, parse_edit
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from k3core.utils import input_limits as limits
 from k3lab.cli import main as k3lab
 from tests.repo.test_hostile_inputs import LIMIT_BYTES, LIMIT_S, bounded

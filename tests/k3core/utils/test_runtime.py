@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3core.model import K3ForCausalLM
+from k3core.modeling.model import K3ForCausalLM
 from k3core.utils.runtime import SMALL_MODEL_PARAMETERS, configure_threads
 
 

@@ -1,1 +1,0 @@
-"""Models larger than memory: placement, streamed execution, expert store."""

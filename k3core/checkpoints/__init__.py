@@ -1,1 +1,0 @@
-"""Checkpoint files: headers first, one tensor at a time."""
