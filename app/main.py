@@ -18,7 +18,7 @@ if _ROOT not in sys.path:
 import streamlit as st  # noqa: E402
 
 from analysis.figures.style import use_k3lab_template  # noqa: E402
-from app import pages  # noqa: E402
+from app import page_registry  # noqa: E402
 from app.library import run_list  # noqa: E402
 from app.library.roots import descriptor_check  # noqa: E402
 from app.render import prefetch, view_cache  # noqa: E402
@@ -27,7 +27,7 @@ from app.state import links, sidebar  # noqa: E402
 from k3core.utils.files import checked_opens  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
-PAGES_DIR = Path(__file__).resolve().parent / "app_pages"
+PAGES_DIR = Path(__file__).resolve().parent / "pages"
 
 # A local image: a Material icon name makes the browser fetch the favicon from fonts.gstatic.com (nothing may come
 # from a public CDN).
@@ -36,7 +36,7 @@ use_k3lab_template()  # streamlit's import made its own template plotly's defaul
 st.set_page_config(page_title="k3lab", page_icon=FAVICON, layout="wide", initial_sidebar_state="expanded")
 
 
-def _st_page(entry: pages.Page, default: bool = False, url_path: str | None = None, hidden: bool = False):
+def _st_page(entry: page_registry.Page, default: bool = False, url_path: str | None = None, hidden: bool = False):
     # url_path per page: a link to /moe opens that page
     return st.Page(
         str(PAGES_DIR / f"{entry.name}.py"),
@@ -49,13 +49,13 @@ def _st_page(entry: pages.Page, default: bool = False, url_path: str | None = No
 
 
 def _navigation() -> dict[str, list]:
-    """The sidebar from the page registry (app.pages). The default page is served at "/" (its own path, "home",
+    """The sidebar from the page registry (app.page_registry). The default page is served at "/" (its own path, "home",
     is only reserved); its hidden twin makes a link to /overview open it too, instead of "Page not found"."""
     out: dict[str, list] = {}
-    for group, entries in pages.sidebar_groups().items():
+    for group, entries in page_registry.sidebar_groups().items():
         out[group] = []
         for entry in entries:
-            if entry == pages.DEFAULT:
+            if entry == page_registry.DEFAULT:
                 out[group] += [_st_page(entry, default=True, url_path="home"), _st_page(entry, hidden=True)]
             else:
                 out[group].append(_st_page(entry))

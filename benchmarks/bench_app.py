@@ -12,8 +12,8 @@ waited on through its health URL, then opened in a fresh Chromium context (the s
 - page switch (first visit): a sidebar link click -> the page's heading, its charts, and the script run
   finished, on the run the Overview loaded (model and trace cached, this page's figures not);
 - page switch (again): back to each page already drawn (everything cached);
-- where Degradation draws its first figures and the rest on request (app.render.page.render_section): the toggle
-  click -> the other figures drawn, and a switch back to the page with all of them shown.
+- where Degradation draws its first figures and the rest on request (app.render.page_scaffold.render_section): the
+  toggle click -> the other figures drawn, and a switch back to the page with all of them shown.
 
 With ``--before`` both apps run one after the other in one process, on the same sample, and the table
 gives after / before. The test suite uses the same driver (tests/app/test_browser.py) and prints its times.
@@ -35,7 +35,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from app import pages
+from app import page_registry
 from app.server.settings import STREAMLIT_OPTIONS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ CHROMIUM_ARGS = [
 CHART = '[data-testid="stPlotlyChart"] .js-plotly-plot'  # a drawn plotly figure, not the loading skeleton
 EXCEPTION = '[data-testid="stException"]'
 RENDER_TIMEOUT_MS = 180_000
-SWITCH_PAGES = tuple(pages.page(name) for name in ("attnres", "degradation", "moe"))
+SWITCH_PAGES = tuple(page_registry.page(name) for name in ("attnres", "degradation", "moe"))
 
 
 def free_port() -> int:
@@ -184,9 +184,9 @@ def open_page(browser, url: str, timeout_ms: int = RENDER_TIMEOUT_MS):
     return page, seconds
 
 
-def switch_page(page, entry: pages.Page, timeout_ms: int = RENDER_TIMEOUT_MS) -> float:
-    """Click a registered page's sidebar link (``app.pages``); seconds until its heading is shown, its script run is
-    over and every chart on it is drawn (DONE_JS)."""
+def switch_page(page, entry: page_registry.Page, timeout_ms: int = RENDER_TIMEOUT_MS) -> float:
+    """Click a registered page's sidebar link (``app.page_registry``); seconds until its heading is shown, its script
+    run is over and every chart on it is drawn (DONE_JS)."""
     start = time.perf_counter()
     page.get_by_role("link", name=entry.title, exact=True).click()
     page.wait_for_url(f"**/{entry.url_path}*", timeout=timeout_ms)
@@ -197,8 +197,8 @@ def switch_page(page, entry: pages.Page, timeout_ms: int = RENDER_TIMEOUT_MS) ->
 
 
 def show_the_rest(page, timeout_ms: int = RENDER_TIMEOUT_MS) -> float | None:
-    """On a page that draws its first figures and the rest on request (app.render.page.render_section), turn the rest
-    on; seconds until they are drawn. None where the page has no such toggle (it draws everything at once)."""
+    """On a page that draws its first figures and the rest on request (app.render.page_scaffold.render_section), turn
+    the rest on; seconds until they are drawn. None where the page has no such toggle (it draws everything at once)."""
     toggle = page.get_by_text(re.compile(r"^Show the other \d+ figures$"))
     if toggle.count() == 0:
         return None

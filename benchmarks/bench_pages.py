@@ -20,20 +20,20 @@ import sys
 import time
 from pathlib import Path
 
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import CHART, CHROMIUM, CHROMIUM_ARGS, EXCEPTION, REPO, app_server, settle
 
-#: every page, in sidebar order (app.pages), the default page last (it is served at "/")
-PAGES = (*pages.PAGES[1:], pages.DEFAULT)
+#: every page, in sidebar order (app.page_registry), the default page last (it is served at "/")
+PAGES = (*page_registry.PAGES[1:], page_registry.DEFAULT)
 COLD_TARGET_S, AGAIN_TARGET_S = 5.0, 0.5
 
 
-def visit(page, entry: pages.Page, timeout_ms: int = 180_000) -> float:
+def visit(page, entry: page_registry.Page, timeout_ms: int = 180_000) -> float:
     """Click a page's sidebar link; seconds until its heading is shown and the page is settled (charts drawn, run
     over)."""
     start = time.perf_counter()
     page.get_by_role("link", name=entry.title, exact=True).first.click()
-    if entry != pages.DEFAULT:  # the default page is served at "/"
+    if entry != page_registry.DEFAULT:  # the default page is served at "/"
         page.wait_for_url(f"**/{entry.url_path}*", timeout=timeout_ms)
     page.get_by_role("heading", name=entry.title).first.wait_for(timeout=timeout_ms)
     settle(page, timeout_ms)

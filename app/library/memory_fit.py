@@ -8,11 +8,11 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.output.format import format_bytes
-from app import pages
+from app import page_registry
 from app.library.run_folders import folder_stamp
 from app.library.run_list import RunRef
 
-WEIGHTS_PAGE = Path(__file__).resolve().parent.parent / pages.page("weights").file
+WEIGHTS_PAGE = Path(__file__).resolve().parent.parent / page_registry.page("weights").file
 MEMORY_HEADROOM = 0.9  # leave a tenth of the free memory for activations, the trace and everything else
 
 
@@ -79,7 +79,7 @@ def fit_problem(ref: RunRef, device: str, dtype: str) -> str | None:
         return None
     weights = ""
     if WEIGHTS_PAGE.is_file():
-        weights = f" Its weights can still be read without loading it: see the {pages.page('weights').mention}."
+        weights = f" Its weights can still be read without loading it: see the {page_registry.page('weights').mention}."
     return (
         f"**{ref.label}** needs {format_bytes(needed)} in {dtype} but {device} has {format_bytes(free)} free: it "
         f"cannot be loaded here. Pick a smaller dtype or another device in the sidebar, or set a **Memory budget** "

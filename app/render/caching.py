@@ -367,7 +367,8 @@ def forward_seconds_range(measured: tuple[float, int], tokens: int) -> tuple[flo
 class Loaded:
     """What an app page draws from: the picked run (``RunRef``), its ``Run`` (None on the weights path and for
     the training history), the ``AnalysisContext``, the ``Input`` it read, and the key its figures are cached
-    under (``build_view``). Made by ``load`` / ``trace`` (``app.render.page.load_or_stop``) and ``load_weights``."""
+    under (``build_view``). Made by ``load`` / ``trace`` (``app.render.page_scaffold.load_or_stop``) and
+    ``load_weights``."""
 
     ref: RunRef
     run: Run | None  # None for contexts without a model (training history)

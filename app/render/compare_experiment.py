@@ -19,7 +19,7 @@ from analysis.experiments import attribution, patching
 from analysis.figures import experiment as fx
 from analysis.runs import job_memory
 from analysis.views.catalogue import section_views
-from app import pages
+from app import page_registry
 from app.render import caching, cards
 from app.render.caching import Loaded
 from app.render.errors import md_escape, plain
@@ -181,7 +181,7 @@ def _compute(p: Plan) -> None:
 
 def section(a: Loaded, b: Loaded, edits: list[dict], edited_mode: bool) -> None:
     """Compare's Experiment section for runs A and B (``edits``: the Experiment page's list)."""
-    experiment = pages.page("experiment")
+    experiment = page_registry.page("experiment")
     if edited_mode:
         st.info(
             f"Baseline vs edited already puts the edits in B. Compare two runs or one run on two texts to see the same "

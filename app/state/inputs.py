@@ -96,7 +96,7 @@ class TextChoice:
 @dataclass(frozen=True)
 class Inputs:
     """Everything the sidebar chose (runs, text, device, options): the start of every page, read with
-    ``current_inputs()``; ``app.render.page.load_or_stop`` turns it into a ``Loaded`` run."""
+    ``current_inputs()``; ``app.render.page_scaffold.load_or_stop`` turns it into a ``Loaded`` run."""
 
     runs: tuple[RunRef, ...]
     run: RunRef | None

@@ -8,7 +8,7 @@ query parameters, written on every run and read on a session's first run:
     device   cpu | cuda                          dtype    float32 | bfloat16 | float16
     attn     0: no attention maps, no KDA stats  mode     compare: runs | texts
     b        compare: run B label                text_b   compare: text B (as ``text``)
-    section  compare: one of app.pages.COMPARE_SECTIONS (density, attnres, ..., experiment)
+    section  compare: one of app.page_registry.COMPARE_SECTIONS (density, attnres, ..., experiment)
     edits    experiment / compare baseline vs edited: the edits as JSON (k3core.interp.interventions)
     pick     layer / head picks of per-layer views: ``VIEW:L3H1,VIEW2:L5`` (analysis.views.picks; app.state.pickers)
     text_index    a trace folder's recorded text (0, 1, ...; instead of ``text``)
@@ -27,7 +27,7 @@ from typing import Any
 import streamlit as st
 
 from analysis.runs import loading
-from app import pages
+from app import page_registry
 from app.render.errors import md_escape
 from app.state import inputs as inp
 from k3core.utils.input_limits import shown
@@ -140,7 +140,7 @@ def from_params(params: dict[str, str], run_labels: Sequence[str]) -> tuple[dict
         if param in params:
             put(key, _int(param, params[param], 0, MAX_TEXT_INDEX, notes))
     if "section" in params:
-        put("k3lab_cmp_section", _choice("section", params["section"], list(pages.COMPARE_SECTIONS), notes))
+        put("k3lab_cmp_section", _choice("section", params["section"], list(page_registry.COMPARE_SECTIONS), notes))
     if "edits" in params:
         from k3core.interp.edit_kinds import EditError
         from k3core.interp.interventions import edits_from_json

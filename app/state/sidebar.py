@@ -12,7 +12,7 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.output.format import format_tokens
-from app import pages
+from app import page_registry
 from app.library import run_list
 from app.library.run_list import RunRef
 from app.render import caching
@@ -71,8 +71,8 @@ def sidebar() -> Inputs:
             run = by_label.get(chosen)
         else:
             st.warning(
-                f"No checkpoints found. Add one on the {pages.page('runs_library').mention}, or start the app with "
-                "`k3lab app PATH`."
+                f"No checkpoints found. Add one on the {page_registry.page('runs_library').mention}, "
+                "or start the app with `k3lab app PATH`."
             )
         for problem in problems:
             st.warning(problem)
@@ -131,7 +131,8 @@ def sidebar() -> Inputs:
         max_memory=max_memory,
     )
     ss["k3lab_inputs"] = inputs
-    ss["k3lab_stream_drawn"] = False  # the streaming plan and its buttons: drawn once per script run (app.render.page)
+    # the streaming plan and its buttons: drawn once per script run (app.render.page_scaffold)
+    ss["k3lab_stream_drawn"] = False
     links.write(inputs)
     return inputs
 

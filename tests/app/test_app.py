@@ -24,10 +24,9 @@ from analysis.compare.two_runs import quantised_copy
 from analysis.runs import loading as runs_mod
 from analysis.runs import texts
 from analysis.views.catalogue import section_views
-from app import pages
+from app import page_registry
 from app.library import run_list
-from app.render import caching, cards, view_cache
-from app.render import page as page_mod
+from app.render import caching, cards, page_scaffold, view_cache
 from app.render.model_use import model_use
 from app.server import job_budget
 from app.server.settings import HOME_ENV
@@ -105,7 +104,7 @@ def _charts(at: AppTest) -> int:
 
 
 def _page(at: AppTest, name: str) -> AppTest:
-    return at.switch_page(pages.page(name).file).run()
+    return at.switch_page(page_registry.page(name).file).run()
 
 
 def test_overview_renders_by_default(app_env, runs):
@@ -525,7 +524,7 @@ def test_options_without_the_model_never_rerun_it(app_env, runs, monkeypatch):
         return real_importance(*args, **kwargs)
 
     monkeypatch.setattr(runs_mod, "trace_run", counted_trace)
-    monkeypatch.setattr(page_mod, "sublayer_importance", counted_importance)
+    monkeypatch.setattr(page_scaffold, "sublayer_importance", counted_importance)
     app_env(runs["good"])
     at = _app(max_tokens=44)  # a token count no other test uses: nothing cached yet
     at.run()
@@ -750,7 +749,7 @@ def test_mechanism_pages_open_with_their_measured_views_and_draw_the_rest_on_req
     _page(at, "moe")
     assert not at.exception and _errors(at) == []
     views = section_views("moe")
-    measured, derived = page_mod.measured_first(views)
+    measured, derived = page_scaffold.measured_first(views)
     assert measured and derived and all(v.from_weights or v.from_config for v in derived)
     first = [c.proto.spec for c in at.get("plotly_chart")]
     assert accounted(measured) == len(measured)

@@ -23,8 +23,7 @@ from analysis.runs import loading as runs_mod
 from analysis.runs import texts as texts_mod
 from analysis.views.catalogue import section_views
 from app.library import run_list
-from app.render import caching
-from app.render import page as page_mod
+from app.render import caching, page_scaffold
 from app.server.settings import HOME_ENV
 from k3core.modeling.model import K3ForCausalLM
 
@@ -105,7 +104,7 @@ def app(monkeypatch, tmp_path):
     monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
     (tmp_path / "no-samples").mkdir()
     monkeypatch.setattr(run_list, "SAMPLES_DIR", tmp_path / "no-samples")
-    monkeypatch.setattr(page_mod, "prefetch_sections", lambda loaded: None)
+    monkeypatch.setattr(page_scaffold, "prefetch_sections", lambda loaded: None)
     at = AppTest.from_file(str(APP), default_timeout=180)
     at.session_state["k3lab_max_tokens"] = 33  # a token count no other test uses
     at.session_state[f"k3lab_show_all_{SECTION}"] = True  # every view of the section, and of its comparison
@@ -124,7 +123,8 @@ def test_each_figure_enters_the_cache_once_and_analysis_runs_only_for_new_work(a
     _shown(app)
     assert entries.of("runs") == {"load_run": 1, "sample_input": 1, "trace_run": 1, "read_card_text": 1}
     overview = {"load_run": 1, "make_tokens": 1, "trace": 1, "build_view": 1, "headline": 1, "run_card": 1}
-    # the layer map's context, read before the run loads (app.render.page.config_context): both cached by file stamps
+    # the layer map's context, read before the run loads (app.render.page_scaffold.config_context): both cached by
+    # file stamps
     overview |= {"run_fingerprint": 1, "run_metrics": 1}
     assert entries.of("caching") == overview  # the run once, though the layer map and headline numbers use it
     for _ in range(2):  # a rerun (any widget) finds everything cached: analysis.runs.loading is not entered
@@ -135,7 +135,7 @@ def test_each_figure_enters_the_cache_once_and_analysis_runs_only_for_new_work(a
 
     views = _drawn_views()
     entries.clear()
-    app.switch_page(f"app_pages/{SECTION}.py").run()
+    app.switch_page(f"pages/{SECTION}.py").run()
     _shown(app)
     assert entries.of("runs") == {}
     assert entries.of("caching") == {"load_run": 1, "make_tokens": 1, "trace": 1, "build_view": len(views)}
@@ -146,7 +146,7 @@ def test_a_comparison_builds_each_runs_figure_once(app, monkeypatch):
     app.session_state["k3lab_cmp_section"] = SECTION
     app.run()
     entries = Entries(monkeypatch)
-    app.switch_page("app_pages/compare.py").run()  # run B is loaded here for the first time
+    app.switch_page("pages/compare.py").run()  # run B is loaded here for the first time
     _shown(app)
     assert entries.of("runs") == {"load_run": 1, "sample_input": 1, "trace_run": 1}
     views = _drawn_views()

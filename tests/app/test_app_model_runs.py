@@ -12,7 +12,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from analysis.figures.papers import MODEL_RUNS, MQAR_VIEW
-from app import pages
+from app import page_registry
 from k3core.modeling.model import K3ForCausalLM
 from tests.app.serving import serve_only
 
@@ -35,7 +35,7 @@ def nano_app(monkeypatch, tmp_path) -> AppTest:
 
 
 def _page(at: AppTest, name: str) -> AppTest:
-    at = at.switch_page(pages.page(name).file).run()
+    at = at.switch_page(page_registry.page(name).file).run()
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.error] == []
     return at

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
@@ -41,7 +41,7 @@ if not CHROMIUM.exists():
     pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
 
-MOE, ATTNRES = pages.page("moe"), pages.page("attnres")
+MOE, ATTNRES = page_registry.page("moe"), page_registry.page("attnres")
 SAMPLE = "k3-full"  # the first shipped sample: the default run
 OTHER = "plain-moe"
 ERROR = '[data-testid="stAlertContentError"]'
@@ -98,7 +98,7 @@ def test_cold_open_page_switches_and_export(server, browser, tmp_path):
         page.screenshot(path=str(shot), full_page=True)
         _keep(shot)
         times["switch to AttnRes (first visit)"] = switch_page(page, ATTNRES)
-        times["switch to Degradation (first visit)"] = switch_page(page, pages.page("degradation"))
+        times["switch to Degradation (first visit)"] = switch_page(page, page_registry.page("degradation"))
         times["switch to LatentMoE (again)"] = switch_page(page, MOE)
         _no_errors(page, log)
         print(f"\nbrowser timings on {SAMPLE} (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores):")
@@ -307,7 +307,7 @@ def test_compare_figures_hold_both_runs_numbers_on_shared_ranges(server, browser
     page, _ = open_page(browser, f"{url}/compare?run={SAMPLE}&b={OTHER}&mode=runs&section={section}&{query}")
     try:
         _no_errors(page, log)
-        assert page.get_by_role("heading", name=pages.page("compare").title).count() == 1
+        assert page.get_by_role("heading", name=page_registry.page("compare").title).count() == 1
         body = _body(page)
         assert f"A = {SAMPLE}: 64 tokens of MQAR" in body and f"B = {OTHER}: 64 tokens of MQAR" in body, body[:500]
         show_the_rest(page)  # Compare draws its first views, the others on request: all of them here

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import CHROMIUM, EXCEPTION, RENDER_TIMEOUT_MS, REPO, settle
 from tests.app import test_browser
 from tests.app.test_browser import _array  # plotly's typed-array spec, decoded
@@ -58,7 +58,7 @@ def _open(browser, url: str):
     context = browser.new_context(viewport={"width": 1440, "height": 1400})
     page = context.new_page()
     page.goto(url)
-    page.get_by_role("heading", name=pages.page("experiment").title).first.wait_for(timeout=RENDER_TIMEOUT_MS)
+    page.get_by_role("heading", name=page_registry.page("experiment").title).first.wait_for(timeout=RENDER_TIMEOUT_MS)
     settle(page)
     return page
 

@@ -23,7 +23,7 @@ import pytest
 from plotly.subplots import make_subplots
 
 from analysis.compare.side_by_side import combine_side_by_side
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import (
     CHART,
     CHROMIUM,
@@ -159,13 +159,15 @@ def test_probe_colour_bar_with_too_few_ticks(check_page):
 
 
 # ----------------------------------------------------------------------------------------- the app itself
-# The registered pages (app.pages: no streamlit import, so the offline pass still draws the figures with
+# The registered pages (app.page_registry: no streamlit import, so the offline pass still draws the figures with
 # analysis.figures.style's template) that draw their figures when opened: the default page and every page of a section,
 # but Long context and Experiment, which draw after a click (their own tests: below and test_browser_experiment.py).
 OWN_TEST = ("long_context", "experiment")
-APP_PAGES = tuple(p.url_path for p in pages.PAGES if (p.section or p == pages.DEFAULT) and p.section not in OWN_TEST)
+APP_PAGES = tuple(
+    p.url_path for p in page_registry.PAGES if (p.section or p == page_registry.DEFAULT) and p.section not in OWN_TEST
+)
 # Compare's Experiment section draws after its estimate is confirmed (tests/app/test_app_compare_experiment.py)
-COMPARE_SECTIONS = tuple(s for s in pages.COMPARE_SECTIONS if s not in OWN_TEST)
+COMPARE_SECTIONS = tuple(s for s in page_registry.COMPARE_SECTIONS if s not in OWN_TEST)
 
 
 def _shot(page, folder: str | None, name: str) -> None:
@@ -187,7 +189,7 @@ def _shot(page, folder: str | None, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_app_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
+def test_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
     shots = os.environ.get("K3LAB_FIGURE_SHOTS")
     env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
     bad: dict[str, list[str]] = {}

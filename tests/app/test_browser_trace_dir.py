@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import CHART, CHROMIUM, EXCEPTION, RENDER_TIMEOUT_MS, REPO, app_server, open_page, settle
 from k3lab.cli import main as k3lab
 from tests.app.test_browser import browser  # noqa: F401 - the module's Chromium, shared
@@ -43,7 +43,7 @@ def test_trace_folder_pages_in_a_browser(server, browser):  # noqa: F811
         assert page.locator(EXCEPTION).count() == 0, log.read_text()[-3000:]
         assert page.locator(ERROR).count() == 0, page.locator(ERROR).all_inner_texts()
         page.goto(f"{url}/attnres")
-        page.get_by_role("heading", name=pages.page("attnres").title).first.wait_for(timeout=RENDER_TIMEOUT_MS)
+        page.get_by_role("heading", name=page_registry.page("attnres").title).first.wait_for(timeout=RENDER_TIMEOUT_MS)
         page.wait_for_selector(CHART, timeout=RENDER_TIMEOUT_MS)
         settle(page)
         assert page.locator(CHART).count() >= 2

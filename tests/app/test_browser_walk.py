@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import CHROMIUM, RENDER_TIMEOUT_MS, settle, show_the_rest
 from tests.app import test_browser
 
@@ -63,18 +63,18 @@ def _visit(browser, url: str, heading: str, shot: Path) -> str:
 def test_every_page_and_compare_section_opens_and_the_log_has_no_deprecation(server, browser, tmp_path):
     url, log = server
     texts = {}
-    for entry in pages.PAGES:
+    for entry in page_registry.PAGES:
         if entry.name == "compare":
             continue
         texts[entry.name] = _visit(
             browser, f"{url}/{entry.url_path}?{QUERY}", entry.title, tmp_path / f"page_{entry.name}.png"
         )
-    compare = pages.page("compare")
-    for section in pages.COMPARE_SECTIONS:
+    compare = page_registry.page("compare")
+    for section in page_registry.COMPARE_SECTIONS:
         link = f"{url}/{compare.url_path}?{QUERY}&b={OTHER}&mode=runs&section={section}"
         texts[f"compare_{section}"] = _visit(browser, link, compare.title, tmp_path / f"compare_{section}.png")
     shots = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert len(shots) == len(pages.PAGES) - 1 + len(pages.COMPARE_SECTIONS), shots
+    assert len(shots) == len(page_registry.PAGES) - 1 + len(page_registry.COMPARE_SECTIONS), shots
     assert "Beside its untrained twin" in texts["degradation"]
     assert "balanced routing" in texts["moe"] or "balanced-routing" in texts["overview"]
     warned = [line for line in log.read_text(errors="replace").splitlines() if DEPRECATION.search(line)]

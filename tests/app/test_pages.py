@@ -1,6 +1,7 @@
-"""The page registry (app.pages) is the one list of pages: every page script is registered, every registered page
-opens in AppTest with its title as heading, the README's page list and Compare's sections are the registry's, and no
-page title is written anywhere else in the app, the tests or the benchmarks (the check finds a planted copy)."""
+"""The page registry (app.page_registry) is the one list of pages: every page script is registered, every
+registered page opens in AppTest with its title as heading, the README's page list and Compare's sections are the
+registry's, and no page title is written anywhere else in the app, the tests or the benchmarks (the check finds a
+planted copy)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from streamlit.testing.v1 import AppTest
 
 from analysis.views.catalogue import all_views, section_views
-from app import pages
+from app import page_registry
 from tests.app.test_app import APP, MAX_TOKENS, TIMEOUT, _charts, _errors, app_env, runs  # noqa: F401 - fixtures
 from tests.repo.scan import docstring_nodes
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where pages are named: the app, the command line, the tests of the app and the benchmarks. (analysis/ never imports
 # app, and its strings "AttnRes", "LatentMoE" name mechanisms and layer kinds, not pages.)
 SCANNED = ("app", "k3lab", "tests/app", "benchmarks")
-REGISTRY = "app/pages.py"
+REGISTRY = "app/page_registry.py"
 DRAWN_AT_OPEN = ("weights", "density", "attnres", "moe", "degradation")  # pages whose figures need no click
 
 
@@ -42,31 +43,31 @@ def title_copies(root: Path, titles: list[str], folders=SCANNED, registry: str =
     return out
 
 
-TITLES = [p.title for p in pages.PAGES]
+TITLES = [p.title for p in page_registry.PAGES]
 
 
 def test_every_page_script_is_registered_once_and_every_entry_has_its_script():
-    scripts = sorted(p.stem for p in (ROOT / "app" / "app_pages").glob("*.py"))
-    names = [p.name for p in pages.PAGES]
+    scripts = sorted(p.stem for p in (ROOT / "app" / "pages").glob("*.py"))
+    names = [p.name for p in page_registry.PAGES]
     assert sorted(names) == scripts
     assert len(set(names)) == len(names) and len(set(TITLES)) == len(TITLES)
-    assert len({p.url_path for p in pages.PAGES}) == len(pages.PAGES)
-    assert {p.group for p in pages.PAGES} == set(pages.GROUPS)
-    assert pages.DEFAULT.name == "overview"
+    assert len({p.url_path for p in page_registry.PAGES}) == len(page_registry.PAGES)
+    assert {p.group for p in page_registry.PAGES} == set(page_registry.GROUPS)
+    assert page_registry.DEFAULT.name == "overview"
 
 
 def test_every_section_of_a_page_has_views_and_every_view_section_has_a_page():
-    sections = {p.section for p in pages.PAGES if p.section}
+    sections = {p.section for p in page_registry.PAGES if p.section}
     assert sections == {v.section for v in all_views()} | {"weights"}
     for section in sections:
         assert section_views(section), section
-    assert set(pages.COMPARE_SECTIONS) <= sections
-    assert pages.compare_sections()["density"] == pages.page("density").title
+    assert set(page_registry.COMPARE_SECTIONS) <= sections
+    assert page_registry.compare_sections()["density"] == page_registry.page("density").title
 
 
 def test_the_readme_lists_the_registered_pages_in_sidebar_order():
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert f"**Pages** (in the sidebar's order): {pages.readme_list()}." in readme
+    assert f"**Pages** (in the sidebar's order): {page_registry.readme_list()}." in readme
 
 
 def test_no_page_title_is_written_outside_the_registry():
@@ -74,9 +75,9 @@ def test_no_page_title_is_written_outside_the_registry():
 
 
 def test_the_title_check_finds_a_planted_copy(tmp_path):
-    compare, library = pages.page("compare").title, pages.page("runs_library").title
+    compare, library = page_registry.page("compare").title, page_registry.page("runs_library").title
     (tmp_path / "app").mkdir()
-    (tmp_path / "app" / "pages.py").write_text(f"TITLE = {compare!r}\n")  # the registry itself: allowed
+    (tmp_path / "app" / "page_registry.py").write_text(f"TITLE = {compare!r}\n")  # the registry itself: allowed
     planted = (
         f'"""A docstring may say {compare}."""\n'  # prose: allowed
         f"HEADING = {compare!r}\n"
@@ -95,7 +96,7 @@ def test_every_registered_page_opens_with_its_title_as_heading(app_env, runs):  
     at.session_state["k3lab_max_tokens"] = MAX_TOKENS
     at.session_state["k3lab_cmp_section"] = "attnres"  # density's importance is measured on request
     at.run()
-    for entry in pages.PAGES:
+    for entry in page_registry.PAGES:
         at.switch_page(entry.file).run()
         assert not at.exception, (entry.name, [e.value for e in at.exception])
         assert _errors(at) == [], (entry.name, _errors(at))
@@ -103,7 +104,7 @@ def test_every_registered_page_opens_with_its_title_as_heading(app_env, runs):  
         if entry.name in DRAWN_AT_OPEN:
             assert _charts(at) >= 2, entry.name
         if entry.name == "compare":
-            assert list(at.radio(key="k3lab_cmp_section").options) == list(pages.compare_sections().values())
+            assert list(at.radio(key="k3lab_cmp_section").options) == list(page_registry.compare_sections().values())
 
 
 def test_compare_offers_the_registered_sections_and_links_accept_them():

@@ -1,6 +1,6 @@
 """analysis never imports streamlit, so its messages cannot name the app's pages or sidebar either: a message shown
 by the app, the CLI and the report alike ("set on the Experiment page") is wrong outside the app. The app adds its
-own links (``app.pages.Page.mention``)."""
+own links (``app.page_registry.Page.mention``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from app import pages
+from app import page_registry
 from tests.repo.scan import docstring_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def app_ui_mentions(folder: Path) -> list[str]:
     """``path:line: text`` of every string constant (docstrings aside) under ``folder`` that names one of the app's
     pages ("the Weights page", "Experiment page") or its sidebar."""
-    titles = "|".join(re.escape(p.title) for p in pages.PAGES)
+    titles = "|".join(re.escape(p.title) for p in page_registry.PAGES)
     pattern = re.compile(rf"\b({titles}) page\b|\bsidebar\b|\bon (its|this|that) own page\b", re.IGNORECASE)
     out = []
     for path in sorted(folder.rglob("*.py")):

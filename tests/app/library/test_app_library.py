@@ -13,7 +13,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app import pages
+from app import page_registry
 from app.library import home as library_home
 from app.library import memory_fit, run_list, run_messages
 from app.library.store import RunsLibrary
@@ -56,7 +56,7 @@ def _library_page(max_tokens: int = 16) -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = max_tokens
     at.run()
-    return at.switch_page("app_pages/runs_library.py").run()
+    return at.switch_page("pages/runs_library.py").run()
 
 
 def _errors(at: AppTest) -> list[str]:
@@ -97,7 +97,7 @@ def test_upload_persists_and_a_bad_one_leaves_nothing(env, runs):
     assert not again.exception
     assert "mine · uploaded" in again.selectbox(key="k3lab_run").options
     assert any("**mine**" in m.value for m in again.markdown)
-    again.switch_page("app_pages/overview.py").run()
+    again.switch_page("pages/overview.py").run()
     again.selectbox(key="k3lab_run").select("mine").run()
     assert not again.exception and _errors(again) == []
     assert [s.value for s in again.subheader][0] == "mine"
@@ -232,5 +232,5 @@ def test_overview_of_a_run_too_big_for_memory_says_so_and_loads_nothing(env, run
     assert not at.exception
     [error] = _errors(at)
     assert error.startswith("**nano-good** needs 826.5 KiB in float32 but cpu has 97.7 KiB free")
-    assert pages.page("weights").mention in error
+    assert page_registry.page("weights").mention in error
     assert loads == []  # the page stopped before loading

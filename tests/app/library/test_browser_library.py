@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import pages
+from app import page_registry
 from benchmarks.bench_app import (
     CHROMIUM,
     CHROMIUM_ARGS,
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.browser
 if not CHROMIUM.exists():
     pytest.skip("browser tests need /usr/bin/chromium", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
-LIBRARY = pages.page("runs_library")
+LIBRARY = page_registry.page("runs_library")
 START_TIMEOUT_S = 120
 DROPZONE = '[data-testid="stFileUploaderDropzoneInput"]'
 

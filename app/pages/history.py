@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.render import caching, page
+from app.render import caching, page_scaffold
 
-inputs = page.inputs_or_stop()
-page.page_header(
+inputs = page_scaffold.inputs_or_stop()
+page_scaffold.page_header(
     "history",
     "Loss, validation bits/byte, MQAR accuracy, MoE balance and AttnRes summaries logged "
     "during training (each run's metrics.json). Overlay other runs to compare how they trained.",
@@ -33,6 +33,6 @@ if caching.run_metrics(run) is None:
         + ("; showing the overlaid runs." if overlay else ".")
     )
 
-loaded = page.history_context(run, [r for r in with_metrics if r.label in overlay])
+loaded = page_scaffold.history_context(run, [r for r in with_metrics if r.label in overlay])
 if loaded is not None:
-    page.render_section("history", loaded)
+    page_scaffold.render_section("history", loaded)

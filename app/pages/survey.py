@@ -15,19 +15,19 @@ from analysis.survey import tables
 from analysis.survey.folder import is_survey_dir, read_survey
 from analysis.survey.plan import SURVEY_SAMPLES, SurveyError, corpus_ids, make_plan, sample_corpus_text
 from analysis.views.view import NotApplicable
-from app.render import page
+from app.render import page_scaffold
 from app.render.cards import CHART_KW, PLOTLY_CONFIG
 from app.server import survey_jobs
 
-inputs = page.inputs_or_stop()
-page.page_header(
+inputs = page_scaffold.inputs_or_stop()
+page_scaffold.page_header(
     "survey",
     "Statistics over every token of a corpus, kept as bounded aggregates: MoE load with its interval, balance, "
     "margins, an expert atlas (click a mark of the load map to open the expert's card) and what an expert cache "
     "would hit (LRU, LFU, Belady). A survey is saved as it runs; Stop keeps what is done and Start continues.",
 )
 
-run = page.run_or_stop(inputs, needs_weights=True)
+run = page_scaffold.run_or_stop(inputs, needs_weights=True)
 c1, c2, c3, c4 = st.columns(4)
 corpus = c1.selectbox("Corpus", tuple(SURVEY_SAMPLES), help="; ".join(f"{k}: {v}" for k, v in SURVEY_SAMPLES.items()))
 tokens = int(c2.number_input("Corpus tokens", min_value=512, max_value=50_000_000, value=50_000, step=10_000))

@@ -16,7 +16,7 @@ GROUPS = ("Model", "Mechanisms", "Runs", "Tools")  # the sidebar's groups, in or
 
 @dataclass(frozen=True)
 class Page:
-    """One page. ``name``: its script ``app/app_pages/<name>.py``; ``url_path``: it opens at ``/<url_path>``;
+    """One page. ``name``: its script ``app/pages/<name>.py``; ``url_path``: it opens at ``/<url_path>``;
     ``section``: the ``View.section`` of the catalogue views it shows (``analysis.views.catalogue.section_views``;
     "weights": every view drawn from the weights alone), None for a page without catalogue views."""
 
@@ -30,7 +30,7 @@ class Page:
     @property
     def file(self) -> str:
         """The page script, relative to ``app/`` (what ``st.Page`` and ``AppTest.switch_page`` take)."""
-        return f"app_pages/{self.name}.py"
+        return f"pages/{self.name}.py"
 
     def link(self, query: str = "") -> str:
         """The page's address in this app: ``/compare`` or ``/compare?mode=edited``."""
@@ -74,14 +74,14 @@ def page(name: str) -> Page:
         raise KeyError(f"no page {name!r} is registered; known: {sorted(BY_NAME)}") from None
 
 
-def section_page(section: str) -> Page:
+def page_for_section(section: str) -> Page:
     """The page that shows a section's views."""
     return next(p for p in PAGES if p.section == section)
 
 
 def compare_sections() -> dict[str, str]:
     """Compare's sections: {section: the title of the page that shows it}, in Compare's order."""
-    return {s: section_page(s).title for s in COMPARE_SECTIONS}
+    return {s: page_for_section(s).title for s in COMPARE_SECTIONS}
 
 
 def sidebar_groups() -> dict[str, list[Page]]:

@@ -16,8 +16,8 @@ from analysis.figures import experiment as fx
 from analysis.metrics.token_detail import token_detail
 from analysis.output.export import provenance, with_provenance_columns
 from analysis.runs import job_memory
-from app import pages
-from app.render import cards, page
+from app import page_registry
+from app.render import cards, page_scaffold
 from app.render.edit_form import edit_form
 from app.render.errors import plain
 from app.render.model_use import model_use
@@ -29,16 +29,16 @@ from app.state.links import EDITS
 from k3core.interp.edit_kinds import EditError
 from k3core.interp.interventions import edit_from_dict
 
-inputs = page.inputs_or_stop()
-page.page_header(
+inputs = page_scaffold.inputs_or_stop()
+page_scaffold.page_header(
     "experiment",
     "Ask causal questions: edit the forward pass (ban an expert, flatten a depth mix, pin a KDA decay, mask "
     "MLA keys, zero any activation) and see what changes per token; patch activations from a clean into a "
     "corrupted input; attribute a continuation to the prompt's tokens with Captum; inspect one token.",
 )
-loaded = page.load_or_stop(inputs)
-page.show_input_notes(loaded)
-page.run_line(loaded)
+loaded = page_scaffold.load_or_stop(inputs)
+page_scaffold.show_input_notes(loaded)
+page_scaffold.run_line(loaded)
 model, run, config = loaded.model, loaded.run, loaded.run.config
 if model is None:  # a trace folder (analysis.runs.loading.load_trace_folder): nothing to rerun
     st.info(
@@ -143,7 +143,7 @@ def _experiment() -> None:
         changes = effects.prediction_changes(base_logits, edited_logits, chosen, 5, label)
         st.dataframe(changes, hide_index=True, key="k3lab_exp_changes")
     query = {**st.query_params.to_dict(), "mode": "edited", "section": "moe"}
-    compare = pages.page("compare")
+    compare = page_registry.page("compare")
     link = compare.link(urlencode(query))
     st.markdown(f"[Every diagnostics view, baseline vs edited, on the {compare.title} page]({link})")
 

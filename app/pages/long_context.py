@@ -19,7 +19,7 @@ from analysis.figures.papers import MODEL_RUNS, MQAR_VIEW
 from analysis.output.format import format_bytes
 from analysis.runs import texts
 from analysis.runs.loading import trace_run
-from app.render import caching, cards, page
+from app.render import caching, cards, page_scaffold
 from app.render.caching import Loaded
 from app.render.model_use import model_use
 from app.state.inputs import SAMPLE_OF_SOURCE, TEXT_SHAKESPEARE
@@ -100,8 +100,8 @@ def _measure(title: str, key: str, compute, done_caption: str) -> None:
         st.caption(done_caption)
 
 
-inputs = page.inputs_or_stop()
-page.page_header(
+inputs = page_scaffold.inputs_or_stop()
+page_scaffold.page_header(
     "long_context",
     "How the run behaves far into one long text: loss by position against its short-context loss, KDA state "
     "norm and rank and the decay horizon used, MLA entropy and sink mass over position, recall by distance, and "
@@ -114,7 +114,7 @@ except Exception as exc:  # noqa: BLE001 - a bad checkpoint is a message, not a 
     st.stop()
 
 if run.model is None:  # a trace folder: its recorded text, as recorded
-    loaded = page.load_or_stop(inputs, run=run)
+    loaded = page_scaffold.load_or_stop(inputs, run=run)
     st.caption("A trace folder: its recorded text is shown as recorded (no model to run longer texts).")
     for view in fl.VIEWS:
         cards.render_view(view, loaded)
@@ -217,5 +217,5 @@ if lengths:
         cards.render_view(views["long_cost_length"], Loaded(inputs.run, run, cost_ctx, (*state_key, cost_key), tokens))
 
 st.subheader(MQAR_VIEW.title)
-if page.model_run_or_button(MQAR_VIEW, MODEL_RUNS[MQAR_VIEW.key], loaded):
+if page_scaffold.model_run_or_button(MQAR_VIEW, MODEL_RUNS[MQAR_VIEW.key], loaded):
     cards.render_view(MQAR_VIEW, loaded)

@@ -11,12 +11,12 @@ from app.library import home as library_home
 from app.library import memory_fit, run_list, run_messages
 from app.library.roots import PathRefused, confine_folder
 from app.library.run_folders import LibraryError, describe_folder, human_count, summary_text
-from app.render import caching, page
+from app.render import caching, page_scaffold
 from app.render.errors import USER_ERRORS, describe, log, md_escape, plain
 from app.state.inputs import current_inputs
 from k3core.distributed import rank_plan
 
-page.page_header(
+page_scaffold.page_header(
     "runs_library",
     "Add your own runs: upload a checkpoint (config.json + model.safetensors, or shards with "
     "model.safetensors.index.json; optionally metrics.json, README.md and tokenizer files), a whole folder or a "

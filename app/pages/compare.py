@@ -9,9 +9,9 @@ import streamlit as st
 
 from analysis.compare.two_runs import distinct_labels, quantised_copy
 from analysis.views.catalogue import section_views
-from app import pages
+from app import page_registry
 from app.library import run_list
-from app.render import cards, compare_experiment, page
+from app.render import cards, compare_experiment, page_scaffold
 from app.render.errors import md_escape
 from app.render.twin import twin_loaded
 from app.state import links
@@ -19,8 +19,8 @@ from app.state.inputs import TEXT_MQAR, TEXT_SHAKESPEARE
 from app.state.links import EDITED, EDITS, TWO_RUNS, TWO_TEXTS
 from app.state.sidebar import text_choice
 
-inputs = page.inputs_or_stop()
-page.page_header(
+inputs = page_scaffold.inputs_or_stop()
+page_scaffold.page_header(
     "compare",
     "Any view for two runs side by side on shared axes and colour ranges, the difference A - B where "
     "the two tables align, and the headline numbers with their delta. Run A and text A are the sidebar's.",
@@ -35,8 +35,8 @@ if mode == TWO_RUNS:
     others = [r for r in inputs.runs if r.label != run_a.label]
     if not others:
         st.info(
-            f"Only one run is available: add another on the {pages.page('runs_library').mention}, or compare one run "
-            "on two texts."
+            f"Only one run is available: add another on the {page_registry.page('runs_library').mention}, "
+            "or compare one run on two texts."
         )
         st.stop()
     c1, c2 = st.columns(2)
@@ -49,7 +49,7 @@ if mode == TWO_RUNS:
 elif mode == EDITED:
     edits = st.session_state.get(EDITS) or []
     if not edits:
-        st.info(f"No edits yet: build them on the {pages.page('experiment').mention}, then come back.")
+        st.info(f"No edits yet: build them on the {page_registry.page('experiment').mention}, then come back.")
         st.stop()
     st.caption("B = the sidebar's run and text with these edits: " + "; ".join(json.dumps(e) for e in edits))
     links.write_edits(edits)
@@ -70,20 +70,20 @@ else:
         )
     source_b = choice_b.source
 
-sections = pages.compare_sections()
+sections = page_registry.compare_sections()
 section = st.radio("Views", list(sections), format_func=sections.get, horizontal=True, key="k3lab_cmp_section")
 links.write_compare(mode, label_b, source_b, section, choice_b.recorded if mode == TWO_TEXTS else None)
 
 if mode == TWO_RUNS:
-    a = page.load_or_stop(inputs, label=run_a.label)
-    b = page.load_or_stop(inputs, ref=run_b, label=run_b.label)
+    a = page_scaffold.load_or_stop(inputs, label=run_a.label)
+    b = page_scaffold.load_or_stop(inputs, ref=run_b, label=run_b.label)
 elif mode == EDITED:
-    a = page.load_or_stop(inputs, label="baseline")
-    b = page.load_or_stop(inputs, label="edited", edits=json.dumps(edits), run=a.run)
+    a = page_scaffold.load_or_stop(inputs, label="baseline")
+    b = page_scaffold.load_or_stop(inputs, label="edited", edits=json.dumps(edits), run=a.run)
 else:
     label_a, label_b = distinct_labels(inputs.text.short, choice_b.short)  # "A: "/"B: " come from the tables
-    a = page.load_or_stop(inputs, label=label_a)
-    b = page.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b, run=a.run)
+    a = page_scaffold.load_or_stop(inputs, label=label_a)
+    b = page_scaffold.load_or_stop(inputs, choice=choice_b, text_error=error_b, label=label_b, run=a.run)
 
 if st.toggle(
     "B = A's untrained twin",
@@ -116,12 +116,13 @@ if not views:
 def draw(view) -> None:
     if view.needs_model and view.section == "long_context":  # reruns the model at other lengths: not a trace view
         st.caption(
-            f"**{view.title}**: measured per run on the {pages.page('long_context').mention} (it runs the model again)."
+            f"**{view.title}**: measured per run on the {page_registry.page('long_context').mention} "
+            "(it runs the model again)."
         )
         return
-    if view.needs_model and not (page.run_or_button(view, a) and page.run_or_button(view, b)):
+    if view.needs_model and not (page_scaffold.run_or_button(view, a) and page_scaffold.run_or_button(view, b)):
         return
     cards.render_comparison(view, a, b)
 
 
-page.draw_lazily(f"cmp_{section}", views, draw)
+page_scaffold.draw_lazily(f"cmp_{section}", views, draw)

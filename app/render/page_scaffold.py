@@ -23,7 +23,7 @@ from analysis.runs.loading import Run
 from analysis.runs.texts import Input
 from analysis.views.catalogue import all_views, section_views
 from analysis.views.view import NotApplicable, View
-from app import pages
+from app import page_registry
 from app.library import memory_fit, run_messages
 from app.library.run_list import RunRef
 from app.render import caching, cards
@@ -57,8 +57,8 @@ IMPORTANCE = "sublayer_importance"  # the AnalysisContext.once key of analysis.f
 
 
 def page_header(name: str, intro: str) -> None:
-    """The page's heading (its registered title, ``app.pages``) and its introduction."""
-    st.title(pages.page(name).title)
+    """The page's heading (its registered title, ``app.page_registry``) and its introduction."""
+    st.title(page_registry.page(name).title)
     st.caption(intro)
 
 
@@ -66,7 +66,7 @@ def inputs_or_stop() -> Inputs:
     """The sidebar inputs; stops the page with a message when there is no run to show."""
     inputs = current_inputs()
     if inputs is None or inputs.run is None:
-        st.info(f"No run selected. Add a checkpoint on the {pages.page('runs_library').mention}.")
+        st.info(f"No run selected. Add a checkpoint on the {page_registry.page('runs_library').mention}.")
         st.stop()
     return inputs
 
@@ -438,18 +438,18 @@ def on_request_card(view: View, loaded: Loaded) -> None:
 
 def prefetch_sections(loaded: Loaded) -> None:
     """Build the other mechanism pages' figures for this run and text in the background (app.render.prefetch)."""
-    prefetch([v for v in all_views() if v.section in pages.COMPARE_SECTIONS], loaded)
+    prefetch([v for v in all_views() if v.section in page_registry.COMPARE_SECTIONS], loaded)
 
 
-def section_page(name: str, intro: str) -> None:
-    """A mechanism page: every View of its registered section (``app.pages``) for the sidebar's run and text."""
+def render_section_page(name: str, intro: str) -> None:
+    """A mechanism page: every View of its registered section (``app.page_registry``) for the sidebar's run and text."""
     inputs = inputs_or_stop()
     page_header(name, intro)
     loaded = load_or_stop(inputs)
     show_input_notes(loaded)
     run_line(loaded)
     twin = twin_toggle(inputs, loaded, name)
-    render_section(pages.page(name).section, loaded, twin)
+    render_section(page_registry.page(name).section, loaded, twin)
     prefetch_sections(loaded)
 
 

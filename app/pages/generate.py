@@ -7,22 +7,22 @@ import time
 import streamlit as st
 import torch
 
-from app.render import page
+from app.render import page_scaffold
 from app.render.errors import md_escape, plain
 from app.render.model_use import model_use
 from app.state.inputs import MAX_TEXT_CHARS
 from k3core.modeling.cache import K3Cache
 from k3core.utils.input_limits import MAX_PROMPT_TOKENS
 
-inputs = page.inputs_or_stop()
+inputs = page_scaffold.inputs_or_stop()
 run = inputs.run
-page.page_header(
+page_scaffold.page_header(
     "generate",
     "Sample text from the chosen run. The prompt is read in one forward pass; then each new token "
     "reads and extends the decode cache: KDA layers keep a fixed-size state, MLA layers one latent per token.",
 )
 
-loaded_run = page.run_or_stop(inputs, needs_weights=True)
+loaded_run = page_scaffold.run_or_stop(inputs, needs_weights=True)
 model = loaded_run.model
 tok = loaded_run.tokenizer
 if tok is None:

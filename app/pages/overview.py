@@ -8,16 +8,16 @@ import streamlit as st
 from analysis.output.format import format_count
 from analysis.views.catalogue import section_views
 from analysis.weights.checkpoint_summary import config_summary, layer_map, parameter_breakdown
-from app.render import caching, cards, page
+from app.render import caching, cards, page_scaffold
 from app.render.download_all import download_all
 from app.render.errors import markdown_card, md_escape
 from k3core.loading.names import PARAMETER_RULE
 
 LAYER_MAP_VIEW = "density_allocation"  # parameters, FLOPs and cache bytes per layer, coloured by layer type
 
-inputs = page.inputs_or_stop()
+inputs = page_scaffold.inputs_or_stop()
 run = inputs.run
-page.page_header(
+page_scaffold.page_header(
     "overview",
     "See inside a Kimi K3-style model: KDA linear attention and layer density, AttnRes depth mixing, "
     "LatentMoE routing and attention degradation. Pick a run and a text in the sidebar; every page follows them.",
@@ -32,7 +32,7 @@ headline_box = st.container()  # filled last: the forward pass runs after everyt
 # ------------------------------------------------------------------- layer map
 # Drawn from config.json before the weights load: shown while a big checkpoint loads, and for one too big to load
 # (a config that cannot be read: run_or_stop below says why).
-from_config = page.config_context(inputs)
+from_config = page_scaffold.config_context(inputs)
 if from_config is not None:
     st.markdown("#### Layer map")
     st.markdown(cards.layer_badges(from_config.ctx.config))
@@ -43,7 +43,7 @@ if from_config is not None:
     if layer_table is not None:
         layer_table.dataframe(pd.DataFrame(layer_map(from_config.ctx.config)), hide_index=True, **cards.DATAFRAME_KW)
 
-loaded_run = page.run_or_stop(inputs)  # loaded once: the headline numbers use it too
+loaded_run = page_scaffold.run_or_stop(inputs)  # loaded once: the headline numbers use it too
 # a trace folder has no model: its config's shapes give the parameter counts (meta device)
 model = loaded_run.model if loaded_run.model is not None else caching.shape_model(loaded_run)
 cfg = loaded_run.config
@@ -120,13 +120,13 @@ with headline_box:
     if inputs.text_error:
         st.error(inputs.text_error)
     else:
-        loaded = page.load_or_stop(inputs, run=loaded_run)
-        page.show_input_notes(loaded)
-        page.run_line(loaded)
+        loaded = page_scaffold.load_or_stop(inputs, run=loaded_run)
+        page_scaffold.show_input_notes(loaded)
+        page_scaffold.run_line(loaded)
         cards.headline_metrics(loaded)
         if loaded.ctx.token_strings is not None:  # the tokens the model read, as its own tokenizer splits them
             label = f"Input tokens ({loaded.ctx.tokenizer.name})"
             shown = cards.lazy_expander(label, key="k3lab_overview_input_tokens")
             if shown is not None:
                 shown.code(" ".join(loaded.ctx.position_labels(range(len(loaded.ctx.token_strings)))), wrap_lines=True)
-        page.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read
+        page_scaffold.prefetch_sections(loaded)  # the mechanism pages' figures, built while this page is read

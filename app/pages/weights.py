@@ -12,7 +12,7 @@ from analysis.output.format import format_bytes
 from analysis.views.catalogue import section_views
 from app.library import run_messages
 from app.library.run_folders import human_count
-from app.render import caching, cards, page
+from app.render import caching, cards, page_scaffold
 from k3core.loading.names import PARAMETER_RULE
 from k3core.loading.tensor_info import CheckpointError
 
@@ -25,9 +25,9 @@ def weights_or_stop(ref, experts: bool = False, progress=None) -> caching.Loaded
         st.stop()
 
 
-inputs = page.inputs_or_stop()
+inputs = page_scaffold.inputs_or_stop()
 ref = inputs.run
-page.page_header(
+page_scaffold.page_header(
     "weights",
     "What the checkpoint learned, read straight from its small tensors without building the model: KDA resting "
     "decay (half-life per layer and head), AttnRes pseudo-query norms, residual scale/bias, router selection "
@@ -105,8 +105,8 @@ def draw(view) -> bool:
 
 
 if other == "(none)":
-    page.draw_lazily("weights", views, draw)
+    page_scaffold.draw_lazily("weights", views, draw)
 else:
     b = weights_or_stop(next(r for r in others if r.label == other))
     # each comparison is a side-by-side chart (its A - B chart drawn when its expander is opened)
-    page.draw_lazily("weights_cmp", views, lambda view: cards.render_comparison(view, a, b))
+    page_scaffold.draw_lazily("weights_cmp", views, lambda view: cards.render_comparison(view, a, b))
