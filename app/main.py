@@ -27,7 +27,7 @@ from app.state import links, sidebar  # noqa: E402
 from k3core.utils.files import checked_opens  # noqa: E402
 
 # Not "pages/": a folder of that name next to the main script switches on Streamlit's older multipage mode.
-PAGES_DIR = Path(__file__).resolve().parent / "pages"
+PAGES_DIR = Path(__file__).resolve().parent / "page_scripts"
 
 # A local image: a Material icon name makes the browser fetch the favicon from fonts.gstatic.com (nothing may come
 # from a public CDN).

@@ -16,7 +16,7 @@ GROUPS = ("Model", "Mechanisms", "Runs", "Tools")  # the sidebar's groups, in or
 
 @dataclass(frozen=True)
 class Page:
-    """One page. ``name``: its script ``app/pages/<name>.py``; ``url_path``: it opens at ``/<url_path>``;
+    """One page. ``name``: its script ``app/page_scripts/<name>.py``; ``url_path``: it opens at ``/<url_path>``;
     ``section``: the ``View.section`` of the catalogue views it shows (``analysis.views.catalogue.section_views``;
     "weights": every view drawn from the weights alone), None for a page without catalogue views."""
 
@@ -30,7 +30,7 @@ class Page:
     @property
     def file(self) -> str:
         """The page script, relative to ``app/`` (what ``st.Page`` and ``AppTest.switch_page`` take)."""
-        return f"pages/{self.name}.py"
+        return f"page_scripts/{self.name}.py"
 
     def link(self, query: str = "") -> str:
         """The page's address in this app: ``/compare`` or ``/compare?mode=edited``."""

@@ -1,4 +1,4 @@
-"""The Experiment page's edit menus (``app/pages/experiment.py``): an edit built from its kind, target, operation
+"""The Experiment page's edit menus (``app/page_scripts/experiment.py``): an edit built from its kind, target, operation
 and fields (``k3core.interp.interventions.edit_from_dict``), checked against the config, and added to the session's
 list of edits."""
 

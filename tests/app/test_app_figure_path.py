@@ -135,7 +135,7 @@ def test_each_figure_enters_the_cache_once_and_analysis_runs_only_for_new_work(a
 
     views = _drawn_views()
     entries.clear()
-    app.switch_page(f"pages/{SECTION}.py").run()
+    app.switch_page(f"page_scripts/{SECTION}.py").run()
     _shown(app)
     assert entries.of("runs") == {}
     assert entries.of("caching") == {"load_run": 1, "make_tokens": 1, "trace": 1, "build_view": len(views)}
@@ -146,7 +146,7 @@ def test_a_comparison_builds_each_runs_figure_once(app, monkeypatch):
     app.session_state["k3lab_cmp_section"] = SECTION
     app.run()
     entries = Entries(monkeypatch)
-    app.switch_page("pages/compare.py").run()  # run B is loaded here for the first time
+    app.switch_page("page_scripts/compare.py").run()  # run B is loaded here for the first time
     _shown(app)
     assert entries.of("runs") == {"load_run": 1, "sample_input": 1, "trace_run": 1}
     views = _drawn_views()

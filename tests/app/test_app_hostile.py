@@ -80,7 +80,7 @@ def _library_page() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = 16
     at.run()
-    return at.switch_page("pages/runs_library.py").run()
+    return at.switch_page("page_scripts/runs_library.py").run()
 
 
 def _hostile(kind: str, good: Path, where: Path) -> list[tuple[str, bytes]]:
@@ -143,7 +143,7 @@ def test_hostile_upload_gets_a_message_leaves_nothing_and_the_app_goes_on(env, r
     lib = RunsLibrary(env)
     assert lib.entries() == [] and list(lib.runs_dir.iterdir()) == [] and list(lib.tmp_dir.iterdir()) == []
 
-    at.switch_page("pages/overview.py").run()  # the next page load works
+    at.switch_page("page_scripts/overview.py").run()  # the next page load works
     assert not at.exception and _errors(at) == []
     assert [s.value for s in at.subheader][0] == "nano-good"
 
@@ -160,7 +160,7 @@ def test_damaged_library_index_is_a_message_on_every_page(env, runs):
     at.run()
     assert not at.exception and _errors(at) == []
     assert any("moved aside" in i.value for i in at.info)
-    at.switch_page("pages/overview.py").run()  # the other pages still serve the preloaded runs
+    at.switch_page("page_scripts/overview.py").run()  # the other pages still serve the preloaded runs
     assert not at.exception and _errors(at) == []
     assert [s.value for s in at.subheader][0] == "nano-good"
 
@@ -184,7 +184,7 @@ def test_generate_without_a_tokenizer_names_no_folder(env, runs):
     at.session_state["k3lab_text_source"] = "MQAR sequence"
     at.run()
     at.selectbox(key="k3lab_run").select("nano-512").run()
-    at.switch_page("pages/generate.py").run()
+    at.switch_page("page_scripts/generate.py").run()
     assert not at.exception
     [error] = _errors(at)
     assert "cannot be prompted with text" in error and "512 token ids" in error
@@ -253,7 +253,7 @@ def test_names_from_files_are_shown_as_text(env, runs, tmp_path):
         for name in ("config.json", "model.safetensors"):
             zf.write(runs["good"] / name, name)
         zf.writestr("![x](http:evil.example) [a](http:phish.example).txt", "junk")
-    page = at.switch_page("pages/runs_library.py").run()
+    page = at.switch_page("page_scripts/runs_library.py").run()
     page.get("file_uploader")[0].upload("run.zip", archive.read_bytes())
     page.button(key="k3lab_upload_add").click().run()
     assert not page.exception and _errors(page) == []
@@ -278,7 +278,7 @@ def test_a_ten_megabyte_prompt_is_refused_and_not_written_back(env, runs):
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = 16
     at.run()
-    at.switch_page("pages/generate.py").run()
+    at.switch_page("page_scripts/generate.py").run()
     at.text_area(key="k3lab_prompt").input("a" * 10_000_000)
     start = time.perf_counter()
     at.button[0].click().run()

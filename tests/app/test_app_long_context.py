@@ -30,7 +30,7 @@ def nano_app(monkeypatch, tmp_path) -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = 48
     at.run()
-    return at.switch_page("pages/long_context.py").run()
+    return at.switch_page("page_scripts/long_context.py").run()
 
 
 def test_long_context_page_estimates_first_then_runs_on_request(nano_app):
@@ -81,7 +81,7 @@ def test_a_long_recorded_text_asks_first_and_the_question_goes_once_answered(mon
     serve_only(monkeypatch, tmp_path, str(folder), str(tmp_path))
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.run()
-    at = at.switch_page("pages/long_context.py").run()
+    at = at.switch_page("page_scripts/long_context.py").run()
     assert not at.exception, [e.value for e in at.exception]
     assert any(f"will read {n:,} tokens" in w.value for w in at.warning), [w.value for w in at.warning]
     assert len(at.get("plotly_chart")) == 0

@@ -34,7 +34,7 @@ def home(monkeypatch, tmp_path):
 def _page() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=240)
     at.run()
-    return at.switch_page("pages/survey.py").run()
+    return at.switch_page("page_scripts/survey.py").run()
 
 
 def test_cost_first_then_results_of_a_saved_survey(home):

@@ -172,7 +172,7 @@ def _session(page: str, max_tokens: int) -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=180)
     at.session_state["k3lab_max_tokens"] = max_tokens
     if page != "overview":
-        at.switch_page(f"pages/{page}.py")
+        at.switch_page(f"page_scripts/{page}.py")
     return at
 
 

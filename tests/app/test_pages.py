@@ -47,7 +47,7 @@ TITLES = [p.title for p in page_registry.PAGES]
 
 
 def test_every_page_script_is_registered_once_and_every_entry_has_its_script():
-    scripts = sorted(p.stem for p in (ROOT / "app" / "pages").glob("*.py"))
+    scripts = sorted(p.stem for p in (ROOT / "app" / "page_scripts").glob("*.py"))
     names = [p.name for p in page_registry.PAGES]
     assert sorted(names) == scripts
     assert len(set(names)) == len(names) and len(set(TITLES)) == len(TITLES)

@@ -85,7 +85,7 @@ def test_a_prompt_over_the_token_cap_is_refused_before_the_model_loads(capsys):
     assert f"the prompt is 120,000 tokens, over the limit of {limits.MAX_PROMPT_TOKENS:,}" in err
     assert cli.main(["generate", str(SAMPLE), "--prompt", "y" * limits.MAX_PROMPT_TOKENS, "--tokens", "1",
                      "--temperature", "0"]) == 0  # fmt: skip
-    page = (Path(__file__).resolve().parents[2] / "app" / "pages" / "generate.py").read_text()
+    page = (Path(__file__).resolve().parents[2] / "app" / "page_scripts" / "generate.py").read_text()
     assert "[-MAX_PROMPT_TOKENS:]" in page  # the page reads the prompt's last MAX_PROMPT_TOKENS tokens
 
 

@@ -80,7 +80,7 @@ def test_architecture_names_only_what_exists():
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     tree = section(text, "Module map")
     paths = tree_paths(tree)
-    assert "k3core/ops/kda/gate.py" in paths and "app/pages/runs_library.py" in paths
+    assert "k3core/ops/kda/gate.py" in paths and "app/page_scripts/runs_library.py" in paths
     assert missing_paths(text, tree) == []
     assert unknown_dotted_names(text) == []
 
@@ -96,7 +96,7 @@ def test_architecture_names_every_package_folder():
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     named = set(tree_paths(section(text, "Module map")))
     folders = {f"{p.relative_to(ROOT).as_posix()}/" for pkg in PACKAGES for p in [ROOT / pkg, *(ROOT / pkg).rglob("*")]
-               if p.is_dir() and (p / "__init__.py").is_file() or p.name == "pages"}  # fmt: skip
+               if p.is_dir() and (p / "__init__.py").is_file() or p.name == "page_scripts"}  # fmt: skip
     assert folders and folders <= named, sorted(folders - named)
 
 

@@ -162,7 +162,7 @@ def _errors(at: AppTest) -> list[str]:
 
 
 def _page(at: AppTest, name: str) -> AppTest:
-    return at.switch_page(f"pages/{name}.py").run()
+    return at.switch_page(f"page_scripts/{name}.py").run()
 
 
 def _shown_loss(at: AppTest) -> float:

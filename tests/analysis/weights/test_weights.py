@@ -531,7 +531,7 @@ def test_app_weights_page_for_sample_runs_and_compare(monkeypatch, tmp_path):
     at = _app(
         monkeypatch, tmp_path, ROOT / "sample_checkpoints" / "k3-full", ROOT / "sample_checkpoints" / "scale-bias"
     )
-    at.switch_page("pages/weights.py").run()
+    at.switch_page("page_scripts/weights.py").run()
     assert not at.exception, at.exception
     assert [e.value for e in at.error] == []
     metrics = {m.label: m.value for m in at.metric}
@@ -566,7 +566,7 @@ def test_app_checkpoint_too_large_to_load_has_the_weights_page(sparse_k3, monkey
     assert not at.exception, at.exception
     errors = " ".join(e.value for e in at.error)
     assert "cannot be loaded here" in errors and "Weights" in errors
-    at.switch_page("pages/weights.py").run()
+    at.switch_page("page_scripts/weights.py").run()
     assert not at.exception, at.exception
     assert [e.value for e in at.error] == []
     metrics = {m.label: m.value for m in at.metric}

@@ -56,7 +56,7 @@ def _library_page(max_tokens: int = 16) -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
     at.session_state["k3lab_max_tokens"] = max_tokens
     at.run()
-    return at.switch_page("pages/runs_library.py").run()
+    return at.switch_page("page_scripts/runs_library.py").run()
 
 
 def _errors(at: AppTest) -> list[str]:
@@ -97,7 +97,7 @@ def test_upload_persists_and_a_bad_one_leaves_nothing(env, runs):
     assert not again.exception
     assert "mine · uploaded" in again.selectbox(key="k3lab_run").options
     assert any("**mine**" in m.value for m in again.markdown)
-    again.switch_page("pages/overview.py").run()
+    again.switch_page("page_scripts/overview.py").run()
     again.selectbox(key="k3lab_run").select("mine").run()
     assert not again.exception and _errors(again) == []
     assert [s.value for s in again.subheader][0] == "mine"

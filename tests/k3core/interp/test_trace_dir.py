@@ -174,17 +174,17 @@ def test_the_app_opens_a_trace_folder_without_the_checkpoint(traced, monkeypatch
     want = traced["reference"][0].meta["run"]["loss"]
     assert any(f"loss {want:.3f}" in c.value and "recorded" in c.value for c in at.caption)  # the recorded forward
     for name in ("density", "attnres", "moe", "degradation"):
-        at.switch_page(f"pages/{name}.py").run()
+        at.switch_page(f"page_scripts/{name}.py").run()
         assert not at.exception, (name, at.exception)
         assert [e.value for e in at.error] == [], name
         assert len(at.get("plotly_chart")) >= 2, name
-    at.switch_page("pages/density.py").run()
+    at.switch_page("page_scripts/density.py").run()
     assert any("needs the checkpoint" in i.value for i in at.info), [i.value for i in at.info]
-    at.switch_page("pages/weights.py").run()
+    at.switch_page("page_scripts/weights.py").run()
     assert any("needs the checkpoint" in e.value for e in at.error)
-    at.switch_page("pages/generate.py").run()
+    at.switch_page("page_scripts/generate.py").run()
     assert not at.exception and any("needs the checkpoint" in i.value for i in at.info)
-    at.switch_page("pages/experiment.py").run()
+    at.switch_page("page_scripts/experiment.py").run()
     shown = [i.value for i in at.info] + [e.value for e in at.error] + [w.value for w in at.warning]
     assert not at.exception and any("needs the checkpoint" in v for v in shown), shown
 
@@ -206,7 +206,7 @@ def test_upload_and_open_by_path_of_a_trace_folder_in_the_app(traced, monkeypatc
     library_home._library.clear()
     at = AppTest.from_file(str(APP), default_timeout=180)
     at.run()
-    at.switch_page("pages/runs_library.py").run()
+    at.switch_page("page_scripts/runs_library.py").run()
     uploader = at.get("file_uploader")[0]
     for file in sorted(traced["out"].iterdir()):
         uploader.upload(file.name, file.read_bytes())
@@ -214,11 +214,11 @@ def test_upload_and_open_by_path_of_a_trace_folder_in_the_app(traced, monkeypatc
     at.button(key="k3lab_upload_add").click().run()
     assert not at.exception and [e.value for e in at.error] == []
     assert at.session_state["k3lab_run"] == "uploaded-trace"
-    at.switch_page("pages/moe.py").run()
+    at.switch_page("page_scripts/moe.py").run()
     assert not at.exception and [e.value for e in at.error] == []
     assert len(at.get("plotly_chart")) >= 2
 
-    at.switch_page("pages/runs_library.py").run()
+    at.switch_page("page_scripts/runs_library.py").run()
     at.text_input(key="k3lab_open_path").input(str(traced["out"]))
     at.button(key="k3lab_open_check").click().run()
     assert not at.exception and [e.value for e in at.error] == []

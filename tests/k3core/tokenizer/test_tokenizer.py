@@ -486,7 +486,7 @@ def test_app_reads_and_writes_with_the_run_tokenizer(tmp_path, monkeypatch):
     tokens = [e for e in at.expander if e.label.startswith("Input tokens (tokenizer.json")]
     assert tokens and tokens[0].code[0].value.startswith("0:A 1:N 2:T 3:O 4:N 5:Y 6:: 7:↵ 8:F 9:r 10:i 11:end")
 
-    at.switch_page("pages/generate.py").run()
+    at.switch_page("page_scripts/generate.py").run()
     at.text_area(key="k3lab_prompt").input("the cat")
     at.slider(key="k3lab_gen_tokens").set_value(6)
     at.button[0].click().run()
