@@ -23,7 +23,7 @@ from analysis.runs import loading as runs_mod
 from analysis.runs import texts as texts_mod
 from analysis.views.catalogue import section_views
 from app.library import run_list
-from app.render import caching, page_scaffold
+from app.render import caching, page_scaffold, view_cache
 from app.server.settings import HOME_ENV
 from k3core.modeling.model import K3ForCausalLM
 
@@ -42,14 +42,14 @@ NOT_COUNTED = {"kept_results_follow_clear_cache"}
 
 
 class Entries:
-    """Entries into analysis.runs.loading and app.render.caching, per function, and how often each (view, run) figure
-    was asked of the figure cache (``build_view``, from anywhere)."""
+    """Entries into analysis.runs.loading and app.render.caching (with its figure cache, app.render.view_cache), per
+    function, and how often each (view, run) figure was asked of the figure cache (``build_view``, from anywhere)."""
 
     def __init__(self, monkeypatch) -> None:
         self.calls: collections.Counter = collections.Counter()
         self.figures: collections.Counter = collections.Counter()
         self._inside = threading.local()
-        for module in (runs_mod, texts_mod, caching):
+        for module in (runs_mod, texts_mod, caching, view_cache):
             for name, fn in list(vars(module).items()):
                 if self._counted(module, fn) and name not in NOT_COUNTED:
                     monkeypatch.setattr(module, name, self._wrap(module, name, fn))
@@ -62,8 +62,9 @@ class Entries:
 
     def _wrap(self, module, name: str, fn):
         # analysis.runs.texts (the inputs a run reads) was split out of analysis.runs.loading: its entries count as
-        # runs'
-        short = "runs" if module in (runs_mod, texts_mod) else module.__name__.rpartition(".")[2]
+        # runs'; app.render.view_cache (the figure cache) was split out of app.render.caching: its entries count as
+        # caching's
+        short = "runs" if module in (runs_mod, texts_mod) else "caching"
 
         @functools.wraps(fn)
         def counted(*args, **kwargs):
