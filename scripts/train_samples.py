@@ -164,20 +164,25 @@ def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
     )
 
 
-def _arg(args: list[str], flag: str) -> str:
-    return args[len(args) - 1 - args[::-1].index(flag) + 1]  # the last occurrence wins, as in argparse
+def unit_config(recipe: dict, unit: dict):
+    """The TrainConfig a unit's command makes, read by ``k3lab train``'s own parser (its flags, their defaults)."""
+    from k3core.training import TrainConfig, parse_overrides
+    from k3lab.train import build_parser
+
+    ns = build_parser().parse_args(unit_args(recipe, unit, "x"))
+    given = {k: v for k, v in vars(ns).items() if v is not None and k not in ("resume", "model", "overrides")}
+    return TrainConfig.from_dict({**given, "model": ns.model, "overrides": parse_overrides(ns.overrides)})
 
 
 def unit_tokens(recipe: dict, unit: dict) -> int:
-    args = unit_args(recipe, unit, "x")
-    return int(_arg(args, "--steps")) * int(_arg(args, "--batch-size")) * int(_arg(args, "--seq-len"))
+    cfg = unit_config(recipe, unit)
+    return cfg.steps * cfg.batch_size * cfg.seq_len
 
 
 def unit_hours(recipe: dict, unit: dict) -> float:
     """Estimated hours of one core: the unit's tokens at the campaign's recorded tokens/s (eager or compiled)."""
     speed = recipe["campaign"]["speed"]
-    compiled = "--compile" in unit_args(recipe, unit, "x")
-    tok_s = speed["compiled_tokens_per_s"] if compiled else speed["eager_tokens_per_s"]
+    tok_s = speed["compiled_tokens_per_s"] if unit_config(recipe, unit).compile else speed["eager_tokens_per_s"]
     return unit_tokens(recipe, unit) / tok_s / 3600
 
 
@@ -202,7 +207,8 @@ def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str) -> dic
     """Mark a finished unit done in the recipe file: its results, code version, where and when it trained.
 
     Refuses a run that did not finish (a unit cut off is trained again, never recorded) and a run whose
-    configuration is not the unit's (another schedule, seed or recipe)."""
+    configuration is not the unit's: any training field other than the runtime ones (``RUNTIME_FIELDS``: output
+    folder, threads, progress, ...) that differs from what the unit's command sets."""
     from k3core.training import load_metrics
 
     recipe = load_recipe(recipe_path)
@@ -212,11 +218,14 @@ def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str) -> dic
     metrics = load_metrics(run_dir)
     if metrics["status"] != "finished":
         raise SystemExit(f"{run_dir}: the run did not finish ({metrics['status']}); train the unit again")
-    tc, args = metrics["train_config"], unit_args(recipe, unit, "x")
-    planned = {"steps": int(_arg(args, "--steps")), "seed": int(unit["seed"])}
-    planned_tokens = unit_tokens(recipe, unit)
-    if any(tc[k] != v for k, v in planned.items()) or metrics["final"]["tokens_seen"] != planned_tokens:
-        raise SystemExit(f"{run_dir}: not unit {name!r} (planned {planned}, {planned_tokens:,} tokens)")
+    from k3core.training.config import RUNTIME_FIELDS
+
+    planned = unit_config(recipe, unit).to_dict()
+    differs = sorted(
+        k for k in planned if k not in RUNTIME_FIELDS and planned[k] != metrics["train_config"].get(k, planned[k])
+    )
+    if differs:
+        raise SystemExit(f"{run_dir}: not unit {name!r} ({', '.join(differs)} differ from the unit's command)")
     entry = {
         "status": "done",
         "trained_on": device,

@@ -55,7 +55,20 @@ def _tiny_recipe(tmp_path: Path) -> Path:
         "runs": [],
         "campaign": {
             "speed": {"eager_tokens_per_s": 1000.0, "compiled_tokens_per_s": 1500.0},
-            "common_args": ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2"],
+            "common_args": [
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--eval-windows",
+                "2",
+                "--eval-every",
+                "0",
+                "--mqar-eval-examples",
+                "2",
+            ],
             "sweeps": [],
             "runs": [{"name": "tiny-s3", "seed": 3, "set": [], "status": "planned"}],
         },
@@ -76,8 +89,11 @@ def _train(run_dir: Path, **changes) -> Path:
 def test_record_marks_a_finished_unit_done_and_refuses_other_runs(tmp_path):
     recipe_path = _tiny_recipe(tmp_path)
     other_seed = _train(tmp_path / "other-seed", seed=4)
-    with pytest.raises(SystemExit, match="not unit 'tiny-s3'"):
+    with pytest.raises(SystemExit, match="not unit 'tiny-s3' \\(seed differ"):
         train_samples.record_unit(recipe_path, "tiny-s3", other_seed, "cpu")
+    other_recipe = _train(tmp_path / "weighted", mqar_fraction=0.5, mqar_loss_weight=4.0)
+    with pytest.raises(SystemExit, match="mqar_fraction, mqar_loss_weight differ"):
+        train_samples.record_unit(recipe_path, "tiny-s3", other_recipe, "cpu")
     stopped = _train(tmp_path / "stopped", steps=2, stop_at=1)
     with pytest.raises(SystemExit, match="did not finish"):
         train_samples.record_unit(recipe_path, "tiny-s3", stopped, "cpu")
