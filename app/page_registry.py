@@ -3,7 +3,7 @@ views it shows.
 
 Navigation (``app/main.py``), every page's heading, the links and mentions between pages, Compare's sections, the
 README's page list and the tests all read this table; no page title is written anywhere else
-(``tests/app/test_pages.py`` checks it). It imports nothing from streamlit, so a test or a benchmark can read it
+(``tests/app/test_page_registry.py`` checks it). It imports nothing from streamlit, so a test or a benchmark can read it
 without streamlit's plotly template becoming the default.
 """
 
@@ -90,5 +90,5 @@ def sidebar_groups() -> dict[str, list[Page]]:
 
 
 def readme_list() -> str:
-    """The README's page list: groups joined by "; ", pages by ", " (tests/app/test_pages.py compares it)."""
+    """The README's page list: groups joined by "; ", pages by ", " (tests/app/test_page_registry.py compares it)."""
     return "; ".join(", ".join(p.title for p in group) for group in sidebar_groups().values())

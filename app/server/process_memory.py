@@ -11,7 +11,7 @@ reached in each of them. Two causes, two remedies:
   ``MMAP_THRESHOLD``, which fixing the other would otherwise pin at 128 KiB), and allows one heap per core instead of
   glibc's eight (each may keep up to the threshold; a server after the sessions below had 12). Measured on a real
   server with a 335 MiB budget after six sessions, two of them tracing 2,048 tokens (one trace kept, 70 MB): +114 and
-  +133 MiB resident once idle without it, +78 to +79 MiB with it (``tests/app/test_job_budget.py``);
+  +133 MiB resident once idle without it, +78 to +79 MiB with it (``tests/app/server/test_job_budget.py``);
 - free blocks inside a heap go back with ``malloc_trim(0)`` (``release_freed_memory``; 11 ms on the k3-full
   sample): when a job ends (``app.server.job_budget``), and shortly after a result is made (the temporaries of its
   build) or a result the server no longer keeps is freed (``release_soon``, ``release_when_freed``: a session or a

@@ -108,7 +108,7 @@ def _page(at: AppTest, name: str) -> AppTest:
 
 
 def test_overview_renders_by_default(app_env, runs):
-    """The default page, then Compare and history; every registered page opens in tests/app/test_pages.py."""
+    """The default page, then Compare and history; every registered page opens in tests/app/test_page_registry.py."""
     app_env(runs["good"], runs["other"])
     at = _app()
     at.session_state["k3lab_cmp_section"] = "attnres"  # density (importance) is covered on its own page

@@ -1,6 +1,6 @@
 """analysis.runs.job_memory's measured side: the bytes a finished job's result holds (held_bytes, context_bytes), which
 the server's kept results count (issue 28). The estimates are checked against measured peaks in
-tests/app/test_job_budget.py."""
+tests/app/server/test_job_budget.py."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from benchmarks.bench_app import free_port, served_group
 from k3core.interp.recorder import record
 from k3lab.app import app_command, app_parser
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "sample_checkpoints" / "k3-full"
 APP = REPO / "app" / "main.py"
 MB = 1024**2

@@ -23,11 +23,21 @@ from app.server import job_budget
 from app.server.job_budget import JobBudget
 from benchmarks.bench_app import free_port, served_group
 from k3lab.app import app_command, app_parser
+from tests.app.server.test_job_budget import (
+    ALLOWANCE,
+    MB,
+    QUEUED,
+    _alerts,
+    _answered,
+    _rss,
+    _RssPeak,
+    _visit,
+    _wait_idle,
+)
 from tests.app.serving import serve_only
-from tests.app.test_job_budget import ALLOWANCE, MB, QUEUED, _alerts, _answered, _rss, _RssPeak, _visit, _wait_idle
 from tests.k3core.interp.test_trace_hostile import _members_of, _reseal, _stored, _zip, add_big_member, two_text_trace
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 APP = REPO / "app" / "main.py"
 
 

@@ -27,7 +27,7 @@ from app.render import caching, page_scaffold, view_cache
 from app.server.settings import HOME_ENV
 from k3core.modeling.model import K3ForCausalLM
 
-APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
+APP = Path(__file__).resolve().parents[3] / "app" / "main.py"
 SECTION = "attnres"  # a section without the importance button, drawn whole here (its "show the rest" turned on)
 
 
