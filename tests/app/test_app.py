@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -18,103 +17,29 @@ import numpy as np
 import pytest
 import torch
 from streamlit.runtime import caching as st_caching
-from streamlit.testing.v1 import AppTest
 
 from analysis.compare.two_runs import quantised_copy
 from analysis.runs import loading as runs_mod
 from analysis.runs import texts
 from analysis.views.catalogue import section_views
-from app import page_registry
 from app.library import run_list
 from app.render import caching, cards, page_scaffold, view_cache
 from app.render.model_use import model_use
 from app.server import job_budget
-from app.server.settings import HOME_ENV
 from app.state import inputs
 from k3core.data.batches import IGNORE_INDEX
 from k3core.modeling.model import K3ForCausalLM
-
-APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
-TIMEOUT = 180  # seconds per script run: generous for a loaded CI machine; typical runs take 1-5 s
-MAX_TOKENS = 48
-
-METRICS = {
-    "history": [
-        {"step": 0, "loss": 5.6, "val_bpb": 8.0, "tokens": 0},
-        {"step": 50, "loss": 3.1, "val_bpb": 4.4, "tokens": 12800},
-        {"step": 100, "loss": 2.6, "val_bpb": 3.7, "tokens": 25600},
-    ]
-}
-
-
-def _save_nano(path: Path, seed: int, metrics: dict | None = None) -> Path:
-    torch.manual_seed(seed)
-    K3ForCausalLM.from_config("k3-nano").save_pretrained(path)
-    if metrics is not None:
-        (path / "metrics.json").write_text(json.dumps(metrics))
-    (path / "README.md").write_text(f"# nano seed {seed}\n\nA random-init k3-nano for the app tests.\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runs")
-    good = _save_nano(root / "nano-a", 0, METRICS)
-    other = _save_nano(root / "nano-b", 1, METRICS)
-    corrupt = root / "corrupt"
-    corrupt.mkdir()
-    shutil.copy(good / "config.json", corrupt / "config.json")
-    (corrupt / "model.safetensors").write_bytes(b"definitely not safetensors")
-    torch.manual_seed(2)
-    model = K3ForCausalLM.from_config("k3-nano")
-    with torch.no_grad():
-        model.lm_head.weight[0, 0] = float("nan")
-    nan = model.save_pretrained(root / "nan-weights")
-    return {"good": good, "other": other, "corrupt": corrupt, "nan": Path(nan)}
-
-
-@pytest.fixture
-def app_env(monkeypatch, tmp_path):
-    """Point the app at given checkpoint folders only (no shipped samples)."""
-
-    monkeypatch.setenv(HOME_ENV, str(tmp_path / "k3lab-home"))  # the runs library of this test only
-
-    def use(*folders: Path) -> None:
-        monkeypatch.setenv(run_list.RUNS_ENV, os.pathsep.join(str(f) for f in folders))
-        empty = tmp_path / "no-samples"
-        empty.mkdir(exist_ok=True)
-        monkeypatch.setattr(run_list, "SAMPLES_DIR", empty)
-
-    return use
-
-
-def _app(max_tokens: int = MAX_TOKENS) -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
-    at.session_state["k3lab_max_tokens"] = max_tokens
-    return at
-
-
-def _errors(at: AppTest) -> list[str]:
-    """The error boxes' text as shown (the app escapes messages for Markdown: drop the escapes)."""
-    return [re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", e.value) for e in at.error]
-
-
-def _charts(at: AppTest) -> int:
-    return len(at.get("plotly_chart"))
-
-
-def _page(at: AppTest, name: str) -> AppTest:
-    return at.switch_page(page_registry.page(name).file).run()
+from tests.app.apptest_helpers import MAX_TOKENS, TIMEOUT, charts, errors, make_app, open_page
 
 
 def test_overview_renders_by_default(app_env, runs):
     """The default page, then Compare and history; every registered page opens in tests/app/test_page_registry.py."""
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.session_state["k3lab_cmp_section"] = "attnres"  # density (importance) is covered on its own page
     at.run()
     assert not at.exception, at.exception
-    assert _errors(at) == []
+    assert errors(at) == []
     # The first preloaded run is selected and the Overview renders without any click.
     assert at.session_state["k3lab_run"] == "nano-a"
     metrics = {m.label: m.value for m in at.metric}
@@ -124,22 +49,22 @@ def test_overview_renders_by_default(app_env, runs):
     assert any("nano seed 0" in m.value for m in at.markdown)  # the model card
 
     # Compare defaulted to the other run; history overlays both runs' metrics.json.
-    _page(at, "compare")
+    open_page(at, "compare")
     assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-b"
     assert len(at.dataframe) >= 1  # headline delta table
     # its noise floor: a paired CI over the shared text, and the seed noise of two separately trained runs
     notes = [m.value for m in (*at.info, *at.caption) if "95% CI" in m.value]
     assert len(notes) == 1 and "paired" in notes[0] and "0.05 bits/byte" in notes[0], notes
     assert "± (95% CI)" in at.dataframe[0].value.columns
-    _page(at, "history")
-    assert _charts(at) >= 1
+    open_page(at, "history")
+    assert charts(at) >= 1
 
 
 def test_the_recording_checkbox_says_what_it_records_and_what_it_costs(app_env, runs):
     """It records KDA's implicit attention as well as the attention maps (not MLA only), and its label and help say
     the cost."""
     app_env(runs["good"])
-    at = _app().run()
+    at = make_app().run()
     box = at.checkbox(key="k3lab_record_attn")
     assert box.label == inputs.ATTENTION_CHECKBOX and "KDA implicit attention" in box.label and "7x" in box.label
     assert "MLA and KDA attention maps" in box.help and "O(T^2 K)" in box.help
@@ -150,7 +75,7 @@ def test_clear_cache_clears_the_kept_results(app_env, runs):
     """Streamlit's "Clear cache" (the menu, or C) runs cache_resource.clear() (AppSession._handle_clear_cache_request):
     the traced contexts and figures in app.server.kept_results, which no Streamlit cache holds, go with it."""
     app_env(runs["good"])
-    at = _app().run()
+    at = make_app().run()
     assert not at.exception, at.exception
     kept = job_budget.budget().kept
     for _ in range(2):  # twice: the next script run ties the kept results to the next clear again
@@ -167,15 +92,15 @@ def test_clear_cache_clears_the_kept_results(app_env, runs):
 
 def test_compare_one_run_on_two_texts(app_env, runs):
     app_env(runs["good"])
-    at = _app()
+    at = make_app()
     at.session_state["k3lab_cmp_mode"] = "One run, two texts"
     at.session_state["k3lab_cmp_section"] = "moe"
     at.run()
-    _page(at, "compare")
+    open_page(at, "compare")
     assert not at.exception
-    assert _errors(at) == []
+    assert errors(at) == []
     assert at.selectbox(key="k3lab_cmp_text_source").value == inputs.TEXT_MQAR
-    assert _charts(at) >= 2
+    assert charts(at) >= 2
     assert any("**B** = MQAR:" in c.value for c in at.caption)  # labelled once, never "B: B: MQAR"
     assert not any("B: B:" in c.value for c in at.caption)
     # MQAR scores its 6 answers only: too few for windows, and said so; one run on two texts has no seed noise
@@ -185,12 +110,12 @@ def test_compare_one_run_on_two_texts(app_env, runs):
 
 def test_compare_b_can_be_the_untrained_twin_of_a(app_env, runs):
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.session_state["k3lab_cmp_section"] = "degradation"
     at.run()
-    _page(at, "compare")
+    open_page(at, "compare")
     at.toggle(key="k3lab_cmp_twin").set_value(True).run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert any(c.value.startswith("**A** = nano") and "untrained twin" in c.value for c in at.caption)
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert titles and all("vs nano-a (untrained twin)" in t.replace("<br>", " ") for t in titles), titles[:2]
@@ -201,35 +126,35 @@ def test_compare_builds_an_a_minus_b_chart_only_when_its_expander_is_opened(app_
     are built when their expander is opened (its state is the session key), and the page keeps the side-by-side
     charts either way."""
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.session_state["k3lab_cmp_section"] = "attnres"
     at.run()
-    _page(at, "compare")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "compare")
+    assert not at.exception and errors(at) == []
     diffs = [e for e in at.expander if e.label.startswith("Difference A - B: ")]
     assert diffs and all(len(e.get("plotly_chart")) == 0 for e in diffs)
-    closed = _charts(at)
+    closed = charts(at)
     first = diffs[0].label.removeprefix("Difference A - B: ")
     view = next(v for v in section_views("attnres") if v.title == first)
     at.session_state[f"k3lab_diff_{view.key}"] = True  # what opening it in the browser sets
     at.run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     opened = next(e for e in at.expander if e.label == diffs[0].label)
     assert len(opened.get("plotly_chart")) == 1
-    assert _charts(at) == closed + 1
+    assert charts(at) == closed + 1
 
 
 def test_overview_builds_its_tables_only_when_opened(app_env, runs):
     """The Overview's layer table and every-config-field JSON are built when their expander is opened."""
     app_env(runs["good"])
-    at = _app().run()
-    assert not at.exception and _errors(at) == []
+    at = make_app().run()
+    assert not at.exception and errors(at) == []
     shut = {e.label: e for e in at.expander}
     assert len(shut["Layer table"].get("dataframe")) == 0 and len(shut["Every config field"].get("json")) == 0
     at.session_state["k3lab_overview_layer_table"] = True
     at.session_state["k3lab_overview_config_fields"] = True
     at.run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     shown = {e.label: e for e in at.expander}
     assert len(shown["Layer table"].get("dataframe")) == 1
     assert '"num_hidden_layers": 4' in shown["Every config field"].get("json")[0].value
@@ -238,12 +163,12 @@ def test_overview_builds_its_tables_only_when_opened(app_env, runs):
 def test_overview_builds_the_headline_table_only_when_opened(app_env, runs):
     """ "All headline numbers" (a data grid and its downloads) is built when its expander is opened."""
     app_env(runs["good"])
-    at = _app().run()
-    assert not at.exception and _errors(at) == []
+    at = make_app().run()
+    assert not at.exception and errors(at) == []
     assert len({e.label: e for e in at.expander}["All headline numbers"].get("dataframe")) == 0
     at.session_state["k3lab_headline_table"] = True
     at.run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     grid = {e.label: e for e in at.expander}["All headline numbers"].get("dataframe")
     assert len(grid) == 1 and "loss (nats/token)" in set(grid[0].value["metric"])
 
@@ -252,54 +177,54 @@ def test_overview_draws_the_layer_map_from_the_config_before_the_weights(app_env
     """The layer map comes from config.json before the run loads (the cold open's first chart), so a checkpoint
     whose weights cannot be read still shows it, above the weights' error."""
     app_env(runs["corrupt"])
-    at = _app().run()
+    at = make_app().run()
     assert not at.exception
-    assert any("not a safetensors file" in e for e in _errors(at)), _errors(at)
-    assert _charts(at) == 1  # Allocated density per layer
+    assert any("not a safetensors file" in e for e in errors(at)), errors(at)
+    assert charts(at) == 1  # Allocated density per layer
     assert any("Layer map" in m.value for m in at.markdown)
 
 
 @pytest.mark.parametrize(("which", "message"), [("corrupt", "not a safetensors file"), ("nan", "NaN or Inf")])
 def test_bad_checkpoint_shows_error_not_exception(app_env, runs, which, message):
     app_env(runs[which], runs["good"])
-    at = _app().run()
+    at = make_app().run()
     assert not at.exception
-    assert any(message in e for e in _errors(at)), _errors(at)
-    _page(at, "moe")
+    assert any(message in e for e in errors(at)), errors(at)
+    open_page(at, "moe")
     assert not at.exception
-    assert any(message in e for e in _errors(at))
+    assert any(message in e for e in errors(at))
     # The app keeps running: the other run still works.
     at.session_state["k3lab_run"] = "nano-a"
-    _page(at, "overview")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "overview")
+    assert not at.exception and errors(at) == []
 
 
 def test_empty_and_huge_text(app_env, runs):
     app_env(runs["good"])
-    at = _app()
+    at = make_app()
     at.session_state["k3lab_text_source"] = inputs.TEXT_PASTE
     at.run()
     assert not at.exception
-    assert any("The text is empty" in e for e in _errors(at))
-    _page(at, "degradation")
-    assert any("The text is empty" in e for e in _errors(at))
-    assert _charts(at) == 0
+    assert any("The text is empty" in e for e in errors(at))
+    open_page(at, "degradation")
+    assert any("The text is empty" in e for e in errors(at))
+    assert charts(at) == 0
 
     at.session_state["k3lab_paste"] = "to be or not to be " * 500  # 9,500 bytes
     at.run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert any(f"first {MAX_TOKENS} of 9,500 tokens" in w.value for w in at.warning)
-    assert _charts(at) >= 2
+    assert charts(at) >= 2
 
 
 def test_generate_page(app_env, runs):
     app_env(runs["good"])
-    at = _app().run()
-    _page(at, "generate")
+    at = make_app().run()
+    open_page(at, "generate")
     at.text_area(key="k3lab_prompt").input("ROMEO:")
     at.slider(key="k3lab_gen_tokens").set_value(12)
     at.button[0].click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     out = [c.value for c in at.code]
     assert out and out[-1].startswith("ROMEO:")
     assert {m.label for m in at.metric} >= {"New tokens", "Decode cache"}
@@ -319,10 +244,10 @@ def test_generate_completes_at_its_defaults(app_env, runs):
     """The default 200 new tokens redraw the live output (and its download button) every 16 tokens: each redraw must
     have its own element id (today's code stopped after 32 tokens with StreamlitDuplicateElementId)."""
     app_env(runs["good"])
-    at = _app().run()
-    _page(at, "generate")
+    at = make_app().run()
+    open_page(at, "generate")
     at.button[0].click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert [m.value for m in at.metric if m.label == "New tokens"] == ["200"]
     assert at.session_state["k3lab_generated"]["done"] is True
 
@@ -389,9 +314,9 @@ def test_exports_without_chromium_offer_html_csv_json(app_env, runs, monkeypatch
     cards.static_export_status.cache_clear()
     try:
         app_env(runs["good"])
-        at = _app().run()
-        _page(at, "attnres")
-        assert not at.exception and _errors(at) == []
+        at = make_app().run()
+        open_page(at, "attnres")
+        assert not at.exception and errors(at) == []
         keys = [b.key for b in at.get("download_button")]
         formats = {k.rsplit("-", 1)[-1] for k in keys}
         assert formats == {"html", "csv", "json"}, keys
@@ -460,10 +385,10 @@ def test_loaded_context_is_the_traced_one_with_the_page_options(app_env, runs):
 # ------------------------------------------------------------------------------------ links (query parameters)
 def test_a_link_opens_the_same_run_text_and_tokens(app_env, runs):
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.query_params.update({"run": "nano-b", "text": "mqar", "tokens": "40", "seq": "4096"})
     at.run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert at.session_state["k3lab_run"] == "nano-b"
     assert at.session_state["k3lab_text_source"] == inputs.TEXT_MQAR
     assert at.session_state["k3lab_max_tokens"] == 40
@@ -481,10 +406,10 @@ def test_a_link_opens_the_same_run_text_and_tokens(app_env, runs):
 
 def test_a_link_with_unknown_values_warns_and_falls_back(app_env, runs):
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.query_params.update({"run": "no-such-run", "text": "poetry", "tokens": "999999", "colour": "red"})
     at.run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     warnings = " ".join(w.value for w in at.warning).replace("\\", "")  # the notes are Markdown-escaped
     for shown in ("'no-such-run'", "'poetry'", "'999999'", "'colour'"):
         assert shown in warnings, (shown, warnings)
@@ -495,12 +420,12 @@ def test_a_link_with_unknown_values_warns_and_falls_back(app_env, runs):
 
 def test_compare_choices_are_in_the_link(app_env, runs):
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.query_params.update({"b": "nano-a", "section": "moe", "mode": "runs"})
     at.run()
     at.session_state["k3lab_run"] = "nano-b"
-    _page(at, "compare")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "compare")
+    assert not at.exception and errors(at) == []
     assert at.selectbox(key="k3lab_cmp_run_b").value == "nano-a"
     assert at.radio(key="k3lab_cmp_section").value == "moe"
     assert (at.query_params["b"], at.query_params["section"], at.query_params["mode"]) == ("nano-a", "moe", "runs")
@@ -526,24 +451,24 @@ def test_options_without_the_model_never_rerun_it(app_env, runs, monkeypatch):
     monkeypatch.setattr(runs_mod, "trace_run", counted_trace)
     monkeypatch.setattr(page_scaffold, "sublayer_importance", counted_importance)
     app_env(runs["good"])
-    at = _app(max_tokens=44)  # a token count no other test uses: nothing cached yet
+    at = make_app(max_tokens=44)  # a token count no other test uses: nothing cached yet
     at.run()
-    _page(at, "density")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "density")
+    assert not at.exception and errors(at) == []
     assert calls == {"trace": 1, "importance": 0}
     button = next(b for b in at.button if b.label == "Measure layer importance")
     button.click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert calls == {"trace": 1, "importance": 1}
     assert "Measure layer importance" not in [b.label for b in at.button]  # its card goes once it has run
     titles = lambda: [c.proto.spec for c in at.get("plotly_chart")]  # noqa: E731
     before = titles()
     at.select_slider(key="k3lab_seq_len").set_value(4096).run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert calls == {"trace": 1, "importance": 1}
     assert titles() != before and any("4K" in t for t in titles())
-    _page(at, "attnres")
-    _page(at, "density")
+    open_page(at, "attnres")
+    open_page(at, "density")
     assert calls == {"trace": 1, "importance": 1}
 
 
@@ -622,13 +547,13 @@ def test_download_all_is_the_report_folder_zipped(app_env, runs, tmp_path):
         assert zf.read(table) == (out / table.removeprefix("report/")).read_bytes()
 
     app_env(runs["good"])
-    at = _app(max_tokens=32)
+    at = make_app(max_tokens=32)
     at.session_state["k3lab_text_source"] = inputs.TEXT_MQAR
     at.session_state["k3lab_all_static"] = False
     at.session_state["k3lab_all_skip"] = True
     at.run()
     next(b for b in at.button if b.label == "Prepare the report zip").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert [b.label for b in at.get("download_button") if b.key == "k3lab_all_download"]
 
 
@@ -639,15 +564,15 @@ def test_a_long_input_asks_before_running_the_model(app_env, runs, monkeypatch):
     monkeypatch.setattr(runs_mod, "trace_run", lambda *a, **k: calls.append(1) or real_trace(*a, **k))
     app_env(runs["good"])
     n = inputs.LONG_INPUT_TOKENS + 52
-    at = _app(max_tokens=n)
+    at = make_app(max_tokens=n)
     at.run()
-    _page(at, "attnres")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "attnres")
+    assert not at.exception and errors(at) == []
     assert any(f"will read {n:,} tokens" in w.value for w in at.warning), [w.value for w in at.warning]
-    assert _charts(at) == 0 and calls == []  # nothing ran yet
+    assert charts(at) == 0 and calls == []  # nothing ran yet
     next(b for b in at.button if b.label == f"Run on {n:,} tokens").click().run()
-    assert not at.exception and _errors(at) == []
-    assert _charts(at) >= 2 and calls == [1]
+    assert not at.exception and errors(at) == []
+    assert charts(at) >= 2 and calls == [1]
     assert any(f"· {n:,} tokens of" in c.value for c in at.caption)
 
 
@@ -714,40 +639,40 @@ def test_compare_offers_the_weights_section_for_loaded_runs(app_env, runs):
     from analysis.views.catalogue import section_views
 
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.query_params.update({"b": "nano-b", "section": "weights", "mode": "runs"})
     at.session_state["k3lab_show_all_cmp_weights"] = True  # the views past the first three, on request
     for view in section_views("weights"):  # and every A - B expander opened (its chart is built when open)
         at.session_state[f"k3lab_diff_{view.key}"] = True
     at.run()
-    _page(at, "compare")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "compare")
+    assert not at.exception and errors(at) == []
     assert at.radio(key="k3lab_cmp_section").value == "weights"
     assert at.query_params["section"] == "weights"
     weights_views = section_views("weights")
     notes = [i.value for i in at.info]
     not_applicable = [v for v in weights_views if any(i.startswith(f"**{v.title}**") for i in notes)]
     assert {v.key for v in not_applicable} == {"attnres_scale_bias", "weights_expert_norms"}  # AttnRes; not read
-    assert _charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
+    assert charts(at) == len(weights_views) - len(not_applicable) + len(at.expander)
 
 
 def test_mechanism_pages_open_with_their_measured_views_and_draw_the_rest_on_request(app_env, runs):
     """Degradation (every view measured on the text): all drawn at once, no toggle. LatentMoE: its measured views at
     once, the weights-only router bias behind a toggle that names it and stays on for the session."""
     app_env(runs["good"])
-    at = _app().run()
+    at = make_app().run()
 
     def accounted(shown: list) -> int:  # each view is a chart or a "does not apply" note naming it
         notes = sum(1 for i in at.info if any(f"**{v.title}**" in i.value for v in shown))
         return len(at.get("plotly_chart")) + notes
 
-    _page(at, "degradation")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "degradation")
+    assert not at.exception and errors(at) == []
     views = section_views("degradation")
     assert accounted(views) == len(views) and not [t for t in at.toggle if t.key.startswith("k3lab_show_all")]
 
-    _page(at, "moe")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "moe")
+    assert not at.exception and errors(at) == []
     views = section_views("moe")
     measured, derived = page_scaffold.measured_first(views)
     assert measured and derived and all(v.from_weights or v.from_config for v in derived)
@@ -760,25 +685,25 @@ def test_mechanism_pages_open_with_their_measured_views_and_draw_the_rest_on_req
     toggle = at.toggle(key="k3lab_show_all_moe_toggle")
     assert toggle.value is False and all(v.title in toggle.help for v in derived)
     toggle.set_value(True).run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     every = [c.proto.spec for c in at.get("plotly_chart")]
     assert every[: len(first)] == first and accounted(views) == len(views)
-    _page(at, "attnres")
-    _page(at, "moe")
+    open_page(at, "attnres")
+    open_page(at, "moe")
     assert len(at.get("plotly_chart")) == len(every)  # still on after a visit elsewhere
 
 
 def test_the_untrained_twin_toggle_draws_each_view_beside_the_twins(app_env, runs):
     app_env(runs["good"])
-    at = _app().run()
-    _page(at, "degradation")
-    alone = _charts(at)
+    at = make_app().run()
+    open_page(at, "degradation")
+    alone = charts(at)
     at.toggle(key="k3lab_twin_degradation").set_value(True).run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert titles and all("(untrained twin)" in t for t in titles), titles[:3]
-    assert _charts(at) >= alone - len([i for i in at.info])
-    _page(at, "attnres")  # the choice is kept for the session
+    assert charts(at) >= alone - len([i for i in at.info])
+    open_page(at, "attnres")  # the choice is kept for the session
     assert at.toggle(key="k3lab_twin_attnres").value is True and not at.exception
 
 

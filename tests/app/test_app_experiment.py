@@ -11,46 +11,36 @@ from streamlit.proto.Metric_pb2 import Metric
 
 from app.state import links
 from k3core.interp.edit_kinds import MoEEdit
-
-from . import test_app
-from .test_app import _app, _errors, _page, _save_nano
-
-app_env = test_app.app_env  # the fixture: runs given by folder only, a fresh runs library
+from tests.app.apptest_helpers import errors, make_app, open_page, save_nano, table_with
 
 
 @pytest.fixture(scope="module")
 def nano_run(tmp_path_factory):
-    return _save_nano(tmp_path_factory.mktemp("runs") / "nano-a", 0)
-
-
-def _table(at, column: str):
-    """The first table on the page with this column (AppTest does not expose a dataframe's key)."""
-    tables = [d.value for d in at.dataframe] + [t.value.reset_index() for t in at.table]
-    return next(t for t in tables if column in t.columns)
+    return save_nano(tmp_path_factory.mktemp("runs") / "nano-a", 0)
 
 
 def _ready(app_env, nano_run):
     app_env(nano_run)
-    at = _app(24)
+    at = make_app(24)
     at.run()
-    return _page(at, "experiment")
+    return open_page(at, "experiment")
 
 
 def test_build_an_edit_from_the_menus_and_run_it(app_env, nano_run):
     at = _ready(app_env, nano_run)
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     at.selectbox(key="k3lab_exp_kind").set_value("moe").run()
     at.selectbox(key="k3lab_exp_layer_moe").set_value(2)
     at.selectbox(key="k3lab_exp_op_moe").set_value("ban")
     at.multiselect(key="k3lab_exp_experts").set_value([0, 1, 2])
     at.button(key="FormSubmitter:k3lab_exp_form_moe-Add edit").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert at.session_state[links.EDITS] == [MoEEdit("ban", layer=2, experts=[0, 1, 2]).to_dict()]
     in_link = at.query_params["edits"]
     in_link = in_link[0] if isinstance(in_link, list) else in_link
     assert json.loads(in_link) == at.session_state[links.EDITS]
     at.button(key="k3lab_exp_run").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     metrics = {m.label: m.value for m in at.metric}
     assert {"Mean loss, baseline", "Mean loss, edited"} <= set(metrics)
     # worse = warm: a loss increase is drawn red (inverse delta colours), never a green up-arrow
@@ -58,14 +48,14 @@ def test_build_an_edit_from_the_menus_and_run_it(app_env, nano_run):
     direction = Metric.MetricDirection.Name(edited.proto.direction)
     want = {"UP": "RED", "DOWN": "GREEN", "NONE": "GRAY"}[direction]
     assert Metric.MetricColor.Name(edited.proto.color) == want, (edited.proto.delta, direction)
-    table = _table(at, "loss_change")
+    table = table_with(at, "loss_change")
     assert len(table) == 23 and np.allclose(table.loss_change, table.edited_loss - table.base_loss)
     assert table.loss_change.abs().max() > 0
     # Compare: baseline vs edited, on the same run and text
     at.session_state["k3lab_cmp_mode"] = links.EDITED
     at.session_state["k3lab_cmp_section"] = "moe"
-    _page(at, "compare")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "compare")
+    assert not at.exception and errors(at) == []
     assert any("**B** = edited" in c.value for c in at.caption)
     assert len(at.get("plotly_chart")) >= 2
 
@@ -77,7 +67,7 @@ def test_a_bad_edit_shows_an_error_and_a_link_restores_the_edits(app_env, nano_r
     at.multiselect(key="k3lab_exp_experts").set_value([0, 1, 2, 3])  # more than k = 2
     at.button(key="FormSubmitter:k3lab_exp_form_moe-Add edit").click().run()
     assert not at.exception
-    assert any("at most k = 2" in e for e in _errors(at)) and not at.session_state[links.EDITS]
+    assert any("at most k = 2" in e for e in errors(at)) and not at.session_state[links.EDITS]
     values, notes = links.from_params(
         {"edits": json.dumps([{"kind": "moe", "op": "ban", "layer": 1, "experts": [3]}])}, []
     )
@@ -90,17 +80,17 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     at = _ready(app_env, nano_run)
     at.radio(key="k3lab_exp_section").set_value("Patching").run()
     at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
-    assert not at.exception and _errors(at) == []
-    df = _table(at, "fraction_restored")
+    assert not at.exception and errors(at) == []
+    df = table_with(at, "fraction_restored")
     assert abs(df[(df.layer == 3) & (df.site == "resid")].fraction_restored.iloc[0] - 1) < 1e-6
     at.radio(key="k3lab_exp_section").set_value("Attribution").run()
     at.number_input(key="k3lab_attr_n").set_value(5)
     at.number_input(key="k3lab_attr_m").set_value(2)
     at.button(key="FormSubmitter:k3lab_attr_form-Run attribution").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     at.radio(key="k3lab_exp_section").set_value("Lens").run()
-    assert not at.exception and _errors(at) == []
-    lens_rows = _table(at, "kl_to_final")
+    assert not at.exception and errors(at) == []
+    lens_rows = table_with(at, "kl_to_final")
     assert len(lens_rows) == 3 and lens_rows.kl_to_final.iloc[-1] == pytest.approx(0, abs=1e-6)  # block AttnRes
     # one readable column of top predictions, every number shown to 4 significant digits
     assert "top predictions" in lens_rows and "top_probs" not in lens_rows
@@ -109,10 +99,10 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
     assert all(float(f"{v:.4g}") == v for v in floats if v == v)
     at.radio(key="k3lab_exp_section").set_value("Token").run()
     assert at.selectbox(key="k3lab_tok_pos").value == 22  # opens on the last token with a next one, not token 0
-    assert all(len(p.split(".")[-1]) == 4 for p in _table(at, "prob")["prob"])  # probabilities to 4 decimals
+    assert all(len(p.split(".")[-1]) == 4 for p in table_with(at, "prob")["prob"])  # probabilities to 4 decimals
     at.selectbox(key="k3lab_tok_pos").set_value(6).run()
-    assert not at.exception and _errors(at) == []
-    experts = _table(at, "expert")
+    assert not at.exception and errors(at) == []
+    experts = table_with(at, "expert")
     from analysis.runs.texts import sample_input
     from k3core.interp.recorder import record
     from k3core.modeling.model import K3ForCausalLM
@@ -123,7 +113,7 @@ def test_patching_attribution_and_token_tabs(app_env, nano_run):
         logits = model(ids).logits
     for layer in (1, 2, 3):
         assert list(experts[experts.layer == layer].expert) == trace[f"blocks.{layer}.moe.experts"][0, 6].tolist()
-    assert list(_table(at, "prob").token_id) == logits[0, 6].topk(5).indices.tolist()
+    assert list(table_with(at, "prob").token_id) == logits[0, 6].topk(5).indices.tolist()
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +139,12 @@ def test_a_chunk_state_reset_from_the_menus_changes_only_the_tokens_after_the_ch
     assert chunks.options == [f"chunk {n} (ends after token {8 * (n + 1)})" for n in range(3)]
     chunks.set_value([0])
     at.button(key="FormSubmitter:k3lab_exp_form_kda-Add edit").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     [edit] = at.session_state[links.EDITS]
     assert edit["op"] == "reset_chunk_state" and edit["chunks"] == [0] and edit["layer"] == int(layer)
     at.button(key="k3lab_exp_run").click().run()
-    assert not at.exception and _errors(at) == []
-    table = _table(at, "loss_change").sort_values("position")
+    assert not at.exception and errors(at) == []
+    table = table_with(at, "loss_change").sort_values("position")
     before, after = table[table.position < 8], table[table.position >= 8]
     assert len(before) == 8 and before.loss_change.abs().max() < 1e-6  # those tokens read the state before it
     assert after.loss_change.abs().max() > 1e-4
@@ -170,7 +160,7 @@ def test_edits_take_position_ranges_duplicates_are_refused_and_kda_shows_only_it
     at.number_input(key="k3lab_exp_from_kda").set_value(4)
     at.number_input(key="k3lab_exp_to_kda").set_value(9)
     at.button(key="FormSubmitter:k3lab_exp_form_kda-Add edit").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     [edit] = at.session_state[links.EDITS]
     assert edit["op"] == "gate_off" and edit["tokens"] == [4, 9]
     # the same edit again (Enter in a number field submits the form, then "Add edit" would add it twice): refused
@@ -183,7 +173,7 @@ def test_edits_take_position_ranges_duplicates_are_refused_and_kda_shows_only_it
     at.number_input(key="k3lab_exp_from_kda").set_value(9)
     at.number_input(key="k3lab_exp_to_kda").set_value(4)
     at.button(key="FormSubmitter:k3lab_exp_form_kda-Add edit").click().run()
-    assert any("is empty" in e for e in _errors(at)) and len(at.session_state[links.EDITS]) == 1
+    assert any("is empty" in e for e in errors(at)) and len(at.session_state[links.EDITS]) == 1
     # two experiments: the session's history shows both, side by side
     at.button(key="k3lab_exp_run").click().run()
     at.selectbox(key="k3lab_exp_kind").set_value("moe").run()
@@ -191,8 +181,8 @@ def test_edits_take_position_ranges_duplicates_are_refused_and_kda_shows_only_it
     at.multiselect(key="k3lab_exp_experts").set_value([0])
     at.button(key="FormSubmitter:k3lab_exp_form_moe-Add edit").click().run()
     at.button(key="k3lab_exp_run").click().run()
-    assert not at.exception and _errors(at) == []
-    history = _table(at, "top-1 changes")
+    assert not at.exception and errors(at) == []
+    history = table_with(at, "top-1 changes")
     assert len(history) == 2 and "kda gate_off" in history.edits.iloc[0] and "moe ban" in history.edits.iloc[1]
     assert history["loss change"].iloc[0] == pytest.approx(
         history["edited loss"].iloc[0] - history["base loss"].iloc[0], abs=1e-5
@@ -205,16 +195,16 @@ def test_patching_shows_the_gap_first_reads_tokens_as_text_and_confirms_long_job
     at.radio(key="k3lab_exp_section").set_value("Patching").run()
     at.text_input(key="k3lab_patch_text").input("ab")
     at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
-    assert any("must be one token" in e for e in _errors(at))
+    assert any("must be one token" in e for e in errors(at))
     at.text_input(key="k3lab_patch_text").input("z")
     at.selectbox(key="k3lab_patch_metric").set_value("logit_diff")
     at.text_input(key="k3lab_patch_correct").input("e")
     at.text_input(key="k3lab_patch_wrong").input("e")
     at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
-    assert any("are the same token" in e for e in _errors(at))
+    assert any("are the same token" in e for e in errors(at))
     at.text_input(key="k3lab_patch_wrong").input("a")
     at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     metrics = {m.label: m.value for m in at.metric}
     assert "Gap (clean - corrupted)" in metrics
     gap = abs(float(metrics["Gap (clean - corrupted)"]))
@@ -229,8 +219,8 @@ def test_patching_shows_the_gap_first_reads_tokens_as_text_and_confirms_long_job
     assert any("forwards" in w.value and "Tick" in w.value for w in at.warning)
     at.checkbox(key="k3lab_patch_ok").check()
     at.button(key="FormSubmitter:k3lab_patch_form-Run patching").click().run()
-    assert not at.exception and _errors(at) == []
-    df = _table(at, "fraction_restored")
+    assert not at.exception and errors(at) == []
+    df = table_with(at, "fraction_restored")
     assert set(df.site) == {"resid", "mixer_out", "ffn_out", "depth_weights"} and set(df.position) == set(range(2, 8))
 
 
@@ -242,7 +232,7 @@ def test_attribution_on_moe_shows_plain_and_frozen_ig_with_steps_and_text_target
     at.number_input(key="k3lab_attr_steps").set_value(16)
     at.text_input(key="k3lab_attr_target").input("ab")
     at.button(key="FormSubmitter:k3lab_attr_form-Run attribution").click().run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     captions = " ".join(c.value for c in at.caption)
     assert "integrated_gradients: f(x) - f(baseline)" in captions and "ig_frozen_routing: f(x)" in captions
     assert "expert sets changed" in captions

@@ -12,11 +12,7 @@ import numpy as np
 from app.render import cards
 from app.state.links import picks_from_param, picks_param
 from k3core.modeling.presets import from_preset
-
-from . import test_app
-from .test_app import _app, _errors, _page
-
-app_env, runs = test_app.app_env, test_app.runs  # the fixtures: runs given by folder, a fresh runs library
+from tests.app.apptest_helpers import errors, make_app, open_page, table_with
 
 CONFIG = from_preset("k3-nano")
 MLA = CONFIG.layer_types().index("MLA")
@@ -57,11 +53,11 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
         return card(fig, df, key=key, stem=stem, description=description, **options)
 
     monkeypatch.setattr(cards, "figure_card", spy)
-    at = _app()
+    at = make_app()
     at.query_params.update({"pick": f"{VIEW}:L{MLA}H{HEAD}"})
     at.run()
-    _page(at, "degradation")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "degradation")
+    assert not at.exception and errors(at) == []
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_layer").value == MLA
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
     fig = _figure_titled(at, "entropy by query position")
@@ -75,14 +71,14 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
 
     # a pick made in the page goes into the link; "all" takes it out
     at.selectbox(key=f"k3lab_pick_{VIEW}_head").set_value("all").run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert at.query_params["pick"] == f"{VIEW}:L{MLA}"
     at.selectbox(key="k3lab_pick_degradation_sink_layer").set_value(MLA).run()
     assert at.query_params["pick"] == f"{VIEW}:L{MLA},degradation_sink:L{MLA}"
     sink = _figure_titled(at, "Attention sink")
     assert sink["data"][0]["x"] == [f"L{MLA} H{h}" for h in range(CONFIG.num_attention_heads)]
-    _page(at, "attnres")  # kept for the session: a visit elsewhere and back shows the same picks
-    _page(at, "degradation")
+    open_page(at, "attnres")  # kept for the session: a visit elsewhere and back shows the same picks
+    open_page(at, "degradation")
     assert at.selectbox(key="k3lab_pick_degradation_sink_layer").value == MLA
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_layer").value == MLA
     at.selectbox(key=f"k3lab_pick_{VIEW}_layer").set_value("all").run()
@@ -92,15 +88,15 @@ def test_a_link_with_a_pick_reopens_that_layer_and_head(app_env, runs, monkeypat
 
 def test_bad_picks_in_a_link_warn_and_the_page_keeps_running(app_env, runs):
     app_env(runs["good"])
-    at = _app()
+    at = make_app()
     bad = f"degradation_sink:L{KDA},{VIEW}:H99,nosuch_view:L1,degradation_sink_profile:Lx,moe_coactivation:H1"
     at.query_params.update({"pick": bad})
     at.run()
     notes = " ".join(w.value for w in at.warning).replace("\\", "")  # the link's notes, on the page it opened
     assert "'nosuch_view:L1'" in notes and "'Lx' is not a pick" in notes
     assert "moe_coactivation names head" in notes
-    _page(at, "degradation")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "degradation")
+    assert not at.exception and errors(at) == []
     warnings = " ".join(w.value for w in at.warning).replace("\\", "")
     assert f"layer {KDA} is not one of this run's MLA layers: {MLA}" in warnings
     assert "head 99 is not one of this run's MLA heads" in warnings
@@ -112,11 +108,11 @@ def test_bad_picks_in_a_link_warn_and_the_page_keeps_running(app_env, runs):
 
 def test_compare_draws_one_pick_for_both_runs(app_env, runs):
     app_env(runs["good"], runs["other"])
-    at = _app()
+    at = make_app()
     at.query_params.update({"b": "nano-b", "mode": "runs", "section": "degradation", "pick": f"{VIEW}:L{MLA}H{HEAD}"})
     at.run()
-    _page(at, "compare")
-    assert not at.exception and _errors(at) == []
+    open_page(at, "compare")
+    assert not at.exception and errors(at) == []
     assert at.selectbox(key=f"k3lab_pick_{VIEW}_head").value == HEAD
     fig = _figure_titled(at, f"Entropy by query position, MLA layer {MLA}, head {HEAD}: nano-a vs nano-b")
     assert [t["name"] for t in _data(fig)] == [f"MLA layer {MLA} head {HEAD}"] * 2
@@ -142,16 +138,14 @@ def test_experiment_token_pickers_show_that_layer_and_head_from_the_trace(app_en
     from k3core.interp.trace import names
     from k3core.modeling.model import K3ForCausalLM
 
-    from .test_app_experiment import _table
-
     app_env(runs["good"])
-    at = _app(24)
+    at = make_app(24)
     at.query_params.update({"pick": f"token_kda:L{KDA + 1}H1"})
     at.run()
-    _page(at, "experiment")
+    open_page(at, "experiment")
     at.radio(key="k3lab_exp_section").set_value("Token").run()
     at.selectbox(key="k3lab_tok_pos").set_value(6).run()
-    assert not at.exception and _errors(at) == []
+    assert not at.exception and errors(at) == []
     assert at.selectbox(key="k3lab_pick_token_kda_layer").value == KDA + 1
     assert at.selectbox(key="k3lab_pick_token_mla_layer").value == MLA  # no "all": one layer's attention row
     assert at.selectbox(key="k3lab_pick_token_mla_layer").options == [f"MLA layer {MLA}"]
@@ -159,17 +153,17 @@ def test_experiment_token_pickers_show_that_layer_and_head_from_the_trace(app_en
     ids = sample_input("shakespeare", model.config, 24).input_ids
     with record(model, what="kda") as trace:
         model(ids)
-    gates = _table(at, "beta")
+    gates = table_with(at, "beta")
     assert list(zip(gates["layer"], gates["head"])) == [(KDA + 1, 1)]
     assert gates.beta.iloc[0] == np.float32(trace[names.kda_beta(KDA + 1)][0, 6, 1])
     at.selectbox(key="k3lab_pick_token_kda_head").set_value("all").run()
-    assert list(_table(at, "beta")["head"]) == list(range(CONFIG.kda_num_heads))
+    assert list(table_with(at, "beta")["head"]) == list(range(CONFIG.kda_num_heads))
     assert at.query_params["pick"] == f"token_kda:L{KDA + 1}"
     moe = [i for i in range(CONFIG.num_hidden_layers) if CONFIG.is_moe_layer(i)]
-    assert sorted(set(_table(at, "expert")["layer"])) == moe  # all MoE layers until one is picked
+    assert sorted(set(table_with(at, "expert")["layer"])) == moe  # all MoE layers until one is picked
     at.selectbox(key="k3lab_pick_token_moe_layer").set_value(moe[-1]).run()
-    assert not at.exception and _errors(at) == []
-    experts = _table(at, "expert")
+    assert not at.exception and errors(at) == []
+    experts = table_with(at, "expert")
     with record(model, what="moe") as routed:
         model(ids)
     assert list(experts["layer"]) == [moe[-1]] * CONFIG.num_experts_per_token

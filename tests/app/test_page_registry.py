@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from analysis.views.catalogue import all_views, section_views
 from app import page_registry
-from tests.app.test_app import APP, MAX_TOKENS, TIMEOUT, _charts, _errors, app_env, runs  # noqa: F401 - fixtures
+from tests.app.apptest_helpers import APP, MAX_TOKENS, TIMEOUT, charts, errors
 from tests.repo.scan import docstring_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,10 +99,10 @@ def test_every_registered_page_opens_with_its_title_as_heading(app_env, runs):  
     for entry in page_registry.PAGES:
         at.switch_page(entry.file).run()
         assert not at.exception, (entry.name, [e.value for e in at.exception])
-        assert _errors(at) == [], (entry.name, _errors(at))
+        assert errors(at) == [], (entry.name, errors(at))
         assert [t.value for t in at.title] == [entry.title], entry.name
         if entry.name in DRAWN_AT_OPEN:
-            assert _charts(at) >= 2, entry.name
+            assert charts(at) >= 2, entry.name
         if entry.name == "compare":
             assert list(at.radio(key="k3lab_cmp_section").options) == list(page_registry.compare_sections().values())
 
