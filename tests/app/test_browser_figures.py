@@ -166,7 +166,8 @@ OWN_TEST = ("long_context", "experiment")
 APP_PAGES = tuple(
     p.url_path for p in page_registry.PAGES if (p.section or p == page_registry.DEFAULT) and p.section not in OWN_TEST
 )
-# Compare's Experiment section draws after its estimate is confirmed (tests/app/test_app_compare_experiment.py)
+# Compare's Experiment section draws after its estimate is confirmed
+# (tests/app/page_scripts/test_app_compare_experiment.py)
 COMPARE_SECTIONS = tuple(s for s in page_registry.COMPARE_SECTIONS if s not in OWN_TEST)
 
 

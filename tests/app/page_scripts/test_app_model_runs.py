@@ -5,7 +5,6 @@ it draws the figure, and the layer-importance button does not."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +13,9 @@ from streamlit.testing.v1 import AppTest
 from analysis.figures.papers import MODEL_RUNS, MQAR_VIEW
 from app import page_registry
 from k3core.modeling.model import K3ForCausalLM
+from tests.app.apptest_helpers import APP, TIMEOUT
 from tests.app.serving import serve_only
 
-APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
-TIMEOUT = 180
 IMPORTANCE = "Measure layer importance"
 ATTNRES = MODEL_RUNS["attnres_causal_sources"]
 MQAR = MODEL_RUNS[MQAR_VIEW.key]

@@ -3,8 +3,6 @@ first, nothing run until asked; Run draws every trace view; the cost measurement
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
@@ -12,10 +10,8 @@ from streamlit.testing.v1 import AppTest
 from app.library import run_list
 from app.server.settings import HOME_ENV
 from k3core.modeling.model import K3ForCausalLM
+from tests.app.apptest_helpers import APP, TIMEOUT
 from tests.app.serving import serve_only
-
-APP = Path(__file__).resolve().parents[2] / "app" / "main.py"
-TIMEOUT = 180
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ plan is drawn (load map, atlas card, cache curves ...) with no error; the app's 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -15,9 +13,8 @@ from analysis.survey.plan import corpus_ids, make_plan, sample_corpus_text
 from app.library import run_list
 from app.server import survey_jobs
 from app.server.settings import HOME_ENV
+from tests.app.apptest_helpers import APP, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-APP = REPO / "app" / "main.py"
 SAMPLE = REPO / "sample_checkpoints" / "k3-full"
 
 
