@@ -16,6 +16,7 @@ from k3core.modeling.layers.kda import l2_norm
 from k3core.modeling.model import K3ForCausalLM
 from k3core.modeling.presets import from_preset
 from k3core.ops.kda import kda_recurrent
+from tests.conftest import nano_model
 
 
 @pytest.fixture(autouse=True)
@@ -122,9 +123,8 @@ def test_suite_cli_runs_one_suite(capsys):
 
 def test_trace_state_norms_match_a_recurrent_reference():
     """kda.i.state_norm (the forward's chunk-end states) equals ||S|| at chunk ends of the token-by-token recurrence."""
-    cfg = from_preset("k3-nano", kda_chunk_size=8)
-    torch.manual_seed(0)
-    model = K3ForCausalLM.from_config(cfg).eval()
+    model = nano_model(0, kda_chunk_size=8)
+    cfg = model.config
     layer = model.model.layers[1].self_attn
     seen = {}
     hook = layer.register_forward_hook(lambda mod, inp, out: seen.update(x=inp[0]) and None)

@@ -24,8 +24,7 @@ from analysis.runs.context import AnalysisContext
 from analysis.runs.loading import run_from_model, trace_run
 from analysis.views.catalogue import all_views, section_views
 from analysis.views.view import Comparison, NotApplicable, View
-from k3core.modeling.model import K3ForCausalLM
-from k3core.modeling.presets import from_preset
+from tests.conftest import nano_model
 
 SAMPLES = Path(__file__).resolve().parents[3] / "sample_checkpoints"
 
@@ -38,12 +37,6 @@ METRICS_B = {
 }
 
 
-def nano(seed: int, **overrides) -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    overrides.setdefault("kda_chunk_size", 16)
-    return K3ForCausalLM.from_config(from_preset("k3-nano", **overrides)).eval()
-
-
 def with_expert_norms(ctx: AnalysisContext) -> AnalysisContext:
     """The run with its weight summary read as ``k3lab weights --experts`` reads it (every expert matrix), so
     the expert-norm view applies; the other weight views give the same numbers as from the model alone."""
@@ -54,8 +47,8 @@ def with_expert_norms(ctx: AnalysisContext) -> AnalysisContext:
 @pytest.fixture(scope="module")
 def seeds() -> tuple[AnalysisContext, AnalysisContext]:
     """Two runs of one architecture (AttnRes), different weights, expert norms read."""
-    a = trace_run(run_from_model(nano(0), metrics=METRICS_A), IDS, label="seed0")
-    b = trace_run(run_from_model(nano(1), metrics=METRICS_B), IDS, label="seed1")
+    a = trace_run(run_from_model(nano_model(0, kda_chunk_size=16), metrics=METRICS_A), IDS, label="seed0")
+    b = trace_run(run_from_model(nano_model(1, kda_chunk_size=16), metrics=METRICS_B), IDS, label="seed1")
     return with_expert_norms(a), with_expert_norms(b)
 
 
@@ -63,8 +56,12 @@ def seeds() -> tuple[AnalysisContext, AnalysisContext]:
 def scale_bias_seeds() -> tuple[AnalysisContext, AnalysisContext]:
     """Two scale-bias runs of one architecture, different weights: the seeds pair for the views of that
     residual mode (which apply to neither AttnRes seed)."""
-    a = trace_run(run_from_model(nano(3, residual="scale_bias"), metrics=METRICS_A), IDS, label="sb3")
-    b = trace_run(run_from_model(nano(4, residual="scale_bias"), metrics=METRICS_B), IDS, label="sb4")
+    a = trace_run(
+        run_from_model(nano_model(3, kda_chunk_size=16, residual="scale_bias"), metrics=METRICS_A), IDS, label="sb3"
+    )
+    b = trace_run(
+        run_from_model(nano_model(4, kda_chunk_size=16, residual="scale_bias"), metrics=METRICS_B), IDS, label="sb4"
+    )
     return with_expert_norms(a), with_expert_norms(b)
 
 
@@ -72,8 +69,8 @@ def scale_bias_seeds() -> tuple[AnalysisContext, AnalysisContext]:
 def shapes() -> tuple[AnalysisContext, AnalysisContext]:
     """Two runs of different shapes: 4 vs 6 layers, AttnRes vs scale-bias residuals, one vs two MLA layers;
     expert norms read for A only (B's half is the placeholder)."""
-    a = trace_run(run_from_model(nano(0), metrics=METRICS_A), IDS, label="four")
-    big = nano(2, num_hidden_layers=6, full_attn_layers=[3, 6], residual="scale_bias")
+    a = trace_run(run_from_model(nano_model(0, kda_chunk_size=16), metrics=METRICS_A), IDS, label="four")
+    big = nano_model(2, kda_chunk_size=16, num_hidden_layers=6, full_attn_layers=[3, 6], residual="scale_bias")
     b = trace_run(run_from_model(big, metrics=METRICS_B), IDS, label="six")
     return with_expert_norms(a), b
 

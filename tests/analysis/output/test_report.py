@@ -17,10 +17,10 @@ from analysis.views.catalogue import all_views
 from analysis.weights import checkpoint_summary
 from k3core.data.batches import IGNORE_INDEX
 from k3core.loading.tensor_info import CheckpointError
-from k3core.modeling.model import K3ForCausalLM
 from k3core.modeling.presets import from_preset
 from k3lab import inspect as insp
 from k3lab import report
+from tests.conftest import nano_model
 
 METRICS = {
     "history": [
@@ -32,9 +32,7 @@ FAST = ["--no-static", "--max-tokens", "40", "--skip-model-views", "--quiet"]
 
 
 def save_nano(path, seed: int, metrics: dict | None = None):
-    torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(from_preset("k3-nano", kda_chunk_size=16))
-    model.save_pretrained(path)
+    nano_model(seed, kda_chunk_size=16).save_pretrained(path)
     if metrics is not None:
         (path / "metrics.json").write_text(json.dumps(metrics))
     return path

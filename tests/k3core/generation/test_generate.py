@@ -18,6 +18,7 @@ from k3core.modeling.layers.kda import KDACache
 from k3core.modeling.layers.mla import MLACache
 from k3core.modeling.model import K3ForCausalLM
 from k3core.modeling.presets import from_preset
+from tests.conftest import nano_model
 
 MODES = ("block_attnres", "full_attnres", "scale_bias", "plain")
 # fp32. Cached decoding and the full forward take different code paths (recurrent vs chunked KDA, conv tails,
@@ -29,9 +30,7 @@ TOL = 1e-5
 def make_model(residual: str = "block_attnres", seed: int = 0, **overrides) -> K3ForCausalLM:
     """k3-nano (KDA layers 1-3, MLA layer 4), chunk 8 so that short prompts span several KDA chunks,
     with a larger init and random residual parameters so that every path carries signal."""
-    cfg = from_preset("k3-nano", residual=residual, kda_chunk_size=8, initializer_range=0.05, **overrides)
-    torch.manual_seed(seed)
-    model = K3ForCausalLM.from_config(cfg).eval()
+    model = nano_model(seed, residual=residual, kda_chunk_size=8, initializer_range=0.05, **overrides)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3core.modeling.config import K3Config
 from k3core.modeling.layers import kda as kda_layer
-from k3core.modeling.model import K3ForCausalLM
 from k3core.ops.kda import kda_chunk, kda_recurrent
 from k3core.ops.kda.gate import kda_decay_gate
+from tests.conftest import nano_model
 
 from .test_ops_kda import _graph_names
 
@@ -86,9 +85,8 @@ def _train_losses(steps, hand_backward, dtype, monkeypatch):
     """Losses of ``steps`` AdamW steps of a tiny K3 (2 KDA layers and an MLA, C = 16, T = 40: ragged chunks) on fixed
     random bytes; the KDA layers' kda_chunk with the hand-written backward or autograd over its forward."""
     monkeypatch.setattr(kda_layer, "kda_chunk", functools.partial(kda_chunk, hand_backward=hand_backward))
-    torch.manual_seed(0)
-    config = K3Config(num_hidden_layers=3, full_attn_layers=[3], kda_chunk_size=16, num_experts=0, name="tiny")
-    model = K3ForCausalLM.from_config(config).to(dtype).train()
+    model = nano_model(0, num_hidden_layers=3, full_attn_layers=[3], kda_chunk_size=16, num_experts=0)
+    model = model.to(dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, 64, (2, 41), generator=gen)  # a small alphabet: a loss that keeps falling

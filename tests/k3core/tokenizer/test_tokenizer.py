@@ -22,6 +22,7 @@ from k3core.tokenizer import (
     readable_text,
     token_axis_labels,
 )
+from tests.conftest import nano_model
 
 TEXTS = ["", "hello, world\n", "Grüße — naïve café ☕ 日本語 🙂", "the the  cat\t\n\nsat", "\x00\x7f"]
 
@@ -336,12 +337,7 @@ def test_digest_follows_the_files(tmp_path, bpe_folder):
 # ----------------------------------------------------------------------------- a run's tokenizer
 # (analysis.runs.loading)
 def _save_nano(folder: Path, vocab_size: int) -> Path:
-    from k3core.modeling.model import K3ForCausalLM
-    from k3core.modeling.presets import from_preset
-
-    torch.manual_seed(0)
-    cfg = from_preset("k3-nano", kda_chunk_size=16, vocab_size=vocab_size)
-    K3ForCausalLM.from_config(cfg).save_pretrained(folder)
+    nano_model(0, kda_chunk_size=16, vocab_size=vocab_size).save_pretrained(folder)
     return folder
 
 
