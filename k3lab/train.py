@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="MQAR pairs of a row at step 0 of the curriculum (default 1)",
     )
     g.add_argument(
+        "--mqar-span-start",
+        type=arg_int(1, MAX_TOKENS),
+        help="with --mqar-curriculum: MQAR rows are packed from independent examples this many tokens long at "
+        "step 0, growing to --seq-len (a length curriculum: recall is found over short distances first; "
+        "default: one example per row throughout)",
+    )
+    g.add_argument(
         "--mqar-loss-weight",
         type=arg_float(1e-6, 1e6),
         help=f"weight of an MQAR answer in the training loss, a text byte weighing 1 (default {d.mqar_loss_weight})",

@@ -152,6 +152,52 @@ def make_mqar(
     )
 
 
+def segment_queries(num_queries: int, seq_len: int, span: int) -> int:
+    """Queries of one packed segment of ``span`` tokens: the row's ``num_queries`` per ``seq_len`` tokens,
+    pro rata, ``max(1, floor(num_queries * span / seq_len))``, so packing keeps the answer density."""
+    return max(1, num_queries * span // seq_len)
+
+
+def make_mqar_packed(
+    num_examples: int,
+    seq_len: int,
+    span: int,
+    num_kv_pairs: int,
+    num_queries: int | None = None,
+    generator: torch.Generator | None = None,
+    **mqar_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR rows of ``seq_len`` tokens packed from independent examples of ``span`` tokens: ``(inputs, targets)``.
+
+    Each row is ``ceil(seq_len / span)`` segments laid end to end, each a :func:`make_mqar` example of its own
+    length (``span``; the last one takes what is left) with its own pairs and
+    :func:`segment_queries` ``(Q, seq_len, length)`` queries, ``Q = num_queries`` (default ``num_kv_pairs``) per
+    row. A query's answer is bound in its own segment, so the distance from a binding to its query is below
+    ``span``; the pairs of earlier segments stay in the context as distractors. A last segment too short to
+    hold ``2 * num_kv_pairs`` + its queries is filler with no answers. ``span >= seq_len`` is plain
+    :func:`make_mqar`, with the same draws from ``generator``. Short spans are the length curriculum that
+    lets a model find the recall circuit before it must reach across the whole row.
+    """
+    if span < 1:
+        raise ValueError(f"span must be >= 1, got {span}")
+    q_row = num_kv_pairs if num_queries is None else int(num_queries)
+    if span >= seq_len:
+        mq = make_mqar(num_examples, seq_len, num_kv_pairs, generator=generator, num_queries=q_row, **mqar_kwargs)
+        return mq.inputs, mq.targets
+    filler = int(mqar_kwargs.get("filler_token", 0))
+    inputs = torch.full((num_examples, seq_len), filler, dtype=torch.int64)
+    targets = torch.full((num_examples, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    for start in range(0, seq_len, span):
+        length = min(span, seq_len - start)
+        q = segment_queries(q_row, seq_len, length)
+        if length < 2 * num_kv_pairs + q:
+            continue  # a tail too short for a whole example: filler, nothing scored
+        mq = make_mqar(num_examples, length, num_kv_pairs, generator=generator, num_queries=q, **mqar_kwargs)
+        inputs[:, start : start + length] = mq.inputs
+        targets[:, start : start + length] = mq.targets
+    return inputs, targets
+
+
 def mqar_accuracy(logits: torch.Tensor, batch: MQARBatch | torch.Tensor) -> float:
     """Fraction of answer positions (targets != ``IGNORE_INDEX``) where ``argmax(logits)`` is right.
 
@@ -175,6 +221,7 @@ def mix_mqar(
     mqar_fraction: float,
     num_kv_pairs: int,
     generator: torch.Generator | None = None,
+    span: int | None = None,
     **mqar_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Replace a fraction of the rows of a text batch ``(x, y)`` with MQAR sequences.
@@ -184,7 +231,8 @@ def mix_mqar(
     The **last** ``k`` rows are replaced: ``x`` gets MQAR inputs, ``y`` gets MQAR targets
     (``IGNORE_INDEX`` except at answers, so train with ``ignore_index=IGNORE_INDEX``). Returns new
     tensors ``(x, y, k)``; the inputs are not modified. ``mqar_kwargs`` go to :func:`make_mqar`
-    (``vocab_size``, ``key_range``, ``value_range``, ``num_queries``, ...).
+    (``vocab_size``, ``key_range``, ``value_range``, ``num_queries``, ...). With ``span`` shorter than the
+    row, each MQAR row is packed from examples of ``span`` tokens (:func:`make_mqar_packed`).
     """
     if not 0.0 <= mqar_fraction <= 1.0:
         raise ValueError(f"mqar_fraction must be in [0, 1], got {mqar_fraction}")
@@ -198,7 +246,11 @@ def mix_mqar(
         k += 1
     x, y = x.clone(), y.clone()
     if k > 0:
-        mq = make_mqar(k, t, num_kv_pairs, generator=generator, **mqar_kwargs)
-        x[b - k :] = mq.inputs.to(x.device, x.dtype)
-        y[b - k :] = mq.targets.to(y.device, y.dtype)
+        if span is None or span >= t:
+            mq = make_mqar(k, t, num_kv_pairs, generator=generator, **mqar_kwargs)
+            rows_x, rows_y = mq.inputs, mq.targets
+        else:
+            rows_x, rows_y = make_mqar_packed(k, t, span, num_kv_pairs, generator=generator, **mqar_kwargs)
+        x[b - k :] = rows_x.to(x.device, x.dtype)
+        y[b - k :] = rows_y.to(y.device, y.dtype)
     return x, y, k

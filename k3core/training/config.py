@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..data import Corpus, load_shakespeare, load_text_path
+from ..data.mqar import segment_queries
 from ..loading.folder import config_from_json
 from ..modeling.config import ConfigError, K3Config
 from ..modeling.presets import PRESETS, from_preset
@@ -69,6 +70,7 @@ class TrainConfig:
     mqar_loss_weight: float = 1.0  # weight of an MQAR answer in the training loss, against 1 for a text byte
     mqar_curriculum_steps: int = 0  # MQAR pairs grow from mqar_kv_pairs_start to mqar_kv_pairs over these steps
     mqar_kv_pairs_start: int = 1
+    mqar_span_start: int | None = None  # with the curriculum: MQAR rows packed from examples this long at step 0
     mqar_eval_examples: int = 32
     log_every: int = 10
     save_every: int = 100  # checkpoint every N steps; 0: only on stop/interrupt/end
@@ -130,6 +132,15 @@ class TrainConfig:
                 f"mqar_kv_pairs_start must be in [1, mqar_kv_pairs={self.mqar_kv_pairs}], "
                 f"got {self.mqar_kv_pairs_start!r}"
             )
+        if self.mqar_span_start is not None:
+            if self.mqar_curriculum_steps == 0:
+                raise TrainError("mqar_span_start needs a curriculum (mqar_curriculum_steps > 0) to grow over")
+            need = 2 * self.mqar_kv_pairs_start + segment_queries(queries, self.seq_len, self.mqar_span_start)
+            if not (isinstance(self.mqar_span_start, int) and need <= self.mqar_span_start <= self.seq_len):
+                raise TrainError(
+                    f"mqar_span_start must be in [{need}, seq_len={self.seq_len}] (2 x {self.mqar_kv_pairs_start} "
+                    f"starting pairs + the segment's queries), got {self.mqar_span_start!r}"
+                )
         if not self.mqar_loss_weight > 0:
             raise TrainError(f"mqar_loss_weight must be > 0, got {self.mqar_loss_weight}")
         if self.stop_at is not None and not 0 < self.stop_at:
@@ -148,6 +159,15 @@ class TrainConfig:
             return self.mqar_kv_pairs
         grown = (self.mqar_kv_pairs - self.mqar_kv_pairs_start) * min(step, self.mqar_curriculum_steps)
         return self.mqar_kv_pairs_start + grown // self.mqar_curriculum_steps
+
+    def mqar_span_at(self, step: int) -> int:
+        """Length of the packed MQAR examples at ``step``: ``S0 + floor((T - S0) * min(1, step / curriculum))``
+        from ``S0 = mqar_span_start`` to ``T = seq_len``, one example per row (always ``T`` without
+        ``mqar_span_start``). Grows with the pairs (:meth:`mqar_pairs_at`) over the same steps."""
+        if self.mqar_span_start is None or self.mqar_curriculum_steps == 0:
+            return self.seq_len
+        grown = (self.seq_len - self.mqar_span_start) * min(step, self.mqar_curriculum_steps)
+        return self.mqar_span_start + grown // self.mqar_curriculum_steps
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

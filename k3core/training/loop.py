@@ -2,7 +2,8 @@
 
 What a step does (``s`` = completed steps so far, ``N`` = ``steps``)::
 
-    x, y  = text windows from the train split (+ MQAR rows, fraction ``mqar_fraction``)
+    x, y  = text windows from the train split (+ MQAR rows, fraction ``mqar_fraction``; with a curriculum
+            their pairs and, packed, their example length grow: mqar_pairs_at, mqar_span_at)
     loss  = CE(model(x), y)                    (+ aux_loss_coef * aux_loss when balancing="aux_loss"; MQAR answers
                                                 weighted mqar_loss_weight: weighted_recall_loss)
     g     = clip(grad loss, grad_clip)         (global L2 norm)
@@ -221,6 +222,7 @@ class Trainer:
                 cfg.mqar_fraction,
                 cfg.mqar_pairs_at(self.step),
                 generator=self.data_gen,
+                span=cfg.mqar_span_at(self.step),
                 vocab_size=self.model_config.vocab_size,
                 num_queries=cfg.mqar_queries,
             )
