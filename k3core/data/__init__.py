@@ -17,7 +17,7 @@ from .corpus import (
     unigram_bits_per_byte,
     unigram_cross_entropy_bits,
 )
-from .mqar import MQARBatch, make_mqar, mix_mqar, mqar_accuracy
+from .mqar import MQARBatch, make_mqar, make_mqar_packed, mix_mqar, mqar_accuracy, segment_queries
 
 __all__ = [
     "IGNORE_INDEX",
@@ -30,9 +30,11 @@ __all__ = [
     "load_shakespeare",
     "load_text_path",
     "make_mqar",
+    "make_mqar_packed",
     "mix_mqar",
     "mqar_accuracy",
     "random_batches",
+    "segment_queries",
     "unigram_bits_per_byte",
     "unigram_cross_entropy_bits",
     "windows",

@@ -20,9 +20,11 @@ from k3core.data import (
     load_shakespeare,
     load_text_path,
     make_mqar,
+    make_mqar_packed,
     mix_mqar,
     mqar_accuracy,
     random_batches,
+    segment_queries,
     unigram_bits_per_byte,
     unigram_cross_entropy_bits,
     windows,
@@ -306,6 +308,57 @@ def test_mqar_dense_rows_ask_every_key_again_and_answers_stay_recall():
     )
     with pytest.raises(ValueError, match="too short"):
         make_mqar(2, 40, 8, num_queries=30)
+
+
+def _segment_answers_are_bound_in_their_segment(inputs, targets, span):
+    """Every answer is the value bound to its query key earlier in the same segment of ``span`` tokens."""
+    answers = 0
+    for row_x, row_y in zip(inputs.tolist(), targets.tolist(), strict=True):
+        for start in range(0, len(row_x), span):
+            seg_x, seg_y = row_x[start : start + span], row_y[start : start + span]
+            bound = {}
+            for t, (tok, tgt) in enumerate(zip(seg_x, seg_y, strict=True)):
+                if tgt != IGNORE_INDEX:
+                    assert bound[tok] == tgt, f"segment at {start}, position {t}"
+                    answers += 1
+                elif 128 <= tok < 192 and t + 1 < len(seg_x) and seg_x[t + 1] >= 192:
+                    bound[tok] = seg_x[t + 1]  # a context pair k v
+    return answers
+
+
+def test_packed_mqar_rows_are_independent_short_examples():
+    """span < T: ceil(T / span) examples end to end, each answer bound in its own segment, the answer count
+    Q * span / T per segment (density kept); a tail too short for an example is unscored filler."""
+    g = torch.Generator().manual_seed(0)
+    x, y = make_mqar_packed(6, 256, 64, 4, num_queries=64, generator=g)
+    assert x.shape == y.shape == (6, 256)
+    assert _segment_answers_are_bound_in_their_segment(x, y, 64) == 6 * 64
+    assert int((y != IGNORE_INDEX).sum(dim=1).min()) == 64
+    for start in (0, 64, 128, 192):  # each segment opens with its own 4 context pairs
+        seg = x[:, start : start + 8]
+        assert bool(((seg[:, 0::2] >= 128) & (seg[:, 0::2] < 192)).all()) and bool((seg[:, 1::2] >= 192).all())
+    # uneven: segments of 100, 100 and 56 tokens with 25, 25 and 14 queries
+    x, y = make_mqar_packed(3, 256, 100, 5, num_queries=64, generator=g)
+    assert _segment_answers_are_bound_in_their_segment(x, y, 100) == 3 * 64
+    assert segment_queries(64, 256, 56) == 14
+    # an 8-token tail cannot hold 2 x 5 pairs + its query: filler, nothing scored
+    x, y = make_mqar_packed(2, 108, 100, 5, num_queries=8, generator=g)
+    assert bool((x[:, 100:] == 0).all()) and bool((y[:, 100:] == IGNORE_INDEX).all())
+    # span >= T is plain make_mqar, draw for draw
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    packed = make_mqar_packed(3, 128, 128, 8, num_queries=32, generator=g1)
+    plain = make_mqar(3, 128, 8, num_queries=32, generator=g2)
+    assert torch.equal(packed[0], plain.inputs) and torch.equal(packed[1], plain.targets)
+    with pytest.raises(ValueError, match="span"):
+        make_mqar_packed(1, 64, 0, 4)
+
+
+def test_mix_mqar_packs_its_rows_when_given_a_span(shakespeare):
+    g = torch.Generator().manual_seed(1)
+    x, y = random_batches(shakespeare.train, 8, 128, g)
+    x2, y2, k = mix_mqar(x, y, 0.5, num_kv_pairs=4, generator=g, span=32, num_queries=32)
+    assert k == 4 and torch.equal(x2[:4], x[:4])
+    assert _segment_answers_are_bound_in_their_segment(x2[4:], y2[4:], 32) == 4 * 32
 
 
 def test_mqar_accuracy():

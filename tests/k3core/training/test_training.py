@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from k3core import training as T
+from k3core.data import IGNORE_INDEX
 from k3core.modeling.model import K3ForCausalLM
 from k3core.training import rundir
 from k3core.utils import files as files_mod
@@ -115,6 +116,38 @@ def test_mqar_curriculum_grows_pairs_linearly_to_the_target():
     assert T.TrainConfig(mqar_kv_pairs=8).mqar_pairs_at(0) == 8
     with pytest.raises(T.TrainError, match="mqar_kv_pairs_start"):
         T.TrainConfig(mqar_kv_pairs=8, mqar_kv_pairs_start=9)
+
+
+def test_mqar_span_curriculum_grows_packed_examples_to_the_row_with_the_pairs():
+    cfg = T.TrainConfig(
+        seq_len=256, mqar_kv_pairs=8, mqar_kv_pairs_start=4, mqar_curriculum_steps=600, mqar_span_start=64
+    )
+    assert [cfg.mqar_span_at(s) for s in (0, 299, 300, 599, 600, 10_000)] == [64, 159, 160, 255, 256, 256]
+    assert [cfg.mqar_pairs_at(s) for s in (0, 300, 600)] == [4, 6, 8]
+    assert T.TrainConfig(seq_len=256, mqar_curriculum_steps=600).mqar_span_at(0) == 256
+    with pytest.raises(T.TrainError, match="needs a curriculum"):
+        T.TrainConfig(mqar_span_start=64)
+    with pytest.raises(T.TrainError, match=r"mqar_span_start must be in \[9, seq_len=256\]"):
+        T.TrainConfig(seq_len=256, mqar_curriculum_steps=10, mqar_kv_pairs_start=4, mqar_span_start=8)
+    with pytest.raises(T.TrainError, match="mqar_span_start"):
+        T.TrainConfig(seq_len=256, mqar_curriculum_steps=10, mqar_span_start=300)
+
+
+def test_span_curriculum_run_trains_on_packed_rows_and_records_it(tmp_path):
+    from k3core.training.loop import Trainer
+
+    cfg = tiny(tmp_path, "span", steps=3, eval_every=0, mqar_fraction=0.5, mqar_queries=8)
+    cfg = T.TrainConfig(**{**cfg.to_dict(), "mqar_curriculum_steps": 2, "mqar_kv_pairs_start": 2})
+    cfg = T.TrainConfig(**{**cfg.to_dict(), "mqar_span_start": cfg.seq_len // 4})
+    trainer = Trainer(T.TrainConfig(**{**cfg.to_dict(), "out_dir": str(tmp_path / "span-batches")}))
+    trainer.setup(None)
+    x, y, rows = trainer._batch()
+    answers = (y[-rows:] != IGNORE_INDEX).nonzero()[:, 1]
+    span = cfg.seq_len // 4
+    assert rows == cfg.batch_size // 2 and int(answers.max()) >= span  # answers in later segments too
+    assert bool((x[-rows:, span : span + 4 : 2] >= 128).all())  # the second segment opens with its own pairs
+    run = T.train(cfg)
+    assert T.load_metrics(run)["train_config"]["mqar_span_start"] == cfg.seq_len // 4
 
 
 def test_weighted_recall_loss_is_the_weighted_mean_of_token_losses():
