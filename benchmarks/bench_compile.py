@@ -11,7 +11,9 @@ In one process, from the same initial weights and batch (``bench_train.setup``),
   processes, so process CPU time would leave most of it out);
 * steady-state step time, eager against compiled, timed side by side (process CPU time, best of N);
 * payback: the compile time divided by the time a compiled step saves, in steps;
-* the equal-parameter GPT compiled the same way, so the K3 / GPT ratio is also read with both compiled.
+* the equal-parameter GPT compiled the same way, so the K3 / GPT ratio is also read with both compiled;
+* the number of graphs Dynamo compiled for the K3 step: each graph break splits the forward (and its backward)
+  into pieces that cannot be fused across.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ def measure(batch: int = 8, T: int = 256, repeat: int = 3) -> dict[str, float]:
     t0 = time.perf_counter()
     eager_loss = k3_step_loss(k3, k3, opt_k3)
     eager_step = time.perf_counter() - t0
+    torch._dynamo.utils.counters.clear()
     t0 = time.perf_counter()
     losses = [(eager_loss, k3_step_loss(k3_compiled, k3_twin, opt_twin))]
     k3_compile = time.perf_counter() - t0 - eager_step
+    k3_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     # Agreement from one init, step by step on the same batch.
     for _ in range(AGREEMENT_STEPS - 1):
         losses.append((k3_step_loss(k3, k3, opt_k3), k3_step_loss(k3_compiled, k3_twin, opt_twin)))
@@ -76,7 +80,13 @@ def measure(batch: int = 8, T: int = 256, repeat: int = 3) -> dict[str, float]:
         },
         repeat=repeat,
     )
-    return {**times, "k3_compile_s": k3_compile, "gpt_compile_s": gpt_compile, "loss_rel_diff": worst}
+    return {
+        **times,
+        "k3_compile_s": k3_compile,
+        "k3_graphs": k3_graphs,
+        "gpt_compile_s": gpt_compile,
+        "loss_rel_diff": worst,
+    }
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -98,7 +108,8 @@ def run(quick: bool = False) -> list[Row]:
             t["k3"] / t["k3_compiled"],
             target=f"loss within {LOSS_RTOL:g}",
             ok=agree,
-            note=f"compile {t['k3_compile_s']:.0f} s wall, pays back after {payback:,.0f} steps; "
+            note=f"compile {t['k3_compile_s']:.0f} s wall ({t['k3_graphs']} graphs: graph breaks split the "
+            f"forward), pays back after {payback:,.0f} steps; "
             f"loss rel diff {t['loss_rel_diff']:.1e} over {AGREEMENT_STEPS} steps",
         ),
         Row(

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 #: A hook: (value, name, info) -> replacement or None (keep).
 Hook = Callable[..., Any]
 
@@ -47,7 +49,13 @@ _ACTIVE: contextvars.ContextVar[HookContext | None] = contextvars.ContextVar("k3
 
 
 def active() -> HookContext | None:
-    """The hook context of this thread/context, or None (the common, free case)."""
+    """The hook context of this thread/context, or None (the common, free case).
+
+    Always None inside ``torch.compile``: Dynamo cannot trace a ``ContextVar`` read (it broke the graph at
+    every module), so a compiled forward has no hook points; hooks run on the eager model, which shares its
+    parameters (``k3lab train --compile`` validates and records eagerly)."""
+    if torch.compiler.is_compiling():
+        return None
     return _ACTIVE.get()
 
 

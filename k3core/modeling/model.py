@@ -158,7 +158,9 @@ class K3Model(nn.Module):
             raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no tokens (shape [batch, 0])")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        # (skipped when compiled: reading the range back to Python breaks the graph; the embedding still refuses)
+        in_range_checked = input_ids.numel() and not torch.compiler.is_compiling()
+        if in_range_checked and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         hooks = active()
         point(hooks, TOKENS.at(), input_ids)
@@ -369,8 +371,8 @@ class K3ForCausalLM(nn.Module):
             targets = targets.to(logits.device)
         loss = aux = None
         if targets is not None:
-            live = targets[targets != IGNORE_INDEX]
-            if live.numel() and (int(live.min()) < 0 or int(live.max()) >= self.config.vocab_size):
+            live = None if torch.compiler.is_compiling() else targets[targets != IGNORE_INDEX]  # (as in begin)
+            if live is not None and live.numel() and (int(live.min()) < 0 or int(live.max()) >= self.config.vocab_size):
                 raise ValueError(f"labels/targets must lie in 0..{self.config.vocab_size - 1} (or be {IGNORE_INDEX})")
             nll = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"

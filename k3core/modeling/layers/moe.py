@@ -101,6 +101,14 @@ def grouped_mm_available(z: torch.Tensor) -> bool:
     return _grouped_mm_works(str(z.device), z.dtype)
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, ``[E]`` int64: ``bincount(experts, minlength=E)`` written as a scatter-add, whose
+    output shape is E whatever the ids (bincount's is data dependent and breaks a torch.compile graph)."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts, dtype=torch.int64)
+    )
+
+
 class Router(nn.Module):
     """Sigmoid router with a selection-only bias (keys ``gate.weight``, ``gate.e_score_correction_bias``)."""
 
@@ -163,7 +171,7 @@ class StackedExperts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         grouped = z.index_select(0, token_of)
         use_mm = self.weight_source is None and (
             backend == "grouped_mm" or (backend == "auto" and grouped_mm_available(z))
@@ -314,7 +322,7 @@ class LatentMoE(nn.Module):
 
     def _balance_stats(self, scores: torch.Tensor, experts: torch.Tensor) -> None:
         E = self.config.num_experts
-        load = torch.bincount(experts.reshape(-1), minlength=E)
+        load = expert_counts(experts.reshape(-1), E)
         self.last_load = load.detach()
         if self.config.balancing == "quantile":
             self.last_scores = scores.detach()

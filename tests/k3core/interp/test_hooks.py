@@ -187,3 +187,17 @@ def test_an_attnres_site_is_a_value_written_and_read_in_one_place():
             AttnResSite.parse(bad)
     with pytest.raises(ValueError):
         AttnResSite(None, "attn")
+
+
+def test_a_compiled_forward_sees_no_hook_context_and_the_eager_one_does():
+    """Inside torch.compile active() is None (a ContextVar read broke Dynamo's graph at every module); the eager
+    call of the same function inside the same context still sees its hooks."""
+
+    def depth_of_context(x: torch.Tensor) -> torch.Tensor:
+        return x + (0.0 if hooks_mod.active() is None else 1.0)
+
+    compiled = torch.compile(depth_of_context, backend="eager", fullgraph=True)
+    x = torch.zeros(2)
+    with hooks(read={"logits": lambda value, name, info: None}):
+        assert torch.equal(depth_of_context(x), torch.ones(2))
+        assert torch.equal(compiled(x), torch.zeros(2))

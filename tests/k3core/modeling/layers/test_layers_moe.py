@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from k3core.interp import recorder as trace_mod
 from k3core.modeling.layers.ffn import activation
-from k3core.modeling.layers.moe import LatentMoE, grouped_mm_available
+from k3core.modeling.layers.moe import LatentMoE, expert_counts, grouped_mm_available
 from k3core.modeling.model import K3ForCausalLM
 from k3core.modeling.presets import from_preset
 from k3core.training.balancing import update_router_biases
@@ -208,3 +208,12 @@ def test_quantile_rule_lowers_the_bias_of_an_expert_with_high_scores():
     bias = moe.gate.e_score_correction_bias
     assert bias[0] < 0 and bias[0] == bias.min()
     assert bias.sum().abs() < 1e-6  # b -= mean(b)
+
+
+def test_expert_counts_is_bincount_with_a_fixed_shape():
+    g = torch.Generator().manual_seed(0)
+    for n, num_experts in ((0, 4), (7, 3), (500, 16)):
+        ids = torch.randint(0, num_experts, (n,), generator=g)
+        counts = expert_counts(ids, num_experts)
+        assert counts.dtype == torch.int64 and torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+    assert torch.equal(expert_counts(torch.tensor([2, 2]), 5), torch.tensor([0, 0, 2, 0, 0]))
