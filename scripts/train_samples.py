@@ -179,10 +179,34 @@ def unit_tokens(recipe: dict, unit: dict) -> int:
     return cfg.steps * cfg.batch_size * cfg.seq_len
 
 
+def active_matmul_params(model: str, overrides: dict) -> int:
+    """Parameters a token multiplies through: every weight but the embedding, routed experts counted k / E (the
+    step's matmul work per token is about proportional to it). Counted on the meta device: nothing allocated."""
+    import torch
+
+    from k3core.modeling.model import K3ForCausalLM
+    from k3core.training.config import resolve_model_config
+
+    config = resolve_model_config(model, overrides)
+    with torch.device("meta"):
+        net = K3ForCausalLM.from_config(config)
+    routed_share = config.num_experts_per_token / config.num_experts if config.num_experts else 1.0
+    total = 0.0
+    for name, param in net.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        total += param.numel() * (routed_share if ".experts.w" in name else 1.0)
+    return int(total)
+
+
 def unit_hours(recipe: dict, unit: dict) -> float:
-    """Estimated hours of one core: the unit's tokens at the campaign's recorded tokens/s (eager or compiled)."""
+    """Estimated hours of one core: the unit's tokens at the campaign's recorded tokens/s (eager or compiled) for the
+    base config, slowed in proportion to the unit config's :func:`active_matmul_params` (a wider or deeper unit)."""
     speed = recipe["campaign"]["speed"]
-    tok_s = speed["compiled_tokens_per_s"] if unit_config(recipe, unit).compile else speed["eager_tokens_per_s"]
+    cfg = unit_config(recipe, unit)
+    tok_s = speed["compiled_tokens_per_s"] if cfg.compile else speed["eager_tokens_per_s"]
+    if cfg.overrides:
+        tok_s *= active_matmul_params(cfg.model, {}) / active_matmul_params(cfg.model, cfg.overrides)
     return unit_tokens(recipe, unit) / tok_s / 3600
 
 

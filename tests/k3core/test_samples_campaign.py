@@ -120,3 +120,15 @@ def test_unit_command_is_printed_with_the_units_seed_and_stage():
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip
     assert printed.startswith("k3lab train ") and f"--out /s/{name}" in printed
+
+
+def test_a_wider_or_deeper_unit_is_budgeted_slower_per_token():
+    """unit_hours scales the base config's measured speed by the active matmul parameters of the unit's config."""
+    units = {u["name"]: u for u in train_samples.campaign_units(RECIPE)}
+    base = train_samples.unit_hours(RECIPE, units["width-128x8"])
+    for name in ("width-160x8", "width-128x12"):
+        assert train_samples.unit_tokens(RECIPE, units[name]) == train_samples.unit_tokens(RECIPE, units["width-128x8"])
+        assert train_samples.unit_hours(RECIPE, units[name]) > 1.3 * base, name
+    base_params = train_samples.active_matmul_params("sample_checkpoints/base_config.json", {})
+    wide = train_samples.active_matmul_params("sample_checkpoints/base_config.json", {"hidden_size": 160})
+    assert wide > base_params
