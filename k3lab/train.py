@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="train through torch.compile: the first step compiles (minutes on a CPU), later steps run faster; "
         "pays back on runs of a few thousand steps (benchmarks/README, 'torch.compile')",
     )
+    r.add_argument(
+        "--compile-after",
+        type=arg_int(0, MAX_TRAIN_STEPS),
+        help="with --compile: run the first STEPS eager, then compile (an eager rerun of a run's start then checks "
+        "it bit for bit, without minutes of compiling; compiled steps round differently; default 0)",
+    )
     r.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     return p
 

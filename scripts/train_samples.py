@@ -147,12 +147,15 @@ def campaign_units(recipe: dict) -> list[dict]:
 
 def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
     """``k3lab train`` arguments of one campaign unit: base config, its --set changes, the campaign's common
-    arguments (a sweep's own when it has them), the unit's arguments, its seed and ``--out out_root/name``."""
+    arguments (a sweep's own when it has them; a run's followed by the chosen recall recipe's), the unit's
+    arguments, its seed and ``--out out_root/name``."""
     campaign = recipe["campaign"]
-    common = campaign["common_args"]
+    common = list(campaign["common_args"])
     if unit["kind"].startswith("sweep:"):
         sweep = next(s for s in campaign["sweeps"] if f"sweep:{s['name']}" == unit["kind"])
         common = sweep.get("common_args", common)
+    else:
+        common += campaign.get("recall_recipe", {}).get("args", [])
     args = [recipe["base_config"]]
     for item in unit.get("set", []):
         args += ["--set", item]

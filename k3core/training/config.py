@@ -78,6 +78,7 @@ class TrainConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     threads: int | None = None  # torch CPU threads (None: torch's default)
     compile: bool = False  # train through torch.compile (fused kernels; minutes to compile, then faster steps)
+    compile_after: int = 0  # with compile: the first steps run eager (an eager rerun checks them bit for bit)
     sample_tokens: int = 400
     sample_prompt: str = "ROMEO:\n"
     sample_temperature: float = 0.8
@@ -105,7 +106,14 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TrainError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "save_every", "sample_tokens", "mqar_curriculum_steps"):
+        for name in (
+            "warmup_steps",
+            "eval_every",
+            "save_every",
+            "sample_tokens",
+            "mqar_curriculum_steps",
+            "compile_after",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise TrainError(f"{name} must be an integer >= 0, got {value!r}")
@@ -141,6 +149,8 @@ class TrainConfig:
                     f"mqar_span_start must be in [{need}, seq_len={self.seq_len}] (2 x {self.mqar_kv_pairs_start} "
                     f"starting pairs + the segment's queries), got {self.mqar_span_start!r}"
                 )
+        if self.compile_after and not self.compile:
+            raise TrainError("compile_after is the number of eager steps before compiling: it needs compile")
         if not self.mqar_loss_weight > 0:
             raise TrainError(f"mqar_loss_weight must be > 0, got {self.mqar_loss_weight}")
         if self.stop_at is not None and not 0 < self.stop_at:

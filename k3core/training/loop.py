@@ -130,8 +130,9 @@ class Trainer:
                 f"byte-level training needs vocab_size >= 256, the config has {self.model_config.vocab_size}"
             )
         self.model.train()
-        # The training forward; validation, recording and sampling use the eager model (same parameters).
-        self.train_forward = torch.compile(self.model) if cfg.compile else self.model
+        # The compiled training forward (compiled lazily, at its first call, so from step compile_after on);
+        # validation, recording, sampling and the first compile_after steps use the eager model (same parameters).
+        self.compiled_forward = torch.compile(self.model) if cfg.compile else None
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         # param order in the optimizer must match self.opt_names (decay group first)
@@ -235,7 +236,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y, mqar_rows = self._batch()
-        out = self.train_forward(x, targets=y)
+        compiled = self.compiled_forward is not None and self.step >= cfg.compile_after
+        out = (self.compiled_forward if compiled else model)(x, targets=y)
         loss = out.loss
         if mqar_rows and cfg.mqar_loss_weight != 1.0:
             loss = weighted_recall_loss(out.logits, y, mqar_rows, cfg.mqar_loss_weight)

@@ -132,3 +132,18 @@ def test_a_wider_or_deeper_unit_is_budgeted_slower_per_token():
     base_params = train_samples.active_matmul_params("sample_checkpoints/base_config.json", {})
     wide = train_samples.active_matmul_params("sample_checkpoints/base_config.json", {"hidden_size": 160})
     assert wide > base_params
+
+
+def test_every_run_trains_with_the_chosen_recall_recipe_and_an_eager_start():
+    """The runs' recall arguments come from campaign.recall_recipe (defined once, there); their first 50 steps run
+    eager, so an eager rerun can check a run's start bit for bit without compiling."""
+    recipe = RECIPE["campaign"]["recall_recipe"]
+    assert recipe["status"] == "chosen" and recipe["why"]
+    runs = [u for u in train_samples.campaign_units(RECIPE) if u["kind"] == "run"]
+    assert len(runs) == 6
+    for unit in runs:
+        args = train_samples.unit_args(RECIPE, unit, "stage")
+        cfg = train_samples.unit_config(RECIPE, unit)
+        assert " ".join(recipe["args"]) in " ".join(args)
+        assert cfg.mqar_fraction > 0 and cfg.mqar_span_start is not None and cfg.mqar_curriculum_steps > 0
+        assert cfg.compile and cfg.compile_after >= 50

@@ -185,6 +185,26 @@ def test_compile_option_trains_through_torch_compile(tmp_path, monkeypatch):
     assert compiled == []
 
 
+def test_compile_after_runs_the_first_steps_eager_then_the_compiled_forward(tmp_path, monkeypatch):
+    """--compile-after N: steps 0..N-1 call the eager model, every later training step the compiled one (counted
+    through a pass-through compile); the option needs --compile."""
+    calls = []
+
+    def counting_compile(module, **kwargs):
+        def compiled_forward(*args, **kw):
+            calls.append(1)
+            return module(*args, **kw)
+
+        return compiled_forward
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    run = T.train(tiny(tmp_path, "late", steps=5, eval_every=0, compile=True, compile_after=2))
+    assert len(calls) == 3
+    assert T.load_metrics(run)["train_config"]["compile_after"] == 2
+    with pytest.raises(T.TrainError, match="needs compile"):
+        tiny(tmp_path, "x", compile_after=2)
+
+
 def test_dense_weighted_recall_trains_and_is_recorded(tmp_path):
     run = T.train(tiny(tmp_path, "dense", steps=3, eval_every=0, mqar_queries=20, mqar_loss_weight=5.0))
     m = T.load_metrics(run)
