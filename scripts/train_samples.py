@@ -13,6 +13,7 @@ fits 2 hours of one core at the measured step speed, trained over as many sessio
     python scripts/train_samples.py --unit k3-full-s0 --print      # the unit's k3lab train command
     nohup python scripts/train_samples.py --unit k3-full-s0 --stage /tmp/k3c &   # train one unit
     python scripts/train_samples.py --record k3-full-s0 /tmp/k3c/k3-full-s0 --device "cpu, 1 thread"
+    python scripts/train_samples.py --check-start /tmp/k3c/k3-full-s0       # its first 50 steps, again, bit for bit
 
 Each run is ``k3lab train <base_config> --set <its change> <common args> --out sample_checkpoints/<name>``
 (run here as ``python -m k3lab train``, the same entry point). Logs go to ``--log-dir``.
@@ -286,12 +287,27 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--campaign", action="store_true", help="print every unit, its budget and status, and exit")
     c.add_argument("--unit", help="train this campaign unit into --stage (with --print: its command only)")
     c.add_argument("--record", nargs=2, metavar=("UNIT", "RUN_DIR"), help="mark a finished unit done in the recipe")
+    c.add_argument(
+        "--check-start",
+        metavar="RUN_DIR",
+        help="train RUN_DIR's recorded config again for --check-steps steps and compare its log bit for bit",
+    )
+    c.add_argument("--check-steps", type=int, default=50, help="steps --check-start retrains (default 50)")
     c.add_argument("--device", default="cpu, 1 thread", help="where a recorded unit trained (default 'cpu, 1 thread')")
     args = p.parse_args(argv)
     recipe = load_recipe(Path(args.recipe))
     if args.campaign:
         print(campaign_table(recipe))
         return 0
+    if args.check_start:
+        import tempfile
+
+        from k3core.training import rerun_start
+
+        with tempfile.TemporaryDirectory() as work:
+            differs = rerun_start(args.check_start, Path(work) / "rerun", args.check_steps)
+        print("\n".join(differs) or f"{args.check_start}: the first {args.check_steps} steps rerun bit for bit")
+        return 1 if differs else 0
     if args.record:
         entry = record_unit(Path(args.recipe), args.record[0], Path(args.record[1]), args.device)
         print(f"recorded {args.record[0]}: {entry['result']}")

@@ -12,6 +12,7 @@ One job per module:
     loop       train() and the Trainer: the step, validation, checkpoints, Ctrl-C, exact resume
     history    what metrics.json records (its schema)
     rundir     the run directory's files: metrics.json, resume checkpoints, optimizer/RNG state
+    reproduce  rerun_start: a finished run's first steps trained again and compared bit for bit
     card       the model card (README.md) of a finished run
 """
 
@@ -27,6 +28,7 @@ from .config import (
 )
 from .evaluate import LN2, MQAR_EVAL_SEED, evaluate_bits_per_byte, evaluate_mqar
 from .loop import Trainer, train
+from .reproduce import rerun_start
 from .rundir import METRICS_NAME, STATE_DIR, latest_state_dir, load_metrics
 from .schedule import lr_at
 
@@ -46,6 +48,7 @@ __all__ = [
     "load_corpus",
     "load_metrics",
     "lr_at",
+    "rerun_start",
     "model_card",
     "parse_overrides",
     "resolve_model_config",

@@ -205,6 +205,25 @@ def test_compile_after_runs_the_first_steps_eager_then_the_compiled_forward(tmp_
         tiny(tmp_path, "x", compile_after=2)
 
 
+def test_rerun_start_retraces_a_finished_run_bit_for_bit_and_names_what_differs(tmp_path):
+    """rerun_start trains a run's recorded config again for its first steps and compares every logged entry
+    exactly (timings aside): [] for today's code on the run it trained; a changed record is named; compiled steps
+    are refused (they round differently from the eager rerun)."""
+    run = T.train(tiny(tmp_path, "finished", steps=6, eval_every=0, mqar_queries=8, mqar_loss_weight=2.0))
+    assert T.rerun_start(run, tmp_path / "again", steps=4) == []
+    metrics = T.load_metrics(run)
+    entry = metrics["history"]["train"][2]  # step 3 (logged every step)
+    trained, entry["loss"] = entry["loss"], entry["loss"] + 1e-7  # a record off by about one rounding
+    (run / T.METRICS_NAME).write_text(json.dumps(metrics))
+    assert T.rerun_start(run, tmp_path / "third", steps=4) == [
+        f"step 3: loss {entry['loss']!r} recorded, {trained!r} now"
+    ]
+    metrics["train_config"].update(compile=True, compile_after=2)
+    (run / T.METRICS_NAME).write_text(json.dumps(metrics))
+    with pytest.raises(T.TrainError, match="compile_after 2"):
+        T.rerun_start(run, tmp_path / "fourth", steps=4)
+
+
 def test_dense_weighted_recall_trains_and_is_recorded(tmp_path):
     run = T.train(tiny(tmp_path, "dense", steps=3, eval_every=0, mqar_queries=20, mqar_loss_weight=5.0))
     m = T.load_metrics(run)
