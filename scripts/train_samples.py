@@ -205,13 +205,15 @@ def active_matmul_params(model: str, overrides: dict) -> int:
 
 def unit_hours(recipe: dict, unit: dict) -> float:
     """Estimated hours of one core: the unit's tokens at the campaign's recorded tokens/s (eager or compiled) for the
-    base config, slowed in proportion to the unit config's :func:`active_matmul_params` (a wider or deeper unit)."""
+    base config, slowed in proportion to the unit config's :func:`active_matmul_params` (a wider or deeper unit),
+    plus the recorded compile time for a compiled unit."""
     speed = recipe["campaign"]["speed"]
     cfg = unit_config(recipe, unit)
     tok_s = speed["compiled_tokens_per_s"] if cfg.compile else speed["eager_tokens_per_s"]
     if cfg.overrides:
         tok_s *= active_matmul_params(cfg.model, {}) / active_matmul_params(cfg.model, cfg.overrides)
-    return unit_tokens(recipe, unit) / tok_s / 3600
+    compile_s = speed.get("compile_seconds", 0.0) if cfg.compile else 0.0
+    return (unit_tokens(recipe, unit) / tok_s + compile_s) / 3600
 
 
 def campaign_table(recipe: dict) -> str:
