@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from k3lab.options import Parser, arg_int
 
@@ -80,6 +81,10 @@ def host_warning(host: str) -> str | None:
     )
 
 
+class _StopRequested(Exception):
+    """Raised by serve()'s signal handler to end its unbounded wait for the server."""
+
+
 def _die_with_parent() -> None:
     """In the child before it runs: SIGTERM when the parent dies, even of SIGKILL (Linux; elsewhere nothing)."""
     try:
@@ -90,17 +95,32 @@ def _die_with_parent() -> None:
 
 def serve(cmd: list[str], env: dict[str, str]) -> int:
     """Run the server command as a child that stops with this process: the signals in FORWARDED_SIGNALS are passed on
-    to it, and when this process leaves for any reason a child still running gets SIGTERM, then SIGKILL after
+    to it; a child that outlives the first of them by STOP_WAIT_S is killed (and the exit status is still that
+    signal's); when this process leaves for any other reason a child still running gets SIGTERM, then SIGKILL after
     STOP_WAIT_S. Returns the child's exit status (128 + N for a child ended by signal N)."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    stop: list[int] = []  # the first stop signal received
 
     def forward(signum: int, _frame: object) -> None:
         if proc.poll() is None:
             proc.send_signal(signum)
+        if not stop:  # leave the unbounded wait below for one of STOP_WAIT_S
+            stop.append(signum)
+            raise _StopRequested
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    previous: dict[int, Any] = {}
     try:
-        code = proc.wait()
+        try:
+            for sig in FORWARDED_SIGNALS:
+                previous[sig] = signal.signal(sig, forward)
+            code = proc.wait()
+        except _StopRequested:
+            try:
+                code = proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:  # a server slow to stop (a loaded machine) is not waited on forever
+                proc.kill()
+                proc.wait()
+                code = -stop[0]  # ended by the signal it was sent; the kill only finished it
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

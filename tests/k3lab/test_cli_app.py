@@ -141,3 +141,42 @@ def test_a_signal_to_k3lab_app_stops_its_server(tmp_path, sig):
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
         log.close()
+
+
+_STUBBORN_SERVER = """
+import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+pathlib.Path(sys.argv[1]).write_text("ready")
+time.sleep(600)
+"""
+
+_LAUNCHER = """
+import sys
+from k3lab import app
+app.STOP_WAIT_S = 1.0
+sys.exit(app.serve([sys.executable, "-c", sys.argv[1], sys.argv[2]], {}))
+"""
+
+
+def test_a_server_that_ignores_the_stop_signal_is_killed_after_the_stop_wait(tmp_path):
+    """serve() forwards SIGTERM, then kills a child still running STOP_WAIT_S later (a loaded machine's Streamlit
+    can take minutes to stop) and exits with the signal's status: the launcher never waits on its server forever."""
+    ready = tmp_path / "ready"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _STUBBORN_SERVER, str(ready)], env=env)
+    children = []
+    try:
+        _wait_for(ready.exists, 60, "the server child never started")
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        _wait_for(lambda: not psutil.pid_exists(children[0].pid), 10, "the stubborn child was left running")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
