@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("schedule")
     g.add_argument(
         "--steps",
-        type=arg_int(1, MAX_TRAIN_STEPS),
-        help=f"total optimizer steps (default {d.steps}, at most {MAX_TRAIN_STEPS:,})",
+        type=arg_int(0, MAX_TRAIN_STEPS),
+        help=f"total optimizer steps (default {d.steps}, at most {MAX_TRAIN_STEPS:,}; 0: no training, the run is its "
+        "seed's initialisation, validated: the untrained reference to hold trained runs against)",
     )
     g.add_argument("--batch-size", type=arg_int(1, MAX_BATCH), help=f"sequences per step (default {d.batch_size})")
     g.add_argument("--seq-len", type=arg_int(1, MAX_TOKENS), help=f"bytes per sequence (default {d.seq_len})")

@@ -148,8 +148,8 @@ def campaign_units(recipe: dict) -> list[dict]:
 
 def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
     """``k3lab train`` arguments of one campaign unit: base config, its --set changes, the campaign's common
-    arguments (a sweep's own when it has them; a run's followed by the chosen recall recipe's), the unit's
-    arguments, its seed and ``--out out_root/name``."""
+    arguments (a sweep's own when it has them; a run's followed by the chosen recall recipe's) less those the unit
+    sets itself, the unit's arguments, its seed and ``--out out_root/name``."""
     campaign = recipe["campaign"]
     common = list(campaign["common_args"])
     if unit["kind"].startswith("sweep:"):
@@ -160,12 +160,28 @@ def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
     args = [recipe["base_config"]]
     for item in unit.get("set", []):
         args += ["--set", item]
+    own = list(unit.get("args", []))
     return (
         args
-        + list(common)
-        + list(unit.get("args", []))
+        + _without_options(common, own)
+        + own
         + ["--seed", str(unit["seed"]), "--out", f"{out_root}/{unit['name']}"]
     )
+
+
+def _without_options(args: list[str], replaced: list[str]) -> list[str]:
+    """``args`` less every option that ``replaced`` names (with its value, when it has one): a unit's own arguments
+    replace the common ones, so its command names each option once."""
+    names = {a for a in replaced if a.startswith("--")}
+    kept, i = [], 0
+    while i < len(args):
+        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        if args[i] in names:
+            i += 2 if takes_value else 1
+            continue
+        kept.append(args[i])
+        i += 1
+    return kept
 
 
 def unit_config(recipe: dict, unit: dict):
@@ -206,13 +222,13 @@ def active_matmul_params(model: str, overrides: dict) -> int:
 def unit_hours(recipe: dict, unit: dict) -> float:
     """Estimated hours of one core: the unit's tokens at the campaign's recorded tokens/s (eager or compiled) for the
     base config, slowed in proportion to the unit config's :func:`active_matmul_params` (a wider or deeper unit),
-    plus the recorded compile time for a compiled unit."""
+    plus the recorded compile time for a unit that compiles (more steps than its eager ``compile_after``)."""
     speed = recipe["campaign"]["speed"]
     cfg = unit_config(recipe, unit)
     tok_s = speed["compiled_tokens_per_s"] if cfg.compile else speed["eager_tokens_per_s"]
     if cfg.overrides:
         tok_s *= active_matmul_params(cfg.model, {}) / active_matmul_params(cfg.model, cfg.overrides)
-    compile_s = speed.get("compile_seconds", 0.0) if cfg.compile else 0.0
+    compile_s = speed.get("compile_seconds", 0.0) if cfg.compile and cfg.steps > cfg.compile_after else 0.0
     return (unit_tokens(recipe, unit) / tok_s + compile_s) / 3600
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from analysis.runs.loading import Run
-from analysis.runs.twin import TWIN_SEED, TWIN_SUFFIX, config_digest, twin_too_large, untrained_twin
+from analysis.runs.twin import TWIN_SUFFIX, config_digest, run_seed, twin_too_large, untrained_twin
 from app.render import caching
 from app.render.caching import Loaded
 from app.render.errors import USER_ERRORS, describe
@@ -27,7 +27,7 @@ def twin_loaded(inputs, loaded: Loaded) -> Loaded | str:
     if why:
         return why
     try:
-        twin = _twin_run(config_digest(run.config), TWIN_SEED, run)
+        twin = _twin_run(config_digest(run.config), run_seed(run), run)
         label = f"{loaded.ctx.label}{TWIN_SUFFIX}"
         return caching.trace(loaded.ref, twin, loaded.tokens, inputs.record_attn, inputs.options(), label)
     except USER_ERRORS as exc:
@@ -43,9 +43,9 @@ def twin_toggle(inputs, loaded: Loaded, page: str) -> Loaded | None:
     on = st.toggle(
         "Beside its untrained twin",
         key=widget,
-        help=f"Each view also drawn for the same config with random weights (seed {TWIN_SEED}), traced on the same "
-        "tokens: what the view shows before any training. Structure that the twin shows too comes from the "
-        "architecture and initialisation, not from learning.",
+        help="Each view also drawn for the same config with random weights (the initialisation a `k3lab train` run of "
+        "this config and seed starts from), traced on the same tokens: what the view shows before any training. "
+        "Structure that the twin shows too comes from the architecture and initialisation, not from learning.",
     )
     st.session_state[keep] = on
     if not on:

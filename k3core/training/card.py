@@ -29,10 +29,17 @@ def model_card(metrics: dict[str, Any]) -> str:
     sample = (metrics.get("sample") or {}).get("text", "")
     prompt = (metrics.get("sample") or {}).get("prompt", "")
     base = data["unigram_baseline_bpb"]
+    made = (
+        f"A byte-level K3-style language model trained with `k3lab train` ({metrics['code_version']})."
+        if fin.get("step", 0)
+        else f"An untrained byte-level K3-style language model: seed {metrics['seed']}'s initialisation, validated "
+        f"(`k3lab train --steps 0`, {metrics['code_version']}); the weights a run with this config and seed starts "
+        "from, the reference to hold trained runs against."
+    )
     lines = [
         f"# {metrics['run_name']}",
         "",
-        f"A byte-level K3-style language model trained with `k3lab train` ({metrics['code_version']}).",
+        made,
         "",
         "| | |",
         "|---|---|",

@@ -93,7 +93,6 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise TrainError for values no run can use."""
         positive = (
-            "steps",
             "batch_size",
             "seq_len",
             "eval_windows",
@@ -107,6 +106,7 @@ class TrainConfig:
             if not isinstance(value, int) or value < 1:
                 raise TrainError(f"{name} must be a positive integer, got {value!r}")
         for name in (
+            "steps",  # 0: no step, the run is its initialisation, validated (an untrained reference)
             "warmup_steps",
             "eval_every",
             "save_every",
@@ -274,6 +274,15 @@ def check_resume_config(stored: TrainConfig, given: dict[str, Any]) -> TrainConf
 def derive_seed(seed: int, purpose: str) -> int:
     """An independent 63-bit seed for one purpose: ``sha256(f"{seed}:{purpose}")`` truncated."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{purpose}".encode()).digest()[:8], "little") >> 1
+
+
+def initial_model(config, seed: int):
+    """The model a run with this seed starts from: ``config``'s modules initialised under
+    ``torch.manual_seed(derive_seed(seed, "init"))``, on the CPU, in fp32 (this moves the global random stream)."""
+    from k3core.modeling.model import K3ForCausalLM
+
+    torch.manual_seed(derive_seed(seed, "init"))
+    return K3ForCausalLM.from_config(config)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -44,6 +44,7 @@ from .config import (
     TrainError,
     check_resume_config,
     derive_seed,
+    initial_model,
     load_corpus,
     resolve_device,
     resolve_model_config,
@@ -120,8 +121,7 @@ class Trainer:
             raise TrainError(str(exc)) from exc
         if resume_from is None:
             self.model_config = resolve_model_config(cfg.model, cfg.overrides)
-            torch.manual_seed(derive_seed(cfg.seed, "init"))
-            self.model = K3ForCausalLM.from_config(self.model_config).to(self.device)
+            self.model = initial_model(self.model_config, cfg.seed).to(self.device)
         else:
             self.model = K3ForCausalLM.from_pretrained(resume_from).to(self.device)
             self.model_config = self.model.config

@@ -5,13 +5,18 @@
 The run's recorded training config is trained again into ``work_dir``, stopped after ``steps`` steps (a run
 that compiles runs its first ``compile_after`` steps eager, so ``steps <= compile_after`` needs no compiling), and
 every logged training entry up to that step (loss, bits/byte, gradient norm, learning rate, ...) is compared with
-the recorded one for exact equality. Timings (wall time, tokens/s) are not compared.
+the recorded one for exact equality. Timings (wall time, tokens/s) are not compared. A run no longer than ``steps``
+(an untrained ``--steps 0`` run, a short one) is rerun whole, and its saved weights and final validation are
+compared too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from ..modeling.model import K3ForCausalLM
 from .config import TrainConfig, TrainError
 from .loop import train
 from .rundir import load_metrics
@@ -30,17 +35,36 @@ def rerun_start(run_dir: str | Path, work_dir: str | Path, steps: int = 50) -> l
             f"{run_dir}: steps {steps} > compile_after {config.get('compile_after', 0)}: compiled steps round "
             "differently from an eager rerun, so only the eager start reproduces bit for bit"
         )
-    config.update(out_dir=str(work_dir), stop_at=steps, progress=False)
-    rerun = load_metrics(train(TrainConfig.from_dict(config)))
+    whole = config["steps"] <= steps
+    config.update(out_dir=str(work_dir), stop_at=None if whole else steps, progress=False)
+    rerun_dir = train(TrainConfig.from_dict(config))
+    rerun = load_metrics(rerun_dir)
     before = [e for e in recorded["history"]["train"] if e["step"] <= steps]
     after = [e for e in rerun["history"]["train"] if e["step"] <= steps]
-    if not before:
+    if not before and not whole:
         return [f"{run_dir}: no training entries logged within the first {steps} steps"]
     if [e["step"] for e in before] != [e["step"] for e in after]:
         return [f"logged steps differ: {[e['step'] for e in before]} recorded, {[e['step'] for e in after]} now"]
-    return [
+    differs = [
         f"step {a['step']}: {key} {a.get(key)!r} recorded, {b.get(key)!r} now"
         for a, b in zip(before, after, strict=True)
         for key in sorted(set(a) | set(b))
         if key not in TIMING_FIELDS and a.get(key) != b.get(key)
     ]
+    if whole:
+        differs += _final_differences(Path(run_dir), recorded, rerun_dir, rerun)
+    return differs
+
+
+def _final_differences(run_dir: Path, recorded: dict, rerun_dir: Path, rerun: dict) -> list[str]:
+    """A whole rerun: the saved weights (tensor by tensor) and final validation that differ."""
+    found = []
+    for key in ("val_loss", "val_bpb", "mqar_accuracy"):
+        if recorded["final"].get(key) != rerun["final"].get(key):
+            found.append(f"final {key} {recorded['final'].get(key)!r} recorded, {rerun['final'].get(key)!r} now")
+    saved = K3ForCausalLM.from_pretrained(run_dir).state_dict()
+    again = K3ForCausalLM.from_pretrained(rerun_dir).state_dict()
+    if saved.keys() != again.keys():
+        return found + [f"weights: tensors {sorted(saved.keys() ^ again.keys())[:4]} only in one of them"]
+    found += [f"weights: {name} differs" for name in sorted(saved) if not torch.equal(saved[name], again[name])]
+    return found

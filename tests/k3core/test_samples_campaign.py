@@ -140,10 +140,37 @@ def test_every_run_trains_with_the_chosen_recall_recipe_and_an_eager_start():
     recipe = RECIPE["campaign"]["recall_recipe"]
     assert recipe["status"] == "chosen" and recipe["why"]
     runs = [u for u in train_samples.campaign_units(RECIPE) if u["kind"] == "run"]
-    assert len(runs) == 6
-    for unit in runs:
+    trained = [u for u in runs if train_samples.unit_config(RECIPE, u).steps > 0]
+    assert len(trained) == 6
+    for unit in trained:
         args = train_samples.unit_args(RECIPE, unit, "stage")
         cfg = train_samples.unit_config(RECIPE, unit)
         assert " ".join(recipe["args"]) in " ".join(args)
         assert cfg.mqar_fraction > 0 and cfg.mqar_span_start is not None and cfg.mqar_curriculum_steps > 0
         assert cfg.compile and cfg.compile_after >= 50
+
+
+def test_the_untrained_unit_is_k3_full_s0s_command_with_no_steps():
+    """untrained-s0 saves the weights k3-full-s0 starts from: the same command, --steps 0 in place of the common
+    --steps (each option named once), no tokens and no compile time in its budget."""
+    units = {u["name"]: u for u in train_samples.campaign_units(RECIPE)}
+    untrained, full = units["untrained-s0"], units["k3-full-s0"]
+    args = train_samples.unit_args(RECIPE, untrained, "stage")
+    assert args.count("--steps") == 1 and args[args.index("--steps") + 1] == "0"
+    assert train_samples.unit_tokens(RECIPE, untrained) == 0 and train_samples.unit_hours(RECIPE, untrained) == 0
+    differs = {
+        k
+        for k, v in train_samples.unit_config(RECIPE, untrained).to_dict().items()
+        if v != train_samples.unit_config(RECIPE, full).to_dict()[k]
+    }
+    assert differs == {"steps", "out_dir"}
+
+
+def test_a_units_own_option_replaces_the_common_one_with_its_value():
+    common = ["--steps", "9000", "--compile", "--compile-after", "50", "--lr", "3e-3"]
+    assert train_samples._without_options(common, ["--steps", "0", "--compile"]) == [
+        "--compile-after",
+        "50",
+        "--lr",
+        "3e-3",
+    ]

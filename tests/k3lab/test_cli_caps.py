@@ -91,7 +91,7 @@ def test_a_prompt_over_the_token_cap_is_refused_before_the_model_loads(capsys):
 
 def test_train_steps_are_capped(capsys):
     err = _refusal(["train", "k3-nano", "--steps", "1000000000000"], capsys)
-    assert f"--steps: must be in 1..{limits.MAX_TRAIN_STEPS:,}, got 1,000,000,000,000" in err
+    assert f"--steps: must be in 0..{limits.MAX_TRAIN_STEPS:,}, got 1,000,000,000,000" in err
 
 
 class _Parsed(Exception):

@@ -16,6 +16,7 @@ from analysis.metrics import null_reference as nr
 from analysis.runs import twin as tw
 from analysis.runs.loading import load_run, trace_run
 from analysis.runs.texts import sample_input
+from k3core import training as T
 
 SAMPLE = Path(__file__).resolve().parents[3] / "sample_checkpoints" / "k3-full"
 TOKENS = 256
@@ -42,6 +43,10 @@ def test_the_twin_is_seeded_built_once_and_leaves_the_random_stream_alone(run):
     assert trained.keys() == fresh.keys()
     assert any(not torch.equal(trained[k], fresh[k]) for k in trained)  # other weights, same shapes
     assert all(trained[k].shape == fresh[k].shape for k in trained)
+    # the weights a k3lab train run of this config and the run's own seed starts from
+    assert tw.run_seed(run) == run.metrics["seed"]
+    start = T.initial_model(run.config, run.metrics["seed"]).state_dict()
+    assert all(torch.equal(start[k], v) for k, v in twin.model.state_dict().items())
     other_seed = tw.untrained_twin(run, seed=1)
     name = next(k for k, v in fresh.items() if v.ndim == 2)
     assert not torch.equal(dict(other_seed.model.named_parameters())[name], fresh[name])

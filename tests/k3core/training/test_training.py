@@ -99,7 +99,7 @@ def test_parse_overrides():
 
 def test_config_validation():
     with pytest.raises(T.TrainError, match="steps"):
-        T.TrainConfig(steps=0)
+        T.TrainConfig(steps=-1)
     with pytest.raises(T.TrainError, match="mqar_fraction"):
         T.TrainConfig(mqar_fraction=1.5)
     with pytest.raises(T.TrainError, match="unknown training options"):
@@ -338,6 +338,33 @@ def test_recorded_validation_reproduces_from_the_checkpoint(reference_run):
     mq = m["eval"]["mqar"]
     acc = T.evaluate_mqar(model, mq["examples"], mq["seq_len"], mq["num_kv_pairs"], seed=mq["seed"])
     assert acc == pytest.approx(m["final"]["mqar_accuracy"])
+
+
+def test_zero_steps_saves_the_seeds_initialisation_validated(tmp_path):
+    run = T.train(tiny(tmp_path, "untrained", steps=0))
+    m = T.load_metrics(run)
+    assert m["status"] == "finished" and m["history"]["train"] == []
+    assert m["final"]["step"] == 0 and m["final"]["tokens_seen"] == 0
+    # random bytes: far worse than the unigram baseline a trained run beats
+    assert m["final"]["val_bpb"] > m["data"]["unigram_baseline_bpb"] + 1
+    assert "untrained" in (run / "README.md").read_text()
+    # the very weights the 8-step run with this seed starts training from
+    trainer = T.Trainer(tiny(tmp_path, "start"))
+    trainer.setup(None)
+    assert_same_weights(weights(run), trainer.model.state_dict())
+    assert_same_weights(weights(run), T.initial_model(trainer.model_config, TINY["seed"]).state_dict())
+    # a run no longer than the check reruns whole: its weights and final validation are compared too
+    assert T.rerun_start(run, tmp_path / "again", steps=50) == []
+    model = K3ForCausalLM.from_pretrained(run)
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1e-3
+    model.save_pretrained(run)
+    validated, m["final"]["val_bpb"] = m["final"]["val_bpb"], m["final"]["val_bpb"] + 1e-9
+    (run / T.METRICS_NAME).write_text(json.dumps(m))
+    assert T.rerun_start(run, tmp_path / "third", steps=50) == [
+        f"final val_bpb {m['final']['val_bpb']!r} recorded, {validated!r} now",
+        "weights: model.norm.weight differs",
+    ]
 
 
 def test_balancing_modes(tmp_path):
