@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
+from analysis.metrics.importance import token_nll
 from analysis.metrics.intervals import wilson_interval
 from analysis.metrics.loss_noise import choose_window, loss_difference
 from analysis.metrics.tidy import tidy
@@ -75,12 +75,6 @@ def mqar_by_length(
     return tidy(pd.DataFrame(rows), keys=["length"], value="accuracy")
 
 
-def _token_nll(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
-    logits = _logits(model, ids).float()
-    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
-    return nll.cpu().numpy()
-
-
 @torch.no_grad()
 def attnres_source_effects(
     model: torch.nn.Module,
@@ -94,7 +88,7 @@ def attnres_source_effects(
     if not model.config.uses_attnres:
         raise ValueError(f"no AttnRes sites: the model's residual is {model.config.residual!r}")
     with record(model, what={"attnres"}, max_batch=ids.shape[0]) as trace:
-        base = _token_nll(model, ids)
+        base = token_nll(model, ids)
     labels = trace.meta.get(names.ATTNRES_SOURCES_META, {})
     chosen = list(labels) if sites is None else [str(s) for s in sites]
     window = choose_window(base.size)
@@ -106,7 +100,7 @@ def attnres_source_effects(
         weights = np.asarray(trace[names.attnres(site)], dtype=np.float64)  # [batch, token, source]
         for s, name in enumerate(labels[site]):
             with intervene(model, [AttnResEdit(site=site, mode="mask", sources=[s])]):
-                edited = _token_nll(model, ids)
+                edited = token_nll(model, ids)
             diff = loss_difference(edited, base, paired=True, window=window)
             rows.append(
                 dict(

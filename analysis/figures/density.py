@@ -186,7 +186,7 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
         subplot_titles=(
             "active parameters per token",
             f"FLOPs per token at T = {format_tokens(T)}",
-            "measured importance: loss increase when the sub-layer output is zeroed",
+            "measured importance: loss increase when the sub-layer output is zeroed (bars: 95% noise floor)",
         ),
     )
     _layer_bars(fig, table, "active_params", 1, "active parameters", ",.0f", True)
@@ -199,10 +199,19 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
     ]
     for col, name, color, dash in lines:
         if col in table:
+            noise_col = col.replace("ablation_", "ablation_noise_")
+            # the ablation's 95% noise floor as error bars: a layer whose bar crosses 0 is not told apart from
+            # the choice of text
+            error = (
+                {"type": "data", "array": table[noise_col].to_numpy(), "visible": True, "thickness": 1}
+                if col.startswith("ablation_") and noise_col in table
+                else None
+            )
             fig.add_trace(
                 go.Scatter(
                     x=table["layer"],
                     y=table[col],
+                    error_y=error,
                     mode="lines+markers",
                     name=name,
                     line={"color": color, "dash": dash},
@@ -466,7 +475,8 @@ VIEWS: list[View] = [
         "density",
         build_allocated_vs_measured,
         needs_model=True,
-        description="Allocation bars on the same depth axis as ablation and gradient x activation importance.",
+        description="Allocation bars on the same depth axis as ablation (with its 95% noise floor) and gradient x "
+        "activation importance.",
         compare=Comparison(difference=("ablation_attn", "ablation_ffn"), keys=("layer",)),
     ),
     View(

@@ -316,7 +316,8 @@ def allocated_vs_measured(
     allocation: pd.DataFrame, importance: pd.DataFrame | None = None, kda: pd.DataFrame | None = None
 ) -> pd.DataFrame:
     """One row per decoder layer on one depth axis: allocation columns, importance pivoted to
-    ``<method>_<sublayer>`` columns (e.g. ``ablation_attn``, ``gxa_ffn``), and the KDA summary.
+    ``<method>_<sublayer>`` columns (e.g. ``ablation_attn``, ``gxa_ffn``) with the ablation's noise floor
+    (``ablation_noise_<sublayer>``, when the importance has a ``noise`` column), and the KDA summary.
 
     ``allocation``: from ``layer_allocation``; ``importance``: tidy (layer, sublayer, method, importance)
     from ``analysis.metrics.importance``; ``kda``: from ``kda_layer_summary``. Also adds each layer's share of
@@ -330,6 +331,12 @@ def allocated_vs_measured(
         wide = importance.pivot_table(index="layer", columns=["method", "sublayer"], values="importance")
         wide.columns = [f"{m}_{s}" for m, s in wide.columns]
         out = out.merge(wide.reset_index(), on="layer", how="left")
+        if "noise" in importance:  # the ablation's noise floor: ablation_noise_<sublayer>
+            noise = importance[importance["method"] == "ablation"].pivot_table(
+                index="layer", columns="sublayer", values="noise", dropna=False
+            )
+            noise.columns = [f"ablation_noise_{s}" for s in noise.columns]
+            out = out.merge(noise.reset_index(), on="layer", how="left")
     if kda is not None and not kda.empty:
         out = out.merge(kda, on="layer", how="left")
     return out.reset_index(drop=True)

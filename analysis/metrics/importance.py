@@ -4,7 +4,10 @@ Two estimates, one row per (layer, sublayer) with sublayer in {"attn", "ffn"}:
 
 - **ablation** (exact): ``importance = L(sub-layer output := 0) - L`` with L the mean next-token loss
   on the given tokens; one extra forward per sub-layer (2 L in all). A forward hook on
-  ``layer.self_attn`` / ``layer.ffn`` replaces the output with zeros.
+  ``layer.self_attn`` / ``layer.ffn`` replaces the output with zeros. Its noise floor: the 95% CI half-width of
+  that paired difference over window means of the per-token losses (``analysis.metrics.loss_noise.loss_difference``,
+  windows of ``choose_window`` tokens): how much of it the choice of text could explain. ``significant`` when
+  ``|importance| > noise``.
 - **gradient x activation** (Captum ``LayerGradientXActivation``, one forward + one backward):
   per sub-layer output a [batch, token, hidden] and the summed next-token loss S = sum_t nll_t,
   ``gxa = mean_{batch, token} sum_hidden (dS/da) * a``. Since the mean loss is S / N, ``-gxa`` is the
@@ -19,9 +22,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+
+from analysis.metrics.loss_noise import choose_window, loss_difference
 
 SUBLAYERS = ("attn", "ffn")
 
@@ -76,14 +82,25 @@ def lm_loss(model: nn.Module, input_ids: torch.Tensor) -> float:
     return float(model(input_ids, labels=input_ids).loss)
 
 
+@torch.no_grad()
+def token_nll(model: nn.Module, input_ids: torch.Tensor) -> np.ndarray:
+    """Next-token cross-entropy (nats) at every position, ``-log p(x_{t+1} | x_<=t)``: [batch, tokens - 1],
+    float64, computed from fp32 logits."""
+    out = model(input_ids)
+    logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
+    nll = nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+    return nll.double().cpu().numpy()
+
+
 Progress = Callable[[int, int, str], None]  # (done, total, what is running next)
 
 
 def ablation_importance(model: nn.Module, input_ids: torch.Tensor, progress: Progress | None = None) -> pd.DataFrame:
-    """Increase in mean LM loss when one sub-layer's output is zeroed: L(ablated) - L(base).
+    """Increase in mean LM loss when one sub-layer's output is zeroed: L(ablated) - L(base), with its noise floor.
 
-    Columns: layer, sublayer, method ("ablation"), base_loss, ablated_loss, importance. ``progress``
-    is called before each of the 2 L + 1 forward passes.
+    Columns: layer, sublayer, method ("ablation"), base_loss, ablated_loss, importance, noise (95% CI half-width
+    of the paired per-token difference, module docstring; NaN under two windows), significant
+    (``|importance| > noise``). ``progress`` is called before each of the 2 L + 1 forward passes.
     """
     _check_ids(input_ids)
     rows = []
@@ -91,20 +108,24 @@ def ablation_importance(model: nn.Module, input_ids: torch.Tensor, progress: Pro
     with _eval_mode(model):
         if progress:
             progress(0, len(subs) + 1, "base loss")
-        base = lm_loss(model, input_ids)
+        base = token_nll(model, input_ids)
+        window = choose_window(base.shape[-1])
         for k, (i, name, module) in enumerate(subs):
             if progress:
                 progress(k + 1, len(subs) + 1, f"layer {i} {name} zeroed")
             with zeroed_output(module):
-                ablated = lm_loss(model, input_ids)
+                ablated = token_nll(model, input_ids)
+            diff = loss_difference(ablated, base, paired=True, window=window)
             rows.append(
                 dict(
                     layer=i,
                     sublayer=name,
                     method="ablation",
-                    base_loss=base,
-                    ablated_loss=ablated,
-                    importance=ablated - base,
+                    base_loss=float(base.mean()),
+                    ablated_loss=float(ablated.mean()),
+                    importance=diff.delta,
+                    noise=diff.half_width,
+                    significant=bool(abs(diff.delta) > diff.half_width),
                 )
             )
     return pd.DataFrame(rows)

@@ -42,6 +42,11 @@ def test_every_density_view_builds_on_a_real_k3_nano_trace(nano_run):
             # (the FFN outputs of a fresh model are small, so the first-order estimate is close)
             assert np.allclose(df["gxa_ffn"], df["ablation_ffn"], rtol=0.3, atol=5e-5)
             assert list(df["layer"]) == [0, 1, 2, 3]
+            # the ablation lines carry their noise floor as error bars, the first-order lines none
+            assert (df[["ablation_noise_attn", "ablation_noise_ffn"]] >= 0).all().all()
+            bars = {t.name: t.error_y.array for t in fig.data if t.name and t.name.startswith(("ablation", "grad"))}
+            np.testing.assert_array_equal(bars["ablation, FFN"], df["ablation_noise_ffn"].to_numpy())
+            assert bars["grad x act (1st order), FFN"] is None
         if view.key == "density_cache_vs_length":
             assert 8192 in set(df["seq_len"])
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from analysis.metrics import importance as im
+from analysis.metrics.loss_noise import choose_window, loss_difference
 from tests.conftest import nano_model, random_ids
 
 
@@ -16,12 +17,20 @@ def test_ablation_of_a_silent_sublayer_is_zero_and_of_a_live_one_matches_a_manua
         model.model.layers[2].self_attn.o_proj.weight.zero_()  # this sub-layer's output is exactly zero
     imp = im.ablation_importance(model, ids).set_index(["layer", "sublayer"])
     assert imp.loc[(2, "attn"), "importance"] == 0.0
+    assert imp.loc[(2, "attn"), "noise"] == 0.0 and not imp.loc[(2, "attn"), "significant"]
     base = imp.loc[(0, "ffn"), "base_loss"]
+    base_nll = im.token_nll(model, ids)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.zero_()  # the dense FFN of layer 0, removed by hand
         manual = float(model(ids, labels=ids).loss)
     assert imp.loc[(0, "ffn"), "ablated_loss"] == pytest.approx(manual, abs=1e-6)
     assert imp.loc[(0, "ffn"), "importance"] == pytest.approx(manual - base, abs=1e-6)
+    # the noise floor: the paired difference's 95% half-width over windows of the per-token losses
+    by_hand = loss_difference(im.token_nll(model, ids), base_nll, paired=True, window=choose_window(23))
+    assert by_hand.n_windows >= 2 and imp.loc[(0, "ffn"), "noise"] == pytest.approx(by_hand.half_width, rel=1e-9)
+    live = imp.drop(index=(2, "attn"))
+    assert (live["noise"] > 0).all()
+    assert (imp["significant"] == (imp["importance"].abs() > imp["noise"])).all()
     assert not model.training
 
 
