@@ -131,6 +131,13 @@ def ablation_importance(model: nn.Module, input_ids: torch.Tensor, progress: Pro
     return pd.DataFrame(rows)
 
 
+def layers_above_noise(importance: pd.DataFrame) -> list[int]:
+    """The layers with at least one sub-layer whose ablation raises the loss by more than its noise floor:
+    ``importance > noise`` on an ``ablation`` row (``ablation_importance``), in layer order."""
+    rows = importance[(importance["method"] == "ablation") & (importance["importance"] > importance["noise"])]
+    return sorted({int(layer) for layer in rows["layer"]})
+
+
 def gradient_x_activation_importance(model: nn.Module, input_ids: torch.Tensor) -> pd.DataFrame:
     """Captum LayerGradientXActivation on every sub-layer output against the summed LM loss.
 

@@ -174,3 +174,39 @@ def test_a_units_own_option_replaces_the_common_one_with_its_value():
         "--lr",
         "3e-3",
     ]
+
+
+# ------------------------------------------------------------------------------------------ the targets' checker
+sys.path.insert(0, str(ROOT / "scripts"))
+try:
+    import check_samples
+finally:
+    sys.path.pop(0)
+
+
+def test_targets_parse_and_compare_and_name_the_numbers_measured():
+    assert check_samples.parse_target(">= 0.5 (8 pairs in 256 tokens)") == (">=", 0.5)
+    assert check_samples.meets(2.05, "<= 2.05") and not check_samples.meets(2.0501, "<= 2.05")
+    assert check_samples.meets(0.69, "< 0.7") and not check_samples.meets(0.7, "< 0.7")
+    with pytest.raises(ValueError, match="expected '<op> <number>"):
+        check_samples.parse_target("about 2")
+    targets = RECIPE["campaign"]["targets"]
+    for target in targets.values():
+        check_samples.parse_target(target)
+    rows = check_samples.target_rows({"val_bpb": 2.0, "min_head_entropy": 0.9}, targets)
+    assert [(k, met) for k, _, _, met in rows] == [("val_bpb", True), ("min_head_entropy", False)]
+
+
+def test_the_checker_recomputes_a_shipped_samples_numbers_from_its_weights():
+    folder = ROOT / "sample_checkpoints" / "k3-full"
+    found = check_samples.measure(folder)
+    recorded = T.load_metrics(folder)["final"]
+    assert found["val_bpb"] == pytest.approx(recorded["val_bpb"], rel=0.01)
+    assert found["mqar_accuracy"] == pytest.approx(recorded["mqar_accuracy"], abs=1e-9)
+    lo, hi = found["mqar_interval"]
+    assert lo <= found["mqar_accuracy"] <= hi
+    assert found["check_tokens"] == check_samples.CHECK_TOKENS
+    assert set(found["layers_above_noise_list"]) <= set(range(found["num_layers"]))
+    assert 0 < found["min_head_entropy"] <= 1.0 + 1e-6
+    assert 0 <= found["real_word_share"] <= 1 and found["sample_words"] > 20
+    assert "target val_bpb <= 2.05" in check_samples.report(found, RECIPE["campaign"]["targets"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -32,6 +34,20 @@ def test_ablation_of_a_silent_sublayer_is_zero_and_of_a_live_one_matches_a_manua
     assert (live["noise"] > 0).all()
     assert (imp["significant"] == (imp["importance"].abs() > imp["noise"])).all()
     assert not model.training
+
+
+def test_layers_above_noise_counts_a_layer_once_when_a_sublayer_helps_beyond_its_floor():
+    table = pd.DataFrame(
+        [
+            dict(layer=0, sublayer="attn", method="ablation", importance=0.30, noise=0.05),  # above
+            dict(layer=0, sublayer="ffn", method="ablation", importance=0.20, noise=0.01),  # above: layer 0 once
+            dict(layer=1, sublayer="attn", method="ablation", importance=0.02, noise=0.05),  # within its floor
+            dict(layer=2, sublayer="ffn", method="ablation", importance=-0.40, noise=0.05),  # removing it helps
+            dict(layer=3, sublayer="attn", method="gxa", importance=0.90, noise=np.nan),  # not an ablation
+            dict(layer=4, sublayer="ffn", method="ablation", importance=0.06, noise=0.05),
+        ]
+    )
+    assert im.layers_above_noise(table) == [0, 4]
 
 
 def test_gradient_x_activation_zero_for_a_silent_sublayer_and_first_order_close_to_ablation():

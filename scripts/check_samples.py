@@ -1,0 +1,150 @@
+"""Measure sample runs against the samples' targets (recipe.json's campaign.targets), from their weights.
+
+    python scripts/check_samples.py sample_checkpoints/k3-full          # a shipped sample
+    python scripts/check_samples.py /tmp/k3c/k3-full-s0 /tmp/k3c/plain-residual-s0 --json /tmp/checks.json
+
+Per run, everything recomputed from the folder (the recorded numbers are printed beside the recomputed ones):
+
+- ``val_bpb``: bits/byte on the validation windows metrics.json names (``evaluate_bits_per_byte``)
+- ``mqar_accuracy``: MQAR accuracy on the recorded evaluation (8 pairs in 256 tokens, fixed seed), with its 95%
+  Wilson interval and chance
+- ``layers_above_noise``: layers with a sub-layer whose ablation raises the loss beyond its 95% noise floor
+  (``analysis.metrics.importance.layers_above_noise``) on ``--tokens`` tokens of the held-out passage
+- ``min_head_entropy``: the lowest normalised entropy of an MLA head on the same tokens (uniform attention: 1)
+- ``real_word_share``: the share of the model card's sample's words (3+ letters) found in the training text
+  (``analysis.metrics.text_quality``; untrained 0, held-out text 0.95-0.99), with its Wilson interval
+
+The targets apply to the run that ships as ``k3-full``; every run's numbers are printed for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "sample_checkpoints" / "recipe.json"
+CHECK_TOKENS = 512
+_OPERATORS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+
+
+def parse_target(text: str) -> tuple[str, float]:
+    """``"<= 2.05"`` or ``">= 0.5 (8 pairs in 256 tokens)"`` -> (operator, value); the words after the number are
+    a comment."""
+    parts = text.split()
+    if len(parts) < 2 or parts[0] not in _OPERATORS:
+        raise ValueError(f"target {text!r}: expected '<op> <number> [comment]' with op in {sorted(_OPERATORS)}")
+    return parts[0], float(parts[1])
+
+
+def meets(value: float, target: str) -> bool:
+    """Whether ``value`` meets a target string (``parse_target``)."""
+    op, bound = parse_target(target)
+    return bool(_OPERATORS[op](value, bound))
+
+
+def measure(run_dir: Path, tokens: int = CHECK_TOKENS) -> dict:
+    """The checked numbers of one run folder (module docstring), recomputed from its weights."""
+    import torch
+
+    from analysis.metrics.attention import attention_entropy_table
+    from analysis.metrics.importance import ablation_importance, layers_above_noise
+    from analysis.metrics.intervals import wilson_interval
+    from analysis.metrics.text_quality import real_word_share, vocabulary
+    from analysis.runs.loading import load_run, trace_run
+    from analysis.runs.texts import sample_input
+    from k3core.data.mqar import mqar_chance
+    from k3core.training import TrainConfig, evaluate_bits_per_byte, evaluate_mqar, load_corpus, load_metrics
+
+    metrics = load_metrics(run_dir)
+    run = load_run(run_dir)
+    model = run.model
+    corpus = load_corpus(TrainConfig.from_dict(metrics["train_config"]))
+    ev = metrics["eval"]
+    _, bpb = evaluate_bits_per_byte(model, corpus.val, ev["window_starts"], ev["seq_len"], ev["batch_size"])
+    mq = ev["mqar"]
+    mqar = evaluate_mqar(model, mq["examples"], mq["seq_len"], mq["num_kv_pairs"], seed=mq["seed"])
+    answers = mq["examples"] * mq["num_kv_pairs"]
+    text = sample_input("shakespeare", run.config, tokens, run.tokenizer)
+    with torch.no_grad():
+        importance = ablation_importance(model, text.input_ids)
+    entropy = attention_entropy_table(trace_run(run, text, what={"mla"}, max_attn_len=tokens).trace)
+    lowest = entropy.loc[entropy["entropy_norm"].idxmin()] if len(entropy) else None
+    sample = (metrics.get("sample") or {}).get("text", "")
+    share, n_words = real_word_share(sample, vocabulary([bytes(corpus.train).decode("utf-8", "replace")]))
+    above = layers_above_noise(importance)
+    return {
+        "run": str(run_dir),
+        "seed": metrics["seed"],
+        "steps": (metrics["final"] or {}).get("step"),
+        "val_bpb": bpb,
+        "val_bpb_recorded": (metrics["final"] or {}).get("val_bpb"),
+        "mqar_accuracy": mqar,
+        "mqar_interval": [float(x) for x in wilson_interval(round(mqar * answers), answers)],
+        "mqar_chance": mqar_chance(),
+        "mqar_accuracy_recorded": (metrics["final"] or {}).get("mqar_accuracy"),
+        "layers_above_noise": len(above),
+        "layers_above_noise_list": above,
+        "num_layers": run.config.num_hidden_layers,
+        "check_tokens": int(text.input_ids.shape[-1]),
+        "min_head_entropy": float(lowest["entropy_norm"]) if lowest is not None else float("nan"),
+        "min_head_entropy_at": [int(lowest["layer"]), int(lowest["head"])] if lowest is not None else None,
+        "real_word_share": share,
+        "real_word_interval": [float(x) for x in wilson_interval(round(share * n_words), n_words)] if n_words else None,
+        "sample_words": n_words,
+    }
+
+
+def target_rows(found: dict, targets: dict[str, str]) -> list[tuple[str, float, str, bool]]:
+    """(name, value, target, met) for every target this run's numbers name (``"k3-full val_bpb"`` -> ``val_bpb``)."""
+    rows = []
+    for name, target in targets.items():
+        key = name.rsplit(" ", 1)[-1]
+        if key in found:
+            rows.append((key, found[key], target, meets(found[key], target)))
+    return rows
+
+
+def report(found: dict, targets: dict[str, str]) -> str:
+    """A short text block of one run's numbers and its targets."""
+    lo, hi = found["mqar_interval"]
+    lines = [
+        f"{found['run']} (seed {found['seed']}, {found['steps']} steps)",
+        f"  val bits/byte       {found['val_bpb']:.4f} (recorded {found['val_bpb_recorded']:.4f})",
+        f"  MQAR accuracy       {found['mqar_accuracy']:.3f} [{lo:.3f}, {hi:.3f}] (recorded "
+        f"{found['mqar_accuracy_recorded']:.3f}; chance {found['mqar_chance']:.3f})",
+        f"  layers above noise  {found['layers_above_noise']} of {found['num_layers']} "
+        f"{found['layers_above_noise_list']} on {found['check_tokens']} held-out tokens",
+        f"  lowest MLA entropy  {found['min_head_entropy']:.3f} (layer, head {found['min_head_entropy_at']}; "
+        "uniform 1)",
+        f"  real-word share     {found['real_word_share']:.3f} of {found['sample_words']} words "
+        + ("[{:.3f}, {:.3f}]".format(*found["real_word_interval"]) if found["real_word_interval"] else ""),
+    ]
+    for key, value, target, met in target_rows(found, targets):
+        op, bound = parse_target(target)
+        lines.append(f"  target {key} {op} {bound:g}: {value:.3f} {'met' if met else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders (config.json, weights, metrics.json)")
+    p.add_argument("--tokens", type=int, default=CHECK_TOKENS, help=f"held-out tokens (default {CHECK_TOKENS})")
+    p.add_argument("--json", help="also write every number to this JSON file")
+    args = p.parse_args(argv)
+    targets = json.loads(RECIPE.read_text())["campaign"]["targets"]
+    found = []
+    for run_dir in args.runs:
+        found.append(measure(Path(run_dir), args.tokens))
+        print(report(found[-1], targets), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(found, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
