@@ -1,7 +1,10 @@
-"""Measure sample runs against the samples' targets (recipe.json's campaign.targets), from their weights.
+"""Measure sample runs against the samples' targets (recipe.json's campaign.targets), from their weights, and
+compare their configurations against the seed-to-seed spread.
 
     python scripts/check_samples.py sample_checkpoints/k3-full          # a shipped sample
     python scripts/check_samples.py /tmp/k3c/k3-full-s0 /tmp/k3c/plain-residual-s0 --json /tmp/checks.json
+    python scripts/check_samples.py /tmp/k3c/*-s[01] --compare          # the README's tables: runs, and each
+                                                                        # config against k3-full and the seed noise
 
 Per run, everything recomputed from the folder (the recorded numbers are printed beside the recomputed ones):
 
@@ -15,6 +18,12 @@ Per run, everything recomputed from the folder (the recorded numbers are printed
   (``analysis.metrics.text_quality``; untrained 0, held-out text 0.95-0.99), with its Wilson interval
 
 The targets apply to the run that ships as ``k3-full``; every run's numbers are printed for the README.
+
+``--compare`` adds, per run, the view numbers the samples' README reads (``analysis.metrics.headline`` on the same
+held-out tokens: MLA entropy and sinks, rank collapse, MoE balance, AttnRes embedding weight, KDA half-lives; recall
+accuracy by distance, ``analysis.experiments.long_runs``) and prints two markdown tables: every number per run, and
+each config's seed mean against the reference config's with the seed noise (``analysis.compare.seeds``: the
+largest spread between two seeds of one config). A run's config is its folder name less a ``-s<seed>`` suffix.
 """
 
 from __future__ import annotations
@@ -28,6 +37,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "sample_checkpoints" / "recipe.json"
 CHECK_TOKENS = 512
+REFERENCE_CONFIG = "k3-full"
+RECALL_EXAMPLES = 128  # per distance: a Wilson interval of about +-0.08 at 0.5
+#: the headline numbers the comparison reads (analysis.metrics.headline.HEADLINE_LABELS names them)
+COMPARED_HEADLINES = (
+    "bits_per_byte",
+    "mla_entropy_norm_mean",
+    "sink_rate",
+    "rank_collapse_mean",
+    "block_influence_mean",
+    "moe_maxvio_max",
+    "moe_entropy_norm_mean",
+    "moe_dead_experts",
+    "attnres_embedding_weight_mean",
+    "kda_half_life_median",
+    "kda_half_life_inf_share",
+)
+#: the numbers of ``measure`` that the comparison tables carry, in order
+COMPARED_CHECKS = (
+    "val_bpb",
+    "mqar_accuracy",
+    "layers_above_noise",
+    "min_head_entropy",
+    "real_word_share",
+)
 _OPERATORS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 
@@ -98,6 +131,93 @@ def measure(run_dir: Path, tokens: int = CHECK_TOKENS) -> dict:
     }
 
 
+def view_numbers(run_dir: Path, tokens: int = CHECK_TOKENS) -> dict[str, float]:
+    """The headline numbers ``COMPARED_HEADLINES`` on ``tokens`` held-out tokens and the recall accuracy at each
+    default distance (``recall_d<distance>``) of one run folder."""
+    import torch
+
+    from analysis.experiments.long_runs import recall_by_distance
+    from analysis.metrics.headline import headline_numbers
+    from analysis.runs.loading import load_run, trace_run
+    from analysis.runs.texts import sample_input
+
+    run = load_run(run_dir)
+    ctx = trace_run(run, sample_input("shakespeare", run.config, tokens, run.tokenizer), what="all")
+    found = headline_numbers(ctx)
+    out = {key: float(found.get(key, float("nan"))) for key in COMPARED_HEADLINES}
+    with torch.no_grad():
+        recall = recall_by_distance(run.model, examples=RECALL_EXAMPLES)
+    out.update({f"recall_d{int(r.distance)}": float(r.accuracy) for r in recall.itertuples()})
+    return out
+
+
+def config_of(run_dir: str | Path) -> str:
+    """A run's config name: its folder name less a ``-s<seed>`` suffix (``k3-full-s1`` -> ``k3-full``)."""
+    import re
+
+    return re.sub(r"-s\d+$", "", Path(run_dir).name)
+
+
+def runs_table(found: list[dict]):
+    """The tidy (run, config, seed, metric, value) table of measured runs (``analysis.compare.seeds``' input)."""
+    import pandas as pd
+
+    rows = []
+    for f in found:
+        keys = [*COMPARED_CHECKS, *(k for k in f if k in COMPARED_HEADLINES or k.startswith("recall_d"))]
+        rows += [(Path(f["run"]).name, config_of(f["run"]), f["seed"], k, float(f[k])) for k in keys]
+    return pd.DataFrame(rows, columns=["run", "config", "seed", "metric", "value"])
+
+
+def comparison_markdown(table, reference: str = REFERENCE_CONFIG) -> str:
+    """Two markdown tables: every number per run, and each config against ``reference`` with the seed noise."""
+    from analysis.compare.seeds import config_differences
+    from analysis.metrics.headline import HEADLINE_LABELS
+
+    runs = list(dict.fromkeys(table["run"]))
+    wide = table.pivot(index="metric", columns="run", values="value")
+    metrics = list(dict.fromkeys(table["metric"]))
+    label = {**HEADLINE_LABELS, **METRIC_LABELS}
+    label.update({m: f"recall at distance {m[len('recall_d') :]} ({RECALL_EXAMPLES} examples)" for m in metrics
+                  if m.startswith("recall_d")})  # fmt: skip
+    lines = ["| metric | " + " | ".join(f"`{r}`" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for m in metrics:
+        lines.append(f"| {label.get(m, m)} | " + " | ".join(_fmt(wide.loc[m, r]) for r in runs) + " |")
+    diff = config_differences(table, reference)
+    configs = list(dict.fromkeys(diff["config"]))
+    lines += ["", f"| metric | `{reference}` | seed noise | " + " | ".join(f"`{c}` - `{reference}`" for c in configs)
+              + " |", "|---|---|---|" + "---|" * len(configs)]  # fmt: skip
+    by = diff.set_index(["metric", "config"])
+    for m in metrics:
+        cells = []
+        for c in configs:
+            if (m, c) not in by.index:
+                cells.append("")
+                continue
+            row = by.loc[(m, c)]
+            verdict = {True: " **beyond**", False: " within", None: ""}[row["beyond"]]
+            cells.append(f"{row['delta']:+.3f}{verdict}")
+        ref = by.xs(m, level="metric")["reference_value"].iloc[0] if m in by.index.get_level_values(0) else float("nan")
+        noise = by.xs(m, level="metric")["noise"].iloc[0] if m in by.index.get_level_values(0) else float("nan")
+        lines.append(f"| {label.get(m, m)} | {_fmt(ref)} | {_fmt(noise)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+METRIC_LABELS = {
+    "val_bpb": "val bits/byte (training's validation)",
+    "mqar_accuracy": "MQAR accuracy (8 pairs, 256 tokens)",
+    "layers_above_noise": "layers above the importance noise floor",
+    "min_head_entropy": "lowest MLA head entropy (normalised)",
+    "real_word_share": "real-word share of the card's sample",
+}
+
+
+def _fmt(value: float) -> str:
+    import math
+
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
 def target_rows(found: dict, targets: dict[str, str]) -> list[tuple[str, float, str, bool]]:
     """(name, value, target, met) for every target this run's numbers name (``"k3-full val_bpb"`` -> ``val_bpb``)."""
     rows = []
@@ -134,12 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="run folders (config.json, weights, metrics.json)")
     p.add_argument("--tokens", type=int, default=CHECK_TOKENS, help=f"held-out tokens (default {CHECK_TOKENS})")
     p.add_argument("--json", help="also write every number to this JSON file")
+    p.add_argument("--compare", action="store_true", help="also the view numbers, and the comparison tables")
+    p.add_argument("--reference", default=REFERENCE_CONFIG, help=f"the config compared against ({REFERENCE_CONFIG})")
     args = p.parse_args(argv)
     targets = json.loads(RECIPE.read_text())["campaign"]["targets"]
     found = []
     for run_dir in args.runs:
         found.append(measure(Path(run_dir), args.tokens))
         print(report(found[-1], targets), flush=True)
+        if args.compare:
+            found[-1].update(view_numbers(Path(run_dir), args.tokens))
+    if args.compare:
+        print()
+        print(comparison_markdown(runs_table(found), args.reference))
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1) + "\n")
     return 0

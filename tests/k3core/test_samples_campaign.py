@@ -210,3 +210,21 @@ def test_the_checker_recomputes_a_shipped_samples_numbers_from_its_weights():
     assert 0 < found["min_head_entropy"] <= 1.0 + 1e-6
     assert 0 <= found["real_word_share"] <= 1 and found["sample_words"] > 20
     assert "target val_bpb <= 2.05" in check_samples.report(found, RECIPE["campaign"]["targets"])
+
+
+def test_the_comparison_reads_configs_from_folder_names_and_marks_differences_beyond_the_seed_noise():
+    assert check_samples.config_of("/tmp/k3c/k3-full-s1") == "k3-full"
+    assert check_samples.config_of("sample_checkpoints/plain-moe") == "plain-moe"
+
+    def run(name, seed, bpb, recall):
+        checks = dict.fromkeys(check_samples.COMPARED_CHECKS, 1.0)
+        return {"run": f"/x/{name}", "seed": seed, **checks, "val_bpb": bpb, "recall_d64": recall}
+
+    found = [run("k3-full-s0", 0, 2.00, 0.5), run("k3-full-s1", 1, 2.02, 0.7), run("plain-moe-s0", 0, 2.10, 0.6)]
+    table = check_samples.runs_table(found)
+    assert set(table["config"]) == {"k3-full", "plain-moe"} and len(table) == 3 * 6
+    text = check_samples.comparison_markdown(table)
+    assert "| `k3-full-s0` | `k3-full-s1` | `plain-moe-s0` |" in text
+    # bpb: 2.10 - 2.01 = +0.09 beyond a seed spread of 0.02; recall: 0.6 - 0.6 = 0 within 0.2
+    assert "| val bits/byte (training's validation) | 2.010 | 0.020 | +0.090 **beyond** |" in text
+    assert "| recall at distance 64 (128 examples) | 0.600 | 0.200 | +0.000 within |" in text
