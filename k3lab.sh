@@ -41,7 +41,9 @@ case "${1:-app}" in
   app)
     shift || true
     need_chromium
-    if [ "$#" -eq 0 ]; then set -- sample_checkpoints/*/; fi
+    # the shipped samples: every folder of sample_checkpoints/ that is a checkpoint (not campaign/, the runs
+    # being trained to replace them)
+    if [ "$#" -eq 0 ]; then for c in sample_checkpoints/*/config.json; do set -- "$@" "${c%config.json}"; done; fi
     exec "$VENV/bin/k3lab" app "$@"
     ;;
   test)

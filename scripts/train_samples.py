@@ -129,7 +129,9 @@ def publish(recipe: dict, run: dict, staged: Path, root: Path = SAMPLES) -> Path
 
 
 # ---------------------------------------------------------------------------------------------------- campaign
-CORE_HOURS_PER_UNIT = 2.0  # a unit must fit this much time of one core at the recorded step speed
+CORE_HOURS_PER_UNIT = 2.0
+#: where a recorded run unit's folder is kept (beside recipe.json) until the runs replace the shipped samples
+CAMPAIGN_FOLDER = "campaign"  # a unit must fit this much time of one core at the recorded step speed
 RESULT_KEYS = ("val_bpb", "mqar_accuracy", "tokens_seen", "wall_time_s")
 
 
@@ -249,8 +251,20 @@ def campaign_table(recipe: dict) -> str:
     return "\n".join(rows)
 
 
-def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str) -> dict:
-    """Mark a finished unit done in the recipe file: its results, code version, where and when it trained.
+def store_run(run_dir: Path, dest: Path) -> Path:
+    """Copy a finished run's files (weights, config, metrics.json, model card, TensorBoard events; not its resume
+    state) into ``dest``, replacing what was there: the campaign's runs live in the repository between sessions."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for file in sorted(p for p in run_dir.iterdir() if p.is_file()):
+        shutil.copy2(file, dest / file.name)
+    return dest
+
+
+def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str, store: Path | None = None) -> dict:
+    """Mark a finished unit done in the recipe file: its results, code version, where and when it trained; a run
+    unit (not a sweep's) is also copied into ``store/<name>`` (``store_run``) and its folder recorded.
 
     Refuses a run that did not finish (a unit cut off is trained again, never recorded) and a run whose
     configuration is not the unit's: any training field other than the runtime ones (``RUNTIME_FIELDS``: output
@@ -283,6 +297,9 @@ def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str) -> dic
             [e["step"], round(e["val_bpb"], 4), round(e["mqar_accuracy"], 4)] for e in metrics["history"]["val"]
         ],
     }
+    if store is not None and unit["kind"] == "run":
+        folder = store_run(run_dir, store / name)
+        entry["folder"] = str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
     raw = json.loads(recipe_path.read_text())
     campaign = raw["campaign"]
     for target in [*campaign["runs"], *(u for s in campaign["sweeps"] for u in s["units"])]:
@@ -327,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(differs) or f"{args.check_start}: the first {args.check_steps} steps rerun bit for bit")
         return 1 if differs else 0
     if args.record:
-        entry = record_unit(Path(args.recipe), args.record[0], Path(args.record[1]), args.device)
+        store = Path(args.recipe).resolve().parent / CAMPAIGN_FOLDER
+        entry = record_unit(Path(args.recipe), args.record[0], Path(args.record[1]), args.device, store)
         print(f"recorded {args.record[0]}: {entry['result']}")
         write_table(load_recipe(Path(args.recipe)))
         return 0

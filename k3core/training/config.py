@@ -17,6 +17,7 @@ from ..data import Corpus, load_shakespeare, load_text_path
 from ..data.mqar import segment_queries
 from ..loading.folder import config_from_json
 from ..modeling.config import ConfigError, K3Config
+from ..modeling.model import K3ForCausalLM
 from ..modeling.presets import PRESETS, from_preset
 
 #: TrainConfig fields that may change when resuming: they do not change the weights a run ends with.
@@ -276,11 +277,9 @@ def derive_seed(seed: int, purpose: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{purpose}".encode()).digest()[:8], "little") >> 1
 
 
-def initial_model(config, seed: int):
+def initial_model(config: K3Config, seed: int) -> K3ForCausalLM:
     """The model a run with this seed starts from: ``config``'s modules initialised under
     ``torch.manual_seed(derive_seed(seed, "init"))``, on the CPU, in fp32 (this moves the global random stream)."""
-    from k3core.modeling.model import K3ForCausalLM
-
     torch.manual_seed(derive_seed(seed, "init"))
     return K3ForCausalLM.from_config(config)
 

@@ -41,6 +41,12 @@ def test_done_units_carry_results_code_version_and_place():
         assert set(train_samples.RESULT_KEYS) <= set(unit["result"])
         assert unit["result"]["tokens_seen"] == train_samples.unit_tokens(RECIPE, unit)
         assert 0.0 <= unit["result"]["mqar_accuracy"] <= 1.0 and unit["result"]["val_bpb"] > 0
+        if unit["kind"] == "run":  # kept in the repository: it finished, and it is the run recorded
+            folder = ROOT / unit["folder"]
+            metrics = T.load_metrics(folder)
+            assert metrics["status"] == "finished" and (folder / "model.safetensors").is_file()
+            assert all(metrics["final"][k] == unit["result"][k] for k in train_samples.RESULT_KEYS)
+            assert metrics["seed"] == unit["seed"] and metrics["code_version"] == unit["code_version"]
 
 
 def test_campaign_table_lists_every_unit():
@@ -100,10 +106,15 @@ def test_record_marks_a_finished_unit_done_and_refuses_other_runs(tmp_path):
         train_samples.record_unit(recipe_path, "tiny-s3", stopped, "cpu")
     assert json.loads(recipe_path.read_text())["campaign"]["runs"][0]["status"] == "planned"
 
-    run = _train(tmp_path / "tiny-s3")
-    entry = train_samples.record_unit(recipe_path, "tiny-s3", run, "cpu, 1 thread")
+    run = _train(tmp_path / "tiny-s3", keep_state=True)
+    entry = train_samples.record_unit(recipe_path, "tiny-s3", run, "cpu, 1 thread", store=tmp_path / "campaign")
     stored = json.loads(recipe_path.read_text())["campaign"]["runs"][0]
     assert stored["status"] == "done" and stored["trained_on"] == "cpu, 1 thread"
+    # the run's files are kept beside the recipe (not its resume state): they load, with their history
+    kept = tmp_path / "campaign" / "tiny-s3"
+    assert stored["folder"] == str(kept) and (run / T.STATE_DIR).is_dir() and not (kept / T.STATE_DIR).exists()
+    assert {"config.json", "model.safetensors", "metrics.json", "README.md"} <= {p.name for p in kept.iterdir()}
+    assert T.load_metrics(kept)["final"] == T.load_metrics(run)["final"]
     assert stored["result"] == entry["result"] and stored["result"]["tokens_seen"] == 2 * 2 * 32
     assert stored["code_version"] == T.load_metrics(run)["code_version"]
 
