@@ -218,6 +218,13 @@ def test_rerun_start_retraces_a_finished_run_bit_for_bit_and_names_what_differs(
     assert T.rerun_start(run, tmp_path / "third", steps=4) == [
         f"step 3: loss {entry['loss']!r} recorded, {trained!r} now"
     ]
+    # a run trained elsewhere is compared within a relative tolerance: this one-rounding difference passes it
+    assert T.rerun_start(run, tmp_path / "tolerant", steps=4, rtol=1e-5) == []
+    entry["loss"] = trained * (1 + 1e-3)
+    (run / T.METRICS_NAME).write_text(json.dumps(metrics))
+    assert len(T.rerun_start(run, tmp_path / "beyond", steps=4, rtol=1e-5)) == 1
+    with pytest.raises(ValueError, match="rtol"):
+        T.rerun_start(run, tmp_path / "bad", steps=4, rtol=-1.0)
     metrics["train_config"].update(compile=True, compile_after=2)
     (run / T.METRICS_NAME).write_text(json.dumps(metrics))
     with pytest.raises(T.TrainError, match="compile_after 2"):
