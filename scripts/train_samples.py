@@ -258,12 +258,13 @@ def campaign_table(recipe: dict) -> str:
 
 
 def store_run(run_dir: Path, dest: Path) -> Path:
-    """Copy a finished run's files (weights, config, metrics.json, model card, TensorBoard events; not its resume
-    state) into ``dest``, replacing what was there: the campaign's runs live in the repository between sessions."""
+    """Copy a finished run's files (weights, config, metrics.json, model card; not its resume state, nor its
+    TensorBoard events, whose curves metrics.json holds too) into ``dest``, replacing what was there: the
+    campaign's runs live in the repository between sessions, as the shipped samples do."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    for file in sorted(p for p in run_dir.iterdir() if p.is_file()):
+    for file in sorted(p for p in run_dir.iterdir() if p.is_file() and not p.name.startswith("events.out.tfevents")):
         shutil.copy2(file, dest / file.name)
     return dest
 
