@@ -241,18 +241,23 @@ def unit_hours(recipe: dict, unit: dict) -> float:
 
 
 def campaign_table(recipe: dict) -> str:
-    """Markdown table of the campaign's units: budget, status, where trained and results."""
+    """Markdown table of the campaign's units: seed, step shape (steps x batch x sequence), tokens, budget, status,
+    where trained, wall time and results."""
     rows = [
-        "| unit | kind | seed | tokens | est. core-hours | status | trained on | val bits/byte | MQAR acc |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| unit | kind | seed | steps x batch x seq | tokens | est. core-hours | status | trained on | wall time | "
+        "val bits/byte | MQAR acc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for unit in campaign_units(recipe):
+        cfg = unit_config(recipe, unit)
         done = unit.get("result") or {}
         bpb = f"{done['val_bpb']:.3f}" if done else ""
         mqar = f"{done['mqar_accuracy']:.3f}" if done else ""
+        wall = f"{done['wall_time_s'] / 60:.0f} min" if done else ""
         rows.append(
-            f"| `{unit['name']}` | {unit['kind']} | {unit['seed']} | {unit_tokens(recipe, unit) / 1e6:.2f}M | "
-            f"{unit_hours(recipe, unit):.2f} | {unit['status']} | {unit.get('trained_on', '')} | {bpb} | {mqar} |"
+            f"| `{unit['name']}` | {unit['kind']} | {unit['seed']} | {cfg.steps:,} x {cfg.batch_size} x {cfg.seq_len} | "
+            f"{unit_tokens(recipe, unit) / 1e6:.2f}M | {unit_hours(recipe, unit):.2f} | {unit['status']} | "
+            f"{unit.get('trained_on', '')} | {wall} | {bpb} | {mqar} |"
         )
     return "\n".join(rows)
 
