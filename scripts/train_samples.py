@@ -46,7 +46,12 @@ def load_recipe(path: Path = RECIPE) -> dict:
 
 
 def run_args(recipe: dict, run: dict, out_root: str = "sample_checkpoints") -> list[str]:
-    """``k3lab train`` arguments of one run (relative paths, run from the repository root)."""
+    """``k3lab train`` arguments of one shipped run (relative paths, run from the repository root): its campaign
+    unit's command (``unit_args``) into ``out_root/<name>`` when the run names one, else the recipe's
+    ``common_args`` with the run's ``--set`` changes."""
+    if "unit" in run:
+        unit = next(u for u in campaign_units(recipe) if u["name"] == run["unit"])
+        return unit_args(recipe, unit, out_root, out_name=run["name"])
     args = [recipe["base_config"]]
     for item in run.get("set", []):
         args += ["--set", item]
@@ -154,10 +159,10 @@ def campaign_units(recipe: dict) -> list[dict]:
     return units
 
 
-def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
+def unit_args(recipe: dict, unit: dict, out_root: str, out_name: str | None = None) -> list[str]:
     """``k3lab train`` arguments of one campaign unit: base config, its --set changes, the campaign's common
     arguments (a sweep's own when it has them; a run's followed by the chosen recall recipe's) less those the unit
-    sets itself, the unit's arguments, its seed and ``--out out_root/name``."""
+    sets itself, the unit's arguments, its seed and ``--out out_root/<out_name, default the unit's name>``."""
     campaign = recipe["campaign"]
     common = list(campaign["common_args"])
     if unit["kind"].startswith("sweep:"):
@@ -173,7 +178,7 @@ def unit_args(recipe: dict, unit: dict, out_root: str) -> list[str]:
         args
         + _without_options(common, own)
         + own
-        + ["--seed", str(unit["seed"]), "--out", f"{out_root}/{unit['name']}"]
+        + ["--seed", str(unit["seed"]), "--out", f"{out_root}/{out_name or unit['name']}"]
     )
 
 
@@ -255,8 +260,9 @@ def campaign_table(recipe: dict) -> str:
         mqar = f"{done['mqar_accuracy']:.3f}" if done else ""
         wall = f"{done['wall_time_s'] / 60:.0f} min" if done else ""
         rows.append(
-            f"| `{unit['name']}` | {unit['kind']} | {unit['seed']} | {cfg.steps:,} x {cfg.batch_size} x {cfg.seq_len} | "
-            f"{unit_tokens(recipe, unit) / 1e6:.2f}M | {unit_hours(recipe, unit):.2f} | {unit['status']} | "
+            f"| `{unit['name']}` | {unit['kind']} | {unit['seed']} | "
+            f"{cfg.steps:,} x {cfg.batch_size} x {cfg.seq_len} | {unit_tokens(recipe, unit) / 1e6:.2f}M | "
+            f"{unit_hours(recipe, unit):.2f} | {unit['status']} | "
             f"{unit.get('trained_on', '')} | {wall} | {bpb} | {mqar} |"
         )
     return "\n".join(rows)
@@ -321,6 +327,52 @@ def record_unit(recipe_path: Path, name: str, run_dir: Path, device: str, store:
     return entry
 
 
+def ship_name(unit: dict) -> str:
+    """The shipped folder of a campaign run unit: its sample's name for seed 0, ``<sample>-s<seed>`` otherwise."""
+    return unit["sample"] if unit["seed"] == 0 else f"{unit['sample']}-s{unit['seed']}"
+
+
+def ship_campaign(recipe_path: Path, root: Path = SAMPLES) -> list[Path]:
+    """Replace the shipped samples by the campaign's runs, all at once (so every pair ships from one campaign):
+    each done run unit's kept folder moves to ``root/<ship_name>`` (metrics.json gets its shipped name, folder and
+    command; the model card is rewritten), the recipe's ``runs`` become those samples, each naming its unit (its
+    command is the unit's), and the old shipped folders of the same names are replaced. Refuses while any run unit
+    is not done or its folder is missing."""
+    from k3core.training import load_metrics, model_card
+
+    recipe = load_recipe(recipe_path)
+    units = [u for u in campaign_units(recipe) if u["kind"] == "run"]
+    waiting = [u["name"] for u in units if u["status"] != "done" or not (ROOT / u.get("folder", "-")).is_dir()]
+    if waiting:
+        raise SystemExit(f"the campaign is not finished: {waiting} not done (or their folders are missing)")
+    raw = json.loads(recipe_path.read_text())
+    raw["runs"] = [
+        {"name": ship_name(u), "unit": u["name"], "differs": u["differs"], "set": list(u.get("set", []))} for u in units
+    ]
+    raw.pop("common_args", None)  # every shipped run's command is its unit's now
+    folders = {u["name"]: root / ship_name(u) for u in units}
+    shipped = []
+    for unit in units:
+        dest = folders[unit["name"]]
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.move(str(ROOT / unit["folder"]), dest)
+        run = next(r for r in raw["runs"] if r["unit"] == unit["name"])
+        metrics = load_metrics(dest)
+        metrics["run_name"] = run["name"]
+        metrics["train_config"]["out_dir"] = f"sample_checkpoints/{run['name']}"
+        metrics["command"] = "k3lab train " + shlex.join(run_args(raw, run))
+        (dest / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        (dest / "README.md").write_text(model_card(metrics))
+        shipped.append(dest)
+    for target in raw["campaign"]["runs"]:
+        if target["name"] in folders:
+            dest = folders[target["name"]]
+            target["folder"] = str(dest.relative_to(ROOT)) if dest.is_relative_to(ROOT) else str(dest)
+    recipe_path.write_text(json.dumps(raw, indent=1) + "\n")
+    return shipped
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", help="train only these runs")
@@ -351,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         "another device)",
     )
     c.add_argument("--device", default="cpu, 1 thread", help="where a recorded unit trained (default 'cpu, 1 thread')")
+    c.add_argument(
+        "--ship",
+        action="store_true",
+        help="when every run unit is done: replace the shipped samples by them (then rebuild k3-mxfp4 and the README)",
+    )
     args = p.parse_args(argv)
     recipe = load_recipe(Path(args.recipe))
     if args.campaign:
@@ -369,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         how = f"within rtol {rtol:g}" if rtol else "bit for bit"
         print("\n".join(differs) or f"{args.check_start}: the first {steps} steps rerun on the CPU {how}")
         return 1 if differs else 0
+    if args.ship:
+        for dest in ship_campaign(Path(args.recipe)):
+            print(f"shipped {dest}")
+        write_table(load_recipe(Path(args.recipe)))
+        return 0
     if args.record:
         store = Path(args.recipe).resolve().parent / CAMPAIGN_FOLDER
         entry = record_unit(Path(args.recipe), args.record[0], Path(args.record[1]), args.device, store)

