@@ -186,7 +186,7 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
         subplot_titles=(
             "active parameters per token",
             f"FLOPs per token at T = {format_tokens(T)}",
-            "measured importance: loss increase when the sub-layer output is zeroed (bars: 95% noise floor)",
+            "measured importance: loss increase when the sub-layer output is zeroed",
         ),
     )
     _layer_bars(fig, table, "active_params", 1, "active parameters", ",.0f", True)
@@ -202,22 +202,21 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
             noise_col = col.replace("ablation_", "ablation_noise_")
             # the ablation's 95% noise floor as error bars: a layer whose bar crosses 0 is not told apart from
             # the choice of text
-            error = (
-                {"type": "data", "array": table[noise_col].to_numpy(), "visible": True, "thickness": 1}
-                if col.startswith("ablation_") and noise_col in table
-                else None
-            )
+            floor = col.startswith("ablation_") and noise_col in table
+            error = {"type": "data", "array": table[noise_col].to_numpy(), "visible": True, "thickness": 1}
+            hover = f"layer %{{x}} (%{{customdata[0]}})<br>{name}: Δloss = %{{y:.4g}} nats"
             fig.add_trace(
                 go.Scatter(
                     x=table["layer"],
                     y=table[col],
-                    error_y=error,
+                    error_y=error if floor else None,
                     mode="lines+markers",
                     name=name,
                     line={"color": color, "dash": dash},
-                    customdata=table[["layer_type"]].to_numpy(),
-                    hovertemplate=f"layer %{{x}} (%{{customdata[0]}})<br>{name}: Δloss = %{{y:.4g}} nats"
-                    "<extra></extra>",
+                    customdata=table[["layer_type", noise_col] if floor else ["layer_type"]].to_numpy(),
+                    hovertemplate=hover
+                    + (" ± %{customdata[1]:.2g} (bar: its 95% noise floor)" if floor else "")
+                    + "<extra></extra>",
                 ),
                 row=3,
                 col=1,
