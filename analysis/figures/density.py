@@ -199,22 +199,18 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
     ]
     for col, name, color, dash in lines:
         if col in table:
-            noise_col = col.replace("ablation_", "ablation_noise_")
-            # the ablation's 95% noise floor as error bars: a layer whose bar crosses 0 is not told apart from
-            # the choice of text
-            floor = col.startswith("ablation_") and noise_col in table
-            error = {"type": "data", "array": table[noise_col].to_numpy(), "visible": True, "thickness": 1}
-            hover = f"layer %{{x}} (%{{customdata[0]}})<br>{name}: Δloss = %{{y:.4g}} nats"
+            noise = col.replace("ablation_", "ablation_noise_")  # error bars: a bar across 0 is within text noise
+            floor = col.startswith("ablation_") and noise in table
             fig.add_trace(
                 go.Scatter(
                     x=table["layer"],
                     y=table[col],
-                    error_y=error if floor else None,
+                    error_y={"type": "data", "array": table[noise].to_numpy(), "thickness": 1} if floor else None,
                     mode="lines+markers",
                     name=name,
                     line={"color": color, "dash": dash},
-                    customdata=table[["layer_type", noise_col] if floor else ["layer_type"]].to_numpy(),
-                    hovertemplate=hover
+                    customdata=table[["layer_type", noise] if floor else ["layer_type"]].to_numpy(),
+                    hovertemplate=f"layer %{{x}} (%{{customdata[0]}})<br>{name}: Δloss = %{{y:.4g}} nats"
                     + (" ± %{customdata[1]:.2g} (bar: its 95% noise floor)" if floor else "")
                     + "<extra></extra>",
                 ),
