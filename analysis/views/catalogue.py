@@ -14,6 +14,7 @@ from analysis.figures import (
     density,
     experiment,
     history,
+    kda_memory,
     long_context,
     moe,
     papers,
@@ -21,7 +22,19 @@ from analysis.figures import (
 )
 from analysis.views.view import View
 
-MODULES = (density, attnres, moe, degradation, long_context, history, weights, experiment, attention_kinds, papers)
+MODULES = (
+    density,
+    kda_memory,
+    attnres,
+    moe,
+    degradation,
+    long_context,
+    history,
+    weights,
+    experiment,
+    attention_kinds,
+    papers,
+)
 
 
 def all_views() -> list[View]:

@@ -1,4 +1,4 @@
-"""Density and KDA memory views (analysis.figures.density) on a real k3-nano trace."""
+"""Density and KDA memory views (analysis.figures.density, analysis.figures.kda_memory) on a real k3-nano trace."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from analysis.figures import density as fd
+from analysis.figures import kda_memory as fk
 from analysis.figures.style import screen_figure
 from analysis.metrics import kda_memory as km
 from analysis.runs.context import AnalysisContext
@@ -31,9 +32,9 @@ def _check_view(view, ctx):
 def test_every_density_view_builds_on_a_real_k3_nano_trace(nano_run):
     model, ids, trace = nano_run
     ctx = AnalysisContext(trace=trace, config=model.config, model=model, input_ids=ids, options={"seq_len": 8192})
-    keys = [v.key for v in fd.VIEWS]
+    keys = [v.key for v in fd.VIEWS + fk.VIEWS]
     assert len(keys) == len(set(keys))
-    for view in fd.VIEWS:
+    for view in fd.VIEWS + fk.VIEWS:
         fig, df = _check_view(view, ctx)
         if view.key == "density_allocated_vs_measured":
             assert view.needs_model
@@ -54,7 +55,7 @@ def test_every_density_view_builds_on_a_real_k3_nano_trace(nano_run):
 def test_density_views_without_model_or_kda_are_not_applicable(nano_run):
     model, ids, trace = nano_run
     ctx = AnalysisContext(trace=trace, config=model.config)
-    view = {v.key: v for v in fd.VIEWS}
+    view = {v.key: v for v in fd.VIEWS + fk.VIEWS}
     with pytest.raises(NotApplicable):
         view["density_allocated_vs_measured"].build(ctx)
     # an all-MLA model has no KDA memory to show, but still an allocation
@@ -71,10 +72,10 @@ def test_density_views_without_model_or_kda_are_not_applicable(nano_run):
 
 def test_kda_views_pool_heads_per_layer_when_there_are_many(nano_run, monkeypatch):
     model, ids, trace = nano_run
-    monkeypatch.setattr(fd, "MAX_HEAD_BOXES", 1)
-    monkeypatch.setattr(fd, "MAX_HEAD_LINES", 1)
+    monkeypatch.setattr(fk, "MAX_HEAD_BOXES", 1)
+    monkeypatch.setattr(fk, "MAX_HEAD_LINES", 1)
     ctx = AnalysisContext(trace=trace, config=model.config)
-    view = {v.key: v for v in fd.VIEWS}
+    view = {v.key: v for v in fd.VIEWS + fk.VIEWS}
     _, decay = _check_view(view["kda_decay"], ctx)
     _, beta = _check_view(view["kda_beta"], ctx)
     fig, _ = _check_view(view["kda_state_norm"], ctx)
@@ -111,11 +112,11 @@ def test_density_views_show_hand_computed_numbers():
     tr.add(names.kda_g(0), g, ("batch", "token", "head", "channel"))
     tr.add(names.kda_beta(0), np.full((1, 4, 2), 0.25), ("batch", "token", "head"))
     ctx = AnalysisContext(trace=tr, config=cfg, label="hand")
-    fig, _ = fd.build_kda_decay(ctx)
+    fig, _ = fk.build_kda_decay(ctx)
     box = fig.data[0]
     np.testing.assert_allclose(box.median, [1.0, 1.0])
     np.testing.assert_allclose(fig.data[1].y, [0.0, 0.0])  # log 0.5 > 0.9 x (-5): nowhere near the bound
-    fig, _ = fd.build_kda_beta(ctx)
+    fig, _ = fk.build_kda_beta(ctx)
     np.testing.assert_allclose(fig.data[0].median, [0.25, 0.25])
 
 
@@ -127,7 +128,7 @@ def test_state_norm_ticks_and_hovers_name_the_last_token_the_state_has_read(nano
     if model.config.vocab_size != ByteTokenizer.vocab_size:
         pytest.skip("needs a byte-level vocabulary to label tokens")
     ctx = AnalysisContext(trace=trace, config=model.config, input_ids=ids, tokenizer=ByteTokenizer())
-    fig, table = {v.key: v for v in fd.VIEWS}["kda_state_norm"].build(ctx)
+    fig, table = {v.key: v for v in fd.VIEWS + fk.VIEWS}["kda_state_norm"].build(ctx)
     axis = fig.layout.xaxis
     assert list(axis.tickvals) == sorted(set(table["token"]))
     assert list(axis.ticktext) == ctx.position_labels([v - 1 for v in axis.tickvals])
@@ -139,7 +140,7 @@ def test_box_plots_label_every_head(nano_run):
     """Every box has its own tick label (plotly's category ticks dropped every other head)."""
     model, ids, trace = nano_run
     ctx = AnalysisContext(trace=trace, config=model.config)
-    for build in (fd.build_kda_decay, fd.build_kda_beta):
+    for build in (fk.build_kda_decay, fk.build_kda_beta):
         fig, _ = build(ctx)
         box = next(t for t in fig.data if t.type == "box")
         axis = fig.layout.xaxis
