@@ -423,7 +423,7 @@ def test_cli_generate_uses_the_run_tokenizer(tmp_path, capsys):
 
 def test_token_axes_show_the_run_tokens(tmp_path):
     """Figures over token positions label their ticks "position:token" and name the token in the hover."""
-    from analysis.figures import degradation, density, moe
+    from analysis.figures import degradation, kda_memory, moe
     from analysis.runs import loading as runs
     from analysis.runs import texts
 
@@ -443,7 +443,7 @@ def test_token_axes_show_the_run_tokens(tmp_path):
     assert line.text[6] == "7:↵"
     fig, table = degradation.build_sink_profile(ctx)
     assert list(fig.data[0].customdata[0][:2]) == ["0:A", "1:N"]
-    fig, _ = density.build_kda_state_norm(ctx)
+    fig, _ = kda_memory.build_kda_state_norm(ctx)
     tick = int(fig.layout.xaxis.tickvals[0])  # a chunk end after `tick` tokens: named by the last one read
     assert fig.layout.xaxis.ticktext[0] == f"{tick - 1}:{strings[tick - 1]}"
     fig, table = moe.build_latent_pca(ctx)
