@@ -188,6 +188,7 @@ def comparison_markdown(table, reference: str = REFERENCE_CONFIG) -> str:
     lines += ["", f"| metric | `{reference}` | seed noise | " + " | ".join(f"`{c}` - `{reference}`" for c in configs)
               + " |", "|---|---|---|" + "---|" * len(configs)]  # fmt: skip
     by = diff.set_index(["metric", "config"])
+    per_metric = diff.groupby("metric")[["reference_value", "noise"]].first()  # one value per metric in any config
     for m in metrics:
         cells = []
         for c in configs:
@@ -197,8 +198,7 @@ def comparison_markdown(table, reference: str = REFERENCE_CONFIG) -> str:
             row = by.loc[(m, c)]
             verdict = {True: " **beyond**", False: " within", None: ""}[row["beyond"]]
             cells.append(f"{row['delta']:+.3f}{verdict}")
-        ref = by.xs(m, level="metric")["reference_value"].iloc[0] if m in by.index.get_level_values(0) else float("nan")
-        noise = by.xs(m, level="metric")["noise"].iloc[0] if m in by.index.get_level_values(0) else float("nan")
+        ref, noise = per_metric.loc[m] if m in per_metric.index else (float("nan"), float("nan"))
         lines.append(f"| {label.get(m, m)} | {_fmt(ref)} | {_fmt(noise)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
