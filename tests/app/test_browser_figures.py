@@ -4,40 +4,26 @@ Every view of the four shipped samples and every side-by-side and difference vie
 plotly.js in a local page (offline) and read back: no overlapping text, no bar/marker/line outside its axis, no
 scrolling or cut legend, one colour per series across a pair's panels, a note in every empty panel and never over
 data, at least four labelled ticks on every colour bar; dropdown states (a layer selector) are each checked. The
-probes plant each fault in a hand-made figure and see the check report it. A smaller pass goes through the app
-itself: each page of one run and every Compare section, the same check on the charts as Streamlit draws them, and
-no request leaves the server (fonts, favicon, scripts). With K3LAB_FIGURE_SHOTS=DIR the app pass saves a
-screenshot of each page and Compare section there (docs/screenshots holds the committed ones).
+probes plant each fault in a hand-made figure and see the check report it. The same check on the charts as
+Streamlit draws them, page by page in the app, is part of the walk (test_browser_walk.py).
 """
 
 from __future__ import annotations
 
-import io
-import os
 import time
-from pathlib import Path
-from urllib.parse import urlparse
 
 import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
 from analysis.compare.side_by_side import combine_side_by_side
-from app import page_registry
 from benchmarks.bench_app import (
-    CHART,
     CHROMIUM,
-    RENDER_TIMEOUT_MS,
-    REPO,
-    app_server,
-    settle,
-    show_the_rest,
 )
 from benchmarks.figure_check import (
     PAIRS,
     SAMPLES,
     all_figures,
-    app_page_problems,
     experiment_figures,
     figure_problems,
     open_check_page,
@@ -156,122 +142,3 @@ def test_probe_empty_panel_and_note_over_data(check_page):
 def test_probe_colour_bar_with_too_few_ticks(check_page):
     fig = go.Figure(go.Heatmap(z=[[0.96, 0.99]], colorbar={"tickvals": [0.97, 0.98]}))
     assert any("labelled ticks" in p for p in _problems(check_page, fig))
-
-
-# ----------------------------------------------------------------------------------------- the app itself
-# The registered pages (app.page_registry: no streamlit import, so the offline pass still draws the figures with
-# analysis.figures.style's template) that draw their figures when opened: the default page and every page of a section,
-# but Long context and Experiment, which draw after a click (their own tests: below and test_browser_experiment.py).
-OWN_TEST = ("long_context", "experiment")
-APP_PAGES = tuple(
-    p.url_path for p in page_registry.PAGES if (p.section or p == page_registry.DEFAULT) and p.section not in OWN_TEST
-)
-# Compare's Experiment section draws after its estimate is confirmed
-# (tests/app/page_scripts/test_app_compare_experiment.py)
-COMPARE_SECTIONS = tuple(s for s in page_registry.COMPARE_SECTIONS if s not in OWN_TEST)
-
-
-def _shot(page, folder: str | None, name: str) -> None:
-    """The whole page (the window made as tall as Streamlit's scrolling main area, at most 9000 px), shrunk to
-    800 px wide in 256 colours: small enough to commit."""
-    if not folder:
-        return
-    from PIL import Image
-
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    tall = page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]').scrollHeight")
-    page.set_viewport_size({"width": 1280, "height": min(int(tall) + 40, 9000)})
-    settle(page)
-    image = Image.open(io.BytesIO(page.screenshot()))
-    image = image.resize((800, max(1, round(image.height * 800 / image.width))), Image.LANCZOS)
-    image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(
-        Path(folder) / f"{name}.png", optimize=True
-    )
-
-
-@pytest.mark.slow
-def test_pages_and_compare_sections_pass_the_figure_check_and_fetch_nothing_from_outside(browser, tmp_path):
-    shots = os.environ.get("K3LAB_FIGURE_SHOTS")
-    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
-    bad: dict[str, list[str]] = {}
-    outside: list[str] = []
-    with app_server(REPO, tmp_path, env) as (url, _log):
-        host = urlparse(url).netloc
-
-        def visit(path: str, name: str) -> None:
-            context = browser.new_context(viewport={"width": 1280, "height": 1000})
-            page = context.new_page()
-            page.on("request", lambda r: outside.append(r.url) if _outside(r.url, host) else None)
-            try:
-                page.goto(f"{url}/{path}")
-                page.wait_for_selector(CHART, timeout=RENDER_TIMEOUT_MS)
-                settle(page)
-                show_the_rest(page)
-                settle(page)
-                assert page.locator(CHART).count() >= 1, path
-                for key, problems in app_page_problems(page).items():
-                    if problems:
-                        bad[f"{name} {key}"] = list(dict.fromkeys(problems))[:6]
-                _shot(page, shots, name)
-            finally:
-                page.context.close()
-
-        query = "run=k3-full&text=mqar&tokens=64"
-        for path in APP_PAGES:
-            visit(f"{path}?{query}", path)
-        for section in COMPARE_SECTIONS:
-            visit(f"compare?{query}&b=plain-residual&mode=runs&section={section}", f"compare_{section}")
-    assert not outside, f"requests to other hosts: {sorted(set(outside))[:10]}"
-    assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p) for where, p in bad.items())
-
-
-def _outside(request_url: str, host: str) -> bool:
-    parsed = urlparse(request_url)
-    return parsed.scheme in ("http", "https", "ws", "wss") and parsed.netloc != host
-
-
-COST_JS = """() => {
-  const gd = document.querySelector('.st-key-fig-long_cost_length .js-plotly-plot');
-  const full = gd._fullLayout;
-  const axis = a => ({type: a.type, range: Array.from(a.range), title: (a.title && a.title.text) || '',
-                      ticktext: Array.from(a.ticktext || [])});
-  return {yaxis: axis(full.yaxis), xaxis: axis(full.xaxis), names: gd.data.map(t => t.name || ''),
-          titles: (full.annotations || []).map(a => a.text), points: gd._fullData[0]._length};
-}"""
-
-
-@pytest.mark.slow
-def test_long_context_page_draws_and_passes_the_figure_check(browser, tmp_path):
-    """The Long context page on the k3-full sample: the estimate first, then (after Run) every trace view and the
-    cost measurement drawn by Streamlit, no exception on the page, and the figure check on its charts."""
-    env = {"K3LAB_RUNS": "", "K3LAB_HOME": str(tmp_path / "home")}
-    with app_server(REPO, tmp_path, env) as (url, _log):
-        page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
-        try:
-            page.goto(f"{url}/long_context?run=k3-full&text=shakespeare&tokens=256")
-            run = page.get_by_role("button", name="Run on")
-            run.first.wait_for(timeout=RENDER_TIMEOUT_MS)
-            assert "Estimate for 1,024 tokens" in page.inner_text('[data-testid="stMain"]')
-            run.first.click()
-            page.wait_for_function(
-                "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length >= 4",
-                timeout=RENDER_TIMEOUT_MS * 3,
-            )
-            page.get_by_role("button", name="Measure one forward").first.click()
-            # the cost figure itself (the trace views alone are five charts now: a chart count would not wait)
-            page.locator(".st-key-fig-long_cost_length .js-plotly-plot").first.wait_for(timeout=RENDER_TIMEOUT_MS * 3)
-            settle(page)
-            assert page.locator('[data-testid="stException"]').count() == 0
-            bad = {key: problems for key, problems in app_page_problems(page).items() if problems}
-            assert set(app_page_problems(page)) >= {"fig-long_loss_by_position", "fig-long_cost_length"}
-            assert not bad, bad
-            # the cost figure as drawn: one unit in its panel title, legend and axis (ms), time from zero on a linear
-            # axis (timings under load 10-20% apart are no trend), one tick label per measured length at most
-            cost = page.evaluate(COST_JS)
-            assert cost["yaxis"]["type"] == "linear" and cost["yaxis"]["range"][0] == 0, cost["yaxis"]
-            assert "milliseconds" in cost["titles"][0] and "ms per token" in cost["yaxis"]["title"]
-            assert all("ms" in name for name in cost["names"][:1]) and not any("seconds" in n for n in cost["names"])
-            assert cost["xaxis"]["type"] == "log" and 1 <= len(cost["xaxis"]["ticktext"]) <= cost["points"]
-            _shot(page, os.environ.get("K3LAB_FIGURE_SHOTS"), "long_context")
-        finally:
-            page.context.close()

@@ -147,5 +147,7 @@ def test_redundancy_axes_share_zero_ratio_has_its_own_axis_and_uniform_entropy_i
     said = any("near uniform" in (a.text or "") for a in fig.layout.annotations)
     assert said == (df["entropy_norm"].min() >= fig_dg.NEAR_UNIFORM)
     assert said  # the untrained nano's heads are near uniform: the branch below runs
-    # three colour-bar ticks over NEAR_UNIFORM..1 (plotly's own stacked a label per 0.01 on a short bar)
-    assert list(fig.data[0].colorbar.tickvals) == pytest.approx([fig_dg.NEAR_UNIFORM, (fig_dg.NEAR_UNIFORM + 1) / 2, 1])
+    # round colour-bar ticks over NEAR_UNIFORM..1, both ends labelled: at least the four every colour bar has, and
+    # not plotly's own one per 0.01 (they stacked on a short bar)
+    ticks = list(fig.data[0].colorbar.tickvals)
+    assert 4 <= len(ticks) <= 6 and ticks[0] == pytest.approx(fig_dg.NEAR_UNIFORM) and ticks[-1] == pytest.approx(1)
