@@ -8,14 +8,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis.figures.style import (
-    LAYER_TYPE_COLORS,
-    RUN_COLORS,
-    SEQUENTIAL,
-    apply_style,
-    colour_ticks,
-    mark_repeat_start,
-)
+from analysis.figures import style
+from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, SEQUENTIAL, apply_style, mark_repeat_start
 from analysis.metrics import attention as at
 from analysis.metrics import hidden_states as hs
 from analysis.metrics import kda_memory as km
@@ -85,7 +79,7 @@ def build_entropy_heatmap(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame
         # the sentence that every head is near uniform
         # round ticks 0.025 apart (colour_ticks: at least four, a chart's minimum): plotly's own put one per 0.01 and
         # stacked the labels on a two-row map's short colour bar
-        ticks = colour_ticks(NEAR_UNIFORM, 1.0)
+        ticks = style.colour_ticks(NEAR_UNIFORM, 1.0)
         fig.update_traces(zmin=NEAR_UNIFORM, zmax=1.0, colorbar={**ticks, "tickformat": ".3f"})
         fig.add_annotation(
             text=f"every head is near uniform: H / log(i+1) >= {low:.3f} everywhere (1 = uniform; colours "
