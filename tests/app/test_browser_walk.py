@@ -40,7 +40,7 @@ QUERY = f"run={RUN}&text=shakespeare&tokens=64"
 DEPRECATION = re.compile(r"deprecat|use_container_width", re.IGNORECASE)
 WIDTH = 1280
 # sections that draw their figures only after a click: opened by the walk, drawn in their own tests. Pages without a
-# section (Survey, Generate, Runs library) draw nothing until asked either, but Overview, the default page.
+# section (Survey, Generate, Runs library) draw nothing until asked either; Overview, the default page, draws at once.
 DRAW_ON_CLICK = ("long_context", "experiment")
 
 # no element of the page is still a loading placeholder (a metric or chart drawn after the script run)
