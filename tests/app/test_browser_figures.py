@@ -52,9 +52,15 @@ def check_page(browser):
     page.close()
 
 
-def test_every_view_and_comparison_of_the_samples_passes_the_figure_check(check_page):
+@pytest.fixture(scope="module")
+def contexts():
+    """The shipped samples traced once, for both passes below."""
+    return sample_contexts()
+
+
+def test_every_view_and_comparison_of_the_samples_passes_the_figure_check(check_page, contexts):
     t0 = time.perf_counter()
-    drawn = all_figures(sample_contexts())
+    drawn = all_figures(contexts)
     t1 = time.perf_counter()
     compared = [d for d in drawn if d.where.startswith("compare")]
     assert len(drawn) > 200 and len(compared) > 80, len(drawn)
@@ -69,8 +75,8 @@ def test_every_view_and_comparison_of_the_samples_passes_the_figure_check(check_
     assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p) for where, p in bad.items())
 
 
-def test_the_experiment_pages_figures_pass_the_figure_check(check_page):
-    drawn = experiment_figures(sample_contexts())
+def test_the_experiment_pages_figures_pass_the_figure_check(check_page, contexts):
+    drawn = experiment_figures(contexts)
     assert len(drawn) >= 10 * len(SAMPLES), len(drawn)
     bad = {d.where: problems for d in drawn if (problems := figure_problems(check_page, d.spec))}
     assert not bad, "\n".join(f"{where}:\n  " + "\n  ".join(p[:6]) for where, p in bad.items())
