@@ -33,7 +33,14 @@ from analysis.compare.shared_scales import (
     share_colour_scales,
     shared_axis_ranges,
 )
-from analysis.figures.style import FIGURE_WIDTH, NOTE_STYLE, fit_subplot_titles, label_colour_bars, wrap_to_px
+from analysis.figures.style import (
+    FIGURE_WIDTH,
+    LEGEND_RIGHT,
+    NOTE_STYLE,
+    fit_subplot_titles,
+    label_colour_bars,
+    wrap_to_px,
+)
 
 LEFT_DOMAIN, RIGHT_DOMAIN = (0.0, 0.45), (0.55, 1.0)
 LABEL_ROW_PX = 22  # height of one line of a run label in the top margin
@@ -328,7 +335,7 @@ def combine_side_by_side(
         layout["annotations"][i]["yshift"] = lift
     plot_extra = lift + LABEL_ROW_PX * label_lines + title_px
     layout["margin"]["t"] = 50 + plot_extra
-    layout["legend"] = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
+    layout["legend"] = dict(LEGEND_RIGHT)
     layout["height"] = max(la.get("height") or 420, lb.get("height") or 420) + plot_extra
     layout["title"]["y"] = 1.0 - (10 + 11 * title_text.count("<br>")) / layout["height"]  # as analysis.figures.style
 

@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
+from analysis.figures.style import LAYER_TYPE_COLORS, LEGEND_RIGHT, RUN_COLORS, apply_style
 from analysis.metrics import allocation as al
 from analysis.metrics import kda_memory as km
 from analysis.metrics.importance import sublayer_importance
@@ -221,7 +221,7 @@ def build_allocated_vs_measured(ctx: AnalysisContext) -> tuple[go.Figure, pd.Dat
     fig.update_xaxes(title_text="decoder layer (0-based)", dtick=1 if len(table) <= 40 else None, row=3, col=1)
     apply_style(fig, f"Allocated vs measured density per layer — {ctx.label}", height=760)
     # seven legend entries would run into the title: a column on the right instead
-    fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
+    fig.update_layout(legend=dict(LEGEND_RIGHT))
     return fig, table
 
 

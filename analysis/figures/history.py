@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis.figures.style import RUN_COLORS, apply_style, subplot_spacing
+from analysis.figures.style import LEGEND_RIGHT, RUN_COLORS, apply_style, subplot_spacing
 from analysis.metrics import history as hist
 from analysis.metrics import null_reference as nr
 from analysis.runs.context import AnalysisContext
@@ -85,7 +85,7 @@ def field_title(name: str) -> tuple[str, str]:
 
 def _legend_right(fig: go.Figure) -> None:
     """The legend in a column right of the plots, where it covers neither subplot titles nor data."""
-    fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
+    fig.update_layout(legend=dict(LEGEND_RIGHT))
 
 
 def history_curves_figure(runs: dict[str, dict]) -> tuple[go.Figure, pd.DataFrame]:

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style, mark_repeat_start
+from analysis.figures.style import LAYER_TYPE_COLORS, LEGEND_RIGHT, RUN_COLORS, apply_style, mark_repeat_start
 from analysis.metrics import kda_memory as km
 from analysis.output.format import format_tokens
 from analysis.runs.context import AnalysisContext
@@ -230,7 +230,7 @@ def build_kda_state_norm(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]
     fig.update_xaxes(**axis)
     mark_repeat_start(fig, ctx.repeat_start)  # x = tokens read: the first copy is read once x reaches it
     if len(layers) > 4:  # many entries: legend as a column on the right
-        fig.update_layout(legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"})
+        fig.update_layout(legend=dict(LEGEND_RIGHT))
     return fig, table
 
 

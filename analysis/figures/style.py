@@ -43,6 +43,8 @@ FIGURE_WIDTH = 900  # px: the app's main column (1280-px window, sidebar open), 
 CHAR_PX = 0.6  # average glyph width of the sans-serif font, in units of its size
 SUBPLOT_TITLE_SIZE = 13
 MIN_COLOUR_TICKS = 4
+#: a legend as a column right of the plot (where a row above it would run into titles); copy it before changing it
+LEGEND_RIGHT = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
 
 
 def apply_style(
@@ -53,7 +55,7 @@ def apply_style(
     The legend sits in a row above the plot, or in a column on its right when subplot titles take that row."""
     subplot_titles = any(a.yref == "paper" and a.y is not None and a.y >= 0.99 for a in fig.layout.annotations)
     if subplot_titles:
-        legend = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
+        legend = dict(LEGEND_RIGHT)
     else:
         legend = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1.0}
     # The title wrapped to the figure's width, at the top; a legend row (wrapped as plotly wraps it) between the

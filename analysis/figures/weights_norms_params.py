@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis import weights as wt
-from analysis.figures.style import LAYER_TYPE_COLORS, RUN_COLORS, apply_style
+from analysis.figures.style import LAYER_TYPE_COLORS, LEGEND_RIGHT, RUN_COLORS, apply_style
 from analysis.figures.weights_source import run_label, weights_of
 from analysis.runs.context import AnalysisContext
 from analysis.views.view import NotApplicable
@@ -60,9 +60,7 @@ def build_norms(ctx: AnalysisContext) -> tuple[go.Figure, pd.DataFrame]:
         height=460,
     )
     # eight entries: a legend beside the plot, not over the title
-    fig.update_layout(
-        legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}, margin={"r": 250}
-    )
+    fig.update_layout(legend=dict(LEGEND_RIGHT), margin={"r": 250})
     return fig, table
 
 
