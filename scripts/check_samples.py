@@ -158,6 +158,14 @@ def config_of(run_dir: str | Path) -> str:
     return re.sub(r"-s\d+$", "", Path(run_dir).name)
 
 
+def shipped_samples(root: Path = ROOT / "sample_checkpoints", one_per_config: bool = False) -> list[str]:
+    """The shipped sample folders' names (a folder with a config.json), sorted; ``one_per_config`` leaves out the
+    second seeds (``config_of(name) != name``), whose code paths are their first seed's: what tests that draw every
+    view of every sample need once."""
+    names = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+    return [n for n in names if config_of(n) == n] if one_per_config else names
+
+
 def runs_table(found: list[dict]):
     """The tidy (run, config, seed, metric, value) table of measured runs (``analysis.compare.seeds``' input)."""
     import pandas as pd

@@ -1,9 +1,10 @@
-"""Record what the five shipped samples draw, as digests: tests/data/figure_baseline.json.
+"""Record what the shipped samples draw, one per config, as digests: tests/data/figure_baseline.json.
 
     .venv/bin/python -m scripts.record_figure_baseline            # write tests/data/figure_baseline.json
     .venv/bin/python -m scripts.record_figure_baseline --check    # compare with it, print every difference
 
-For each sample (sample_checkpoints/*) on the same input (the Shakespeare sample text, TOKENS tokens, CPU float32):
+For each sample (sample_checkpoints/*, less the second seeds ``<config>-s<seed>``: their code paths are their first
+seed's) on the same input (the Shakespeare sample text, TOKENS tokens, CPU float32):
 the sha256 of every trace array (keyed by its trace name) and of the figure JSON and table CSV of every view the
 report draws from a trace or the weights (views that rerun the model: the importance ablations, the experiments and
 the long-context runs are left out, they are covered by their own tests); for k3-full also the sha256 of every file
@@ -110,7 +111,10 @@ def same(a, b) -> bool:
 
 
 def sample_names() -> list[str]:
-    return sorted(p.name for p in SAMPLES.iterdir() if (p / "config.json").is_file())
+    """The shipped samples the baseline covers: every config once (a second seed ``k3-full-s1`` is left out)."""
+    from scripts.check_samples import shipped_samples
+
+    return shipped_samples(SAMPLES, one_per_config=True)
 
 
 def sample_digests(name: str) -> dict[str, dict[str, str]]:

@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_checkpoints"
 RECIPE = SAMPLES / "recipe.json"
+#: every shipped sample's checked numbers (scripts/check_samples.py --compare --json), the README's comparison tables
+CHECKS_FILE = "checks.json"
 
 
 def load_recipe(path: Path = RECIPE) -> dict:
@@ -67,21 +69,21 @@ def _fmt_params(n: int) -> str:
 
 
 def readme_table(recipe: dict, root: Path = SAMPLES) -> str:
-    """Markdown table of the finished runs (name, change, params, val bits/byte, MQAR, time, tokens, size)."""
+    """Markdown table of the finished runs (name, change, seed, params, val bits/byte, MQAR, time, tokens, size)."""
     rows = [
-        "| run | what differs | params total / active | val bits/byte | MQAR acc | train time | tokens | size |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | what differs | seed | params total / active | val bits/byte | MQAR acc | train time | tokens | size |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in recipe["runs"]:
         path = root / run["name"] / "metrics.json"
         if not path.is_file():
-            rows.append(f"| `{run['name']}` | {run['differs']} | (not trained) | | | | | |")
+            rows.append(f"| `{run['name']}` | {run['differs']} | | (not trained) | | | | | |")
             continue
         m = json.loads(path.read_text())
         fin = m["final"] or {}
         size = sum(f.stat().st_size for f in (root / run["name"]).glob("*.safetensors"))
         rows.append(
-            f"| `{run['name']}` | {run['differs']} | {_fmt_params(m['params']['total'])} / "
+            f"| `{run['name']}` | {run['differs']} | {m['seed']} | {_fmt_params(m['params']['total'])} / "
             f"{_fmt_params(m['params']['active'])} | {fin.get('val_bpb', float('nan')):.3f} | "
             f"{fin.get('mqar_accuracy', float('nan')):.3f} | {fin.get('wall_time_s', 0) / 60:.1f} min | "
             f"{fin.get('tokens_seen', 0) / 1e6:.2f}M | {size / 1e6:.2f} MB |"
@@ -98,11 +100,42 @@ def _replace_between(text: str, marker: str, body: str, where: Path) -> str:
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
+def checks_tables(root: Path = SAMPLES) -> str | None:
+    """The README's comparison tables, printed from ``root/checks.json`` (``check_samples.py ... --compare --json``:
+    every shipped sample's numbers, recomputed from its weights); None before it is written."""
+    import check_samples
+
+    path = root / CHECKS_FILE
+    if not path.is_file():
+        return None
+    return check_samples.comparison_markdown(check_samples.runs_table(json.loads(path.read_text())))
+
+
+CURVE_STEPS = (500, 1000, 1500, 2000, 2500, 3000, 4000, 6000, 8000, 9000)
+
+
+def curves_table(recipe: dict, steps: tuple[int, ...] = CURVE_STEPS) -> str:
+    """Markdown table of the trained run units' validation over training (``val_curve``: bits/byte / MQAR accuracy)
+    at ``steps``; a step a unit did not validate at is left empty."""
+    units = [u for u in campaign_units(recipe) if u["kind"] == "run" and u.get("val_curve") and unit_tokens(recipe, u)]
+    rows = ["| step | " + " | ".join(f"{s:,}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    for unit in units:
+        at = {step: (bpb, mqar) for step, bpb, mqar in unit["val_curve"]}
+        cells = [f"{at[s][0]:.3f} / {at[s][1]:.3f}" if s in at else "" for s in steps]
+        rows.append(f"| `{unit['name']}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def write_table(recipe: dict, root: Path = SAMPLES) -> None:
-    """Replace the shipped runs' table (TABLE markers) and the campaign's (CAMPAIGN markers) in the README."""
+    """Replace the shipped runs' table (TABLE markers), the campaign's (CAMPAIGN markers), its runs' validation
+    curves (CURVES markers) and, once checks.json is written, the comparison tables (CHECKS markers) in the README."""
     readme = root / "README.md"
     text = _replace_between(readme.read_text(), "TABLE", readme_table(recipe, root), readme)
     text = _replace_between(text, "CAMPAIGN", campaign_table(recipe), readme)
+    text = _replace_between(text, "CURVES", curves_table(recipe), readme)
+    checks = checks_tables(root)
+    if checks is not None:
+        text = _replace_between(text, "CHECKS", checks, readme)
     readme.write_text(text)
 
 

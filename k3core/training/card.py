@@ -14,6 +14,7 @@ def model_card(metrics: dict[str, Any]) -> str:
     fin = metrics["final"] or {}
     data = metrics["data"]
     params = metrics["params"]
+    threads = f"{metrics['threads']} thread" + ("" if metrics["threads"] == 1 else "s")
     types = cfg.layer_types()
     moe = (
         (
@@ -51,7 +52,7 @@ def model_card(metrics: dict[str, Any]) -> str:
         f"| parameters | {params['total']:,} total, {params['active']:,} active per token |",
         f"| data | {data['source']}; val: {', '.join(data['val_names'])} |",
         f"| training | {fin.get('step', 0):,} steps, {fin.get('tokens_seen', 0):,} tokens, "
-        f"{fin.get('wall_time_s', 0.0) / 60:.1f} min on {metrics['device']} ({metrics['threads']} threads), "
+        f"{fin.get('wall_time_s', 0.0) / 60:.1f} min on {metrics['device']} ({threads}), "
         f"seed {metrics['seed']} |",
         f"| val bits/byte | **{fin.get('val_bpb', float('nan')):.3f}** (unigram baseline {base:.3f}) |",
         f"| MQAR accuracy | {fin.get('mqar_accuracy', float('nan')):.3f} "

@@ -54,7 +54,9 @@ def test_overview_renders_by_default(app_env, runs):
     assert len(at.dataframe) >= 1  # headline delta table
     # its noise floor: a paired CI over the shared text, and the seed noise of two separately trained runs
     notes = [m.value for m in (*at.info, *at.caption) if "95% CI" in m.value]
-    assert len(notes) == 1 and "paired" in notes[0] and "0.05 bits/byte" in notes[0], notes
+    from analysis.metrics.loss_noise import SEED_NOISE_BPB
+
+    assert len(notes) == 1 and "paired" in notes[0] and f"{SEED_NOISE_BPB} bits/byte" in notes[0], notes
     assert "± (95% CI)" in at.dataframe[0].value.columns
     open_page(at, "history")
     assert charts(at) >= 1

@@ -1,6 +1,6 @@
 """The Weights page's "Compare with" in a real browser (Playwright, system Chromium; skips without them): each
-shipped sample compared with another, every view drawn, and no error anywhere on the page (no error box, no
-exception, no "Error" in a caption such as "No difference view ...: AttributeError")."""
+shipped sample (one per config) compared with another, every view drawn, and no error anywhere on the page (no error
+box, no exception, no "Error" in a caption such as "No difference view ...: AttributeError")."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 import pytest
 
 from benchmarks.bench_app import CHROMIUM, REPO, open_page, settle, show_the_rest
+from scripts.check_samples import shipped_samples
 from tests.app import test_browser
 
 pytestmark = pytest.mark.browser
@@ -18,7 +19,7 @@ if not CHROMIUM.exists():
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
 
 server, browser = test_browser.server, test_browser.browser  # the same fixtures: a fresh server, Chromium
-SAMPLES = sorted(p.name for p in (REPO / "sample_checkpoints").iterdir() if (p / "config.json").exists())
+SAMPLES = shipped_samples(REPO / "sample_checkpoints", one_per_config=True)  # a second seed draws what its first does
 ERROR_TEXT = re.compile(r"\w+Error\b|Traceback|could not be (compared|drawn)")
 
 

@@ -31,7 +31,7 @@ def test_history_views_overlay_runs_and_say_not_applicable():
     )
     fig, df = fig_hist.build_curves(ctx)
     assert set(df["run"]) == {"A", "B"}
-    assert {t.name for t in fig.data} == {"A", "B"}
+    assert {t.name for t in fig.data if not t.name.startswith("chance 1/")} == {"A", "B"}
     fig, df = fig_hist.build_moe(ctx)
     assert set(df["stat"]) == {"MaxVio", "CV"}
     mean_a = df[(df["run"] == "A") & (df["stat"] == "MaxVio") & (df["step"] == 0)]["value"].mean()
@@ -73,6 +73,10 @@ def test_history_figures_are_readable_and_keep_each_runs_colour():
     assert colour_b == {t.line.color for t in moe.data} == {"#ff7f0e"}
     mean_b = next(t for t in moe.data if t.name == "B mean")
     assert list(mean_b.y) == [pytest.approx((0.5 + 0.9) / 2)]  # mean over the two MoE layers at step 0
+    # one legend entry per run (the titles say what a dotted line is): seven runs fit the legend's column
+    assert [t.name for t in moe.data if t.showlegend is not False] == ["B mean"]
+    assert "worst layer dotted" in moe.layout.title.text
+    assert [t.name for t in curves.data if t.showlegend is not False] == ["A", "B"]
     for fig in (curves, moe):
         assert fig.layout.legend.orientation == "v" and fig.layout.legend.x > 1  # right of the plots
         assert all(fig.layout[k].title.text for k in fig.layout if k.startswith("yaxis"))
@@ -94,8 +98,10 @@ def test_mqar_accuracy_stands_against_its_chance_line_from_zero():
     col = [t for t in titles if t in ("val loss", "bits per byte", "MQAR accuracy")].index("MQAR accuracy") + 1
     axis = fig.layout[f"yaxis{col if col > 1 else ''}"]
     assert axis.range[0] == 0 and axis.range[1] >= 2 / 64
-    lines = [s for s in fig.layout.shapes if s.y0 == s.y1 == 1 / 64]
-    assert len(lines) == 1 and any("chance 1/64" in t for t in titles)
+    lines = [t for t in fig.data if list(t.y) == [1 / 64, 1 / 64]]
+    assert len(lines) == 1 and lines[0].name.startswith("chance 1/64") and lines[0].showlegend is not False
+    assert lines[0].yaxis == ("y" if col == 1 else f"y{col}")  # drawn in the MQAR panel
+    assert list(lines[0].x) == [0, 50]  # across the steps validated
 
 
 def test_mqar_panel_shades_a_guessers_range_at_the_evals_query_count():
@@ -115,8 +121,8 @@ def test_mqar_panel_shades_a_guessers_range_at_the_evals_query_count():
     assert 0.94 <= np.mean((sims >= low) & (sims <= high)) <= 1.0 and low < 1 / 64 < high
     bands = [s for s in fig.layout.shapes if s.type == "rect" and s.y0 == low and s.y1 == high]
     assert len(bands) == 1
-    notes = [a for a in fig.layout.annotations if a.text.startswith("chance 1/64")]
-    assert len(notes) == 1 and f"(95%: {low:.3f}-{high:.3f})" in notes[0].text
-    assert f"over 256 queries: {low:.3f}-{high:.3f}" in notes[0].hovertext
+    lines = [t for t in fig.data if t.name and t.name.startswith("chance 1/64")]
+    assert len(lines) == 1 and f"(95%: {low:.3f}-{high:.3f})" in lines[0].name
+    assert f"over 256 queries: {low:.3f}-{high:.3f}" in lines[0].hovertemplate
     bare, _ = fig_hist.history_curves_figure({"run": {"val": val}})
     assert not [s for s in bare.layout.shapes if s.type == "rect"]

@@ -250,7 +250,8 @@ OLD_NAMES = Path(__file__).resolve().parent / "data" / "old_names_trace"
 
 def test_a_trace_folder_of_the_older_names_opens_in_the_hook_namespace():
     """data/old_names_trace was written by `write_run_traces` before trace arrays took the hook points' names
-    (``kda.0.g``, ``attnres.1.attn``, ``moe.1.load``, ...; k3-full, what = kda, mla, attnres, moe, loss). It opens
+    (``kda.0.g``, ``attnres.1.attn``, ``moe.1.load``, ...; k3-full, what = kda, mla, attnres, moe, loss; its values
+    were recorded again, under the same names and layout, when the trained samples replaced the first k3-full). It opens
     through the renaming table, and every array equals today's recording of the same tokens under its new name (fp32:
     rtol 1e-5, atol 1e-6, as the engine's fused fast paths may round differently from the code that wrote it)."""
     folder = read_trace_dir(OLD_NAMES)
