@@ -419,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs trained at the same time (default 2)")
     p.add_argument("--log-dir", default="/tmp/k3samples", help="where the training logs go")
     p.add_argument("--print", dest="print_only", action="store_true", help="print the commands and exit")
-    p.add_argument("--table", action="store_true", help="only rewrite the README table")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="only rewrite the README's tables (runs, campaign, curves, and checks.json's comparison)",
+    )
     p.add_argument("--recipe", default=str(RECIPE), help="recipe file (default sample_checkpoints/recipe.json)")
     p.add_argument("--stage", help="train into STAGE/<name>, then copy finished runs into sample_checkpoints/")
     c = p.add_argument_group('campaign (recipe.json\'s "campaign")')
